@@ -1,0 +1,30 @@
+# `make test` and `make demo` work on a fresh machine: each creates .venv and installs what it needs.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+TORCH  ?= torch==2.13.0
+
+.PHONY: venv test test-gpu demo clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# The CPU wheel comes from local disk; pinning it first keeps pip from pulling a CUDA build.
+	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e ".[test]"
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q -x --timeout=900 tests
+
+test-gpu: $(STAMP)
+	$(PY) -m pytest -q -m gpu tests
+
+demo: $(STAMP)
+	$(PY) -m mfsdp.demo
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache

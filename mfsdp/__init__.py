@@ -1,0 +1,35 @@
+"""mfsdp: fully sharded data-parallel training for PyTorch.
+
+Public API::
+
+    fully_shard(module, mesh, placements=None, mixed_precision_policy=None, use_symm_mem=False)
+    Placements, MixedPrecisionPolicy
+    fully_shard_optimizer(model, optimizer)
+    microbatch(module, is_last)
+    FsdpModule, FsdpContext
+"""
+
+from mfsdp.api import fully_shard
+from mfsdp.microbatch import microbatch
+from mfsdp.mixed_precision import MixedPrecisionPolicy
+from mfsdp.optimizer import fully_shard_optimizer
+from mfsdp.placement import Placements
+from mfsdp.runtime.context import FsdpContext
+from mfsdp.runtime.indexed_order import IndexedOrder
+from mfsdp.runtime.module import FsdpModule, ModulePhase
+from mfsdp.runtime.parameter_group import FsdpParameterGroup
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "fully_shard",
+    "fully_shard_optimizer",
+    "microbatch",
+    "MixedPrecisionPolicy",
+    "Placements",
+    "FsdpModule",
+    "FsdpContext",
+    "FsdpParameterGroup",
+    "IndexedOrder",
+    "ModulePhase",
+]

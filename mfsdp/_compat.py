@@ -1,0 +1,103 @@
+"""The one place that touches private or version-dependent torch APIs.
+
+mfsdp supports torch 2.11 (the H200 machines) and 2.13 (CI). Everything that differs between them,
+or that torch keeps private, is named here once so the rest of the package imports only public
+torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d as _c10d
+
+# Per-tensor collectives issued inside this context run as one coalesced launch (one NCCL group on
+# GPU, one batch on gloo). torch exposes it only under a private name.
+coalescing_manager = _c10d._coalescing_manager
+
+# Fused multi-tensor kernels: one launch for a whole list of tensors.
+foreach_copy_ = torch._foreach_copy_
+foreach_add_ = torch._foreach_add_
+foreach_mul_ = torch._foreach_mul_
+foreach_div_ = torch._foreach_div_
+foreach_zero_ = torch._foreach_zero_
+
+
+def queue_autograd_callback(callback) -> None:
+    """Run ``callback`` once the current backward pass has finished."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+def backward_is_running() -> bool:
+    """True inside an autograd backward pass (for example a reentrant checkpoint recompute)."""
+    return bool(torch._C._current_graph_task_id() != -1)
+
+
+def supports_grad_dtype() -> bool:
+    """Whether a parameter may hold a ``.grad`` of another dtype (``Tensor.grad_dtype``)."""
+    return hasattr(torch.Tensor, "grad_dtype")
+
+
+def set_grad_dtype(param: torch.Tensor, dtype: torch.dtype) -> None:
+    if param.dtype != dtype:
+        param.grad_dtype = dtype
+
+
+def strided_shard(dim: int, split_factor: int):
+    """A placement sharding ``dim`` on this axis *after* another axis sharded it."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return _StridedShard(dim, split_factor=split_factor)
+
+
+def flatten_mesh(mesh):
+    """``mesh`` viewed as 1-D, ranks in row-major order (cached by torch)."""
+    return mesh._flatten()
+
+
+def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group) -> None:
+    dist.all_gather_into_tensor(output, input, group=group)
+
+
+def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op, group) -> None:
+    # torch 2.13 prefers reduce_scatter_single but 2.11 lacks it; the old name works on both.
+    with warnings_silenced():
+        dist.reduce_scatter_tensor(output, input, op=op, group=group)
+
+
+@contextlib.contextmanager
+def warnings_silenced():
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", category=FutureWarning)
+        warnings.simplefilter("ignore", category=DeprecationWarning)
+        yield
+
+
+def symmetric_memory_module():
+    """torch's symmetric-memory module, or a clear error when this torch or device lacks it."""
+    try:
+        import torch.distributed._symmetric_memory as symm_mem
+    except ImportError as exc:  # pragma: no cover - depends on the torch build
+        raise RuntimeError(
+            "use_symm_mem=True needs torch.distributed._symmetric_memory, which this torch build "
+            "lacks; use use_symm_mem=False"
+        ) from exc
+    return symm_mem
+
+
+
+def tree_flatten(tree):
+    """Flatten nested containers of tensors (tuples, lists, dicts, registered outputs)."""
+    from torch.utils import _pytree
+
+    return _pytree.tree_flatten(tree)
+
+
+def tree_unflatten(leaves, spec):
+    from torch.utils import _pytree
+
+    return _pytree.tree_unflatten(leaves, spec)

@@ -1,0 +1,84 @@
+"""``fully_shard``: attach FSDP to a module in place."""
+
+from __future__ import annotations
+
+from typing import Optional, TypeVar
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from mfsdp.mixed_precision import MixedPrecisionPolicy
+from mfsdp.placement import Placements, default_placements
+from mfsdp.runtime.module import FsdpModule
+
+M = TypeVar("M", bound=nn.Module)
+_FSDP_CLASSES: dict[type, type] = {}
+
+
+def fully_shard(
+    module: M,
+    mesh: DeviceMesh,
+    placements: Optional[Placements] = None,
+    mixed_precision_policy: Optional[MixedPrecisionPolicy] = None,
+    use_symm_mem: bool = False,
+) -> M:
+    """Shard ``module``'s parameters over ``mesh`` in place and return the same object.
+
+    The instance's class becomes a subclass mixing :class:`FsdpModule` into the original class, so
+    parents keep their references and ``isinstance`` checks still hold. The module takes ownership
+    of every parameter beneath it that no FSDP descendant already owns; apply it bottom-up (blocks
+    first, the root last). Afterwards ``named_parameters()`` yields the same names, each the main
+    weights as a DTensor with the optimizer placements.
+
+    Args:
+        module: the module to shard; its parameters must be materialized on the mesh's device type.
+        mesh: device mesh whose data-parallel axes ``placements.dp_axes`` name.
+        placements: per-axis placements; None shards fully (``Shard(0)``) over every mesh axis.
+        mixed_precision_policy: dtypes of main weights, gradients and reductions; None is the
+            default policy (fp32 main weights, gradients in the compute dtype).
+        use_symm_mem: gather and reduce through symmetric memory (not available yet).
+    """
+    if isinstance(module, FsdpModule):
+        raise ValueError(
+            f"fully_shard was already applied to this {type(module).__mro__[2].__name__}; apply it once "
+            "per module"
+        )
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"fully_shard expects an nn.Module, got {type(module).__name__}")
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"fully_shard expects a DeviceMesh, got {type(mesh).__name__}")
+    if use_symm_mem:
+        raise NotImplementedError("use_symm_mem=True is not available yet; use the default NCCL path")
+    placements = placements if placements is not None else default_placements(mesh)
+    if not isinstance(placements, Placements):
+        raise TypeError(f"placements must be an mfsdp.Placements, got {type(placements).__name__}")
+    dp_dims = placements.resolve_axes(mesh)
+    extra = [
+        (mesh.mesh_dim_names or [str(d) for d in range(mesh.ndim)])[d]
+        for d in range(mesh.ndim) if d not in dp_dims
+    ]
+    if extra:
+        raise ValueError(
+            f"mesh axes {extra} are not data-parallel axes of these placements; pass the data-parallel "
+            f"sub-mesh (e.g. mesh[{tuple(placements.dp_axes)!r}]) or add the axes to Placements.dp_axes"
+        )
+    policy = mixed_precision_policy or MixedPrecisionPolicy()
+    if not isinstance(policy, MixedPrecisionPolicy):
+        raise TypeError(f"mixed_precision_policy must be an mfsdp.MixedPrecisionPolicy, got {type(policy).__name__}")
+    for name, param in module.named_parameters():
+        if param.device.type not in (mesh.device_type, "meta"):
+            raise ValueError(
+                f"parameter {name!r} is on {param.device} but the mesh is on {mesh.device_type}; move "
+                "the module to the mesh's device first"
+            )
+
+    cls = type(module)
+    if cls not in _FSDP_CLASSES:
+        _FSDP_CLASSES[cls] = type(f"FSDP{cls.__name__}", (FsdpModule, cls), {"__module__": cls.__module__})
+    module.__class__ = _FSDP_CLASSES[cls]
+    try:
+        FsdpModule.__init__(module, mesh, placements, policy, use_symm_mem)
+    except BaseException:
+        module.__class__ = cls
+        raise
+    return module

@@ -1,0 +1,95 @@
+"""Binding torch optimizers to the main-weight shards.
+
+Elementwise optimizers (SGD, Adam, AdamW: foreach or fused) step directly on the sharded DTensor
+parameters. What mfsdp adds around ``step()``:
+
+* before: gradients kept in another dtype than the main weights (``main_grads_dtype``) are
+  upcast, one fused cast per group, because torch's optimizers want matching dtypes;
+* after: the compute weights are re-derived from the main weights once per group (one fused cast,
+  plus the all-gather that rebuilds replicated weights for ZeRO-1/2).
+
+Plain optimizers that were not bound still work where no upcast is needed: a global step hook
+marks their groups stale and the next unshard refreshes them on the all-gather stream.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+from mfsdp import _compat
+from mfsdp.runtime.module import _GROUP_OF_SHARDED
+
+_BOUND_OPTIMIZERS: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
+
+
+def _groups_of(optimizer: torch.optim.Optimizer) -> list:
+    groups, seen = [], set()
+    for param_group in optimizer.param_groups:
+        for p in param_group["params"]:
+            group = _GROUP_OF_SHARDED.get(p)
+            if group is not None and id(group) not in seen:
+                seen.add(id(group))
+                groups.append(group)
+    return groups
+
+
+def _mark_stale_after_step(optimizer, args, kwargs) -> None:
+    if optimizer in _BOUND_OPTIMIZERS:
+        return
+    for group in _groups_of(optimizer):
+        group.needs_refresh = True
+
+
+register_optimizer_step_post_hook(_mark_stale_after_step)
+
+
+def fully_shard_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """Register an already-built optimizer with a sharded model; returns the same optimizer.
+
+    The optimizer keeps its param groups and their settings. Build it on ``model.parameters()``
+    after ``fully_shard``, so it holds the sharded main weights.
+    """
+    groups = _groups_of(optimizer)
+    if not groups:
+        raise ValueError(
+            "the optimizer holds no mfsdp-sharded parameters; build it on model.parameters() after "
+            "fully_shard(model, ...)"
+        )
+    if optimizer in _BOUND_OPTIMIZERS:
+        return optimizer
+    upcast_groups = [g for g in groups if g.requires_grad and g.dtypes.grads != g.dtypes.main]
+    swapped: list[tuple[nn.Parameter, torch.Tensor]] = []
+
+    def pre_step(opt, args, kwargs):
+        for group in upcast_groups:
+            if group.main_grad is None:
+                continue
+            upcast = group.main_grad.tensor.to(group.dtypes.main)  # one fused cast per group
+            views = group.grad_layout.shards(group.grad_layout.regions(upcast, group.geometry.num_shards),
+                                             group.geometry.shard_index)
+            for p, grad_view in zip(group.sharded_params, views):
+                if p.grad is None:
+                    continue
+                swapped.append((p, p.grad))
+                p.grad_dtype = None
+                p.grad = torch.distributed.tensor.DTensor.from_local(
+                    grad_view, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+
+    def post_step(opt, args, kwargs):
+        while swapped:
+            p, original = swapped.pop()
+            _compat.set_grad_dtype(p, original.dtype)
+            p.grad = original
+        with torch.profiler.record_function("mfsdp::refresh_model_weights"):
+            for group in groups:
+                group.refresh_model_weights()
+                group.needs_refresh = False
+
+    optimizer.register_step_pre_hook(pre_step)
+    optimizer.register_step_post_hook(post_step)
+    _BOUND_OPTIMIZERS.add(optimizer)
+    return optimizer

@@ -1,0 +1,96 @@
+"""Collectives over lists of tensors, each list issued as one coalesced launch.
+
+Free functions: they take the process group and the stream explicitly and keep no state, so they
+run on CPU (gloo) without a model, and the runtime decides where and when they execute.
+
+Why per-tensor collectives coalesced rather than one collective over a flat buffer: a parameter's
+gathered rows must be contiguous for compute and its shard must be ``torch.chunk``-shaped for
+DTensor. One flat all-gather lands rank-major and needs a copy-out per parameter; coalescing one
+collective per parameter writes every parameter straight into place (no copy on the hot path) at
+the cost of a few extra NCCL work items inside a single launch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from mfsdp import _compat
+
+
+def stream_context(stream: Optional[torch.Stream]):
+    """``with`` the given stream current, or a no-op on devices without streams (CPU)."""
+    if stream is None:
+        return contextlib.nullcontext()
+    return torch.cuda.stream(stream) if stream.device_type == "cuda" else contextlib.nullcontext()
+
+
+def _native_average(group) -> bool:
+    return dist.get_backend(group) == "nccl"
+
+
+def _coalesced(group, count: int):
+    # No device argument: that selects the backends' fused "coalesced" entry points, which gloo
+    # implements too, so CPU runs the very same code path.
+    if count <= 1:
+        return contextlib.nullcontext()
+    return _compat.coalescing_manager(group=group, async_ops=False)
+
+
+def all_gather(
+    outputs: Sequence[torch.Tensor],
+    inputs: Sequence[torch.Tensor],
+    group,
+    stream: Optional[torch.Stream] = None,
+) -> None:
+    """Gather each ``inputs[i]`` from every rank of ``group`` into ``outputs[i]`` (rank-major)."""
+    if not inputs:
+        return
+    with stream_context(stream):
+        if dist.get_world_size(group) == 1:
+            _compat.foreach_copy_(list(outputs), list(inputs))
+            return
+        with _coalesced(group, len(inputs)):
+            for out, inp in zip(outputs, inputs):
+                _compat.all_gather_into_tensor(out, inp, group)
+
+
+def reduce_scatter(
+    outputs: Sequence[torch.Tensor],
+    inputs: Sequence[torch.Tensor],
+    group,
+    stream: Optional[torch.Stream] = None,
+) -> None:
+    """Average each ``inputs[i]`` over ``group`` and keep this rank's block in ``outputs[i]``."""
+    if not inputs:
+        return
+    with stream_context(stream):
+        size = dist.get_world_size(group)
+        if size == 1:
+            _compat.foreach_copy_(list(outputs), list(inputs))
+            return
+        op = dist.ReduceOp.AVG if _native_average(group) else dist.ReduceOp.SUM
+        with _coalesced(group, len(inputs)):
+            for out, inp in zip(outputs, inputs):
+                _compat.reduce_scatter_tensor(out, inp, op, group)
+        if op == dist.ReduceOp.SUM:
+            _compat.foreach_div_(list(outputs), float(size))
+
+
+def all_reduce(tensors: Sequence[torch.Tensor], group, stream: Optional[torch.Stream] = None) -> None:
+    """Average each tensor in place over ``group``."""
+    if not tensors:
+        return
+    with stream_context(stream):
+        size = dist.get_world_size(group)
+        if size == 1:
+            return
+        op = dist.ReduceOp.AVG if _native_average(group) else dist.ReduceOp.SUM
+        with _coalesced(group, len(tensors)):
+            for t in tensors:
+                dist.all_reduce(t, op=op, group=group)
+        if op == dist.ReduceOp.SUM:
+            _compat.foreach_div_(list(tensors), float(size))

@@ -1,0 +1,111 @@
+"""FsdpContext: the runtime state one root shares with every FSDP module under it.
+
+[Note: streams, events and memory]
+On CUDA, all-gathers run on ``allgather_stream`` and reductions on ``reduce_scatter_stream``; the
+compute stream never waits on a whole stream, only on the event of the module it needs.
+
+* Unsharded storage is allocated on the all-gather stream and released there *after* that stream
+  has waited for the compute that used it. The caching allocator hands a freed block only to later
+  work on the same stream, which is then ordered after that compute: no ``record_stream``, and
+  memory is reused deterministically.
+* Gradients produced on the compute stream are reduced on the reduce-scatter stream. Their
+  tensors are kept alive, with the event of their reduction, until the next module's reduction
+  starts; the compute stream waits on that event before dropping them, so the reduction of module
+  ``i`` overlaps the backward of module ``i - 1`` and its inputs are never reused early.
+* At the end of backward the final callback makes the compute stream wait for the last reduction,
+  so the optimizer reads finished gradients.
+
+Trade-off: two streams let all-gathers and reductions overlap each other, at the price of a
+second memory pool; on CPU (gloo) the same calls run synchronously and streams are None.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING, Optional
+
+import torch
+
+from mfsdp import _compat
+from mfsdp.runtime.indexed_order import IndexedOrder
+
+if TYPE_CHECKING:
+    from mfsdp.runtime.module import FsdpModule
+
+
+class FsdpContext:
+    """Runtime stream and prefetch state shared by one FSDP subtree."""
+
+    def __init__(self, device: torch.device, root_module: "FsdpModule") -> None:
+        self.device = device
+        has_streams = device.type == "cuda"
+        self.allgather_stream: Optional[torch.Stream] = torch.cuda.Stream(device) if has_streams else None
+        self.reduce_scatter_stream: Optional[torch.Stream] = torch.cuda.Stream(device) if has_streams else None
+        self.is_last_microbatch = True
+        self._root = weakref.ref(root_module)
+        self.forward_order: IndexedOrder["FsdpModule"] = IndexedOrder()
+        self.backward_order: IndexedOrder["FsdpModule"] = IndexedOrder()
+        self._callback_queued = False
+        self._pending_reduce: Optional[tuple[object, list]] = None
+
+    @property
+    def root_module(self) -> "FsdpModule":
+        root = self._root()
+        assert root is not None, "the root module of this FsdpContext was deleted"
+        return root
+
+    def current_stream(self) -> Optional[torch.Stream]:
+        """Current stream on this context's device, or None where the device has no streams."""
+        if self.allgather_stream is None:
+            return None
+        return torch.cuda.current_stream(self.device)
+
+    # ------------------------------------------------------------------ forward / backward edges
+    def begin_forward(self) -> None:
+        """Root pre-forward: communication may read what the optimizer just wrote."""
+        current = self.current_stream()
+        if current is not None:
+            self.allgather_stream.wait_stream(current)
+
+    def track_reduction(self, keep_alive: list) -> None:
+        """Hold the inputs of a reduction just issued until the compute stream may reuse them."""
+        self.release_finished_reduction()
+        stream = self.reduce_scatter_stream
+        event = stream.record_event() if stream is not None else None
+        self._pending_reduce = (event, keep_alive)
+
+    def release_finished_reduction(self) -> None:
+        if self._pending_reduce is None:
+            return
+        event, _ = self._pending_reduce
+        current = self.current_stream()
+        if event is not None and current is not None:
+            current.wait_event(event)
+        self._pending_reduce = None
+
+    def register_post_backward_final_callback(self) -> None:
+        """Queue, once per backward pass, the callback that runs when autograd finishes.
+
+        Root post_backward() means only that root-owned parameters have accumulated gradients;
+        it may run before descendant reductions, or not at all when the root owns no trainable
+        parameters. Waiting at autograd completion orders consumers after every reduction.
+        """
+        if self._callback_queued:
+            return
+        self._callback_queued = True
+        _compat.queue_autograd_callback(self._post_backward_final_callback)
+
+    def _post_backward_final_callback(self) -> None:
+        with torch.profiler.record_function("mfsdp::post_backward_final_callback"):
+            self._callback_queued = False
+            for module in self.backward_order:
+                module._finish_backward()  # modules whose reduction no gradient hook triggered
+            self.release_finished_reduction()
+            current = self.current_stream()
+            if current is not None:
+                current.wait_stream(self.reduce_scatter_stream)
+                current.wait_stream(self.allgather_stream)
+            for module in self.backward_order:
+                for group in module.parameter_groups:
+                    if group.requires_grad:
+                        group.finalize_gradients()

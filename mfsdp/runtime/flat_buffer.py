@@ -1,0 +1,126 @@
+"""Flat buffers: one contiguous tensor per parameter group and level of sharding.
+
+Layout. A group has members (its parameters, plus the usage counters of its gradients). Member
+``i`` of ``n_i`` rows of ``r_i`` elements is padded to ``P_i = c_i * K`` rows, where ``K`` is the
+number of optimizer shards and ``c_i = ceil(n_i / K)``. At a level split ``D`` ways (``D`` divides
+``K``), every rank holds ``P_i / D`` rows of every member, members back to back::
+
+    level D, one rank:  | m0: P_0/D rows | m1: P_1/D rows | ... |
+    level 1 (gathered): | m0: P_0 rows (n_0 real) | m1: P_1 rows (n_1 real) | ... |
+
+A collective between two levels therefore moves every member between two contiguous regions: no
+copy-in or copy-out, and the gathered rows of a member are the parameter itself, a plain view.
+The shard of optimizer index ``k`` holds rows ``[k*c, (k+1)*c)`` clipped to ``n``: exactly
+``torch.chunk``, so the DTensors built on it are well-formed, with empty shards where ``n < K``.
+
+Trade-off taken: padding costs at most ``K - 1`` rows per member, and a padded member needs a copy
+to feed the gradient reduction (its autograd gradient has only ``n`` rows). Shapes whose first dim
+is a multiple of ``K`` (the usual case for LLM weights) take the zero-copy path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional, Sequence
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class MemberLayout:
+    """One logical tensor's geometry inside a group's flat buffers."""
+
+    shape: torch.Size
+    rows: int
+    row_numel: int
+    chunk_rows: int
+    """Rows per optimizer shard (``ceil(rows / K)``)."""
+    num_shards: int
+    """``K``, the number of optimizer shards."""
+
+    @property
+    def padded_rows(self) -> int:
+        return self.chunk_rows * self.num_shards
+
+    @property
+    def is_padded(self) -> bool:
+        return self.padded_rows != self.rows
+
+    def rows_of_shard(self, index: int) -> int:
+        """Real (unpadded) rows held by optimizer shard ``index``: ``torch.chunk`` semantics."""
+        return max(0, min(self.chunk_rows, self.rows - index * self.chunk_rows))
+
+
+class FlatLayout:
+    """Offsets of every member at every level of sharding."""
+
+    def __init__(self, shapes: Sequence[torch.Size], num_shards: int) -> None:
+        members = []
+        for shape in shapes:
+            if len(shape) == 0:
+                raise NotImplementedError(
+                    "0-dim parameters cannot be sharded along dim 0; reshape them to (1,)"
+                )
+            rows = shape[0]
+            row_numel = math.prod(shape[1:])
+            chunk = max(1, -(-rows // num_shards))
+            members.append(MemberLayout(torch.Size(shape), rows, row_numel, chunk, num_shards))
+        self.members: tuple[MemberLayout, ...] = tuple(members)
+        self.num_shards = num_shards
+
+    def numel(self, ways: int) -> int:
+        """Per-rank elements of the whole group at a level split ``ways`` ways."""
+        return sum(self._member_numel(m, ways) for m in self.members)
+
+    def _member_numel(self, member: MemberLayout, ways: int) -> int:
+        assert self.num_shards % ways == 0, (ways, self.num_shards)
+        return member.padded_rows // ways * member.row_numel
+
+    def regions(self, flat: torch.Tensor, ways: int, members: Optional[range] = None) -> list[torch.Tensor]:
+        """1-D views of every member's region in ``flat``, a level split ``ways`` ways."""
+        views, offset = [], 0
+        for i, member in enumerate(self.members):
+            size = self._member_numel(member, ways)
+            if members is None or i in members:
+                views.append(flat[offset : offset + size])
+            offset += size
+        return views
+
+    def unpadded(self, regions: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The real rows of fully gathered regions, shaped like the members."""
+        return [r[: m.rows * m.row_numel].view(m.shape) for r, m in zip(regions, self.members)]
+
+    def shards(self, regions: Sequence[torch.Tensor], index: int) -> list[torch.Tensor]:
+        """The real rows of optimizer shard ``index`` in optimizer-level regions."""
+        out = []
+        for r, m in zip(regions, self.members):
+            rows = m.rows_of_shard(index)
+            out.append(r[: rows * m.row_numel].view((rows,) + tuple(m.shape[1:])))
+        return out
+
+
+class FlatBuffer:
+    """A 1-D tensor whose storage can be released and re-allocated in place.
+
+    Views taken once stay valid across release and re-allocation, because the storage object is
+    the same; this is what lets autograd keep the unsharded weights it saved in forward.
+    """
+
+    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.tensor = torch.zeros(numel, dtype=dtype, device=device)
+        self._nbytes = numel * self.tensor.element_size()
+
+    @property
+    def is_allocated(self) -> bool:
+        return self.tensor.untyped_storage().size() == self._nbytes
+
+    def allocate(self) -> None:
+        """Give the storage its bytes back, on the current stream (contents undefined)."""
+        if not self.is_allocated:
+            self.tensor.untyped_storage().resize_(self._nbytes)
+
+    def release(self) -> None:
+        """Return the bytes to the allocator; the stream that allocated them may reuse them."""
+        if self._nbytes and self.is_allocated:
+            self.tensor.untyped_storage().resize_(0)

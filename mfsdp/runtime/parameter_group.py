@@ -1,0 +1,379 @@
+"""One parameter group: the parameters of one module sharing (dtype, requires_grad).
+
+A group keeps up to five flat buffers (see ``flat_buffer`` for their layout):
+
+=================  =================  ===========================================================
+buffer             level              role
+=================  =================  ===========================================================
+``main``           optimizer shard    main weights in ``main`` dtype; the exposed DTensors
+``model``          parameter shard    compute weights at rest; aliases ``main`` when equal
+``unsharded``      whole              gathered for compute; released at rest (ZeRO-3, HSDP)
+``accum``          gradient shard     HFSDP only: per-microbatch reductions until the last one
+``main_grad``      optimizer shard    reduced gradients in ``grads`` dtype; the exposed ``.grad``
+=================  =================  ===========================================================
+
+The group only moves bytes; *when* it does so (streams, events, prefetch) is the module's and the
+context's business, so every method takes the stream it runs on.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Optional
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from mfsdp import _compat
+from mfsdp.mixed_precision import ResolvedDtypes
+from mfsdp.runtime import collectives
+from mfsdp.runtime.collectives import stream_context
+from mfsdp.runtime.flat_buffer import FlatBuffer, FlatLayout
+from mfsdp.runtime.geometry import ShardGeometry, contiguous_stride, fill_region
+
+
+class GroupState(enum.Enum):
+    SHARDED = "sharded"  # compute weights at rest (whole only where the placement replicates them)
+    UNSHARDED = "unsharded"  # gathered; module attributes point at the unsharded parameters
+
+
+class FsdpParameterGroup:
+    """Parameters of one FsdpModule with one (dtype, requires_grad), sharded as one unit."""
+
+    def __init__(
+        self,
+        params: list[nn.Parameter],
+        aliases: list[list[tuple[nn.Module, str]]],
+        geometry: ShardGeometry,
+        dtypes: ResolvedDtypes,
+        label: str,
+    ) -> None:
+        self.params = params  # the original Parameters: unsharded views used for compute
+        self.aliases = aliases  # every (module, attribute) that holds each parameter
+        self.geometry = geometry
+        self.dtypes = dtypes
+        self.label = label
+        self.requires_grad = params[0].requires_grad
+        self.state = GroupState.SHARDED
+        self.needs_refresh = False  # main weights changed since the compute weights were derived
+        device = params[0].device
+        g = geometry
+        self.layout = FlatLayout([p.shape for p in params], g.num_shards)
+        if g.requires_even_rows:
+            for p, m in zip(params, self.layout.members):
+                if m.is_padded:
+                    raise NotImplementedError(
+                        f"{geometry.placements.name} needs dim 0 of every parameter divisible by "
+                        f"{g.num_shards} (torch's strided shard is even-only); a parameter of shape "
+                        f"{tuple(p.shape)} in {label} is not. Pad it, or use HSDP or ZeRO-3."
+                    )
+
+        # Compute weights at the parameter level; whole and persistent where it replicates them.
+        self.model = FlatBuffer(self.layout.numel(g.ways(g.param_level)), dtypes.compute, device)
+        self.unsharded = (
+            self.model if g.param_level == 0
+            else FlatBuffer(self.layout.numel(1), dtypes.compute, device)
+        )
+        self.main_aliases_model = dtypes.main == dtypes.compute and g.num_levels == g.param_level
+        self.main = self.model if self.main_aliases_model else FlatBuffer(
+            self.layout.numel(g.num_shards), dtypes.main, device)
+        self._model_regions = self.layout.regions(self.model.tensor, g.ways(g.param_level))
+        self._unsharded_regions = self.layout.regions(self.unsharded.tensor, 1)
+        self._main_regions = self.layout.regions(self.main.tensor, g.num_shards)
+        with torch.no_grad():
+            for i, (p, m) in enumerate(zip(params, self.layout.members)):
+                fill_region(self._model_regions[i], p.detach(), m, g.ways(g.param_level), g.index(g.param_level))
+                if not self.main_aliases_model:
+                    fill_region(self._main_regions[i], p.detach(), m, g.num_shards, g.shard_index)
+        for p, view in zip(params, self.layout.unpadded(self._unsharded_regions)):
+            p.data = view  # the original Parameter now lives in the unsharded buffer
+        if self.unsharded is not self.model:
+            self.unsharded.release()  # views stay valid: the storage object is kept
+
+        mesh, placements = geometry.dtensor_spec()
+        self.sharded_params = [
+            nn.Parameter(
+                DTensor.from_local(local, mesh, placements, run_check=False, shape=p.shape,
+                                   stride=contiguous_stride(p.shape)),
+                requires_grad=p.requires_grad,
+            )
+            for p, local in zip(params, self.layout.shards(self._main_regions, g.shard_index))
+        ]
+        self._dtensor_mesh, self._dtensor_placements = mesh, placements
+        if self.requires_grad:
+            self._init_gradient_state(device)
+        self.use_sharded_params()
+
+    # ------------------------------------------------------------------------------ weights
+    def use_sharded_params(self) -> None:
+        for sharded, aliases in zip(self.sharded_params, self.aliases):
+            for module, name in aliases:
+                module._parameters[name] = sharded
+
+    def use_unsharded_params(self) -> None:
+        for param, aliases in zip(self.params, self.aliases):
+            for module, name in aliases:
+                module._parameters[name] = param
+
+    def unshard(self, stream: Optional[torch.Stream]) -> None:
+        """Gather the compute weights into the unsharded buffer, on ``stream``."""
+        if self.state is GroupState.UNSHARDED:
+            return
+        g = self.geometry
+        if self.unsharded is not self.model:
+            with stream_context(stream):
+                self.unsharded.allocate()  # allocated on the all-gather stream, freed there too
+                self._gather(self._model_regions, g.param_level, self._unsharded_regions, stream)
+        self.state = GroupState.UNSHARDED
+
+    def reshard(self, stream: Optional[torch.Stream]) -> None:
+        """Release the unsharded buffer; the caller has made ``stream`` wait for compute."""
+        if self.state is GroupState.SHARDED:
+            return
+        if self.unsharded is not self.model:
+            with stream_context(stream):
+                self.unsharded.release()
+        self.state = GroupState.SHARDED
+
+    def refresh_model_weights(self, stream: Optional[torch.Stream] = None) -> None:
+        """Cast the main weights into the compute weights (one kernel), re-gathering if needed."""
+        if self.main_aliases_model:
+            return
+        g = self.geometry
+        with torch.no_grad(), stream_context(stream):
+            if g.num_levels == g.param_level:
+                self.model.tensor.copy_(self.main.tensor)
+            else:
+                cast = self.main.tensor.to(self.dtypes.compute)
+                regions = self.layout.regions(cast, g.num_shards)
+                self._gather(regions, g.num_levels, self._model_regions, stream, stop=g.param_level)
+
+    def _gather(self, regions, level, out_regions, stream, stop: int = 0) -> None:
+        """All-gather ``regions`` (at ``level``) up to level ``stop``, ending in ``out_regions``."""
+        g = self.geometry
+        for j in range(level - 1, stop - 1, -1):
+            if j == stop:
+                outs = out_regions
+            else:
+                outs = self.layout.regions(torch.empty(self.layout.numel(g.ways(j)), dtype=regions[0].dtype,
+                                                       device=regions[0].device), g.ways(j))
+            collectives.all_gather(outs, regions, g.groups[j], stream)
+            regions = outs
+
+    # -------------------------------------------------------------------------- gradients
+    def _init_gradient_state(self, device: torch.device) -> None:
+        g, d = self.geometry, self.dtypes
+        # Gradients carry one extra member: per-parameter usage counts (K rows of one entry per
+        # parameter). Reduced like the gradients, they tell every rank whether *any* rank produced
+        # a gradient, so a parameter unused everywhere keeps .grad None, as in plain PyTorch.
+        shapes = [p.shape for p in self.params] + [torch.Size((g.num_shards, len(self.params)))]
+        self.grad_layout = FlatLayout(shapes, g.num_shards)
+        self._all_used = torch.ones(g.num_shards * len(self.params), dtype=d.comm, device=device)
+        self.main_grad: Optional[FlatBuffer] = None
+        self._accum: Optional[FlatBuffer] = None
+        self._accum_empty = True
+        self._missing_seen = False  # a parameter lacked a gradient since the last main-grad write
+        self.needs_usage_check = False
+        if d.grads != d.main:
+            if not _compat.supports_grad_dtype():
+                raise NotImplementedError(
+                    f"main_grads_dtype={d.grads} differs from main_params_dtype={d.main}, which "
+                    "needs Tensor.grad_dtype (torch >= 2.10); set them equal"
+                )
+            for p in self.sharded_params:
+                _compat.set_grad_dtype(p, d.grads)
+
+    def _main_grad_regions(self) -> list[torch.Tensor]:
+        g = self.geometry
+        if self.main_grad is None:
+            self.main_grad = FlatBuffer(self.grad_layout.numel(g.num_shards), self.dtypes.grads,
+                                        self._all_used.device)
+            self.main_grad.tensor.zero_()
+            regions = self.grad_layout.regions(self.main_grad.tensor, g.num_shards)
+            self._grad_dtensors = [
+                DTensor.from_local(local, self._dtensor_mesh, self._dtensor_placements, run_check=False,
+                                   shape=p.shape, stride=contiguous_stride(p.shape))
+                for p, local in zip(self.params, self.grad_layout.shards(regions, g.shard_index))
+            ]
+        return self.grad_layout.regions(self.main_grad.tensor, self.geometry.num_shards)
+
+    def _claim_main_grad(self) -> tuple[list[torch.Tensor], bool]:
+        """Regions to reduce into, and whether they may be overwritten (no gradient to keep).
+
+        A parameter whose exposed ``.grad`` is None starts from zero, as autograd would; one whose
+        ``.grad`` is ours accumulates; one whose ``.grad`` the user replaced is copied back first.
+        """
+        regions = self._main_grad_regions()
+        grads = [p.grad for p in self.sharded_params]
+        if all(gr is None for gr in grads):
+            return regions, True
+        usage = regions[-1]
+        with torch.no_grad():
+            for i, (gr, mine) in enumerate(zip(grads, self._grad_dtensors)):
+                if gr is None:
+                    regions[i].zero_()
+                    usage[i : i + 1].zero_()
+                elif gr is not mine:
+                    mine.to_local().copy_(gr.to_local() if isinstance(gr, DTensor) else gr)
+        return regions, False
+
+    def reduce_gradients(self, is_last: bool, stream: Optional[torch.Stream]) -> list[torch.Tensor]:
+        """Reduce this backward's gradients; on the last microbatch, finish the deferred axes.
+
+        Copy-in (only for padded or dtype-changing members) runs on the current stream; the
+        collectives and accumulation run on ``stream``. Returns the tensors that must stay alive
+        until ``stream`` has finished with them.
+        """
+        g = self.geometry
+        if g.grad_level == 0 and not is_last:
+            return []  # ZeRO-1 / DDP: autograd keeps accumulating full gradients in .grad
+        keep_alive = self._stage_inputs()
+        inputs = keep_alive[-1]
+        for p in self.params:
+            p.grad = None
+        if stream is not None:
+            stream.wait_stream(torch.accelerator.current_stream(stream.device))  # grads are ready
+        with torch.no_grad(), stream_context(stream):
+            if g.grad_level == 0:
+                self._finish_deferred(inputs, stream)
+            else:
+                self._reduce_microbatch(inputs, stream)
+                if is_last and g.has_deferred:
+                    self._finish_deferred(None, stream)
+        return keep_alive
+
+    def _stage_inputs(self) -> list:
+        """Level-0 gradient regions in the reduction dtype; copies only where it must."""
+        comm = self.dtypes.comm
+        grads = [p.grad for p in self.params]
+        members = self.grad_layout.members
+        staged = [
+            i for i, (gr, m) in enumerate(zip(grads, members[:-1]))
+            if gr is None or m.is_padded or gr.dtype != comm or not gr.is_contiguous()
+        ]
+        inputs: list[Optional[torch.Tensor]] = [
+            None if i in staged else gr.view(-1) for i, gr in enumerate(grads)
+        ]
+        keep: list = [gr for gr in grads if gr is not None]
+        if staged:
+            sizes = [members[i].padded_rows * members[i].row_numel for i in staged]
+            buf = torch.zeros(sum(sizes), dtype=comm, device=self._all_used.device)
+            regions = list(torch.split(buf, sizes))
+            dst, src = [], []
+            for i, region in zip(staged, regions):
+                inputs[i] = region
+                if grads[i] is not None:
+                    dst.append(region[: members[i].rows * members[i].row_numel].view(grads[i].shape))
+                    src.append(grads[i])
+            if dst:
+                _compat.foreach_copy_(dst, src)
+            keep.append(buf)
+        present = [i for i, gr in enumerate(grads) if gr is not None]
+        if len(present) == len(grads):
+            inputs.append(self._all_used)
+        else:  # rare: some parameter had no gradient on this rank
+            usage = torch.zeros(self.geometry.num_shards, len(self.params), dtype=comm)
+            usage[:, present] = 1
+            inputs.append(usage.to(self._all_used.device).view(-1))
+            self._missing_seen = True
+        keep.append(inputs)
+        return keep
+
+    def _scatter(self, regions, start: int, stop: int, final=None) -> list[torch.Tensor]:
+        """Reduce-scatter ``regions`` from level ``start`` to ``stop``; the last lands in ``final``."""
+        g = self.geometry
+        for j in range(start, stop):
+            if j == stop - 1 and final is not None:
+                outs = final
+            else:
+                buf = torch.empty(self.grad_layout.numel(g.ways(j + 1)), dtype=regions[0].dtype,
+                                  device=regions[0].device)
+                outs = self.grad_layout.regions(buf, g.ways(j + 1))
+            collectives.reduce_scatter(outs, regions, g.groups[j])
+            regions = outs
+        return regions
+
+    def _accumulate(self, target: list[torch.Tensor], overwrite: bool, compute) -> None:
+        """``target (+)= compute(...)``, letting the last collective write straight into ``target``
+        when nothing there must be kept and the dtypes agree."""
+        direct = overwrite and target[0].dtype == self.dtypes.comm
+        result = compute(target if direct else None)
+        if result is not target:
+            (_compat.foreach_copy_ if overwrite else _compat.foreach_add_)(target, result)
+
+    def _reduce_microbatch(self, inputs, stream) -> None:
+        g = self.geometry
+        if g.has_deferred and g.grad_level < g.num_levels:
+            if self._accum is None:
+                self._accum = FlatBuffer(self.grad_layout.numel(g.ways(g.grad_level)), self.dtypes.grads,
+                                         inputs[0].device)
+            target = self.grad_layout.regions(self._accum.tensor, g.ways(g.grad_level))
+            overwrite, self._accum_empty = self._accum_empty, False
+        else:
+            target, overwrite = self._claim_main_grad()
+
+        def compute(final):
+            out = self._scatter(inputs, 0, g.grad_level, final)
+            for group in g.grad_all_reduce_groups:
+                collectives.all_reduce(out, group)
+            return out
+
+        self._accumulate(target, overwrite, compute)
+        if self._accum is None:  # accumulated straight into the main gradient
+            self._expose_gradients()
+
+    def _finish_deferred(self, inputs, stream) -> None:
+        """Reduce the deferred axes (last microbatch) into the main gradient."""
+        g = self.geometry
+        start = g.grad_level
+        if inputs is None:
+            if self._accum is not None:  # HFSDP: from the accumulated gradient shard
+                inputs = self.grad_layout.regions(self._accum.tensor, g.ways(start))
+                self._accum_empty = True
+            else:  # the deferred axis is all-reduced in place on the main gradient
+                regions = self._main_grad_regions()
+                if regions[0].dtype == self.dtypes.comm:
+                    for group in g.deferred_all_reduce_groups:
+                        collectives.all_reduce(regions, group)
+                else:
+                    tmp = [r.to(self.dtypes.comm) for r in regions]
+                    for group in g.deferred_all_reduce_groups:
+                        collectives.all_reduce(tmp, group)
+                    _compat.foreach_copy_(regions, tmp)
+                self._expose_gradients()
+                return
+        if inputs[0].dtype != self.dtypes.comm:
+            inputs = [r.to(self.dtypes.comm) for r in inputs]
+        target, overwrite = self._claim_main_grad()
+
+        def compute(final):
+            out = self._scatter(inputs, start, g.num_levels, final) if g.num_levels > start else inputs
+            for group in g.deferred_all_reduce_groups:
+                collectives.all_reduce(out, group)
+            return out
+
+        self._accumulate(target, overwrite, compute)
+        self._expose_gradients()
+
+    def _expose_gradients(self) -> None:
+        """Point each sharded parameter's ``.grad`` at its main-gradient shard.
+
+        Values land asynchronously on the reduce-scatter stream; the final backward callback makes
+        the compute stream wait before anyone reads them.
+        """
+        for p, grad in zip(self.sharded_params, self._grad_dtensors):
+            p.grad = grad
+        if self._missing_seen:
+            self._missing_seen = False
+            self.needs_usage_check = True
+
+    def finalize_gradients(self) -> None:
+        """After the reductions have finished: unused-everywhere parameters keep ``.grad`` None."""
+        if not self.needs_usage_check:
+            return
+        self.needs_usage_check = False
+        counts = self.grad_layout.regions(self.main_grad.tensor, self.geometry.num_shards)[-1]
+        used = counts.float().tolist()  # a host sync, on this rare path only
+        for p, grad, count in zip(self.sharded_params, self._grad_dtensors, used):
+            p.grad = grad if count > 0 else None

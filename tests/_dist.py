@@ -1,0 +1,99 @@
+"""A persistent process world for tests: spawn once per test module, run many cases in it.
+
+Spawning ranks and importing torch costs seconds, so a module starts one ``World`` (gloo on CPU,
+or NCCL on CUDA) and sends it cases. A case is a module-level function ``fn(rank, world_size,
+**kwargs)``; every rank runs it and the results come back as a list. A rank that raises fails the
+case with its traceback; a rank that hangs (a collective mismatch) fails it after a timeout and
+the world is restarted for the next case.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib
+import os
+import queue
+import sys
+import tempfile
+import traceback
+
+import torch.multiprocessing as mp
+
+_TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def _worker(rank: int, world_size: int, backend: str, init_file: str, tasks, results) -> None:
+    sys.path.insert(0, _TESTS_DIR)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    if backend == "nccl":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group(
+        backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+        timeout=datetime.timedelta(seconds=90),
+    )
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        module_name, fn_name, kwargs = task
+        try:
+            fn = getattr(importlib.import_module(module_name), fn_name)
+            results.put((rank, True, fn(rank, world_size, **kwargs)))
+        except BaseException:  # report everything, keep serving
+            results.put((rank, False, traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class World:
+    def __init__(self, world_size: int, backend: str = "gloo") -> None:
+        self.world_size = world_size
+        self.backend = backend
+        self._start()
+
+    def _start(self) -> None:
+        ctx = mp.get_context("spawn")
+        fd, self._init_file = tempfile.mkstemp(prefix="mfsdp_world_")
+        os.close(fd)
+        os.unlink(self._init_file)
+        self._tasks = [ctx.Queue() for _ in range(self.world_size)]
+        self._results = ctx.Queue()
+        self._procs = [
+            ctx.Process(target=_worker, args=(r, self.world_size, self.backend, self._init_file,
+                                              self._tasks[r], self._results), daemon=True)
+            for r in range(self.world_size)
+        ]
+        for p in self._procs:
+            p.start()
+
+    def run(self, fn, timeout: float = 180.0, **kwargs) -> list:
+        module_name = fn.__module__.rsplit(".", 1)[-1]
+        for q in self._tasks:
+            q.put((module_name, fn.__name__, kwargs))
+        out, failures = [None] * self.world_size, []
+        for _ in range(self.world_size):
+            try:
+                rank, ok, value = self._results.get(timeout=timeout)
+            except queue.Empty:
+                self.close(force=True)
+                self._start()
+                raise AssertionError(f"{fn.__name__}{kwargs}: a rank hung for {timeout}s (collective mismatch?)")
+            if ok:
+                out[rank] = value
+            else:
+                failures.append(f"--- rank {rank} ---\n{value}")
+        if failures:
+            raise AssertionError(f"{fn.__name__}{kwargs} failed:\n" + "\n".join(failures))
+        return out
+
+    def close(self, force: bool = False) -> None:
+        for q, p in zip(self._tasks, self._procs):
+            if not force and p.is_alive():
+                q.put(None)
+        for p in self._procs:
+            p.join(timeout=0 if force else 20)
+            if p.is_alive():
+                p.kill()
