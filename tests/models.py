@@ -84,7 +84,7 @@ def make_optimizer(kind: str, params):
     raise ValueError(kind)
 
 
-def global_batch(step: int, batch: int, seq: int, vocab: int, device="cpu"):
+def global_batch(step: int, batch: int, seq: int, vocab: int, device="cpu"):  # noqa: D103
     g = torch.Generator().manual_seed(1000 + step)
     tokens = torch.randint(0, vocab, (batch, seq + 1), generator=g)
     return tokens[:, :-1].to(device), tokens[:, 1:].to(device)

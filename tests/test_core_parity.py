@@ -13,22 +13,25 @@ FP32_TOL = 1e-5
 
 
 def train_parity(rank, ws, kind="zero3", opt="adamw", steps=3, tied=False, mb=1, ckpt=None, frozen=False,
-                 bind=False):
+                 bind=False, device="cpu", delay=False):
     torch.manual_seed(0)
     # HFSDP's strided optimizer shard needs rows divisible by the world size: use even shapes there.
     dims = dict(vocab=16, dim=8, hidden=12) if kind == "hfsdp" else {}
     model = Net(tied=tied, checkpointing=ckpt, **dims)
     if frozen:
         model.blocks[1].requires_grad_(False)
+    model.to(device)
     ref = reference_copy(model)
-    shard_net(model, make_mesh(kind, ws), make_placements(kind))
+    shard_net(model, make_mesh(kind, ws, device), make_placements(kind))
+    if delay:
+        _inject_delays()
     optim = make_optimizer(opt, [p for p in model.parameters() if p.requires_grad])
     if bind:
         mfsdp.fully_shard_optimizer(model, optim)
     ref_optim = make_optimizer(opt, [p for p in ref.parameters() if p.requires_grad])
     errors, losses = [], []
     for step in range(steps):
-        x, y = global_batch(step, 12, 5, model.embed.num_embeddings)
+        x, y = global_batch(step, 12, 5, model.embed.num_embeddings, device)
         ref_optim.zero_grad()
         ref_loss = loss_fn(ref(x), y)
         ref_loss.backward()
@@ -42,11 +45,28 @@ def train_parity(rank, ws, kind="zero3", opt="adamw", steps=3, tied=False, mb=1,
                 loss.backward()
             total += loss.item()
         optim.step()
-        t = torch.tensor([total])
+        t = torch.tensor([total], device=device)
         torch.distributed.all_reduce(t)
         losses.append((float(t) / ws, ref_loss.item()))
         errors.append(max_rel_error(full_params(model), full_params(ref)))
     return errors, losses
+
+
+def _inject_delays():
+    """Stall every collective's stream and the compute before reading: a missing wait shows up as
+    wrong numbers instead of passing by luck (GPU only)."""
+    from mfsdp.runtime import collectives
+
+    for name in ("all_gather", "reduce_scatter", "all_reduce"):
+        original = getattr(collectives, name)
+
+        def delayed(*args, _original=original, **kwargs):
+            stream = kwargs.get("stream") or (args[-1] if args and isinstance(args[-1], torch.cuda.Stream) else None)
+            with collectives.stream_context(stream):
+                torch.cuda._sleep(2_000_000)
+            return _original(*args, **kwargs)
+
+        setattr(collectives, name, delayed)
 
 
 def _check(results):

@@ -235,6 +235,9 @@ class FsdpModule:
                 following._unshard_parameter_groups()
             self._use_unsharded_params()
             if torch.is_grad_enabled() and self._num_trainable_parameters:
+                # Every call counts; only calls whose inputs need grad can report their backward,
+                # so the fallback fires only when all calls of this forward have reported.
+                self._inputs_hooked += 1
                 args, kwargs = self._hook_inputs(args, kwargs or {})
         return args, kwargs
 
@@ -268,7 +271,6 @@ class FsdpModule:
         outs = outs if isinstance(outs, tuple) else (outs,)
         for i, t in zip(positions, outs):
             flat[i] = t
-        self._inputs_hooked += 1
         return _compat.tree_unflatten(flat, spec)
 
     def _hook_outputs(self, output) -> None:

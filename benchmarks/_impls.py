@@ -1,0 +1,198 @@
+"""How each implementation compared by ``throughput.py`` turns the Llama model into a trainable one.
+
+Every builder takes the same ``Ctx`` and returns a ``Built``: a model whose ``forward(tokens)`` gives
+logits, an optimizer whose ``step()``/``zero_grad()`` complete one update, and the dtype the
+gradients travel in. The training loop itself lives in ``throughput.py`` and is identical for all.
+
+The settings copy the peer anchor runs (``/work/shared/anchors``), because a comparison only means
+something when the model code, data, optimizer and precision are the same for everyone:
+
+- optimizer: AdamW(lr 1e-4, betas 0.9/0.95, weight decay 0.1), fused on CUDA, foreach on CPU;
+- ``none``: the unsharded model in the compute dtype (pure bf16: bf16 weights, grads and AdamW
+  states), no communication. An upper bound for this model code, not a like-for-like peer.
+- ``fsdp2``: torch's ``fully_shard`` per block then the root, on an fp32 model built on the meta
+  device, bf16 compute (``param_dtype``), reduce-scatter in ``--grad-reduce-dtype``.
+- ``mfsdp``: a compute-dtype model built on the device, ``mfsdp.fully_shard`` per block then the
+  root with ZeRO-3 placements, fp32 main weights, main grads in ``--grad-reduce-dtype``.
+- ``megatron-fsdp``: ``megatron_fsdp.fully_shard`` (v1) with ``fsdp_unit_modules=[Block]``, ZeRO-3,
+  package defaults otherwise; its reduce-scatter runs in the main-grad dtype.
+- ``megatron-fsdp-exp``: ``megatron_fsdp.experimental.fully_shard`` bottom-up with all-Flat
+  placements. Version 0.6.1 packs the bf16 parameter grads into a bf16 buffer, so it always
+  reduces in bf16, whatever the main-grad dtype.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import torch
+from torch import nn
+
+from mfsdp.models.llama import Block, Llama, LlamaConfig
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+class Skip(Exception):
+    """Raised by a builder that cannot run here; reported as ``status: skipped: <message>``."""
+
+
+@dataclasses.dataclass
+class Ctx:
+    cfg: LlamaConfig
+    device: torch.device
+    world_size: int
+    compute_dtype: torch.dtype      # bf16 normally; fp32 for the CPU smoke run
+    grad_reduce_dtype: torch.dtype  # what the FSDP implementations reduce gradients in
+    ac: bool
+    compile: bool
+    lr: float = 1e-4
+
+    def mesh(self):
+        from torch.distributed.device_mesh import init_device_mesh
+        return init_device_mesh(self.device.type, (self.world_size,), mesh_dim_names=("dp",))
+
+
+@dataclasses.dataclass
+class Built:
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    grad_reduce_dtype: str  # "fp32", "bf16", or "none" (no gradient communication)
+    setup: str              # one line: how the implementation was applied
+    extra: dict = dataclasses.field(default_factory=dict)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return {torch.float32: "fp32", torch.bfloat16: "bf16"}[dtype]
+
+
+def make_adamw(params, ctx: Ctx) -> torch.optim.Optimizer:
+    # Fused AdamW is the fastest CUDA kernel and what the anchors used; CPU has only foreach.
+    kind = {"fused": True} if ctx.device.type == "cuda" else {"foreach": True}
+    return torch.optim.AdamW(list(params), lr=ctx.lr, betas=(0.9, 0.95), weight_decay=0.1, **kind)
+
+
+def _prepare(model: Llama, ctx: Ctx) -> None:
+    """AC and compile are applied per block, before any wrapping, identically for every impl."""
+    model.set_activation_checkpointing(ctx.ac)
+    if ctx.compile:
+        for block in model.layers:
+            block.compile()
+    model.train()
+
+
+def _model_on_device(ctx: Ctx, dtype: torch.dtype) -> Llama:
+    model = Llama(ctx.cfg, dtype=dtype, device=ctx.device)
+    model.init_weights(buffer_device=ctx.device)
+    _prepare(model, ctx)
+    return model
+
+
+def build_none(ctx: Ctx) -> Built:
+    model = _model_on_device(ctx, ctx.compute_dtype)
+    return Built(model, make_adamw(model.parameters(), ctx), "none",
+                 f"unsharded {dtype_name(ctx.compute_dtype)} model, {dtype_name(ctx.compute_dtype)} "
+                 "AdamW states, no communication (each rank independent)")
+
+
+def build_fsdp2(ctx: Ctx) -> Built:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(param_dtype=ctx.compute_dtype, reduce_dtype=ctx.grad_reduce_dtype)
+    mesh = ctx.mesh()
+    # Meta init, then shard, then materialise only the local shards: the fp32 full model is
+    # never allocated, as in the anchor run.
+    with torch.device("meta"):
+        model = Llama(ctx.cfg, dtype=torch.float32)
+    _prepare(model, ctx)
+    for block in model.layers:
+        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=True)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    model.to_empty(device=ctx.device)
+    model.init_weights(buffer_device=ctx.device)
+    return Built(model, make_adamw(model.parameters(), ctx), dtype_name(ctx.grad_reduce_dtype),
+                 "torch fully_shard(block) x n_layers + root; fp32 sharded params, "
+                 f"param_dtype={dtype_name(ctx.compute_dtype)}, "
+                 f"reduce_dtype={dtype_name(ctx.grad_reduce_dtype)}")
+
+
+def build_mfsdp(ctx: Ctx) -> Built:
+    import mfsdp
+
+    if not hasattr(mfsdp, "fully_shard"):
+        raise Skip("mfsdp.fully_shard not available in this checkout yet")
+    placements = mfsdp.Placements.zero3("dp")
+    policy = mfsdp.MixedPrecisionPolicy(main_params_dtype=torch.float32,
+                                        main_grads_dtype=ctx.grad_reduce_dtype)
+    mesh = ctx.mesh()
+    model = _model_on_device(ctx, ctx.compute_dtype)
+    for block in model.layers:
+        mfsdp.fully_shard(block, mesh, placements=placements, mixed_precision_policy=policy)
+    mfsdp.fully_shard(model, mesh, placements=placements, mixed_precision_policy=policy)
+    optimizer = make_adamw(model.parameters(), ctx)
+    # fully_shard_optimizer may wrap or patch in place; accept either.
+    optimizer = mfsdp.fully_shard_optimizer(model, optimizer) or optimizer
+    return Built(model, optimizer, dtype_name(ctx.grad_reduce_dtype),
+                 "mfsdp.fully_shard(block) x n_layers + root, Placements.zero3('dp'); "
+                 f"{dtype_name(ctx.compute_dtype)} model, fp32 main params, "
+                 f"main grads {dtype_name(ctx.grad_reduce_dtype)}; fully_shard_optimizer",
+                 {"mfsdp_version": getattr(mfsdp, "__version__", None)})
+
+
+def _import_megatron():
+    try:
+        import megatron_fsdp
+    except ImportError as exc:
+        raise Skip(f"megatron-fsdp not installed ({exc})") from None
+    if not torch.cuda.is_available():
+        raise Skip("megatron-fsdp needs CUDA")
+    return megatron_fsdp
+
+
+def build_megatron_fsdp(ctx: Ctx) -> Built:
+    megatron_fsdp = _import_megatron()
+    model = _model_on_device(ctx, ctx.compute_dtype)
+    optimizer = make_adamw(model.parameters(), ctx)
+    policy = megatron_fsdp.MixedPrecisionPolicy(main_params_dtype=torch.float32,
+                                                main_grads_dtype=ctx.grad_reduce_dtype,
+                                                grad_comm_dtype=None)
+    # Everything else at the package defaults, as in the anchor (overlap on, no nccl_ub).
+    model, optimizer = megatron_fsdp.fully_shard(model, optimizer, fsdp_unit_modules=[Block],
+                                                 zero_dp_strategy=3, mixed_precision_policy=policy)
+    return Built(model, optimizer, dtype_name(ctx.grad_reduce_dtype),
+                 "megatron_fsdp.fully_shard(model, optimizer, fsdp_unit_modules=[Block], "
+                 f"zero_dp_strategy=3), main params fp32, main grads {dtype_name(ctx.grad_reduce_dtype)}",
+                 {"megatron_fsdp_version": megatron_fsdp.__version__})
+
+
+def build_megatron_fsdp_exp(ctx: Ctx) -> Built:
+    megatron_fsdp = _import_megatron()
+    from megatron_fsdp import experimental as mx
+
+    placements = mx.Placements(dp_axes=["dp"], parameter=[mx.Flat()], gradient=[mx.Flat()],
+                               optimizer=[mx.Flat()])
+    policy = megatron_fsdp.MixedPrecisionPolicy(main_params_dtype=torch.float32,
+                                                main_grads_dtype=ctx.grad_reduce_dtype)
+    mesh = ctx.mesh()
+    model = _model_on_device(ctx, ctx.compute_dtype)
+    for block in model.layers:
+        mx.fully_shard(block, mesh, placements, mixed_precision_policy=policy)
+    mx.fully_shard(model, mesh, placements, mixed_precision_policy=policy)
+    torch.cuda.empty_cache()  # the full bf16 copies are gone now; return them to the driver
+    optimizer = make_adamw(model.parameters(), ctx)
+    mx.fully_shard_optimizer(optimizer)
+    return Built(model, optimizer, "bf16",
+                 "megatron_fsdp.experimental.fully_shard(block) x n_layers + root, all-Flat "
+                 f"placements, main params fp32, main grads {dtype_name(ctx.grad_reduce_dtype)}, "
+                 "reduce-scatter bf16; experimental.fully_shard_optimizer",
+                 {"megatron_fsdp_version": megatron_fsdp.__version__})
+
+
+BUILDERS: dict[str, Callable[[Ctx], Built]] = {
+    "mfsdp": build_mfsdp,
+    "fsdp2": build_fsdp2,
+    "megatron-fsdp": build_megatron_fsdp,
+    "megatron-fsdp-exp": build_megatron_fsdp_exp,
+    "none": build_none,
+}

@@ -1,0 +1,55 @@
+"""The ``mfsdp`` console script: ``mfsdp train ...`` and ``mfsdp prepare-data ...``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: mfsdp {train,prepare-data} ...\n\n"
+              "  train         train a Llama-style model (see `mfsdp train --help`); launch\n"
+              "                several processes with `torchrun -m mfsdp.train`\n"
+              "  prepare-data  tokenize a .txt/.jsonl file or a directory into a token file")
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    if command == "train":
+        from mfsdp.train.loop import main as train_main
+        return train_main(rest)
+    if command == "prepare-data":
+        return prepare_data(rest)
+    print(f"mfsdp: unknown command {command!r}; use train or prepare-data", file=sys.stderr)
+    return 2
+
+
+def prepare_data(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="mfsdp prepare-data",
+        description="Tokenize text into the token file that `mfsdp train --data.path` reads.")
+    parser.add_argument("input", help="a .txt file, a .jsonl file (one document per line), "
+                                      "or a directory, or 'stdlib' for the demo corpus")
+    parser.add_argument("out", help="the token file to write")
+    parser.add_argument("--tokenizer", default=None,
+                        help="a local Hugging Face tokenizer directory (default: bytes)")
+    parser.add_argument("--text-key", default="text", help="JSONL field holding the text")
+    parser.add_argument("--glob", default="*.py",
+                        help="files to read when INPUT is a directory (default: *.py)")
+    args = parser.parse_args(argv)
+    from mfsdp.data import DataError, prepare
+    from mfsdp.data.prepare import STDLIB, stdlib_source
+    source = stdlib_source() if args.input == STDLIB else args.input
+    try:
+        info = prepare(source, args.out, tokenizer=args.tokenizer, text_key=args.text_key,
+                       glob=args.glob)
+    except DataError as err:
+        print(f"mfsdp prepare-data: error: {err}", file=sys.stderr)
+        return 2
+    print(f"wrote {info['tokens']:,} tokens from {info['documents']:,} documents to "
+          f"{info['path']} (tokenizer {info['tokenizer']}, vocabulary {info['vocab_size']})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

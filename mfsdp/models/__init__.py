@@ -1,0 +1,10 @@
+"""Models that know nothing about parallelism, and the FLOP counting that goes with them.
+
+``mfsdp.models.parallelize`` (imported on its own) applies mfsdp sharding to them.
+"""
+
+from mfsdp.models.flops import flops_per_token, mfu, param_counts, peak_flops
+from mfsdp.models.llama import PRESETS, Block, Llama, LlamaConfig, get_config
+
+__all__ = ["Block", "Llama", "LlamaConfig", "PRESETS", "get_config",
+           "flops_per_token", "mfu", "param_counts", "peak_flops"]

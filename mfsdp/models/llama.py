@@ -1,0 +1,279 @@
+"""A Llama-3-style decoder in plain PyTorch, free of any parallelism.
+
+The pieces are the usual ones: pre-norm RMSNorm, rotary position embeddings
+(rotate-half form), grouped-query causal attention through
+``F.scaled_dot_product_attention``, and a SwiGLU feed-forward layer.
+
+Two choices exist for the sake of sharding wrappers such as ``mfsdp.fully_shard``:
+
+* ``Llama.layers`` holds one ``Block`` per layer, the natural unit to shard.
+* Activation checkpointing happens *inside* ``Block.forward``. A wrapper that
+  hooks the block therefore sees exactly one forward call per step, and the
+  recomputation in backward reuses the parameters the wrapper has already
+  gathered for the block's backward.
+
+The rotary tables are non-persistent buffers, so they are not in the state dict
+and ``init_weights`` rebuilds them; that is what makes meta-device construction
+followed by ``to_empty`` + ``init_weights`` work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    """Shape and initialisation of a Llama-style decoder."""
+
+    dim: int
+    """Width of the residual stream."""
+    n_layers: int
+    """Number of transformer blocks."""
+    n_heads: int
+    """Query heads per attention layer; must divide ``dim``."""
+    n_kv_heads: int
+    """Key/value heads (grouped-query attention); must divide ``n_heads``."""
+    ffn_dim: int
+    """Hidden width of the SwiGLU feed-forward layer."""
+    vocab_size: int
+    """Rows of the embedding table and columns of the output head."""
+    max_seq_len: int = 4096
+    """Longest sequence the rotary tables cover."""
+    rope_theta: float = 500000.0
+    """Base of the rotary frequencies (Llama 3 uses 500000)."""
+    norm_eps: float = 1e-5
+    """Added to the mean square in RMSNorm, for stability."""
+    init_std: float = 0.02
+    """Standard deviation of the normal initialisation of weight matrices."""
+    tie_embeddings: bool = False
+    """Share one matrix between the input embedding and the output head."""
+
+    def __post_init__(self) -> None:
+        for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size",
+                     "max_seq_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"LlamaConfig.{name} must be a positive integer, got {value!r}")
+        if self.dim % self.n_heads:
+            raise ValueError(f"n_heads ({self.n_heads}) must divide dim ({self.dim})")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(
+                f"n_kv_heads ({self.n_kv_heads}) must divide n_heads ({self.n_heads})")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim (dim / n_heads = {self.head_dim}) must be even for "
+                             "rotary embeddings")
+        if self.rope_theta <= 0 or self.norm_eps <= 0 or self.init_std <= 0:
+            raise ValueError("rope_theta, norm_eps and init_std must be positive")
+
+    @property
+    def head_dim(self) -> int:
+        """Width of one attention head."""
+        return self.dim // self.n_heads
+
+
+PRESETS: dict[str, LlamaConfig] = {
+    # About 3.4M parameters: trains on two CPU processes in minutes. The vocabulary holds
+    # the 256 byte values plus room for special tokens.
+    "tiny": LlamaConfig(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=768,
+                        vocab_size=512, max_seq_len=256),
+    # The Llama-3.2-1B shape with an untied head: about 1.50B parameters.
+    "1b": LlamaConfig(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim=8192,
+                      vocab_size=128256),
+    # The Llama-3-8B shape: about 8.03B parameters.
+    "8b": LlamaConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336,
+                      vocab_size=128256),
+}
+
+
+def get_config(preset: str, **overrides) -> LlamaConfig:
+    """The named preset, with any field replaced by ``overrides``."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown model preset {preset!r}; known presets: "
+                         f"{', '.join(sorted(PRESETS))}")
+    fields = {f.name for f in dataclasses.fields(LlamaConfig)}
+    unknown = sorted(set(overrides) - fields)
+    if unknown:
+        raise ValueError(f"unknown LlamaConfig field(s) {unknown}; known: {sorted(fields)}")
+    return dataclasses.replace(PRESETS[preset], **overrides)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, dtype=None, device=None):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device))
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # The mean square of bf16 activations loses too much precision, so normalise in fp32
+        # and only then return to the activation dtype for the scale.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)
+        return x32.to(x.dtype) * self.weight
+
+
+def rotary_tables(head_dim: int, seq_len: int, theta: float, device=None):
+    """fp32 cosine and sine tables, each of shape ``(seq_len, head_dim // 2)``."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim
+    inv_freq = theta ** -exponents
+    positions = torch.arange(seq_len, dtype=torch.float32, device=device)
+    angles = torch.outer(positions, inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` of shape (batch, seq, heads, head_dim) by position.
+
+    Rotate-half form: element i of the first half pairs with element i of the second.
+    """
+    half = x.shape[-1] // 2
+    first, second = x[..., :half], x[..., half:]
+    cos = cos[None, :, None, :].to(x.dtype)
+    sin = sin[None, :, None, :].to(x.dtype)
+    return torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: LlamaConfig, dtype=None, device=None):
+        super().__init__()
+        self.n_heads = cfg.n_heads
+        self.n_kv_heads = cfg.n_kv_heads
+        self.head_dim = cfg.head_dim
+        linear = dict(bias=False, dtype=dtype, device=device)
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, **linear)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, **linear)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, **linear)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, **linear)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        q = self.wq(x).view(batch, seq, self.n_heads, self.head_dim)
+        k = self.wk(x).view(batch, seq, self.n_kv_heads, self.head_dim)
+        v = self.wv(x).view(batch, seq, self.n_kv_heads, self.head_dim)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        # (batch, heads, seq, head_dim), the layout SDPA expects.
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        k, v = self._expand_kv(k), self._expand_kv(v)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+
+    def _expand_kv(self, t: torch.Tensor) -> torch.Tensor:
+        """Repeat each key/value head for the query heads that share it.
+
+        Done by hand rather than with SDPA's ``enable_gqa`` so every torch version and
+        attention backend takes the same path.
+        """
+        repeats = self.n_heads // self.n_kv_heads
+        if repeats == 1:
+            return t
+        batch, kv_heads, seq, head_dim = t.shape
+        t = t[:, :, None].expand(batch, kv_heads, repeats, seq, head_dim)
+        return t.reshape(batch, kv_heads * repeats, seq, head_dim)
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: ``w2(silu(w1 x) * w3 x)``; w1 is the gate, w3 the up and w2 the down projection."""
+
+    def __init__(self, cfg: LlamaConfig, dtype=None, device=None):
+        super().__init__()
+        linear = dict(bias=False, dtype=dtype, device=device)
+        self.w1 = nn.Linear(cfg.dim, cfg.ffn_dim, **linear)
+        self.w3 = nn.Linear(cfg.dim, cfg.ffn_dim, **linear)
+        self.w2 = nn.Linear(cfg.ffn_dim, cfg.dim, **linear)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: LlamaConfig, dtype=None, device=None):
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps, dtype=dtype, device=device)
+        self.attention = Attention(cfg, dtype=dtype, device=device)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps, dtype=dtype, device=device)
+        self.feed_forward = FeedForward(cfg, dtype=dtype, device=device)
+        # Set through Llama.set_activation_checkpointing: recompute this block's activations
+        # in backward instead of storing them, optionally with the reentrant implementation.
+        self.checkpointing = False
+        self.checkpoint_reentrant = False
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if self.checkpointing and torch.is_grad_enabled():
+            return checkpoint(self._body, x, cos, sin, use_reentrant=self.checkpoint_reentrant)
+        return self._body(x, cos, sin)
+
+    def _body(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Llama(nn.Module):
+    def __init__(self, cfg: LlamaConfig, dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim, dtype=dtype, device=device)
+        self.layers = nn.ModuleList(Block(cfg, dtype=dtype, device=device)
+                                    for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps, dtype=dtype, device=device)
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False, dtype=dtype, device=device)
+        if cfg.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        cos, sin = rotary_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, device=device)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def set_activation_checkpointing(self, enabled: bool, reentrant: bool = False) -> None:
+        """Make every block recompute its activations in backward (or stop doing so)."""
+        for block in self.layers:
+            block.checkpointing = enabled
+            block.checkpoint_reentrant = reentrant
+
+    @torch.no_grad()
+    def init_weights(self, buffer_device: torch.device | str | None = None) -> None:
+        """Initialise every parameter in place and rebuild the rotary tables.
+
+        Matrices are drawn from N(0, init_std); the two projections that write into the
+        residual stream (``wo`` and ``w2``) use init_std / sqrt(2 * n_layers) so the
+        stream's variance does not grow with depth. Norm scales start at one. The draw
+        order is fixed, so the result depends only on the RNG state. In-place init works
+        on sharded DTensor parameters too.
+        """
+        std = self.cfg.init_std
+        residual_std = std / math.sqrt(2 * self.cfg.n_layers)
+        nn.init.normal_(self.tok_embeddings.weight, std=std)
+        for block in self.layers:
+            for linear in (block.attention.wq, block.attention.wk, block.attention.wv,
+                           block.feed_forward.w1, block.feed_forward.w3):
+                nn.init.normal_(linear.weight, std=std)
+            nn.init.normal_(block.attention.wo.weight, std=residual_std)
+            nn.init.normal_(block.feed_forward.w2.weight, std=residual_std)
+            block.attention_norm.reset_parameters()
+            block.ffn_norm.reset_parameters()
+        self.norm.reset_parameters()
+        if not self.cfg.tie_embeddings:
+            nn.init.normal_(self.output.weight, std=std)
+        device = buffer_device if buffer_device is not None else self.rope_cos.device
+        self.rope_cos, self.rope_sin = rotary_tables(
+            self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta, device=device)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Logits of shape (batch, seq, vocab) for token ids of shape (batch, seq)."""
+        seq = tokens.shape[1]
+        if seq > self.cfg.max_seq_len:
+            raise ValueError(f"sequence length {seq} exceeds max_seq_len {self.cfg.max_seq_len}")
+        cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
+        h = self.tok_embeddings(tokens)
+        for block in self.layers:
+            h = block(h, cos, sin)
+        return self.output(self.norm(h))

@@ -1,0 +1,93 @@
+"""Apply mfsdp to a Llama model: activation checkpointing, then one shard unit per block,
+then the root.
+
+The model file knows nothing about parallelism; this file is the one place that decides
+how it is cut. Each block is its own unit, so only one block's full weights exist at a
+time (plus the prefetched next one). The root unit picks up what is left: the
+embedding, the final norm and the output head.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+import mfsdp
+from mfsdp.models.llama import Llama
+
+# Axis names of the meshes built here; the two-axis placements replicate over the first
+# and shard over the second.
+DP = "dp"
+DP_REPLICATE = "dp_replicate"
+DP_SHARD = "dp_shard"
+TWO_AXIS = ("hsdp", "hfsdp")
+
+
+@dataclass(frozen=True)
+class ParallelizeConfig:
+    """How ``parallelize`` shards a model."""
+
+    placements: "str | mfsdp.Placements" = "zero3"
+    """A name (zero3, zero2, zero1, ddp, hsdp, hfsdp) or a Placements object."""
+    mixed_precision: "mfsdp.MixedPrecisionPolicy | None" = None
+    """Main-weight and gradient dtypes; None keeps the core's default policy."""
+    activation_checkpointing: bool = False
+    """Recompute each block's activations in backward instead of storing them."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.placements, str) and self.placements not in (
+                "zero3", "zero2", "zero1", "ddp", *TWO_AXIS):
+            raise ValueError(f"unknown placements {self.placements!r}; use zero3, zero2, "
+                             "zero1, ddp, hsdp or hfsdp, or pass a mfsdp.Placements")
+
+
+def resolve_placements(placements: "str | mfsdp.Placements") -> "mfsdp.Placements":
+    """The Placements object a name stands for, on the axis names of ``build_mesh``."""
+    if not isinstance(placements, str):
+        return placements
+    if placements in TWO_AXIS:
+        return getattr(mfsdp.Placements, placements)(DP_REPLICATE, DP_SHARD)
+    return getattr(mfsdp.Placements, placements)(DP)
+
+
+def mesh_shape_error(world_size: int, placements: str, replicate: int) -> str | None:
+    """Why ``world_size`` processes cannot form the mesh, or None when they can."""
+    if placements not in TWO_AXIS:
+        return None if replicate == 1 else (
+            f"parallel.replicate={replicate} only applies to hsdp/hfsdp placements")
+    if world_size % replicate:
+        return (f"world size {world_size} does not fit a mesh of {replicate} replicas "
+                f"(parallel.replicate must divide the number of processes); launch a "
+                f"multiple of {replicate} processes or change --parallel.replicate")
+    return None
+
+
+def build_mesh(device_type: str, world_size: int, placements: str = "zero3",
+               replicate: int = 1) -> DeviceMesh:
+    """A 1-D ``dp`` mesh, or a 2-D (dp_replicate, dp_shard) mesh for hsdp/hfsdp."""
+    problem = mesh_shape_error(world_size, placements, replicate)
+    if problem:
+        raise ValueError(problem)
+    if placements in TWO_AXIS:
+        return init_device_mesh(device_type, (replicate, world_size // replicate),
+                                mesh_dim_names=(DP_REPLICATE, DP_SHARD))
+    return init_device_mesh(device_type, (world_size,), mesh_dim_names=(DP,))
+
+
+def parallelize(model: Llama, mesh: DeviceMesh, config: ParallelizeConfig) -> Llama:
+    """Shard ``model`` in place over ``mesh`` and return it.
+
+    The model arrives with its weights already initialised in its compute dtype; every
+    rank must hold the same values, since each keeps only its own shard.
+    """
+    placements = resolve_placements(config.placements)
+    if config.activation_checkpointing:
+        model.set_activation_checkpointing(True)
+    # Bottom-up: each block becomes its own unit before the root claims the rest.
+    for block in model.layers:
+        mfsdp.fully_shard(block, mesh, placements,
+                          mixed_precision_policy=config.mixed_precision)
+    mfsdp.fully_shard(model, mesh, placements, mixed_precision_policy=config.mixed_precision)
+    return model
+

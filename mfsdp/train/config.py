@@ -1,0 +1,308 @@
+"""Configuration of ``mfsdp train``: frozen sections, read from YAML and flags.
+
+Values come from three layers, later ones winning: the defaults below (which train the
+tiny model on the standard-library corpus), an optional ``--config FILE.yaml`` with one
+mapping per section, and ``--section.key value`` flags. A key that no section declares
+is an error rather than a silent no-op, because a misspelt flag that is ignored costs a
+whole training run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from mfsdp.models.llama import LlamaConfig, get_config
+
+PLACEMENTS = ("zero3", "zero2", "zero1", "ddp", "hsdp", "hfsdp")
+DTYPES = ("auto", "fp32", "bf16")
+
+
+class ConfigError(Exception):
+    """A configuration problem the user can fix; the message names the fix."""
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)
+
+
+@dataclass(frozen=True)
+class ModelSection:
+    preset: str = "tiny"
+    """One of mfsdp.models.llama.PRESETS: tiny, 1b or 8b."""
+    dim: int | None = None
+    """Overrides the preset's width when set."""
+    n_layers: int | None = None
+    """Overrides the preset's number of blocks when set."""
+    n_heads: int | None = None
+    """Overrides the preset's query heads when set."""
+    n_kv_heads: int | None = None
+    """Overrides the preset's key/value heads when set."""
+    ffn_dim: int | None = None
+    """Overrides the preset's feed-forward width when set."""
+    vocab_size: int | None = None
+    """Overrides the preset's vocabulary size when set."""
+    tie_embeddings: bool | None = None
+    """Overrides whether the output head shares the embedding matrix."""
+
+    def llama_config(self, max_seq_len: int) -> LlamaConfig:
+        overrides = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                     if f.name != "preset" and getattr(self, f.name) is not None}
+        try:
+            return get_config(self.preset, max_seq_len=max_seq_len, **overrides)
+        except ValueError as err:
+            raise ConfigError(f"{err}; set --model.preset or the --model.* fields") from None
+
+
+@dataclass(frozen=True)
+class DataSection:
+    path: str = "stdlib"
+    """A token file from `mfsdp prepare-data`, or "stdlib": build the demo corpus from
+    this Python's standard library into OUT_DIR/data/ on first use."""
+    seq_len: int = 128
+    """Tokens per training sequence."""
+    local_batch: int = 8
+    """Sequences per rank per microbatch."""
+    microbatches: int = 1
+    """Microbatches accumulated into one optimizer step."""
+    seed: int = 0
+    """Seed of the window sampler; with the step number it fixes every batch."""
+
+    def __post_init__(self) -> None:
+        _require(self.seq_len > 0, "data.seq_len must be positive")
+        _require(self.local_batch > 0, "data.local_batch must be positive")
+        _require(self.microbatches > 0, "data.microbatches must be positive")
+
+
+@dataclass(frozen=True)
+class TrainSection:
+    steps: int = 300
+    """Optimizer steps in the whole run (the cosine schedule ends here)."""
+    lr: float = 3e-3
+    """Peak learning rate of AdamW."""
+    warmup_steps: int = 20
+    """Steps of linear warm-up from zero to ``lr``."""
+    min_lr_ratio: float = 0.1
+    """The cosine decay ends at ``lr * min_lr_ratio``."""
+    weight_decay: float = 0.1
+    """AdamW decoupled weight decay."""
+    beta1: float = 0.9
+    """AdamW first-moment decay."""
+    beta2: float = 0.95
+    """AdamW second-moment decay."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this; 0 turns clipping off."""
+    seed: int = 0
+    """Seed of the weight initialisation."""
+    out_dir: str = "runs/demo"
+    """Where metrics.jsonl, checkpoints/ and loss.png go."""
+    checkpoint_every: int = 100
+    """Save every N steps (and always at the end); 0 saves only at the end."""
+    keep_checkpoints: int = 2
+    """How many of the newest checkpoints to keep; 0 keeps all."""
+    sample_tokens: int = 300
+    """Length of the text sample printed after training; 0 skips it."""
+    progress: bool = True
+    """Show a progress bar on rank 0."""
+    device: str = "auto"
+    """"auto" (CUDA when available), "cuda" or "cpu"."""
+
+    def __post_init__(self) -> None:
+        _require(self.steps > 0, "train.steps must be positive")
+        _require(self.lr > 0, "train.lr must be positive")
+        _require(0 <= self.warmup_steps, "train.warmup_steps must not be negative")
+        _require(0 <= self.min_lr_ratio <= 1, "train.min_lr_ratio must lie in [0, 1]")
+        _require(self.grad_clip >= 0, "train.grad_clip must not be negative")
+        _require(self.checkpoint_every >= 0, "train.checkpoint_every must not be negative")
+        _require(self.keep_checkpoints >= 0, "train.keep_checkpoints must not be negative")
+        _require(self.sample_tokens >= 0, "train.sample_tokens must not be negative")
+        _require(self.device in ("auto", "cuda", "cpu"),
+                 f"train.device must be auto, cuda or cpu, got {self.device!r}")
+
+
+@dataclass(frozen=True)
+class ParallelSection:
+    placements: str = "zero3"
+    """How state is sharded: zero3, zero2, zero1, ddp, or the two-axis hsdp and hfsdp."""
+    replicate: int = 1
+    """Replicas for hsdp/hfsdp: the mesh is (replicate, world / replicate)."""
+    compute_dtype: str = "auto"
+    """Dtype of forward and backward: bf16 on CUDA and fp32 on CPU when "auto"."""
+    main_grads_dtype: str = "auto"
+    """Dtype gradients accumulate in; "auto" follows the core's default."""
+    grad_comm_dtype: str = "auto"
+    """Dtype of the gradient reduce-scatter; "auto" follows the core's default."""
+    activation_checkpointing: bool = False
+    """Recompute each block's activations in backward to save memory."""
+
+    def __post_init__(self) -> None:
+        _require(self.placements in PLACEMENTS,
+                 f"parallel.placements must be one of {', '.join(PLACEMENTS)}, "
+                 f"got {self.placements!r}")
+        _require(self.replicate > 0, "parallel.replicate must be positive")
+        _require(self.replicate == 1 or self.placements in ("hsdp", "hfsdp"),
+                 f"parallel.replicate={self.replicate} needs --parallel.placements hsdp or "
+                 "hfsdp")
+        for name in ("compute_dtype", "main_grads_dtype", "grad_comm_dtype"):
+            _require(getattr(self, name) in DTYPES,
+                     f"parallel.{name} must be one of {', '.join(DTYPES)}")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    model: ModelSection = field(default_factory=ModelSection)
+    data: DataSection = field(default_factory=DataSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    parallel: ParallelSection = field(default_factory=ParallelSection)
+    resume: bool = False
+    """Continue from the newest complete checkpoint in OUT_DIR/checkpoints."""
+
+    def llama_config(self) -> LlamaConfig:
+        return self.model.llama_config(max_seq_len=self.data.seq_len)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+_SECTION_TYPES = {"model": ModelSection, "data": DataSection, "train": TrainSection,
+                  "parallel": ParallelSection}
+
+USAGE = """usage: mfsdp train [--config FILE.yaml] [--resume] [--SECTION.KEY VALUE ...]
+
+Trains a Llama-style model with mfsdp. Launch with torchrun for several processes, e.g.
+  torchrun --nproc-per-node 2 -m mfsdp.train --train.steps 100
+Sections and keys (defaults in parentheses):
+"""
+
+
+def usage() -> str:
+    lines = [USAGE]
+    for section, cls in _SECTION_TYPES.items():
+        for f in dataclasses.fields(cls):
+            lines.append(f"  --{section}.{f.name} ({f.default!r})")
+    return "\n".join(lines)
+
+
+def load_config(argv: list[str]) -> RunConfig:
+    """Parse ``argv`` (without the program name) into a validated RunConfig."""
+    values: dict[str, dict[str, object]] = {name: {} for name in _SECTION_TYPES}
+    resume = False
+    flags: list[tuple[str, str]] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--resume":
+            resume = True
+            i += 1
+            continue
+        if not arg.startswith("--"):
+            raise ConfigError(f"unexpected argument {arg!r}; flags look like --train.steps 100")
+        key, eq, value = arg[2:].partition("=")
+        if not eq:
+            if i + 1 >= len(argv):
+                raise ConfigError(f"--{key} needs a value")
+            value = argv[i + 1]
+            i += 1
+        i += 1
+        if key == "config":
+            _merge_yaml(values, Path(value))
+        else:
+            flags.append((key, value))
+    for key, value in flags:
+        section, name = _split_key(key)
+        values[section][name] = _parse_text(section, name, value)
+    sections = {}
+    for section, cls in _SECTION_TYPES.items():
+        try:
+            sections[section] = cls(**values[section])
+        except (ValueError, TypeError) as err:
+            raise ConfigError(str(err)) from None
+    return RunConfig(resume=resume, **sections)
+
+
+def _split_key(key: str) -> tuple[str, str]:
+    section, dot, name = key.partition(".")
+    if not dot or section not in _SECTION_TYPES:
+        raise ConfigError(f"unknown flag --{key}; flags look like --SECTION.KEY with SECTION "
+                          f"one of {', '.join(_SECTION_TYPES)} (see --help)")
+    _field_type(section, name)
+    return section, name
+
+
+def _field_type(section: str, name: str) -> object:
+    hints = typing.get_type_hints(_SECTION_TYPES[section])
+    if name not in hints:
+        known = ", ".join(hints)
+        raise ConfigError(f"unknown config key {section}.{name}; known keys of {section}: "
+                          f"{known}")
+    return hints[name]
+
+
+def _merge_yaml(values: dict[str, dict[str, object]], path: Path) -> None:
+    try:
+        import yaml  # part of the `train` extra; only needed for --config
+    except ImportError:
+        raise ConfigError("--config needs PyYAML: pip install pyyaml") from None
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        loaded = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path} is not valid YAML: {err}") from None
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"{path} must hold a mapping of sections ({', '.join(_SECTION_TYPES)})")
+    for section, entries in loaded.items():
+        if section not in _SECTION_TYPES:
+            raise ConfigError(f"unknown config section {section!r} in {path}; known sections: "
+                              f"{', '.join(_SECTION_TYPES)}")
+        if not isinstance(entries, dict):
+            raise ConfigError(f"section {section!r} in {path} must be a mapping of keys")
+        for name, value in entries.items():
+            values[section][name] = _check_type(section, name, value)
+
+
+def _parse_text(section: str, name: str, text: str) -> object:
+    """Convert a command-line string to the field's type."""
+    kind = _field_type(section, name)
+    options = typing.get_args(kind) if typing.get_origin(kind) in (typing.Union,
+                                                                   _union_type()) else (kind,)
+    if type(None) in options and text.lower() in ("none", "null"):
+        return None
+    base = next(t for t in options if t is not type(None))
+    try:
+        if base is bool:
+            lowered = text.lower()
+            if lowered in ("true", "1", "yes", "on"):
+                return True
+            if lowered in ("false", "0", "no", "off"):
+                return False
+            raise ValueError(text)
+        return base(text)
+    except ValueError:
+        raise ConfigError(f"--{section}.{name} expects {base.__name__}, got {text!r}") from None
+
+
+def _check_type(section: str, name: str, value: object) -> object:
+    """Check a YAML value against the field's type (ints are accepted for floats)."""
+    kind = _field_type(section, name)
+    options = typing.get_args(kind) if typing.get_origin(kind) in (typing.Union,
+                                                                   _union_type()) else (kind,)
+    if value is None and type(None) in options:
+        return None
+    for option in options:
+        if option is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if option is int and isinstance(value, bool):
+            continue
+        if option is not type(None) and isinstance(value, option):
+            return value
+    names = "/".join(getattr(t, "__name__", str(t)) for t in options)
+    raise ConfigError(f"{section}.{name} expects {names}, got {value!r}")
+
+
+def _union_type():
+    import types
+    return getattr(types, "UnionType", typing.Union)

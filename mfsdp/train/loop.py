@@ -1,0 +1,361 @@
+"""``mfsdp train``: the training run, top to bottom.
+
+The order is: parse the config, join the process group, check everything a user can
+get wrong (on every rank, then agree), build and shard the model, resume if asked,
+train, save, plot, and print a text sample. Each rank runs this same file; only rank 0
+prints.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import sys
+import time
+import warnings
+from contextlib import nullcontext
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import mfsdp
+from mfsdp.data import STDLIB, DataError, TokenFile, WindowSampler, prepare_stdlib_corpus
+from mfsdp.data.tokenizer import load_tokenizer
+from mfsdp.models import flops
+from mfsdp.models.llama import Llama, LlamaConfig
+from mfsdp.models.parallelize import ParallelizeConfig, build_mesh, mesh_shape_error, parallelize
+from mfsdp.train.checkpoint import (CheckpointError, check_compatible, find_latest,
+                                    load_checkpoint, save_checkpoint)
+from mfsdp.train.config import ConfigError, RunConfig, load_config, usage
+from mfsdp.train.metrics import MetricsLog, StepTimer, peak_memory_gib
+from mfsdp.train.sample import generate_text
+
+USER_ERRORS = (ConfigError, DataError, CheckpointError)
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+class RunFailed(Exception):
+    """Some rank hit a user error; carries that rank's message to every rank."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in ("-h", "--help"):
+        print(usage())
+        return 0
+    rank = int(os.environ.get("RANK", "0"))
+    # torch 2.13 deprecates the all-gather name that the 2.11 GPUs still need; the warning
+    # says nothing the user can act on, and it would bury the progress output.
+    warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.*deprecated",
+                            category=FutureWarning)
+    try:
+        cfg = load_config(argv)
+        device = _pick_device(cfg.train.device)
+    except USER_ERRORS as err:
+        return _report(rank, err)
+    _join_process_group(device)
+    try:
+        code = Trainer(cfg, device).run()
+        # Tear down together: a rank that leaves while another still talks to it makes
+        # gloo abort the latecomer at exit.
+        dist.barrier()
+        return code
+    except (*USER_ERRORS, RunFailed) as err:
+        return _report(rank, err)
+    finally:
+        dist.destroy_process_group()
+
+
+def _report(rank: int, err: Exception) -> int:
+    """One line on rank 0, a non-zero exit everywhere."""
+    if rank == 0:
+        print(f"mfsdp train: error: {err}", file=sys.stderr, flush=True)
+    return 2
+
+
+def _pick_device(choice: str) -> torch.device:
+    if choice == "cpu" or (choice == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ConfigError("train.device is cuda but no CUDA device is visible; use "
+                          "--train.device cpu")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if local_rank >= torch.cuda.device_count():
+        raise ConfigError(f"local rank {local_rank} has no GPU ({torch.cuda.device_count()} "
+                          "visible); launch at most one process per GPU")
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
+
+
+def _join_process_group(device: torch.device) -> None:
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    kwargs = {"device_id": device} if device.type == "cuda" else {}
+    if "RANK" in os.environ:  # launched by torchrun
+        dist.init_process_group(backend, timeout=timedelta(minutes=10), **kwargs)
+    else:  # a plain single process: a world of one, no rendezvous needed
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                                **kwargs)
+
+
+class Trainer:
+    def __init__(self, cfg: RunConfig, device: torch.device):
+        self.cfg = cfg
+        self.device = device
+        self.rank = dist.get_rank()
+        self.world = dist.get_world_size()
+        self.out_dir = Path(cfg.train.out_dir)
+        self.checkpoints = self.out_dir / "checkpoints"
+        self.model_cfg: LlamaConfig = cfg.llama_config()
+        self.stop_requested = False
+
+    def log(self, message: str) -> None:
+        if self.rank == 0:
+            print(message, flush=True)
+
+    # ------------------------------------------------------------------ checks
+
+    def preflight(self) -> tuple[TokenFile, Path | None]:
+        """Everything a user can get wrong, checked on every rank before any work.
+
+        Ranks compare notes afterwards, so a problem seen by one rank (say a file missing
+        on one node) stops all of them instead of leaving the others waiting forever.
+        """
+        problem, data, resume_from = None, None, None
+        try:
+            p = self.cfg.parallel
+            mesh_problem = mesh_shape_error(self.world, p.placements, p.replicate)
+            if mesh_problem:
+                raise ConfigError(mesh_problem)
+            data = self._open_data()
+            if data.vocab_size > self.model_cfg.vocab_size:
+                raise DataError(
+                    f"{data.path} was tokenized with a vocabulary of {data.vocab_size} but the "
+                    f"model has {self.model_cfg.vocab_size} embeddings; set --model.vocab_size "
+                    f"{data.vocab_size} or more")
+            if self.cfg.resume:
+                resume_from = find_latest(self.checkpoints)
+                if resume_from is not None:
+                    check_compatible(resume_from, self._model_fingerprint())
+        except USER_ERRORS as err:
+            problem = str(err)
+        problems: list[str | None] = [None] * self.world
+        dist.all_gather_object(problems, problem)
+        first = next(((r, m) for r, m in enumerate(problems) if m), None)
+        if first:
+            rank, message = first
+            raise RunFailed(message if rank == 0 else f"(on rank {rank}) {message}")
+        return data, resume_from
+
+    def _open_data(self) -> TokenFile:
+        path = self.cfg.data.path
+        if path == STDLIB:
+            path = self.out_dir / "data" / "stdlib.tokens"
+            # One builder per node: nodes need not share a file system.
+            if int(os.environ.get("LOCAL_RANK", "0")) == 0 and not path.is_file():
+                self.log(f"building the demo corpus from the standard library into {path}")
+                prepare_stdlib_corpus(path)
+            dist.barrier()
+        return TokenFile(path)
+
+    def _model_fingerprint(self) -> dict:
+        """What a checkpoint must match to be loadable into this run's model."""
+        return {k: getattr(self.model_cfg, k) for k in (
+            "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size",
+            "tie_embeddings")}
+
+    # ------------------------------------------------------------------ setup
+
+    def build(self) -> tuple[Llama, torch.optim.Optimizer]:
+        p = self.cfg.parallel
+        compute = _DTYPES.get(p.compute_dtype) or (
+            torch.bfloat16 if self.device.type == "cuda" else torch.float32)
+        policy = mfsdp.MixedPrecisionPolicy(
+            main_params_dtype=torch.float32,
+            main_grads_dtype=_DTYPES.get(p.main_grads_dtype),
+            grad_comm_dtype=_DTYPES.get(p.grad_comm_dtype))
+        # Built on the meta device, so no memory or time goes into a first random init
+        # that init_weights would overwrite anyway. Every rank draws the same weights.
+        with torch.device("meta"):
+            model = Llama(self.model_cfg, dtype=compute)
+        model.to_empty(device=self.device)
+        torch.manual_seed(self.cfg.train.seed)
+        model.init_weights(buffer_device=self.device)
+        mesh = build_mesh(self.device.type, self.world, p.placements, p.replicate)
+        parallelize(model, mesh, ParallelizeConfig(
+            placements=p.placements, mixed_precision=policy,
+            activation_checkpointing=p.activation_checkpointing))
+        t = self.cfg.train
+        # Norm scales (1-D) are not decayed: shrinking them towards zero only hurts.
+        decay = [q for q in model.parameters() if q.ndim >= 2]
+        no_decay = [q for q in model.parameters() if q.ndim < 2]
+        optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": t.weight_decay},
+             {"params": no_decay, "weight_decay": 0.0}],
+            lr=t.lr, betas=(t.beta1, t.beta2), foreach=True)
+        optimizer = mfsdp.fully_shard_optimizer(model, optimizer)
+        return model, optimizer
+
+    def learning_rate(self, step: int) -> float:
+        """Linear warm-up, then cosine decay to ``min_lr_ratio * lr`` at the last step."""
+        t = self.cfg.train
+        if step <= t.warmup_steps:
+            return t.lr * step / max(1, t.warmup_steps)
+        progress = (step - t.warmup_steps) / max(1, t.steps - t.warmup_steps)
+        cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+        return t.lr * (t.min_lr_ratio + (1 - t.min_lr_ratio) * cosine)
+
+    # ------------------------------------------------------------------ run
+
+    def run(self) -> int:
+        data, resume_from = self.preflight()
+        model, optimizer = self.build()
+        start_step = 0
+        if resume_from is not None:
+            start_step = load_checkpoint(resume_from, model, optimizer)["step"]
+            self.log(f"resumed from {resume_from} at step {start_step}")
+        elif self.cfg.resume:
+            self.log(f"no checkpoint in {self.checkpoints}; starting from step 0")
+        d = self.cfg.data
+        sampler = WindowSampler(data, d.seq_len, d.local_batch, self.rank, self.world,
+                                seed=d.seed, microbatches=d.microbatches)
+        n_params = flops.param_counts(self.model_cfg)["total"]
+        self.log(f"mfsdp train: {self.cfg.model.preset} model, {n_params / 1e6:.1f}M "
+                 f"parameters, {self.world} process(es) on {flops.device_name(self.device)}, "
+                 f"{self.cfg.parallel.placements} placements, {len(data):,} tokens in "
+                 f"{data.path}")
+        metrics = MetricsLog(self.out_dir / "metrics.jsonl", enabled=self.rank == 0,
+                             keep_until_step=start_step)
+        self._install_signal_handlers()
+        last = self.train(model, optimizer, sampler, metrics, start_step)
+        metrics.close()
+        if self.rank == 0:
+            from mfsdp.train.plotting import plot_loss  # matplotlib is slow to import
+            plot = plot_loss(metrics.path, self.out_dir / "loss.png")
+            self.log(f"metrics: {metrics.path}\nloss curve: {plot}\n"
+                     f"checkpoint: {self.checkpoints / f'step_{last}'}")
+        if self.stop_requested:
+            self.log(f"stopped by signal after step {last}; continue with --resume")
+        elif self.cfg.train.sample_tokens:
+            self._print_sample(model, data)
+        return 0
+
+    def train(self, model, optimizer, sampler, metrics, start_step: int) -> int:
+        t, d = self.cfg.train, self.cfg.data
+        tokens_per_step = self.world * d.microbatches * d.local_batch * d.seq_len
+        flops_per_token = flops.flops_per_token(self.model_cfg, d.seq_len)
+        progress = _progress_bar(t.steps, start_step, enabled=self.rank == 0 and t.progress)
+        timer = StepTimer(self.device)
+        step = start_step
+        for step in range(start_step + 1, t.steps + 1):
+            timer.start()
+            lr = self.learning_rate(step)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            loss_sum = torch.zeros((), device=self.device)
+            for micro in range(d.microbatches):
+                batch = sampler.batch(step, micro)
+                inputs = batch.inputs.to(self.device, non_blocking=True)
+                targets = batch.targets.to(self.device, non_blocking=True)
+                # Without accumulation there is nothing to defer, so skip the context.
+                accumulate = (mfsdp.microbatch(model, is_last=micro == d.microbatches - 1)
+                              if d.microbatches > 1 else nullcontext())
+                with accumulate:
+                    logits = model(inputs)
+                    loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+                    (loss / d.microbatches).backward()
+                loss_sum += loss.detach() / d.microbatches
+            grad_norm = torch.nn.utils.clip_grad_norm_(
+                model.parameters(), t.grad_clip if t.grad_clip > 0 else float("inf"))
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            # One collective carries the loss for logging and every rank's stop request,
+            # so all ranks leave the loop after the same step.
+            shared = torch.stack([loss_sum, torch.tensor(float(self.stop_requested),
+                                                         device=self.device)])
+            dist.all_reduce(shared)
+            loss_value, stop = shared[0].item() / self.world, shared[1].item() > 0
+            seconds = timer.stop()
+            tokens_per_s = tokens_per_step / seconds
+            per_gpu = tokens_per_s / self.world
+            record = {
+                "step": step, "loss": loss_value, "lr": lr,
+                "grad_norm": _as_float(grad_norm), "step_time_s": seconds,
+                "tokens_per_s": tokens_per_s, "tokens_per_s_per_gpu": per_gpu,
+                "tflops_per_gpu": per_gpu * flops_per_token / 1e12,
+                "mfu": flops.mfu(per_gpu, self.model_cfg, d.seq_len, self.device),
+                "peak_mem_gib": peak_memory_gib(self.device),
+            }
+            metrics.write(record)
+            progress.set_postfix_str(_postfix(record), refresh=False)
+            progress.update(1)
+            self.stop_requested = self.stop_requested or stop
+            due = t.checkpoint_every and step % t.checkpoint_every == 0
+            if due or step == t.steps or self.stop_requested:
+                save_checkpoint(self.checkpoints, step, model, optimizer, self._meta(),
+                                keep=t.keep_checkpoints)
+            if self.stop_requested:
+                break
+        progress.close()
+        return step
+
+    def _meta(self) -> dict:
+        return {"model": self._model_fingerprint(), "data_seed": self.cfg.data.seed,
+                "world_size": self.world, "config": self.cfg.to_dict()}
+
+    def _install_signal_handlers(self) -> None:
+        """First Ctrl-C or SIGTERM: finish the step, save, exit cleanly. Second: abort."""
+        def request_stop(signum, frame):
+            if self.stop_requested:
+                raise KeyboardInterrupt
+            self.stop_requested = True
+            self.log(f"\nreceived {signal.Signals(signum).name}: saving after this step")
+        signal.signal(signal.SIGINT, request_stop)
+        signal.signal(signal.SIGTERM, request_stop)
+
+    def _print_sample(self, model: Llama, data: TokenFile) -> None:
+        try:
+            tokenizer = load_tokenizer(data.tokenizer)
+        except DataError as err:
+            self.log(f"(no text sample: {err})")
+            return
+        prompt = "def "
+        text = generate_text(model, tokenizer, prompt, self.cfg.train.sample_tokens,
+                             max_context=self.cfg.data.seq_len, device=self.device,
+                             seed=self.cfg.train.seed)
+        self.log(f"\n--- sample (temperature 0.8, prompt {prompt!r}) ---\n{text}\n--- end ---")
+
+
+def _as_float(value) -> float:
+    if hasattr(value, "full_tensor"):  # a DTensor norm over sharded gradients
+        value = value.full_tensor()
+    return float(value)
+
+
+def _postfix(record: dict) -> str:
+    parts = [f"loss {record['loss']:.3f}", f"{record['tokens_per_s']:,.0f} tok/s",
+             f"{record['tflops_per_gpu']:.2f} TFLOP/s/gpu"]
+    if record["mfu"] is not None:
+        parts.append(f"MFU {100 * record['mfu']:.1f}%")
+    parts.append(f"peak {record['peak_mem_gib']:.2f} GiB")
+    return ", ".join(parts)
+
+
+def _progress_bar(total: int, initial: int, enabled: bool):
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        enabled = False
+    if not enabled:
+        return _NoProgress()
+    return tqdm(total=total, initial=initial, desc="train", unit="step", dynamic_ncols=True)
+
+
+class _NoProgress:
+    def update(self, n): pass
+    def set_postfix_str(self, text, refresh=True): pass
+    def close(self): pass

@@ -1,0 +1,55 @@
+"""The loss curve of a run, drawn from its metrics.jsonl."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    records = []
+    for line in Path(path).read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue  # a line cut short by an interrupted run
+    return records
+
+
+def plot_loss(metrics_path: str | Path, out: str | Path) -> Path | None:
+    """Write the loss curve (raw and smoothed) to ``out``; None without matplotlib."""
+    try:
+        import matplotlib
+    except ImportError:
+        return None
+    matplotlib.use("Agg")  # files only: training nodes have no display
+    import matplotlib.pyplot as plt
+
+    records = read_metrics(metrics_path)
+    steps = [r["step"] for r in records]
+    losses = [r["loss"] for r in records]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(steps, losses, color="tab:blue", alpha=0.35, linewidth=1, label="loss")
+    if len(losses) >= 10:
+        ax.plot(steps, _moving_average(losses, max(2, len(losses) // 20)), color="tab:blue",
+                linewidth=2, label="moving average")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy loss (nats/token)")
+    ax.set_title("mfsdp training loss")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    out = Path(out)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
+def _moving_average(values: list[float], window: int) -> list[float]:
+    averaged, total = [], 0.0
+    for i, value in enumerate(values):
+        total += value
+        if i >= window:
+            total -= values[i - window]
+        averaged.append(total / min(i + 1, window))
+    return averaged

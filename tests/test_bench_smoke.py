@@ -1,0 +1,97 @@
+"""CPU smoke test of benchmarks/throughput.py: two gloo ranks, the tiny preset, a few steps.
+
+It checks the harness (launch, per-implementation workers, JSON lines, table), not speed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "throughput.py"
+
+REQUIRED_KEYS = {
+    "impl", "preset", "world_size", "local_batch", "seq", "tokens_per_s_per_gpu", "tflops_per_gpu",
+    "mfu", "peak_mem_alloc_gib", "peak_mem_reserved_gib", "step_time_median_s",
+    "grad_reduce_dtype", "status", "speed_vs_fsdp2", "speed_vs_none", "command", "torch",
+}
+
+
+def _mfsdp_ready() -> bool:
+    sys.path.insert(0, str(ROOT))
+    try:
+        import mfsdp
+        return hasattr(mfsdp, "fully_shard")
+    finally:
+        sys.path.remove(str(ROOT))
+
+
+def test_throughput_smoke_two_ranks(tmp_path):
+    out = tmp_path / "results.jsonl"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(SCRIPT), "--preset", "tiny", "--impl", "mfsdp,fsdp2,none", "--steps", "3",
+           "--warmup", "1", "--seq", "64", "--local-batch", "2", "--dtype", "fp32",
+           "--out", str(out), "--report-dir", str(tmp_path), "--impl-timeout", "120"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+    records = {r["impl"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert set(records) == {"mfsdp", "fsdp2", "none"}
+    for impl, rec in records.items():
+        assert REQUIRED_KEYS <= rec.keys(), (impl, REQUIRED_KEYS - rec.keys())
+        assert rec["world_size"] == 2 and rec["preset"] == "tiny" and rec["seq"] == 64
+    must_run = ["fsdp2", "none"] + (["mfsdp"] if _mfsdp_ready() else [])
+    for impl in must_run:
+        rec = records[impl]
+        assert rec["status"] == "ok", (impl, rec["status"])
+        assert rec["step_time_median_s"] > 0 and rec["tokens_per_s_per_gpu"] > 0
+        expected_tps = rec["local_batch"] * rec["seq"] / rec["step_time_median_s"]
+        assert abs(rec["tokens_per_s_per_gpu"] - expected_tps) / expected_tps < 1e-3
+        assert rec["tflops_per_gpu"] > 0
+        assert rec["mfu"] is None and rec["peak_mem_alloc_gib"] is None  # CPU: no peak, no CUDA
+        assert rec["step_time_p10_s"] <= rec["step_time_median_s"] <= rec["step_time_p90_s"]
+        assert rec["loss_finite"] and 5.0 < rec["loss_first"] < 8.0  # about ln(512) = 6.24
+    assert records["fsdp2"]["speed_vs_fsdp2"] == 1.0
+    assert records["fsdp2"]["grad_reduce_dtype"] == "fp32"
+    assert records["none"]["grad_reduce_dtype"] == "none"
+    if not _mfsdp_ready():
+        assert records["mfsdp"]["status"].startswith("skipped")
+    assert "| fsdp2 | ok |" in proc.stdout  # the markdown table on rank 0
+    assert len(list(tmp_path.glob("*_cpu_tiny-b2-s64-w2.md"))) == 1
+
+
+def test_exposed_comm_from_kernel_intervals(tmp_path):
+    """NCCL time counts as exposed only where no compute-stream kernel runs."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import throughput
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+
+    def kernel(name, ts, dur, stream):
+        return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur,
+                "args": {"stream": stream}}
+
+    events = [
+        kernel("gemm", 0, 100, 7),                         # compute 0-100
+        kernel("ncclDevKernel_AllGather", 50, 100, 20),   # 50-150: 50 hidden, 50 exposed
+        kernel("chunk_cat", 150, 20, 20),                 # comm-stream copy: not compute
+        kernel("ncclDevKernel_ReduceScatter", 200, 40, 21),  # 200-240: all exposed
+        kernel("elementwise", 230, 30, 7),                # compute 230-260: hides 10 of it
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 500},  # ignored
+    ]
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    summary = throughput.kernel_summary(str(path))
+    assert summary["nccl_busy_ms"] == pytest.approx(0.14)
+    assert summary["compute_busy_ms"] == pytest.approx(0.13)
+    assert summary["exposed_comm_ms"] == pytest.approx(0.08)   # 50 + 30 us
+    assert summary["gpu_span_ms"] == pytest.approx(0.26)
+    assert summary["gpu_idle_ms"] == pytest.approx(0.03)       # 170-200 us
