@@ -7,7 +7,6 @@ torch.
 
 from __future__ import annotations
 
-import contextlib
 
 import torch
 import torch.distributed as dist
@@ -40,9 +39,9 @@ def supports_grad_dtype() -> bool:
     return hasattr(torch.Tensor, "grad_dtype")
 
 
-def set_grad_dtype(param: torch.Tensor, dtype: torch.dtype) -> None:
-    if param.dtype != dtype:
-        param.grad_dtype = dtype
+def set_grad_dtype(param: torch.Tensor, dtype) -> None:
+    """Let ``param`` hold a ``.grad`` of ``dtype`` (None: its own dtype). No grad may be attached."""
+    param.grad_dtype = None if dtype is None or dtype == param.dtype else dtype
 
 
 def strided_shard(dim: int, split_factor: int):
@@ -57,24 +56,17 @@ def flatten_mesh(mesh):
     return mesh._flatten()
 
 
+# torch 2.13 renamed the single-tensor collectives (the old names warn); 2.11 has only the old ones.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group) -> None:
-    dist.all_gather_into_tensor(output, input, group=group)
+    _all_gather(output, input, group=group)
 
 
 def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op, group) -> None:
-    # torch 2.13 prefers reduce_scatter_single but 2.11 lacks it; the old name works on both.
-    with warnings_silenced():
-        dist.reduce_scatter_tensor(output, input, op=op, group=group)
-
-
-@contextlib.contextmanager
-def warnings_silenced():
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", category=FutureWarning)
-        warnings.simplefilter("ignore", category=DeprecationWarning)
-        yield
+    _reduce_scatter(output, input, op=op, group=group)
 
 
 def symmetric_memory_module():

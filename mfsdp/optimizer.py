@@ -75,13 +75,15 @@ def fully_shard_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) ->
                 if p.grad is None:
                     continue
                 swapped.append((p, p.grad))
-                p.grad_dtype = None
+                p.grad = None  # torch refuses to change grad_dtype while a grad is attached
+                _compat.set_grad_dtype(p, None)
                 p.grad = torch.distributed.tensor.DTensor.from_local(
                     grad_view, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
 
     def post_step(opt, args, kwargs):
         while swapped:
             p, original = swapped.pop()
+            p.grad = None
             _compat.set_grad_dtype(p, original.dtype)
             p.grad = original
         with torch.profiler.record_function("mfsdp::refresh_model_weights"):

@@ -8,12 +8,10 @@ prints.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import signal
 import sys
-import time
 import warnings
 from contextlib import nullcontext
 from datetime import timedelta
@@ -89,6 +87,10 @@ def _pick_device(choice: str) -> torch.device:
         raise ConfigError(f"local rank {local_rank} has no GPU ({torch.cuda.device_count()} "
                           "visible); launch at most one process per GPU")
     torch.cuda.set_device(local_rank)
+    # fp32 runs (compute_dtype fp32) use TF32 tensor cores for matmuls: about 8x faster on
+    # recent GPUs, at a precision that training tolerates.
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
     return torch.device("cuda", local_rank)
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 
 @torch.no_grad()
@@ -12,11 +11,11 @@ def generate_text(model: torch.nn.Module, tokenizer, prompt: str, new_tokens: in
                   temperature: float = 0.8) -> str:
     """Sample ``new_tokens`` continuing ``prompt``; a collective when the model is sharded.
 
-    Every rank runs the same forward passes, since each holds only a shard of the weights
-    and must take part in gathering them. Rank 0's choice of token is broadcast so all
-    ranks extend the same text even if their logits differ in the last bit. There is no
-    KV cache: the whole context is recomputed per token, which is fine for a few hundred
-    tokens of a small model.
+    Every rank runs the same number of forward passes, since each holds only a shard of
+    the weights and must take part in gathering them. The ranks need not agree on the
+    tokens for that (only rank 0 prints), so no token is exchanged; with the same seed
+    they normally pick the same ones anyway. There is no KV cache: the whole context is
+    recomputed per token, which is fine for a few hundred tokens of a small model.
     """
     ids = torch.tensor([tokenizer.encode(prompt)], dtype=torch.long, device=device)
     generator = torch.Generator(device=device).manual_seed(seed)
@@ -24,7 +23,5 @@ def generate_text(model: torch.nn.Module, tokenizer, prompt: str, new_tokens: in
         logits = model(ids[:, -max_context:])[:, -1].float()
         probs = torch.softmax(logits / temperature, dim=-1)
         next_id = torch.multinomial(probs, 1, generator=generator)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.broadcast(next_id, src=0)
         ids = torch.cat([ids, next_id], dim=1)
     return tokenizer.decode(ids[0].tolist())

@@ -1,0 +1,202 @@
+"""`mfsdp train` end to end: real torchrun launches of two CPU processes.
+
+One baseline run is shared by several checks; every launch uses a very small model so
+the whole file stays well under two minutes on two cores.
+"""
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from mfsdp.data import prepare
+from mfsdp.data.prepare import stdlib_source
+
+pytestmark = [pytest.mark.timeout(240),
+              pytest.mark.filterwarnings("ignore::UserWarning")]
+
+REPO = Path(__file__).resolve().parents[1]
+SMALL = ["--model.n_layers", "2", "--model.dim", "64", "--model.n_heads", "4",
+         "--model.n_kv_heads", "2", "--model.ffn_dim", "128", "--data.seq_len", "32",
+         "--data.local_batch", "4", "--train.lr", "1e-2", "--train.warmup_steps", "2",
+         "--train.sample_tokens", "16", "--train.progress", "false", "--train.device", "cpu"]
+
+
+def _env() -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+    return env
+
+
+def torchrun(*args, nproc=2, extra_launcher=(), timeout=120, **popen):
+    cmd = [sys.executable, "-m", "torch.distributed.run", *extra_launcher,
+           "--nproc-per-node", str(nproc), "-m", "mfsdp.train", *args]
+    if not extra_launcher:
+        cmd.insert(3, "--standalone")
+    return subprocess.run(cmd, env=_env(), cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout, **popen)
+
+
+def single(*args):
+    return subprocess.run([sys.executable, "-m", "mfsdp.train", *args], env=_env(), cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+
+
+def losses(out_dir: Path) -> dict[int, float]:
+    lines = (out_dir / "metrics.jsonl").read_text().splitlines()
+    return {r["step"]: r["loss"] for r in map(json.loads, lines)}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("data") / "small.tokens"
+    prepare(stdlib_source(), out, glob="[a-c]*.py")
+    return out
+
+
+@pytest.fixture(scope="module")
+def baseline(corpus, tmp_path_factory):
+    out = tmp_path_factory.mktemp("baseline")
+    run = torchrun(*SMALL, "--data.path", str(corpus), "--train.steps", "8",
+                   "--train.checkpoint_every", "4", "--train.out_dir", str(out))
+    assert run.returncode == 0, run.stdout + run.stderr
+    return out, run
+
+
+def test_two_process_run_writes_metrics_checkpoints_plot_and_sample(baseline):
+    out, run = baseline
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 9))
+    for key in ("loss", "lr", "grad_norm", "tokens_per_s", "tflops_per_gpu", "mfu",
+                "peak_mem_gib"):
+        assert key in records[0]
+    assert records[0]["mfu"] is None  # no peak to compare with on CPU
+    assert records[-1]["loss"] < records[0]["loss"] - 0.5
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step_8"
+    assert (out / "checkpoints" / "step_4" / ".metadata").is_file()
+    assert (out / "loss.png").stat().st_size > 0
+    assert "--- sample" in run.stdout and "2 process(es)" in run.stdout
+
+
+def test_resume_reproduces_the_uninterrupted_losses_exactly(baseline, corpus, tmp_path):
+    out, _ = baseline
+    resumed = tmp_path / "resumed"
+    shutil.copytree(out / "checkpoints" / "step_4", resumed / "checkpoints" / "step_4")
+    (resumed / "checkpoints" / "latest").write_text("step_4\n")
+    run = torchrun(*SMALL, "--data.path", str(corpus), "--train.steps", "8",
+                   "--train.checkpoint_every", "4", "--train.out_dir", str(resumed),
+                   "--resume")
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "at step 4" in run.stdout
+    expected, got = losses(out), losses(resumed)
+    assert sorted(got) == [5, 6, 7, 8]
+    for step in got:
+        assert got[step] == pytest.approx(expected[step], abs=1e-6, rel=0)
+
+
+def test_ctrl_c_saves_and_exits_cleanly_on_every_rank(corpus, tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           "--nproc-per-node", "2", "-m", "mfsdp.train", *SMALL, "--data.path", str(corpus),
+           "--train.steps", "100000", "--train.checkpoint_every", "0",
+           "--train.out_dir", str(tmp_path)]
+    proc = subprocess.Popen(cmd, env=_env(), cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    metrics = tmp_path / "metrics.jsonl"
+    deadline = time.time() + 90
+    while time.time() < deadline and proc.poll() is None:
+        if metrics.is_file() and len(metrics.read_text().splitlines()) >= 3:
+            break
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
+    output, _ = proc.communicate(timeout=90)
+    last = max(losses(tmp_path))
+    assert f"stopped by signal after step {last}" in output, output
+    assert (tmp_path / "checkpoints" / "latest").read_text().strip() == f"step_{last}"
+    assert (tmp_path / "checkpoints" / f"step_{last}" / ".metadata").is_file()
+    assert "[rank0]: Traceback" not in output and "[rank1]: Traceback" not in output
+
+
+def test_two_nodes_on_localhost(corpus, tmp_path):
+    port = free_port()
+    launcher = ["--nnodes", "2", "--rdzv-backend", "c10d",
+                "--rdzv-endpoint", f"localhost:{port}", "--rdzv-id", "mfsdp-test"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", *launcher, "--nproc-per-node", "1",
+           "-m", "mfsdp.train", *SMALL, "--data.path", str(corpus), "--train.steps", "3",
+           "--train.out_dir", str(tmp_path), "--train.sample_tokens", "0"]
+    nodes = [subprocess.Popen(cmd, env=_env(), cwd=REPO, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for _ in range(2)]
+    outputs = [node.communicate(timeout=150)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], "\n".join(outputs)
+    assert any("2 process(es)" in out for out in outputs)
+    assert sorted(losses(tmp_path)) == [1, 2, 3]
+
+
+def test_the_demo_runs(tmp_path):
+    run = subprocess.run([sys.executable, "-m", "mfsdp.demo", "--train.steps", "3",
+                          "--train.out_dir", str(tmp_path), "--train.progress", "false",
+                          "--train.sample_tokens", "16"],
+                         env=_env(), cwd=REPO, capture_output=True, text=True, timeout=180)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "--- sample" in run.stdout and (tmp_path / "loss.png").is_file()
+    assert "tiny model" in run.stdout
+
+
+def _one_error_line(run, expected: str) -> None:
+    assert run.returncode != 0
+    errors = [line for line in run.stderr.splitlines() if "mfsdp train: error:" in line]
+    assert len(errors) == 1 and expected in errors[0], run.stderr
+    assert "Traceback" not in run.stderr.split("mfsdp train: error:")[0] + run.stdout
+
+
+def test_missing_and_corrupt_data_files(tmp_path):
+    _one_error_line(single(*SMALL, "--data.path", str(tmp_path / "none.tokens"),
+                           "--train.out_dir", str(tmp_path)),
+                    "does not exist; create it with `mfsdp prepare-data")
+    bad = tmp_path / "bad.tokens"
+    bad.write_bytes(b"\0" * 1000)
+    _one_error_line(single(*SMALL, "--data.path", str(bad), "--train.out_dir", str(tmp_path)),
+                    "not an mfsdp token file")
+
+
+def test_unknown_key_and_unknown_preset():
+    _one_error_line(single("--train.stepz", "3"), "unknown config key train.stepz")
+    _one_error_line(single("--model.preset", "70b"), "known presets: 1b, 8b, tiny")
+
+
+def test_checkpoint_of_another_shape_is_refused(baseline, corpus):
+    out, _ = baseline
+    args = [a if a != "64" else "96" for a in SMALL]  # a wider model
+    _one_error_line(single(*args, "--data.path", str(corpus), "--train.out_dir", str(out),
+                           "--resume"), "was written for a different model (dim: checkpoint 64")
+
+
+def test_world_size_that_does_not_fit_the_mesh(corpus, tmp_path):
+    run = torchrun(*SMALL, "--data.path", str(corpus), "--train.out_dir", str(tmp_path),
+                   "--parallel.placements", "hsdp", "--parallel.replicate", "4")
+    _one_error_line(run, "world size 2 does not fit a mesh of 4 replicas")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
+def test_gpu_run_in_bf16_reports_mfu_and_memory(corpus, tmp_path):
+    args = [a if a != "cpu" else "cuda" for a in SMALL]
+    run = single(*args, "--data.path", str(corpus), "--train.steps", "4",
+                 "--train.out_dir", str(tmp_path))
+    assert run.returncode == 0, run.stdout + run.stderr
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert records[-1]["peak_mem_gib"] > 0 and records[-1]["loss"] < records[0]["loss"]
+    if __import__("mfsdp.models.flops", fromlist=["peak_flops"]).peak_flops("cuda") is not None:
+        assert records[-1]["mfu"] > 0
