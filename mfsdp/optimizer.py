@@ -47,6 +47,25 @@ def _mark_stale_after_step(optimizer, args, kwargs) -> None:
 register_optimizer_step_post_hook(_mark_stale_after_step)
 
 
+def _free_gradients_on_zero_grad(optimizer: torch.optim.Optimizer, groups: list) -> None:
+    """``zero_grad(set_to_none=True)`` frees the gradient buffers right away.
+
+    Otherwise they would stay allocated until the next forward (where the root frees them), and
+    the bytes between the step and that forward would be the step's peak. torch has no zero_grad
+    hook, so the bound optimizer's method is wrapped on the instance.
+    """
+    zero_grad = optimizer.zero_grad
+
+    def zero_grad_and_free(set_to_none: bool = True) -> None:
+        zero_grad(set_to_none=set_to_none)
+        if set_to_none:
+            for group in groups:
+                if group.requires_grad:
+                    group.release_unused_gradient_memory()
+
+    optimizer.zero_grad = zero_grad_and_free
+
+
 def fully_shard_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """Register an already-built optimizer with a sharded model; returns the same optimizer.
 
@@ -93,5 +112,6 @@ def fully_shard_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) ->
 
     optimizer.register_step_pre_hook(pre_step)
     optimizer.register_step_post_hook(post_step)
+    _free_gradients_on_zero_grad(optimizer, groups)
     _BOUND_OPTIMIZERS.add(optimizer)
     return optimizer

@@ -283,3 +283,44 @@ def test_state_dict_clip_and_module_called_twice(world):
     assert out["full_sd_err"] == 0.0
     assert out["dcp_err"] == 0.0 and out["dcp_forward_err"] == 0.0
     assert out["redistribute"] == 0.0 and out["zeroed"]
+
+
+def bf16_resting_memory(rank, ws):
+    """bf16 compute, fp32 masters: at rest only the fp32 shard (no bf16 copy), and gradients
+    dropped by zero_grad() free their memory before the next forward."""
+    torch.manual_seed(0)
+    net = Net(vocab=64, dim=32, hidden=64).to(torch.bfloat16)
+    total = sum(p.numel() for p in net.parameters())
+    shard_net(net, make_mesh("zero3", ws), make_placements("zero3"))
+    groups = [g for m in net.modules() if isinstance(m, mfsdp.FsdpModule) for g in m.parameter_groups]
+
+    def resting_bytes():
+        size = 0
+        for g in groups:
+            for buf in {id(b): b for b in (g.main, g.model, g.unsharded, g.main_grad) if b is not None}.values():
+                size += buf.tensor.untyped_storage().size()
+        return size
+
+    at_rest = resting_bytes()
+    optim = mfsdp.fully_shard_optimizer(net, torch.optim.AdamW(net.parameters(), lr=1e-3))
+    x, y = global_batch(0, 4, 5, 64)
+    loss_fn(net(x), y).backward()
+    with_grads = resting_bytes()
+    optim.step()
+    optim.zero_grad(set_to_none=True)
+    after_zero_grad = resting_bytes()  # freed by the bound optimizer's zero_grad
+    loss_fn(net(x), y).backward()
+    net.zero_grad(set_to_none=True)  # a plain zero_grad: freed by the next root forward
+    with torch.no_grad():
+        net(x)
+    assert resting_bytes() == after_zero_grad
+    return total, at_rest, with_grads, after_zero_grad
+
+
+def test_bf16_resting_memory(world):
+    total, at_rest, with_grads, after_zero_grad = world(2).run(bf16_resting_memory)[0]
+    shard_fp32 = 4 * total / 2
+    padding = 4 * 4 * 64 * 4  # a row per parameter, generously
+    assert at_rest <= shard_fp32 + padding, (at_rest, shard_fp32)
+    assert with_grads > at_rest + 2 * total / 2  # bf16 gradient shards appeared
+    assert after_zero_grad == at_rest, (after_zero_grad, at_rest)

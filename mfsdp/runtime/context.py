@@ -62,10 +62,15 @@ class FsdpContext:
 
     # ------------------------------------------------------------------ forward / backward edges
     def begin_forward(self) -> None:
-        """Root pre-forward: communication may read what the optimizer just wrote."""
+        """Root pre-forward: communication may read what the optimizer just wrote, and gradients
+        the user dropped with ``zero_grad()`` stop occupying memory during forward."""
         current = self.current_stream()
         if current is not None:
             self.allgather_stream.wait_stream(current)
+        for module in self.forward_order:
+            for group in module.parameter_groups:
+                if group.requires_grad:
+                    group.release_unused_gradient_memory()
 
     def track_reduction(self, keep_alive: list) -> None:
         """Hold the inputs of a reduction just issued until the compute stream may reuse them."""

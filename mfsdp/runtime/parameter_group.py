@@ -69,23 +69,33 @@ class FsdpParameterGroup:
                         f"{tuple(p.shape)} in {label} is not. Pad it, or use HSDP or ZeRO-3."
                     )
 
-        # Compute weights at the parameter level; whole and persistent where it replicates them.
-        self.model = FlatBuffer(self.layout.numel(g.ways(g.param_level)), dtypes.compute, device)
-        self.unsharded = (
-            self.model if g.param_level == 0
-            else FlatBuffer(self.layout.numel(1), dtypes.compute, device)
-        )
+        # Compute weights at rest. Three cases, cheapest memory first:
+        # * main dtype == compute dtype at the same level: the main weights *are* the compute weights;
+        # * sharded like the main weights but in another dtype (ZeRO-3 / HSDP with fp32 masters): no
+        #   persistent copy; each unshard casts the main shard into the gather input (one kernel of
+        #   1/N of the bytes), which saves 2 bytes per parameter per rank at rest;
+        # * replicated (ZeRO-1/2, DDP) or sharded over fewer axes (HFSDP): a persistent copy, refreshed
+        #   once per optimizer step, so the per-step gathers stay off the slow axes.
+        level_ways = g.ways(g.param_level)
         self.main_aliases_model = dtypes.main == dtypes.compute and g.num_levels == g.param_level
-        self.main = self.model if self.main_aliases_model else FlatBuffer(
-            self.layout.numel(g.num_shards), dtypes.main, device)
-        self._model_regions = self.layout.regions(self.model.tensor, g.ways(g.param_level))
+        self.model_on_the_fly = not self.main_aliases_model and g.num_levels == g.param_level > 0
+        self.main = FlatBuffer(self.layout.numel(g.num_shards), dtypes.main, device)
+        self.model: Optional[FlatBuffer] = (
+            self.main if self.main_aliases_model
+            else None if self.model_on_the_fly
+            else FlatBuffer(self.layout.numel(level_ways), dtypes.compute, device)
+        )
+        self.unsharded = (
+            self.model if g.param_level == 0 else FlatBuffer(self.layout.numel(1), dtypes.compute, device)
+        )
+        self._model_regions = self.layout.regions(self.model.tensor, level_ways) if self.model else None
         self._unsharded_regions = self.layout.regions(self.unsharded.tensor, 1)
         self._main_regions = self.layout.regions(self.main.tensor, g.num_shards)
         with torch.no_grad():
             for i, (p, m) in enumerate(zip(params, self.layout.members)):
-                fill_region(self._model_regions[i], p.detach(), m, g.ways(g.param_level), g.index(g.param_level))
-                if not self.main_aliases_model:
-                    fill_region(self._main_regions[i], p.detach(), m, g.num_shards, g.shard_index)
+                fill_region(self._main_regions[i], p.detach(), m, g.num_shards, g.shard_index)
+                if self.model is not None and self.model is not self.main:
+                    fill_region(self._model_regions[i], p.detach(), m, level_ways, g.index(g.param_level))
         for p, view in zip(params, self.layout.unpadded(self._unsharded_regions)):
             p.data = view  # the original Parameter now lives in the unsharded buffer
         if self.unsharded is not self.model:
@@ -122,9 +132,16 @@ class FsdpParameterGroup:
             return
         g = self.geometry
         if self.unsharded is not self.model:
-            with stream_context(stream):
+            with torch.no_grad(), stream_context(stream):
                 self.unsharded.allocate()  # allocated on the all-gather stream, freed there too
-                self._gather(self._model_regions, g.param_level, self._unsharded_regions, stream)
+                if not self.model_on_the_fly:
+                    self._gather(self._model_regions, g.param_level, self._unsharded_regions, stream)
+                elif g.num_shards == 1:
+                    self.unsharded.tensor.copy_(self.main.tensor)  # one rank: cast straight into place
+                else:
+                    cast = self.main.tensor.to(self.dtypes.compute)
+                    self._gather(self.layout.regions(cast, g.num_shards), g.param_level,
+                                 self._unsharded_regions, stream)
         self.state = GroupState.UNSHARDED
 
     def reshard(self, stream: Optional[torch.Stream]) -> None:
@@ -138,7 +155,7 @@ class FsdpParameterGroup:
 
     def refresh_model_weights(self, stream: Optional[torch.Stream] = None) -> None:
         """Cast the main weights into the compute weights (one kernel), re-gathering if needed."""
-        if self.main_aliases_model:
+        if self.main_aliases_model or self.model_on_the_fly:
             return
         g = self.geometry
         with torch.no_grad(), stream_context(stream):
@@ -184,8 +201,20 @@ class FsdpParameterGroup:
             for p in self.sharded_params:
                 _compat.set_grad_dtype(p, d.grads)
 
+    def release_unused_gradient_memory(self) -> None:
+        """Free the main-gradient storage when every ``.grad`` was set to None (``zero_grad()``).
+
+        Gradients are dead between the optimizer step and the next backward; FSDP2 frees them too.
+        With ``zero_grad(set_to_none=False)`` the buffer stays, persistent and zeroed in place.
+        """
+        if self.main_grad is not None and self.main_grad.is_allocated:
+            if all(p.grad is None for p in self.sharded_params):
+                self.main_grad.release()
+
     def _main_grad_regions(self) -> list[torch.Tensor]:
         g = self.geometry
+        if self.main_grad is not None and not self.main_grad.is_allocated:
+            self.main_grad.allocate()  # every .grad is None, so the next write overwrites it all
         if self.main_grad is None:
             self.main_grad = FlatBuffer(self.grad_layout.numel(g.num_shards), self.dtypes.grads,
                                         self._all_used.device)
