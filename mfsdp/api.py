@@ -6,10 +6,12 @@ from typing import Optional, TypeVar
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from mfsdp.mixed_precision import MixedPrecisionPolicy
 from mfsdp.placement import Placements, default_placements
 from mfsdp.runtime.module import FsdpModule
+from mfsdp.runtime.registry import OWNER_OF_PARAMETER
 
 M = TypeVar("M", bound=nn.Module)
 _FSDP_CLASSES: dict[type, type] = {}
@@ -40,7 +42,8 @@ def fully_shard(
     """
     if isinstance(module, FsdpModule):
         raise ValueError(
-            f"fully_shard was already applied to this {type(module).__mro__[2].__name__}; apply it once "
+            f"fully_shard was already applied to this "
+            f"{next(c for c in type(module).__mro__ if not issubclass(c, FsdpModule)).__name__}; apply it once "
             "per module"
         )
     if not isinstance(module, nn.Module):
@@ -57,7 +60,19 @@ def fully_shard(
         (mesh.mesh_dim_names or [str(d) for d in range(mesh.ndim)])[d]
         for d in range(mesh.ndim) if d not in dp_dims
     ]
-    if extra:
+    # Extra axes are allowed where the parameters are already DTensors over them (tensor
+    # parallelism), or where FSDP descendants sharded such parameters on this same mesh.
+    dtensor_axes = {tuple(p.device_mesh.mesh_dim_names or ()) for p in module.parameters() if isinstance(p, DTensor)}
+    owned_axes = {
+        tuple(p.device_mesh.mesh_dim_names or ()) for p in module.parameters()
+        if isinstance(p, DTensor) and not OWNER_OF_PARAMETER.get(p)
+    }
+    if extra and any(axes != tuple(extra) for axes in owned_axes):
+        raise ValueError(
+            f"the parameters are DTensors over mesh axes {sorted(owned_axes)} but the mesh's axes outside "
+            f"the data-parallel ones are {extra}; they must be the same"
+        )
+    if extra and not any(set(extra) <= set(axes) for axes in dtensor_axes):
         raise ValueError(
             f"mesh axes {extra} are not data-parallel axes of these placements; pass the data-parallel "
             f"sub-mesh (e.g. mesh[{tuple(placements.dp_axes)!r}]) or add the axes to Placements.dp_axes"

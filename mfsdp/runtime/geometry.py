@@ -7,7 +7,7 @@ from typing import Sequence
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from mfsdp import _compat
 from mfsdp.placement import Placements
@@ -76,6 +76,37 @@ class ShardGeometry:
         placements[fine] = _compat.strided_shard(0, split_factor=self.mesh.size(coarse))
         placements[coarse] = Shard(0)
         return self.mesh, placements
+
+    def parameter_spec(self, param: torch.Tensor) -> tuple[DeviceMesh, list, bool]:
+        """Exposed mesh and placements for ``param``, and whether its dim 0 must divide evenly.
+
+        A parameter that is already a DTensor (tensor parallel) keeps its placements on its own
+        axes; mfsdp shards its *local* tensor over the data-parallel axes. When tensor parallelism
+        already split dim 0, the data-parallel split of dim 0 comes second, which DTensor spells
+        ``_StridedShard`` on the data-parallel axis (defined for even splits only).
+        """
+        mesh, placements = self.dtensor_spec()
+        if not isinstance(param, DTensor):
+            return mesh, placements, False
+        if mesh is not self.mesh:
+            raise NotImplementedError(
+                f"{self.placements.name} with tensor-parallel parameters is not supported; use ZeRO-1/2/3, "
+                "DDP or HSDP over the data-parallel axes"
+            )
+        names = list(self.mesh.mesh_dim_names or ())
+        even = False
+        for own_dim, placement in enumerate(param.placements):
+            dim = names.index(param.device_mesh.mesh_dim_names[own_dim])
+            placements[dim] = placement
+            if isinstance(placement, Shard) and placement.dim == 0:
+                for dp_dim in self.dims:
+                    if isinstance(placements[dp_dim], Shard):
+                        if dp_dim > dim:
+                            raise NotImplementedError(
+                                "tensor-parallel axes must come after the data-parallel axes in the mesh")
+                        placements[dp_dim] = _compat.strided_shard(0, split_factor=self.mesh.size(dim))
+                        even = True
+        return mesh, placements, even
 
     @property
     def requires_even_rows(self) -> bool:

@@ -25,7 +25,6 @@ from typing import Any, Optional
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 from torch.profiler import record_function
 
 from mfsdp import _compat
@@ -459,11 +458,6 @@ def _collect_owned_parameters(root: nn.Module):
                 f"parameter {fqn!r} is already owned by another FSDP module: either a child was "
                 "sharded after its parent (apply fully_shard bottom-up: blocks first, root last), or "
                 "the parameter is shared across FSDP modules (shard their common ancestor only)"
-            )
-        if isinstance(param, DTensor):
-            raise NotImplementedError(
-                f"parameter {fqn!r} is already a DTensor (tensor parallel?); composing fully_shard "
-                "with tensor parallelism is not supported yet"
             )
         if param.device.type == "meta":
             raise NotImplementedError(

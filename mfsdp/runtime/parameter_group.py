@@ -49,7 +49,7 @@ class FsdpParameterGroup:
         dtypes: ResolvedDtypes,
         label: str,
     ) -> None:
-        self.params = params  # the original Parameters: unsharded views used for compute
+        self.params = params  # the Parameters used for compute, views of the unsharded buffer
         self.aliases = aliases  # every (module, attribute) that holds each parameter
         self.geometry = geometry
         self.dtypes = dtypes
@@ -59,14 +59,19 @@ class FsdpParameterGroup:
         self.needs_refresh = False  # main weights changed since the compute weights were derived
         device = params[0].device
         g = geometry
-        self.layout = FlatLayout([p.shape for p in params], g.num_shards)
-        if g.requires_even_rows:
-            for p, m in zip(params, self.layout.members):
+        # Tensor-parallel parameters: FSDP works on their local shards, the DTensor keeps its axes.
+        locals_ = [_local(p) for p in params]
+        specs = [g.parameter_spec(p) for p in params]
+        self.layout = FlatLayout([t.shape for t in locals_], g.num_shards)
+        for p, m, (_, _, even) in zip(params, self.layout.members, specs):
+            if g.requires_even_rows or even:
                 if m.is_padded:
+                    why = "tensor parallelism already splits its dim 0" if even else geometry.placements.name
                     raise NotImplementedError(
-                        f"{geometry.placements.name} needs dim 0 of every parameter divisible by "
-                        f"{g.num_shards} (torch's strided shard is even-only); a parameter of shape "
-                        f"{tuple(p.shape)} in {label} is not. Pad it, or use HSDP or ZeRO-3."
+                        f"a parameter of shape {tuple(p.shape)} in {label}: {why}, so its local dim 0 "
+                        f"({m.rows}) must divide by the {g.num_shards} data-parallel shards (torch's "
+                        "strided shard is even-only). Pad that dimension, or use HSDP or 1-D ZeRO "
+                        "without tensor parallelism on it."
                     )
 
         # Compute weights at rest. Three cases, cheapest memory first:
@@ -92,25 +97,31 @@ class FsdpParameterGroup:
         self._unsharded_regions = self.layout.regions(self.unsharded.tensor, 1)
         self._main_regions = self.layout.regions(self.main.tensor, g.num_shards)
         with torch.no_grad():
-            for i, (p, m) in enumerate(zip(params, self.layout.members)):
-                fill_region(self._main_regions[i], p.detach(), m, g.num_shards, g.shard_index)
+            for i, (t, m) in enumerate(zip(locals_, self.layout.members)):
+                fill_region(self._main_regions[i], t.detach(), m, g.num_shards, g.shard_index)
                 if self.model is not None and self.model is not self.main:
-                    fill_region(self._model_regions[i], p.detach(), m, level_ways, g.index(g.param_level))
-        for p, view in zip(params, self.layout.unpadded(self._unsharded_regions)):
-            p.data = view  # the original Parameter now lives in the unsharded buffer
+                    fill_region(self._model_regions[i], t.detach(), m, level_ways, g.index(g.param_level))
+        for i, (p, view) in enumerate(zip(params, self.layout.unpadded(self._unsharded_regions))):
+            if isinstance(p, DTensor):  # a new Parameter: a DTensor over the unsharded view
+                self.params[i] = nn.Parameter(
+                    DTensor.from_local(view, p.device_mesh, p.placements, run_check=False,
+                                       shape=p.shape, stride=p.stride()),
+                    requires_grad=p.requires_grad)
+            else:
+                p.data = view  # the original Parameter now lives in the unsharded buffer
         if self.unsharded is not self.model:
             self.unsharded.release()  # views stay valid: the storage object is kept
 
-        mesh, placements = geometry.dtensor_spec()
+        self._specs = [(mesh, placements) for mesh, placements, _ in specs]
         self.sharded_params = [
             nn.Parameter(
                 DTensor.from_local(local, mesh, placements, run_check=False, shape=p.shape,
                                    stride=contiguous_stride(p.shape)),
                 requires_grad=p.requires_grad,
             )
-            for p, local in zip(params, self.layout.shards(self._main_regions, g.shard_index))
+            for p, local, (mesh, placements) in zip(
+                params, self.layout.shards(self._main_regions, g.shard_index), self._specs)
         ]
-        self._dtensor_mesh, self._dtensor_placements = mesh, placements
         if self.requires_grad:
             self._init_gradient_state(device)
         self.use_sharded_params()
@@ -184,7 +195,7 @@ class FsdpParameterGroup:
         # Gradients carry one extra member: per-parameter usage counts (K rows of one entry per
         # parameter). Reduced like the gradients, they tell every rank whether *any* rank produced
         # a gradient, so a parameter unused everywhere keeps .grad None, as in plain PyTorch.
-        shapes = [p.shape for p in self.params] + [torch.Size((g.num_shards, len(self.params)))]
+        shapes = [m.shape for m in self.layout.members] + [torch.Size((g.num_shards, len(self.params)))]
         self.grad_layout = FlatLayout(shapes, g.num_shards)
         self._all_used = torch.ones(g.num_shards * len(self.params), dtype=d.comm, device=device)
         self.main_grad: Optional[FlatBuffer] = None
@@ -221,9 +232,10 @@ class FsdpParameterGroup:
             self.main_grad.tensor.zero_()
             regions = self.grad_layout.regions(self.main_grad.tensor, g.num_shards)
             self._grad_dtensors = [
-                DTensor.from_local(local, self._dtensor_mesh, self._dtensor_placements, run_check=False,
+                DTensor.from_local(local, mesh, placements, run_check=False,
                                    shape=p.shape, stride=contiguous_stride(p.shape))
-                for p, local in zip(self.params, self.grad_layout.shards(regions, g.shard_index))
+                for p, local, (mesh, placements) in zip(
+                    self.params, self.grad_layout.shards(regions, g.shard_index), self._specs)
             ]
         return self.grad_layout.regions(self.main_grad.tensor, self.geometry.num_shards)
 
@@ -275,7 +287,7 @@ class FsdpParameterGroup:
     def _stage_inputs(self) -> list:
         """Level-0 gradient regions in the reduction dtype; copies only where it must."""
         comm = self.dtypes.comm
-        grads = [p.grad for p in self.params]
+        grads = [_local_grad(p) for p in self.params]
         members = self.grad_layout.members
         staged = [
             i for i, (gr, m) in enumerate(zip(grads, members[:-1]))
@@ -406,3 +418,20 @@ class FsdpParameterGroup:
         used = counts.float().tolist()  # a host sync, on this rare path only
         for p, grad, count in zip(self.sharded_params, self._grad_dtensors, used):
             p.grad = grad if count > 0 else None
+
+
+def _local(param: torch.Tensor) -> torch.Tensor:
+    """The tensor FSDP shards: the local shard of a tensor-parallel DTensor, else the tensor."""
+    if isinstance(param, DTensor):
+        with torch.no_grad():
+            return param.to_local()
+    return param
+
+
+def _local_grad(param: torch.Tensor) -> Optional[torch.Tensor]:
+    grad = param.grad
+    if grad is None or not isinstance(grad, DTensor):
+        return grad
+    if tuple(grad.placements) != tuple(param.placements):  # e.g. Partial over the TP axis
+        grad = grad.redistribute(placements=param.placements)
+    return grad.to_local()

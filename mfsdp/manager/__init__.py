@@ -1,0 +1,43 @@
+"""mfsdp.manager: a drop-in for NeMo Automodel's Megatron-FSDP manager, built on mfsdp's public API.
+
+::
+
+    mesh = build_device_mesh("cuda", tp_size=1, dp_replicate_size=1)
+    model, optimizer = MegatronFSDPManager(MegatronFSDPConfig(), mesh).parallelize(model, optimizer)
+
+See ``docs/manager.md``.
+"""
+
+import logging
+
+from mfsdp.manager.config import MegatronFSDPConfig
+from mfsdp.manager.manager import (MegatronFSDPManager, MegatronFSDPModel, NonFiniteGradientError, dp_placements,
+                                   fully_shard_optimizer, maybe_shard_optimizer, precision_policy,
+                                   resolve_unit_modules)
+from mfsdp.manager.mesh import MESH_DIM_NAMES, build_device_mesh, build_device_mesh_from_config, resolve_sizes
+from mfsdp.manager.param_attrs import restore_distributed_param_attrs, snapshot_distributed_param_attrs
+
+HAS_MEGATRON_FSDP = True
+"""Always True: the backend is mfsdp itself, which is importable wherever this module is."""
+
+logger = logging.getLogger("mfsdp.manager")
+
+__all__ = [
+    "MegatronFSDPConfig",
+    "MegatronFSDPManager",
+    "MegatronFSDPModel",
+    "NonFiniteGradientError",
+    "fully_shard_optimizer",
+    "maybe_shard_optimizer",
+    "snapshot_distributed_param_attrs",
+    "restore_distributed_param_attrs",
+    "HAS_MEGATRON_FSDP",
+    "logger",
+    "MESH_DIM_NAMES",
+    "build_device_mesh",
+    "build_device_mesh_from_config",
+    "resolve_sizes",
+    "dp_placements",
+    "precision_policy",
+    "resolve_unit_modules",
+]

@@ -1,0 +1,210 @@
+"""``MegatronFSDPConfig``: every knob of the manager, validated when the config is built.
+
+The field names follow the Megatron-FSDP manager this package replaces, so an existing YAML or
+keyword set keeps working. Two defaults differ on purpose, because they favour correctness over
+memory: ``preserve_fp32_weights`` and ``grad_reduce_in_fp32`` are True (fp32 main weights and
+fp32 gradient reduction).
+
+The config is a pure value: it checks types, ranges and combinations that can never work. Whether
+a feature is available on a given mesh and device is checked by the manager, which raises
+``NotImplementedError`` naming the reason for anything mfsdp cannot do yet; no field is ever
+silently ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any, Optional, Union
+
+ZERO_DP_STRATEGY_NAMES = {"no_shard": 0, "optim": 1, "optim_grads": 2, "optim_grads_params": 3}
+"""Megatron-FSDP's names for ``zero_dp_strategy`` levels."""
+
+OUTER_DP_SHARDING_NAMES = {"no_shard": 0, "optim": 1}
+"""Names for ``outer_dp_sharding_strategy`` (what the dp_replicate axis shards)."""
+
+_BOOL_FIELDS = (
+    "activation_checkpointing", "average_in_collective", "calculate_per_token_loss", "check_for_nan_in_grad",
+    "disable_bucketing", "fsdp_double_buffer", "grad_reduce_in_fp32", "init_fsdp_with_meta_device",
+    "keep_fp8_transpose_cache", "nccl_ub", "overlap_grad_reduce", "overlap_param_gather", "preserve_fp32_weights",
+    "report_nan_in_param_grad", "sequence_parallel",
+)
+
+
+def _level(value: Any, names: Mapping[str, int], field: str, top: int) -> int:
+    if isinstance(value, str):
+        key = value.strip().lower()
+        if key.isdigit():
+            value = int(key)
+        elif key in names:
+            return names[key]
+        else:
+            raise ValueError(
+                f"MegatronFSDPConfig.{field}={value!r} is not a known name; use one of "
+                f"{sorted(names, key=names.get)} or an integer 0..{top}"
+            )
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= top:
+        raise ValueError(f"MegatronFSDPConfig.{field} must be an integer 0..{top} or a name, got {value!r}")
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class MegatronFSDPConfig:
+    """How :class:`~mfsdp.manager.MegatronFSDPManager` parallelizes a model.
+
+    Fields marked *not available yet* raise ``NotImplementedError`` from the manager when set to
+    their non-default value, with the reason; they exist so configs written for Megatron-FSDP load.
+    """
+
+    megatron_fsdp_unit_modules: Optional[Sequence[Union[str, type]]] = None
+    """Default None. Classes whose instances become shard units (gathered and released as one):
+    class names (``"LlamaDecoderLayer"``), import paths (``"transformers.models.llama.modeling_llama.
+    LlamaDecoderLayer"``) or classes. None: the model's ``_no_split_modules``. Nothing matching is an
+    error. The root always becomes a unit too and owns every parameter no unit owns."""
+
+    zero_dp_strategy: Union[int, str] = 3
+    """Default 3. What dp_shard shards: 0 ``no_shard`` (DDP: one all-reduce per step), 1 ``optim``
+    (ZeRO-1: optimizer state), 2 ``optim_grads`` (ZeRO-2: + gradients), 3 ``optim_grads_params``
+    (ZeRO-3: + parameters). Stored as the integer."""
+
+    outer_dp_sharding_strategy: Union[int, str] = 0
+    """Default 0. With ``dp_replicate > 1`` and ``zero_dp_strategy=3``: 0 ``no_shard`` replicates
+    everything across dp_replicate (HSDP); 1 ``optim`` also shards the optimizer state and main
+    weights across it (HFSDP; needs dim 0 of every parameter divisible by the dp size)."""
+
+    init_fsdp_with_meta_device: bool = False
+    """Default False. Build on the meta device and materialise shard by shard. *Not available yet*:
+    the core shards materialised parameters only."""
+
+    grad_reduce_in_fp32: bool = True
+    """Default True. Gradients are reduced and accumulated in fp32 (``MixedPrecisionPolicy.
+    main_grads_dtype=float32``). False: in the compute dtype (half the traffic for bf16 models)."""
+
+    preserve_fp32_weights: bool = True
+    """Default True. The optimizer updates fp32 main weights and the bf16 compute weights are derived
+    from them after each step. False: the compute weights are the main weights (a bf16 model then
+    takes bf16 optimizer steps)."""
+
+    overlap_grad_reduce: bool = True
+    """Default True. Reduce gradients on a side stream while backward continues. False (synchronous,
+    for debugging): *not available yet*, the core always overlaps."""
+
+    overlap_param_gather: bool = True
+    """Default True. Prefetch the next unit's all-gather during compute. False: *not available yet*,
+    the core always prefetches one unit ahead."""
+
+    check_for_nan_in_grad: bool = True
+    """Default True. After gradients are reduced (``model.finish_grad_sync()``, called for you before
+    a bound optimizer steps), raise :class:`NonFiniteGradientError` on every rank, naming the step
+    and the parameter group(s), if any gradient holds NaN or Inf. Cost: one reduction per parameter
+    and one small all-reduce per step."""
+
+    report_nan_in_param_grad: bool = False
+    """Default False. Like ``check_for_nan_in_grad`` (and enabled even when that is off), but the
+    error also names every affected parameter."""
+
+    average_in_collective: bool = False
+    """Default False. Gradients are the mean over the data-parallel ranks either way. True asks for
+    the division to happen inside the collective (``ReduceOp.AVG``), which the core does on NCCL;
+    gloo has no AVG, so there the core sums and divides once. False (Megatron: pre-scale, then sum)
+    has the same scale; the core does not pre-scale, so only the rounding point differs. Cannot be
+    combined with ``calculate_per_token_loss``."""
+
+    disable_bucketing: bool = False
+    """Default False. One collective per parameter instead of one coalesced launch per unit. True:
+    *not available yet* (the core always coalesces a unit's collectives)."""
+
+    calculate_per_token_loss: bool = False
+    """Default False. True: gradients are *summed* over the data-parallel ranks instead of averaged,
+    because the loss is already normalised by the global token count. The manager multiplies the
+    reduced gradients by the number of data-parallel ranks in ``model.finish_grad_sync()``."""
+
+    keep_fp8_transpose_cache: bool = False
+    """Default False. Keep Transformer Engine's FP8 transpose cache. True: *not available*, mfsdp has
+    no FP8 parameter support."""
+
+    nccl_ub: bool = False
+    """Default False. Gather and reduce through NCCL user buffers (symmetric memory). Needs CUDA;
+    on other devices it is an error; on CUDA it is passed to ``fully_shard(use_symm_mem=True)``,
+    which says when the core does not support it yet."""
+
+    fsdp_double_buffer: bool = False
+    """Default False. Two persistent gather buffers used in alternation. True: *not available yet*
+    (the core allocates and frees gather buffers per unit)."""
+
+    activation_checkpointing: bool = False
+    """Default False. Recompute each unit module's activations in backward (torch's non-reentrant
+    checkpoint around the unit's forward), at any world size. Sets ``model.config.use_cache=False``
+    on Hugging Face models, since a KV cache would be written twice."""
+
+    tp_size: Optional[int] = None
+    """Default None (take it from the mesh). Tensor-parallel degree; must match ``mesh["tp"]``."""
+
+    cp_size: Optional[int] = None
+    """Default None (take it from the mesh). Context-parallel degree; must match ``mesh["cp"]``."""
+
+    dp_replicate_size: Optional[int] = None
+    """Default None (take it from the mesh). Replicas of the sharded model (HSDP); must match
+    ``mesh["dp_replicate"]``. dp_shard is derived: world / (dp_replicate * cp * tp)."""
+
+    sequence_parallel: bool = False
+    """Default False. Shard the norms' activations over tp (sequence parallel). Needs tp > 1. *Not
+    available yet*: Hugging Face models derive position ids from the embedding output's length."""
+
+    tp_plan: Optional[Mapping[str, Any]] = None
+    """Default None (built-in plan for Llama, Qwen2/3 and Mistral, else the model's ``_tp_plan``). A
+    dict of module-name patterns to ``torch.distributed.tensor.parallel`` styles."""
+
+    def __post_init__(self) -> None:
+        for name in _BOOL_FIELDS:
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise TypeError(f"MegatronFSDPConfig.{name} must be a bool, got {value!r}")
+        object.__setattr__(self, "zero_dp_strategy",
+                           _level(self.zero_dp_strategy, ZERO_DP_STRATEGY_NAMES, "zero_dp_strategy", 3))
+        object.__setattr__(self, "outer_dp_sharding_strategy",
+                           _level(self.outer_dp_sharding_strategy, OUTER_DP_SHARDING_NAMES,
+                                  "outer_dp_sharding_strategy", 1))
+        for name in ("tp_size", "cp_size", "dp_replicate_size"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"MegatronFSDPConfig.{name} must be a positive integer or None, got {value!r}")
+        units = self.megatron_fsdp_unit_modules
+        if units is not None:
+            if isinstance(units, (str, type)):
+                units = (units,)
+            units = tuple(units)
+            if not units or not all(isinstance(u, (str, type)) and u for u in units):
+                raise ValueError(
+                    "MegatronFSDPConfig.megatron_fsdp_unit_modules must be a non-empty list of class "
+                    f"names, import paths or classes, got {self.megatron_fsdp_unit_modules!r}"
+                )
+            object.__setattr__(self, "megatron_fsdp_unit_modules", units)
+        if self.average_in_collective and self.calculate_per_token_loss:
+            raise ValueError(
+                "MegatronFSDPConfig: average_in_collective=True averages gradients but "
+                "calculate_per_token_loss=True sums them; choose one"
+            )
+        if self.sequence_parallel and self.tp_size is not None and self.tp_size == 1:
+            raise ValueError("MegatronFSDPConfig.sequence_parallel=True needs tp_size > 1 (it shards over tp)")
+        if self.tp_plan is not None and not isinstance(self.tp_plan, Mapping):
+            raise TypeError(f"MegatronFSDPConfig.tp_plan must be a dict of module patterns to styles, "
+                            f"got {type(self.tp_plan).__name__}")
+        if self.outer_dp_sharding_strategy and self.zero_dp_strategy != 3:
+            raise ValueError(
+                "MegatronFSDPConfig.outer_dp_sharding_strategy=1 (HFSDP) needs zero_dp_strategy=3"
+            )
+
+    @property
+    def zero_dp_strategy_name(self) -> str:
+        return {v: k for k, v in ZERO_DP_STRATEGY_NAMES.items()}[self.zero_dp_strategy]
+
+    @property
+    def checks_gradients(self) -> bool:
+        """Whether ``finish_grad_sync`` looks for non-finite gradients."""
+        return self.check_for_nan_in_grad or self.report_nan_in_param_grad
+
+
+def field_names() -> tuple[str, ...]:
+    """Every field of :class:`MegatronFSDPConfig`, in declaration order."""
+    return tuple(f.name for f in dataclasses.fields(MegatronFSDPConfig))

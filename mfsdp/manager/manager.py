@@ -1,0 +1,496 @@
+"""``MegatronFSDPManager``: shard a Hugging Face style model over the manager mesh with mfsdp.
+
+``parallelize(model, optimizer)`` walks one path at every world size:
+
+1. check the config against the mesh and refuse, with the reason, what mfsdp cannot do yet;
+2. tensor parallel (plan chosen and validated; sharding TP DTensors is not in the core yet);
+3. activation checkpointing around each unit module's forward;
+4. ``fully_shard`` each unit module bottom-up, then the root, with the placements
+   ``zero_dp_strategy`` maps to and the precision policy the fp32 flags map to;
+5. dress the root: ``dtype`` reports the compute dtype, ``finish_grad_sync`` /
+   ``install_optimized_model_weights`` / ``zero_grad_buffer`` for optimizer-less loops, the gradient
+   scaling and NaN checks, a guard against parameters replaced after wrapping, and a
+   ``load_state_dict`` that accepts full (unsharded) tensors;
+6. bind the optimizer, if one is given, keeping its param groups and settings.
+
+Everything goes through mfsdp's public API; the manager keeps its per-model state in one object
+on the root module, never on Parameters.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.utils.checkpoint import checkpoint
+
+import mfsdp
+from mfsdp import FsdpModule
+from mfsdp.manager.config import MegatronFSDPConfig, field_names
+from mfsdp.manager.mesh import MeshSizes, check_config_against_mesh, mesh_sizes
+from mfsdp.manager.tp_plans import apply_tp_plan, select_tp_plan, validate_tp
+
+logger = logging.getLogger("mfsdp.manager")
+
+
+class NonFiniteGradientError(RuntimeError):
+    """A reduced gradient holds NaN or Inf (raised on every rank)."""
+
+
+# ---------------------------------------------------------------------------------- placements
+def dp_placements(zero_dp_strategy: int, sizes: MeshSizes, outer_dp_sharding_strategy: int = 0) -> mfsdp.Placements:
+    """The mfsdp placements a strategy stands for on a manager mesh of ``sizes``.
+
+    Parameters shard over dp_shard (times cp when cp > 1) and replicate over dp_replicate.
+    """
+    s = zero_dp_strategy
+    if sizes.dp_replicate > 1:
+        if sizes.cp > 1:
+            raise NotImplementedError(
+                "dp_replicate > 1 together with cp > 1 needs three data-parallel axes (replicate over "
+                "dp_replicate, shard over dp_shard x cp); mfsdp's placements support two")
+        if s != 3:
+            raise NotImplementedError(
+                f"zero_dp_strategy={s} with dp_replicate_size={sizes.dp_replicate}: mfsdp has no placement that "
+                "replicates across dp_replicate while sharding only optimizer state/gradients within dp_shard. "
+                "Use zero_dp_strategy=3 (HSDP, or HFSDP with outer_dp_sharding_strategy=1), or "
+                f"dp_replicate_size=1 with zero_dp_strategy={s} over all data-parallel ranks (with nothing "
+                "sharded, a separate replicate axis saves nothing)")
+        if outer_dp_sharding_strategy == 1:
+            return mfsdp.Placements.hfsdp("dp_replicate", "dp_shard")
+        return mfsdp.Placements.hsdp("dp_replicate", "dp_shard")
+    if sizes.cp > 1:
+        if s != 3:
+            raise NotImplementedError(
+                f"zero_dp_strategy={s} with cp > 1 needs one flattened dp_shard x cp axis; mfsdp shards over "
+                "dp_shard x cp as two axes, which only ZeRO-3 (zero_dp_strategy=3) supports")
+        return mfsdp.Placements.fully_sharded("dp_shard", "cp")
+    return (mfsdp.Placements.ddp, mfsdp.Placements.zero1, mfsdp.Placements.zero2, mfsdp.Placements.zero3)[s]("dp_shard")
+
+
+def precision_policy(config: MegatronFSDPConfig) -> mfsdp.MixedPrecisionPolicy:
+    """``preserve_fp32_weights`` -> fp32 main weights; ``grad_reduce_in_fp32`` -> fp32 grads and reduction."""
+    return mfsdp.MixedPrecisionPolicy(
+        main_params_dtype=torch.float32 if config.preserve_fp32_weights else None,
+        main_grads_dtype=torch.float32 if config.grad_reduce_in_fp32 else None,
+    )
+
+
+# -------------------------------------------------------------------------------- unit modules
+def _resolve_class(spec):
+    if isinstance(spec, type):
+        return spec
+    if "." in spec:
+        module_name, _, cls_name = spec.rpartition(".")
+        try:
+            return getattr(importlib.import_module(module_name), cls_name)
+        except (ImportError, AttributeError) as exc:
+            raise ValueError(f"megatron_fsdp_unit_modules: cannot import {spec!r} ({exc})") from exc
+    return spec
+
+
+def resolve_unit_modules(model: nn.Module, specs=None) -> list[tuple[str, nn.Module]]:
+    """``(name, module)`` of every unit module below the root, children before parents.
+
+    ``specs`` are class names, import paths or classes; None means ``model._no_split_modules``.
+    """
+    if specs is None:
+        specs = getattr(model, "_no_split_modules", None)
+        if not specs:
+            raise ValueError(
+                f"{type(model).__name__} has no _no_split_modules to pick shard units from; set "
+                "MegatronFSDPConfig.megatron_fsdp_unit_modules (e.g. ['LlamaDecoderLayer'])")
+        source = f"{type(model).__name__}._no_split_modules"
+    else:
+        source = "megatron_fsdp_unit_modules"
+    wanted = [_resolve_class(s) for s in specs]
+    classes = tuple(w for w in wanted if isinstance(w, type))
+    names = {w for w in wanted if isinstance(w, str)}
+    units = [(n, m) for n, m in model.named_modules()
+             if n and (isinstance(m, classes) or type(m).__name__ in names)]
+    if not units:
+        present = sorted({type(m).__name__ for m in model.modules()})
+        raise ValueError(
+            f"{source}={list(specs)} matches no submodule of {type(model).__name__}; its module classes "
+            f"are {present}")
+    return units[::-1]  # reversed pre-order: every child comes before its parents
+
+
+def _checkpoint_forward(module: nn.Module) -> None:
+    """Recompute ``module``'s forward in backward (non-reentrant), keeping the FSDP hooks outside."""
+    inner = module.forward
+
+    def forward(*args, **kwargs):
+        return checkpoint(inner, *args, use_reentrant=False, **kwargs)
+
+    module.forward = forward
+
+
+# ---------------------------------------------------------------------------- managed root
+class _ManagerState:
+    def __init__(self, config: MegatronFSDPConfig, sizes: MeshSizes, mesh, compute_dtype: torch.dtype,
+                 groups, slots) -> None:
+        self.config = config
+        self.sizes = sizes
+        self.mesh = mesh
+        self.compute_dtype = compute_dtype
+        self.groups = groups  # [(label, [(name, sharded param)])]: one per (unit, dtype)
+        self.slots = slots  # [(module, attr, param, dtype)] as left by parallelize
+        self.step = 0
+        self.synced = False
+
+
+class MegatronFSDPModel:
+    """Mixed into the root's class by :meth:`MegatronFSDPManager.parallelize`.
+
+    Without an optimizer passed to ``parallelize``, a training step is::
+
+        loss.backward(); model.finish_grad_sync(); optimizer.step()
+        model.install_optimized_model_weights(); optimizer.zero_grad(); model.zero_grad_buffer()
+    """
+
+    _mfsdp_manager_state: _ManagerState
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The compute dtype (the parameters themselves are the main weights, fp32 by default)."""
+        return self._mfsdp_manager_state.compute_dtype
+
+    def finish_grad_sync(self) -> None:
+        """Finish this step's gradients: per-token-loss scaling, then the NaN/Inf check.
+
+        The reductions themselves already ran during backward. Call it before clipping gradients;
+        a bound optimizer calls it before stepping if you did not. Once per step.
+        """
+        state = self._mfsdp_manager_state
+        if state.synced:
+            return
+        if state.config.calculate_per_token_loss and state.sizes.dp > 1:
+            with torch.no_grad():
+                for _, members in state.groups:
+                    for _, p in members:
+                        if p.grad is not None:
+                            p.grad.mul_(state.sizes.dp)
+        if state.config.checks_gradients:
+            _check_finite(state)
+        state.step += 1
+        state.synced = True
+
+    def install_optimized_model_weights(self) -> None:
+        """Re-derive the compute weights from the main weights the optimizer just updated."""
+        for module in self.modules():
+            if isinstance(module, FsdpModule):
+                module.refresh_model_weights()
+        self._mfsdp_manager_state.synced = False
+
+    def zero_grad_buffer(self) -> None:
+        """Drop the gradients (the next backward starts from zero)."""
+        for p in self.parameters():
+            p.grad = None
+        self._mfsdp_manager_state.synced = False
+
+    def _apply(self, fn, recurse=True):
+        """``to`` / ``float`` / ``cuda`` ...: a no-op for the parameters is fine, a change raises.
+
+        A dtype or device change would detach the parameters from mfsdp's flat buffers, so ``fn`` is
+        probed on empty tensors of the main-weight and compute dtypes before anything is touched.
+        When it changes neither, it is applied to the buffers only (parameters stay as they are).
+        """
+        state = self._mfsdp_manager_state
+        probes = {(dtype, param.device) for _, _, param, dtype in state.slots}
+        probes |= {(state.compute_dtype, device) for _, device in probes}
+        for dtype, device in probes:
+            out = fn(torch.empty(0, dtype=dtype, device=device))
+            if out.dtype != dtype or out.device != device:
+                raise RuntimeError(
+                    f"cannot convert an mfsdp-sharded model to {out.dtype} on {out.device} after parallelize: its "
+                    f"{dtype} weights on {device} live in mfsdp's sharded buffers. Cast or move the model before "
+                    "parallelize (the compute dtype is the dtype it had then; the main-weight dtype is "
+                    "MegatronFSDPConfig.preserve_fp32_weights).")
+        for module in self.modules() if recurse else (self,):
+            for name, buf in list(module.named_buffers(recurse=False)):
+                setattr(module, name, fn(buf))
+        return self
+
+
+def _param_names(model: nn.Module) -> dict[int, str]:
+    return {id(p): n for n, p in model.named_parameters()}
+
+
+def _check_finite(state: _ManagerState) -> None:
+    flags, labels, names = [], [], []
+    for label, members in state.groups:
+        sums = []
+        for name, p in members:
+            if p.grad is None:
+                continue
+            g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            sums.append(g.sum(dtype=torch.float64))
+            labels.append(label)
+            names.append(name)
+        if sums:
+            flags.append(~torch.stack(sums).isfinite())
+    if not flags:
+        return
+    bad = torch.cat(flags).to(torch.float32)
+    for dim in range(state.mesh.ndim):
+        if state.mesh.size(dim) > 1:
+            dist.all_reduce(bad, group=state.mesh.get_group(dim))
+    if not bool(bad.any()):
+        return
+    hit = [i for i, v in enumerate(bad.tolist()) if v > 0]
+    groups = list(dict.fromkeys(labels[i] for i in hit))
+    msg = (f"mfsdp: non-finite gradient (NaN or Inf) at step {state.step} in parameter group(s) "
+           f"{', '.join(groups)}")
+    if state.config.report_nan_in_param_grad:
+        msg += f"; parameters: {', '.join(names[i] for i in hit)}"
+    else:
+        msg += " (set report_nan_in_param_grad=True to name the parameters)"
+    raise NonFiniteGradientError(msg)
+
+
+def _make_guard(state: _ManagerState):
+    def guard(module, args, kwargs):
+        for owner, attr, param, dtype in state.slots:
+            current = getattr(owner, attr, None)
+            if current is not param or current.dtype != dtype:
+                raise RuntimeError(
+                    f"parameter {type(owner).__name__}.{attr} was replaced after parallelize (a re-tie, "
+                    "load_state_dict(assign=True), or a dtype/device change?); mfsdp trains the parameters it "
+                    "sharded. Tie weights and cast before parallelize; load with load_state_dict(assign=False).")
+        if torch.is_grad_enabled():
+            state.synced = False  # a new training forward: this step's gradients are not finished
+        return None
+
+    return guard
+
+
+def _make_load_hook(slots):
+    def hook(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+        for attr, param in slots:
+            key = prefix + attr
+            value = state_dict.get(key)
+            if value is None or isinstance(value, DTensor) or not isinstance(value, torch.Tensor):
+                continue
+            if tuple(value.shape) != tuple(param.shape):
+                continue  # let load_state_dict report the size mismatch
+            # Each rank keeps its own torch.chunk block of the full tensor: no communication.
+            state_dict[key] = distribute_tensor(value.detach().to(param.device, param.dtype), param.device_mesh,
+                                                param.placements, src_data_rank=None)
+
+    return hook
+
+
+_MANAGED_CLASSES: dict[type, type] = {}
+
+
+def _dress_root(model: nn.Module, state: _ManagerState) -> None:
+    cls = type(model)
+    if cls not in _MANAGED_CLASSES:
+        _MANAGED_CLASSES[cls] = type(f"Managed{cls.__name__}", (MegatronFSDPModel, cls), {"__module__": cls.__module__})
+    model.__class__ = _MANAGED_CLASSES[cls]
+    model._mfsdp_manager_state = state
+    model.register_forward_pre_hook(_make_guard(state), prepend=True, with_kwargs=True)
+    by_module: dict[int, tuple[nn.Module, list]] = {}
+    for owner, attr, param, _ in state.slots:
+        by_module.setdefault(id(owner), (owner, []))[1].append((attr, param))
+    for owner, slots in by_module.values():
+        owner.register_load_state_dict_pre_hook(_make_load_hook(slots))
+
+
+# ---------------------------------------------------------------------------------- optimizer
+def fully_shard_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer,
+                          preproc_state_dict_for_dcp_ckpt: bool = True) -> torch.optim.Optimizer:
+    """Bind an optimizer built on ``model.parameters()`` (after parallelize); returns it.
+
+    Param groups and their settings are kept. For a managed model, the optimizer also finishes
+    the step's gradients (scaling, NaN check) before stepping unless ``finish_grad_sync`` already ran.
+
+    ``preproc_state_dict_for_dcp_ckpt`` is accepted for compatibility and has nothing to do: mfsdp's
+    shards are ``torch.chunk`` blocks, i.e. ordinary evenly-described DTensors that DCP saves and
+    loads as they are, so no uneven-shard metadata needs pre-processing.
+    """
+    mfsdp.fully_shard_optimizer(model, optimizer)
+    state = getattr(model, "_mfsdp_manager_state", None)
+    if state is not None and not getattr(optimizer, "_mfsdp_manager_hooked", False):
+        def pre_step(opt, args, kwargs):
+            model.finish_grad_sync()
+
+        def post_step(opt, args, kwargs):
+            state.synced = False
+
+        optimizer.register_step_pre_hook(pre_step)
+        optimizer.register_step_post_hook(post_step)
+        optimizer._mfsdp_manager_hooked = True
+    return optimizer
+
+
+def maybe_shard_optimizer(model_part: nn.Module, optimizer: torch.optim.Optimizer, distributed_config,
+                          allow: bool = True) -> torch.optim.Optimizer:
+    """Bind ``optimizer`` when ``distributed_config`` is a MegatronFSDPConfig in a job of world size > 1.
+
+    Otherwise returns it unchanged. ``allow=False`` (an optimizer that cannot step on shards)
+    raises exactly when binding would otherwise happen.
+    """
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    if not isinstance(distributed_config, MegatronFSDPConfig) or world <= 1:
+        return optimizer
+    if not allow:
+        raise ValueError(
+            f"{type(optimizer).__name__} cannot be used with mfsdp sharding (allow=False), but the strategy is "
+            f"MegatronFSDPConfig on {world} ranks; use an elementwise optimizer (SGD, Adam, AdamW) or another "
+            "strategy")
+    return fully_shard_optimizer(model_part, optimizer)
+
+
+def _rebind_optimizer(optimizer: torch.optim.Optimizer, old_names: dict[int, str], model: nn.Module) -> None:
+    """Point an optimizer built before parallelize at the sharded main weights, group by group."""
+    new = dict(model.named_parameters())
+    sharded = {id(p) for p in new.values()}
+    if any(len(s) for s in optimizer.state.values()):
+        raise ValueError("the optimizer passed to parallelize already has state (it has stepped); build it "
+                         "fresh, or build it after parallelize on model.parameters()")
+    for group in optimizer.param_groups:
+        params = []
+        for p in group["params"]:
+            if id(p) in sharded:
+                params.append(p)
+            elif id(p) in old_names and old_names[id(p)] in new:
+                params.append(new[old_names[id(p)]])
+            else:
+                raise ValueError("the optimizer holds a parameter that is not a parameter of the model given to "
+                                 "parallelize")
+        group["params"] = params
+    optimizer.state.clear()
+
+
+# ------------------------------------------------------------------------------------ manager
+class MegatronFSDPManager:
+    """Parallelize models with mfsdp over a ``(dp_replicate, dp_shard, cp, tp)`` device mesh.
+
+    Each config field is also an attribute of the manager, of the same name.
+    """
+
+    def __init__(self, config: MegatronFSDPConfig, device_mesh) -> None:
+        if not isinstance(config, MegatronFSDPConfig):
+            raise TypeError(f"config must be a MegatronFSDPConfig, got {type(config).__name__}")
+        self.config = config
+        self.device_mesh = device_mesh
+        self.sizes = mesh_sizes(device_mesh)
+        check_config_against_mesh(config, self.sizes)
+        for name in field_names():
+            setattr(self, name, getattr(config, name))
+        self._check_supported()
+        self.placements = dp_placements(config.zero_dp_strategy, self.sizes, config.outer_dp_sharding_strategy)
+
+    def _check_supported(self) -> None:
+        c, device = self.config, self.device_mesh.device_type
+        missing = {
+            "init_fsdp_with_meta_device": "the core shards materialised parameters only (meta-device "
+                                          "initialisation is not in fully_shard yet)",
+            "fsdp_double_buffer": "the core allocates and frees each unit's gather buffer; persistent "
+                                  "alternating buffers are not a fully_shard option yet",
+            "disable_bucketing": "the core always issues one coalesced launch per unit; per-parameter "
+                                 "collectives are not a fully_shard option yet",
+            "keep_fp8_transpose_cache": "mfsdp has no FP8 (Transformer Engine) parameter support",
+        }
+        for name, why in missing.items():
+            if getattr(c, name):
+                raise NotImplementedError(f"MegatronFSDPConfig.{name}=True: {why}")
+        for name, what in (("overlap_grad_reduce", "gradient reductions"), ("overlap_param_gather", "all-gathers")):
+            if not getattr(c, name):
+                raise NotImplementedError(
+                    f"MegatronFSDPConfig.{name}=False: the core always overlaps {what} with compute; a "
+                    "synchronous mode is not a fully_shard option yet")
+        if c.nccl_ub and device != "cuda":
+            raise ValueError(f"MegatronFSDPConfig.nccl_ub=True needs CUDA symmetric memory; this mesh is on "
+                             f"{device!r}")
+        if c.sequence_parallel:
+            if self.sizes.tp == 1:
+                raise ValueError("MegatronFSDPConfig.sequence_parallel=True needs a mesh with tp > 1")
+            raise NotImplementedError(
+                "MegatronFSDPConfig.sequence_parallel=True: Hugging Face models derive position ids from the "
+                "length of the embedding output, which sequence parallelism shards; not supported yet")
+        if self.sizes.cp > 1:
+            raise NotImplementedError(
+                "context parallel (cp > 1): mfsdp does not yet shard SDPA attention over the sequence "
+                "(torch's context_parallel) together with fully_shard; use cp_size=1")
+
+    # ------------------------------------------------------------------------------ parallelize
+    def parallelize(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None):
+        """Shard ``model`` in place; returns ``(model, optimizer)``.
+
+        ``optimizer`` may be built on the model before this call (it is re-pointed at the sharded
+        main weights, keeping its param groups and settings) or be None; then build one on
+        ``model.parameters()`` afterwards and either bind it with :func:`fully_shard_optimizer` or
+        drive the loop with ``finish_grad_sync`` / ``install_optimized_model_weights`` /
+        ``zero_grad_buffer``.
+        """
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"parallelize expects an nn.Module, got {type(model).__name__}")
+        if isinstance(model, FsdpModule) or any(isinstance(m, FsdpModule) for m in model.modules()):
+            raise ValueError("this model is already sharded by mfsdp; parallelize it once")
+        c, sizes, mesh = self.config, self.sizes, self.device_mesh
+        floating = [p for p in model.parameters() if p.is_floating_point()]
+        if not floating:
+            raise ValueError(f"{type(model).__name__} has no floating-point parameters to shard")
+        compute_dtype = floating[0].dtype
+        dtypes = {p.dtype for p in floating}
+        if len(dtypes) > 1:
+            logger.warning("model parameters have several dtypes %s; model.dtype reports %s", dtypes, compute_dtype)
+        old_names = _param_names(model)
+
+        if sizes.tp > 1:
+            validate_tp(model, sizes.tp)
+            plan = select_tp_plan(model, c.tp_plan)
+            apply_tp_plan(model, mesh["tp"], plan)
+
+        units = resolve_unit_modules(model, c.megatron_fsdp_unit_modules)
+        if c.activation_checkpointing:
+            for _, unit in units:
+                _checkpoint_forward(unit)
+            hf_config = getattr(model, "config", None)
+            if getattr(hf_config, "use_cache", False):
+                logger.info("activation checkpointing: setting model.config.use_cache=False")
+                hf_config.use_cache = False
+
+        # The core takes the data-parallel axes, plus tp where the parameters are TP DTensors over it.
+        axes = tuple(self.placements.dp_axes) + (("tp",) if sizes.tp > 1 else ())
+        dp_mesh = mesh[axes] if len(axes) > 1 else mesh[axes[0]]
+        policy = precision_policy(c)
+        use_symm_mem = c.nccl_ub
+        for _, unit in units:
+            mfsdp.fully_shard(unit, dp_mesh, self.placements, policy, use_symm_mem=use_symm_mem)
+        mfsdp.fully_shard(model, dp_mesh, self.placements, policy, use_symm_mem=use_symm_mem)
+
+        state = _ManagerState(c, sizes, mesh, compute_dtype, _gradient_groups(model, units), _slots(model))
+        _dress_root(model, state)
+        if optimizer is not None:
+            _rebind_optimizer(optimizer, old_names, model)
+            fully_shard_optimizer(model, optimizer)
+        logger.info("mfsdp: %s over mesh %s, %d unit modules, %s", self.placements.name, sizes, len(units), policy)
+        return model, optimizer
+
+
+def _gradient_groups(model: nn.Module, units) -> list:
+    """One NaN-check group per (unit, dtype): the parameters each unit's shard group owns."""
+    prefixes = sorted((n + "." for n, _ in units), key=len, reverse=True)
+    groups: dict[tuple[str, torch.dtype], list] = {}
+    for name, p in model.named_parameters():
+        unit = next((pre[:-1] for pre in prefixes if name.startswith(pre)), "<root>")
+        groups.setdefault((unit, p.dtype), []).append((name, p))
+    return [(f"{unit} ({str(dtype).replace('torch.', '')})", members) for (unit, dtype), members in groups.items()]
+
+
+def _slots(model: nn.Module) -> list:
+    out = []
+    for module in model.modules():
+        for attr, param in module.named_parameters(recurse=False, remove_duplicate=False):
+            out.append((module, attr, param, param.dtype))
+    return out
+

@@ -1,0 +1,64 @@
+"""fully_shard over the data-parallel axes of a (dp, tp) mesh whose blocks are tensor parallel."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+import mfsdp
+from models import Net, full_params, global_batch, loss_fn, max_rel_error, reference_copy
+
+
+def tp_parity(rank, ws, kind="zero3", steps=3, bf16=False):
+    torch.manual_seed(0)
+    model = Net(vocab=16, dim=8, hidden=12)
+    if bf16:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(p.to(torch.bfloat16).float())
+    ref = reference_copy(model)
+    mesh = init_device_mesh("cpu", (ws // 2, 2), mesh_dim_names=("dp", "tp"))
+    placements = {"zero3": mfsdp.Placements.zero3, "zero2": mfsdp.Placements.zero2,
+                  "zero1": mfsdp.Placements.zero1, "ddp": mfsdp.Placements.ddp}[kind]("dp")
+    for block in model.blocks:
+        parallelize_module(block, mesh["tp"], {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
+    if bf16:
+        model.to(torch.bfloat16)
+    policy = mfsdp.MixedPrecisionPolicy(main_grads_dtype=torch.float32) if bf16 else None
+    for block in model.blocks:
+        mfsdp.fully_shard(block, mesh, placements, policy)
+    mfsdp.fully_shard(model, mesh, placements, policy)
+    exposed = {n: (tuple(p.device_mesh.mesh_dim_names), [str(pl) for pl in p.placements])
+               for n, p in model.named_parameters()}
+    optim = mfsdp.fully_shard_optimizer(model, torch.optim.SGD(model.parameters(), lr=0.5))
+    ref_optim = torch.optim.SGD(ref.parameters(), lr=0.5)
+    dp_rank, dp_size = mesh["dp"].get_local_rank(), mesh["dp"].size()
+    errors = []
+    for step in range(steps):
+        x, y = global_batch(step, 8, 5, 16)
+        ref_optim.zero_grad()
+        loss_fn(ref(x), y).backward()
+        ref_optim.step()
+        optim.zero_grad()
+        loss_fn(model(x.chunk(dp_size)[dp_rank]), y.chunk(dp_size)[dp_rank]).backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)
+        optim.step()
+        errors.append(max_rel_error(full_params(model), full_params(ref)))
+    assert all(isinstance(p, DTensor) for p in model.parameters())
+    return errors, exposed
+
+
+@pytest.mark.parametrize("kind", ["zero3", "zero2", "zero1", "ddp"])
+def test_tensor_parallel_parity(world, kind):
+    errors, exposed = world(4).run(tp_parity, kind=kind)[0]
+    assert max(errors) < 1e-5, errors
+    assert exposed["blocks.0.w2.weight"][1][1] == "S(1)", exposed
+    assert exposed["embed.weight"][0] == ("dp", "tp")
+
+
+def test_tensor_parallel_bf16(world):
+    errors, _ = world(4).run(tp_parity, kind="zero3", bf16=True)[0]
+    assert max(errors) < 3e-2, errors
