@@ -3,13 +3,14 @@
 Public API::
 
     fully_shard(module, mesh, placements=None, mixed_precision_policy=None, use_symm_mem=False)
-    Placements, MixedPrecisionPolicy
+    Placements, MixedPrecisionPolicy, CommunicationPolicy
     fully_shard_optimizer(model, optimizer)
     microbatch(module, is_last)
     FsdpModule, FsdpContext
 """
 
 from mfsdp.api import fully_shard
+from mfsdp.communication import CommunicationPolicy
 from mfsdp.microbatch import microbatch
 from mfsdp.mixed_precision import MixedPrecisionPolicy
 from mfsdp.optimizer import fully_shard_optimizer
@@ -26,6 +27,7 @@ __all__ = [
     "fully_shard_optimizer",
     "microbatch",
     "MixedPrecisionPolicy",
+    "CommunicationPolicy",
     "Placements",
     "FsdpModule",
     "FsdpContext",

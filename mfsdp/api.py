@@ -8,6 +8,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from mfsdp.communication import CommunicationPolicy
 from mfsdp.mixed_precision import MixedPrecisionPolicy
 from mfsdp.placement import Placements, default_placements
 from mfsdp.runtime.module import FsdpModule
@@ -23,6 +24,8 @@ def fully_shard(
     placements: Optional[Placements] = None,
     mixed_precision_policy: Optional[MixedPrecisionPolicy] = None,
     use_symm_mem: bool = False,
+    *,
+    communication_policy: Optional[CommunicationPolicy] = None,
 ) -> M:
     """Shard ``module``'s parameters over ``mesh`` in place and return the same object.
 
@@ -39,6 +42,8 @@ def fully_shard(
         mixed_precision_policy: dtypes of main weights, gradients and reductions; None is the
             default policy (fp32 main weights, gradients in the compute dtype).
         use_symm_mem: gather and reduce through symmetric memory (not available yet).
+        communication_policy: prefetch depth, overlap, stream sharing, coalescing, gradient
+            divide factor and the NaN check; None is the default policy.
     """
     if isinstance(module, FsdpModule):
         raise ValueError(
@@ -92,7 +97,7 @@ def fully_shard(
         _FSDP_CLASSES[cls] = type(f"FSDP{cls.__name__}", (FsdpModule, cls), {"__module__": cls.__module__})
     module.__class__ = _FSDP_CLASSES[cls]
     try:
-        FsdpModule.__init__(module, mesh, placements, policy, use_symm_mem)
+        FsdpModule.__init__(module, mesh, placements, policy, use_symm_mem, communication_policy)
     except BaseException:
         module.__class__ = cls
         raise

@@ -67,10 +67,10 @@ def make_placements(kind: str) -> mfsdp.Placements:
     }[kind]()
 
 
-def shard_net(model: Net, mesh, placements, policy=None) -> Net:
+def shard_net(model: Net, mesh, placements, policy=None, comm=None) -> Net:
     for block in model.blocks:
-        mfsdp.fully_shard(block, mesh, placements, mixed_precision_policy=policy)
-    mfsdp.fully_shard(model, mesh, placements, mixed_precision_policy=policy)
+        mfsdp.fully_shard(block, mesh, placements, mixed_precision_policy=policy, communication_policy=comm)
+    mfsdp.fully_shard(model, mesh, placements, mixed_precision_policy=policy, communication_policy=comm)
     return model
 
 

@@ -13,7 +13,7 @@ FP32_TOL = 1e-5
 
 
 def train_parity(rank, ws, kind="zero3", opt="adamw", steps=3, tied=False, mb=1, ckpt=None, frozen=False,
-                 bind=False, device="cpu", delay=False):
+                 bind=False, device="cpu", delay=False, comm=None):
     torch.manual_seed(0)
     # HFSDP's strided optimizer shard needs rows divisible by the world size: use even shapes there.
     dims = dict(vocab=16, dim=8, hidden=12) if kind == "hfsdp" else {}
@@ -22,7 +22,8 @@ def train_parity(rank, ws, kind="zero3", opt="adamw", steps=3, tied=False, mb=1,
         model.blocks[1].requires_grad_(False)
     model.to(device)
     ref = reference_copy(model)
-    shard_net(model, make_mesh(kind, ws, device), make_placements(kind))
+    shard_net(model, make_mesh(kind, ws, device), make_placements(kind),
+              comm=mfsdp.CommunicationPolicy(**comm) if comm else None)
     if delay:
         _inject_delays()
     optim = make_optimizer(opt, [p for p in model.parameters() if p.requires_grad])

@@ -38,3 +38,9 @@ def test_cuda_parity_2d(kind):
         _check(w.run(train_parity, kind=kind, opt="sgd", mb=2, device="cuda", delay=True))
     finally:
         w.close()
+
+
+@requires_cuda
+@pytest.mark.parametrize("comm", [{"unify_streams": True}, {"overlap": False}, {"prefetch_depth": 2}])
+def test_cuda_communication_options(cuda_world, comm):
+    _check(cuda_world.run(train_parity, kind="zero3", opt="adamw", mb=2, device="cuda", delay=True, comm=comm))

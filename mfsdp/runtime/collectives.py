@@ -32,10 +32,10 @@ def _native_average(group) -> bool:
     return dist.get_backend(group) == "nccl"
 
 
-def _coalesced(group, count: int):
+def _coalesced(group, count: int, coalesce: bool):
     # No device argument: that selects the backends' fused "coalesced" entry points, which gloo
     # implements too, so CPU runs the very same code path.
-    if count <= 1:
+    if count <= 1 or not coalesce:
         return contextlib.nullcontext()
     return _compat.coalescing_manager(group=group, async_ops=False)
 
@@ -45,6 +45,7 @@ def all_gather(
     inputs: Sequence[torch.Tensor],
     group,
     stream: Optional[torch.Stream] = None,
+    coalesce: bool = True,
 ) -> None:
     """Gather each ``inputs[i]`` from every rank of ``group`` into ``outputs[i]`` (rank-major)."""
     if not inputs:
@@ -53,7 +54,7 @@ def all_gather(
         if dist.get_world_size(group) == 1:
             _compat.foreach_copy_(list(outputs), list(inputs))
             return
-        with _coalesced(group, len(inputs)):
+        with _coalesced(group, len(inputs), coalesce):
             for out, inp in zip(outputs, inputs):
                 _compat.all_gather_into_tensor(out, inp, group)
 
@@ -63,6 +64,7 @@ def reduce_scatter(
     inputs: Sequence[torch.Tensor],
     group,
     stream: Optional[torch.Stream] = None,
+    coalesce: bool = True,
 ) -> None:
     """Average each ``inputs[i]`` over ``group`` and keep this rank's block in ``outputs[i]``."""
     if not inputs:
@@ -73,14 +75,16 @@ def reduce_scatter(
             _compat.foreach_copy_(list(outputs), list(inputs))
             return
         op = dist.ReduceOp.AVG if _native_average(group) else dist.ReduceOp.SUM
-        with _coalesced(group, len(inputs)):
+        with _coalesced(group, len(inputs), coalesce):
             for out, inp in zip(outputs, inputs):
                 _compat.reduce_scatter_tensor(out, inp, op, group)
         if op == dist.ReduceOp.SUM:
             _compat.foreach_div_(list(outputs), float(size))
 
 
-def all_reduce(tensors: Sequence[torch.Tensor], group, stream: Optional[torch.Stream] = None) -> None:
+def all_reduce(
+    tensors: Sequence[torch.Tensor], group, stream: Optional[torch.Stream] = None, coalesce: bool = True
+) -> None:
     """Average each tensor in place over ``group``."""
     if not tensors:
         return
@@ -89,7 +93,7 @@ def all_reduce(tensors: Sequence[torch.Tensor], group, stream: Optional[torch.St
         if size == 1:
             return
         op = dist.ReduceOp.AVG if _native_average(group) else dist.ReduceOp.SUM
-        with _coalesced(group, len(tensors)):
+        with _coalesced(group, len(tensors), coalesce):
             for t in tensors:
                 dist.all_reduce(t, op=op, group=group)
         if op == dist.ReduceOp.SUM:

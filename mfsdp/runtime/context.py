@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from mfsdp import _compat
+from mfsdp.communication import CommunicationPolicy
 from mfsdp.runtime.indexed_order import IndexedOrder
 
 if TYPE_CHECKING:
@@ -36,11 +37,19 @@ if TYPE_CHECKING:
 class FsdpContext:
     """Runtime stream and prefetch state shared by one FSDP subtree."""
 
-    def __init__(self, device: torch.device, root_module: "FsdpModule") -> None:
+    def __init__(
+        self, device: torch.device, root_module: "FsdpModule", policy: Optional[CommunicationPolicy] = None
+    ) -> None:
+        policy = policy or CommunicationPolicy()
         self.device = device
-        has_streams = device.type == "cuda"
+        # Without overlap every collective runs on the compute stream, exactly as on CPU.
+        has_streams = device.type == "cuda" and policy.overlap
         self.allgather_stream: Optional[torch.Stream] = torch.cuda.Stream(device) if has_streams else None
-        self.reduce_scatter_stream: Optional[torch.Stream] = torch.cuda.Stream(device) if has_streams else None
+        self.reduce_scatter_stream: Optional[torch.Stream] = (
+            self.allgather_stream if policy.unify_streams else torch.cuda.Stream(device) if has_streams else None
+        )
+        self.prefetch_depth = policy.prefetch_depth if policy.overlap else 0
+        self.backward_count = 0
         self.is_last_microbatch = True
         self._root = weakref.ref(root_module)
         self.forward_order: IndexedOrder["FsdpModule"] = IndexedOrder()
@@ -110,7 +119,24 @@ class FsdpContext:
             if current is not None:
                 current.wait_stream(self.reduce_scatter_stream)
                 current.wait_stream(self.allgather_stream)
-            for module in self.backward_order:
-                for group in module.parameter_groups:
-                    if group.requires_grad:
-                        group.finalize_gradients()
+            self.backward_count += 1
+            groups = [g for m in self.backward_order for g in m.parameter_groups if g.requires_grad]
+            for group in groups:
+                group.finalize_gradients()
+            self._check_finite(groups)
+
+    def _check_finite(self, groups) -> None:
+        """The optional NaN/Inf check: one flag per group, one all-reduce, the same verdict everywhere."""
+        checked = [(g, g.nonfinite_flag()) for g in groups if g.policy.check_finite_gradients]
+        checked = [(g, flag) for g, flag in checked if flag is not None]
+        if not checked:
+            return
+        flags = torch.stack([flag for _, flag in checked]).to(torch.int32)
+        if torch.distributed.is_initialized():
+            torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
+        bad = [g.label for (g, _), f in zip(checked, flags.tolist()) if f]
+        if bad:
+            raise FloatingPointError(
+                f"mfsdp: NaN or Inf in the reduced gradients after backward {self.backward_count} in "
+                f"parameter group(s) {bad}; lower the learning rate, check the loss and inputs, or "
+                "clip gradients")

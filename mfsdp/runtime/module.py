@@ -28,6 +28,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.profiler import record_function
 
 from mfsdp import _compat
+from mfsdp.communication import CommunicationPolicy
 from mfsdp.mixed_precision import MixedPrecisionPolicy
 from mfsdp.placement import Placements
 from mfsdp.runtime.context import FsdpContext
@@ -80,6 +81,7 @@ class FsdpModule:
         placements: Placements,
         mixed_precision_policy: MixedPrecisionPolicy,
         use_symm_mem: bool = False,
+        communication_policy: Optional[CommunicationPolicy] = None,
     ) -> None:
         # Runs on an already-built module whose class now mixes this in: no nn.Module.__init__.
         self._name: Optional[str] = None
@@ -91,6 +93,7 @@ class FsdpModule:
         self._backward_pending = False
         self._inputs_hooked = 0
         self._use_symm_mem = use_symm_mem
+        self._communication_policy = communication_policy or CommunicationPolicy()
         owned, children = _collect_owned_parameters(self)
         for child in children:
             child._fsdp_parent = weakref.ref(self)
@@ -99,7 +102,7 @@ class FsdpModule:
         for params, aliases in _group_parameters(owned):
             dtypes = mixed_precision_policy.resolve(params[0].dtype)
             label = f"{type(self).__name__}[{params[0].dtype}, requires_grad={params[0].requires_grad}]"
-            groups.append(FsdpParameterGroup(params, aliases, geometry, dtypes, label))
+            groups.append(FsdpParameterGroup(params, aliases, geometry, dtypes, label, self._communication_policy))
         self._parameter_groups: tuple[FsdpParameterGroup, ...] = tuple(groups)
         for group in groups:
             for orig, sharded in zip(group.params, group.sharded_params):
@@ -229,9 +232,7 @@ class FsdpModule:
             self._ready_grad_parameters.clear()
             self._unshard_parameter_groups()
             self._wait_for_unshard()
-            following = ctx.forward_order.next_after(self)
-            if following is not None:
-                following._unshard_parameter_groups()
+            self._prefetch(ctx.forward_order)
             self._use_unsharded_params()
             if torch.is_grad_enabled() and self._num_trainable_parameters:
                 # Every call counts; only calls whose inputs need grad can report their backward,
@@ -296,10 +297,16 @@ class FsdpModule:
             self._enter_backward()
             self._unshard_parameter_groups()
             self._wait_for_unshard()
-            following = self.context.backward_order.next_after(self)
-            if following is not None:
-                following._unshard_parameter_groups()
+            self._prefetch(self.context.backward_order)
             self._use_unsharded_params()
+
+    def _prefetch(self, order) -> None:
+        """Queue the gathers of the next ``prefetch_depth`` modules in ``order``."""
+        for distance in range(1, self.context.prefetch_depth + 1):
+            following = order.next_after(self, distance)
+            if following is None:
+                break
+            following._unshard_parameter_groups()
 
     def _enter_backward(self) -> None:
         self.context.register_post_backward_final_callback()
@@ -405,7 +412,7 @@ class FsdpModule:
         device = next((g.params[0].device for _, m in modules for g in m._parameter_groups), None)
         if device is None:
             raise RuntimeError(f"{type(self).__name__}: no parameters under this FSDP root")
-        ctx = FsdpContext(device, self)
+        ctx = FsdpContext(device, self, self._communication_policy)
         for name, module in modules:
             if module._context is not None:
                 raise RuntimeError(

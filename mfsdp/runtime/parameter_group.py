@@ -26,6 +26,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from mfsdp import _compat
+from mfsdp.communication import CommunicationPolicy
 from mfsdp.mixed_precision import ResolvedDtypes
 from mfsdp.runtime import collectives
 from mfsdp.runtime.collectives import stream_context
@@ -48,12 +49,14 @@ class FsdpParameterGroup:
         geometry: ShardGeometry,
         dtypes: ResolvedDtypes,
         label: str,
+        policy: CommunicationPolicy = CommunicationPolicy(),
     ) -> None:
         self.params = params  # the Parameters used for compute, views of the unsharded buffer
         self.aliases = aliases  # every (module, attribute) that holds each parameter
         self.geometry = geometry
         self.dtypes = dtypes
         self.label = label
+        self.policy = policy
         self.requires_grad = params[0].requires_grad
         self.state = GroupState.SHARDED
         self.needs_refresh = False  # main weights changed since the compute weights were derived
@@ -186,7 +189,7 @@ class FsdpParameterGroup:
             else:
                 outs = self.layout.regions(torch.empty(self.layout.numel(g.ways(j)), dtype=regions[0].dtype,
                                                        device=regions[0].device), g.ways(j))
-            collectives.all_gather(outs, regions, g.groups[j], stream)
+            collectives.all_gather(outs, regions, g.groups[j], stream, self.policy.coalesce)
             regions = outs
 
     # -------------------------------------------------------------------------- gradients
@@ -331,7 +334,7 @@ class FsdpParameterGroup:
                 buf = torch.empty(self.grad_layout.numel(g.ways(j + 1)), dtype=regions[0].dtype,
                                   device=regions[0].device)
                 outs = self.grad_layout.regions(buf, g.ways(j + 1))
-            collectives.reduce_scatter(outs, regions, g.groups[j])
+            collectives.reduce_scatter(outs, regions, g.groups[j], coalesce=self.policy.coalesce)
             regions = outs
         return regions
 
@@ -357,7 +360,8 @@ class FsdpParameterGroup:
         def compute(final):
             out = self._scatter(inputs, 0, g.grad_level, final)
             for group in g.grad_all_reduce_groups:
-                collectives.all_reduce(out, group)
+                collectives.all_reduce(out, group, coalesce=self.policy.coalesce)
+            self._divide(out)
             return out
 
         self._accumulate(target, overwrite, compute)
@@ -376,11 +380,11 @@ class FsdpParameterGroup:
                 regions = self._main_grad_regions()
                 if regions[0].dtype == self.dtypes.comm:
                     for group in g.deferred_all_reduce_groups:
-                        collectives.all_reduce(regions, group)
+                        collectives.all_reduce(regions, group, coalesce=self.policy.coalesce)
                 else:
                     tmp = [r.to(self.dtypes.comm) for r in regions]
                     for group in g.deferred_all_reduce_groups:
-                        collectives.all_reduce(tmp, group)
+                        collectives.all_reduce(tmp, group, coalesce=self.policy.coalesce)
                     _compat.foreach_copy_(regions, tmp)
                 self._expose_gradients()
                 return
@@ -388,14 +392,23 @@ class FsdpParameterGroup:
             inputs = [r.to(self.dtypes.comm) for r in inputs]
         target, overwrite = self._claim_main_grad()
 
+        divide = start == 0  # raw gradients: not divided by a per-microbatch reduction yet
+
         def compute(final):
             out = self._scatter(inputs, start, g.num_levels, final) if g.num_levels > start else inputs
             for group in g.deferred_all_reduce_groups:
-                collectives.all_reduce(out, group)
+                collectives.all_reduce(out, group, coalesce=self.policy.coalesce)
+            if divide:
+                self._divide(out)
             return out
 
         self._accumulate(target, overwrite, compute)
         self._expose_gradients()
+
+    def _divide(self, regions: list[torch.Tensor]) -> None:
+        factor = self.policy.gradient_divide_factor
+        if factor != 1.0:
+            _compat.foreach_div_(regions[:-1], factor)  # not the usage counts
 
     def _expose_gradients(self) -> None:
         """Point each sharded parameter's ``.grad`` at its main-gradient shard.
@@ -408,6 +421,12 @@ class FsdpParameterGroup:
         if self._missing_seen:
             self._missing_seen = False
             self.needs_usage_check = True
+
+    def nonfinite_flag(self) -> Optional[torch.Tensor]:
+        """A 0-d tensor, nonzero when the reduced gradients hold a NaN or Inf (one fused check)."""
+        if self.main_grad is None or not self.main_grad.is_allocated:
+            return None
+        return (~torch.isfinite(self.main_grad.tensor)).any()
 
     def finalize_gradients(self) -> None:
         """After the reductions have finished: unused-everywhere parameters keep ``.grad`` None."""

@@ -1,0 +1,43 @@
+"""Communication policy: how aggressively a module's collectives are scheduled and packed."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class CommunicationPolicy:
+    """Scheduling and packing of one ``fully_shard`` call's collectives.
+
+    The stream options (``prefetch_depth``, ``overlap``, ``unify_streams``) are read from the root
+    module, since one context schedules the whole tree; the others apply per module.
+    """
+
+    prefetch_depth: int = 1
+    """How many modules ahead (in forward, and in backward order) are gathered while one computes.
+    1 overlaps each gather with the previous module's compute at the cost of one extra unsharded
+    module in memory; 2 hides longer gathers behind short modules at the cost of a second; 0 gathers
+    just in time."""
+    overlap: bool = True
+    """False runs every collective on the compute stream with no prefetch: slower, but any
+    ordering bug becomes deterministic, which is what you want while debugging."""
+    unify_streams: bool = False
+    """One side stream for gathers and reductions. The allocator can then reuse blocks between
+    them (lower peak memory), but a reduction can no longer run during the next gather."""
+    coalesce: bool = True
+    """False issues one collective launch per parameter instead of one coalesced launch per group:
+    only for debugging or backends without coalescing."""
+    gradient_divide_factor: float = 1.0
+    """Extra division of gradients after the data-parallel average: e.g. the expert-parallel
+    size for experts, or to turn averaged gradients into sums (pass 1 / world size)."""
+    check_finite_gradients: bool = False
+    """After each backward, one fused check per group; a NaN or Inf raises FloatingPointError on
+    every rank, naming the backward count and the group. Costs one tiny all-reduce and a host sync
+    per backward."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.prefetch_depth, int) or isinstance(self.prefetch_depth, bool) or self.prefetch_depth < 0:
+            raise ValueError(f"CommunicationPolicy.prefetch_depth must be an int >= 0, got {self.prefetch_depth!r}")
+        if not self.gradient_divide_factor > 0:
+            raise ValueError(
+                f"CommunicationPolicy.gradient_divide_factor must be > 0, got {self.gradient_divide_factor!r}")

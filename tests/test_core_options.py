@@ -1,0 +1,117 @@
+"""CommunicationPolicy: each option changes what it says and keeps training exact."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mfsdp
+from models import Net, global_batch, loss_fn, make_mesh, make_placements, reference_copy, shard_net
+from test_core_parity import _check, train_parity
+
+
+@pytest.mark.parametrize("comm", [
+    {"prefetch_depth": 0}, {"prefetch_depth": 2}, {"overlap": False}, {"unify_streams": True}, {"coalesce": False},
+])
+def test_options_keep_parity(world, comm):
+    _check(world(2).run(train_parity, kind="zero3", opt="sgd", mb=2, tied=True, comm=comm))
+    _check(world(2).run(train_parity, kind="zero1", opt="adamw", comm=comm))
+
+
+def policy_validation():
+    with pytest.raises(ValueError, match="prefetch_depth"):
+        mfsdp.CommunicationPolicy(prefetch_depth=-1)
+    with pytest.raises(ValueError, match="gradient_divide_factor"):
+        mfsdp.CommunicationPolicy(gradient_divide_factor=0)
+
+
+def test_policy_validation():
+    policy_validation()
+
+
+def unsharded_during_forward(rank, ws, depth):
+    torch.manual_seed(0)
+    net = shard_net(Net(n_blocks=4), make_mesh("zero3", ws), make_placements("zero3"),
+                    comm=mfsdp.CommunicationPolicy(prefetch_depth=depth))
+    seen = []
+    for b in net.blocks:
+        b.register_forward_pre_hook(lambda m, a: seen.append(
+            sum(g.unsharded.is_allocated for blk in net.blocks for g in blk.parameter_groups)))
+    x, y = global_batch(0, 4, 5, 13)
+    loss_fn(net(x), y).backward()
+    return seen
+
+
+@pytest.mark.parametrize("depth", [0, 1, 2])
+def test_prefetch_depth_bounds_unsharded_modules(world, depth):
+    seen = world(2).run(unsharded_during_forward, depth=depth)[0]
+    assert max(seen) == depth + 1, seen  # this block plus `depth` prefetched ones
+
+
+def coalescing_launches(rank, ws, coalesce):
+    from mfsdp import _compat
+
+    calls = {"coalesced": 0}
+    original = _compat.coalescing_manager
+
+    def counting(*args, **kwargs):
+        calls["coalesced"] += 1
+        return original(*args, **kwargs)
+
+    _compat.coalescing_manager = counting
+    try:
+        torch.manual_seed(0)
+        net = shard_net(Net(), make_mesh("zero3", ws), make_placements("zero3"),
+                        comm=mfsdp.CommunicationPolicy(coalesce=coalesce))
+        x, y = global_batch(0, 4, 5, 13)
+        loss_fn(net(x), y).backward()
+    finally:
+        _compat.coalescing_manager = original
+    return calls["coalesced"]
+
+
+def test_coalesce_off_issues_one_launch_per_parameter(world):
+    assert world(2).run(coalescing_launches, coalesce=True)[0] > 0
+    assert world(2).run(coalescing_launches, coalesce=False)[0] == 0
+
+
+def divided_gradients(rank, ws, kind, factor):
+    torch.manual_seed(0)
+    net = Net()
+    ref = reference_copy(net)
+    shard_net(net, make_mesh(kind, ws), make_placements(kind),
+              comm=mfsdp.CommunicationPolicy(gradient_divide_factor=factor))
+    x, y = global_batch(0, 4, 5, 13)
+    for i, (mx, my) in enumerate(zip(x.chunk(ws)[rank].chunk(2), y.chunk(ws)[rank].chunk(2))):
+        with mfsdp.microbatch(net, is_last=i == 1):
+            (loss_fn(net(mx), my) / 2).backward()
+    loss_fn(ref(x), y).backward()
+    return max(float((p.grad.full_tensor() * factor - q.grad).abs().max() / q.grad.abs().max())
+               for p, q in zip(net.parameters(), ref.parameters()))
+
+
+@pytest.mark.parametrize("kind", ["zero3", "zero1", "ddp"])
+def test_gradient_divide_factor(world, kind):
+    assert world(2).run(divided_gradients, kind=kind, factor=4.0)[0] < 1e-5
+
+
+def nonfinite_check(rank, ws):
+    torch.manual_seed(0)
+    net = shard_net(Net(), make_mesh("zero3", ws), make_placements("zero3"),
+                    comm=mfsdp.CommunicationPolicy(check_finite_gradients=True))
+    x, y = global_batch(0, 4, 5, 13)
+    loss_fn(net(x), y).backward()  # finite: no error
+    net.zero_grad()
+    loss = loss_fn(net(x), y)
+    if rank == 0:
+        loss = loss * float("nan")
+    try:
+        loss.backward()
+    except Exception as exc:  # raised on every rank, naming the backward and the groups
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def test_check_finite_gradients_raises_on_every_rank(world):
+    for message in world(2).run(nonfinite_check):
+        assert "NaN or Inf" in message and "after backward 2" in message, message
