@@ -51,9 +51,10 @@ def strided_shard(dim: int, split_factor: int):
     return _StridedShard(dim, split_factor=split_factor)
 
 
-def flatten_mesh(mesh):
-    """``mesh`` viewed as 1-D, ranks in row-major order (cached by torch)."""
-    return mesh._flatten()
+def flatten_mesh(mesh, name=None):
+    """``mesh`` viewed as 1-D, ranks in row-major order (cached by torch; ``name`` names the dim,
+    which then can be sliced from the root mesh, e.g. ``root["dp_shard_cp", "tp"]``)."""
+    return mesh._flatten(name) if name else mesh._flatten()
 
 
 # torch 2.13 renamed the single-tensor collectives (the old names warn); 2.11 has only the old ones.

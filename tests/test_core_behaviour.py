@@ -324,3 +324,33 @@ def test_bf16_resting_memory(world):
     assert at_rest <= shard_fp32 + padding, (at_rest, shard_fp32)
     assert with_grads > at_rest + 2 * total / 2  # bf16 gradient shards appeared
     assert after_zero_grad == at_rest, (after_zero_grad, at_rest)
+
+
+def meta_init(rank, ws, kind):
+    """Build on the meta device, shard (each rank allocates only its shards), load full weights
+    with torch's state-dict helper, then train in parity with the reference."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    torch.manual_seed(0)
+    ref = Net()
+    with torch.device("meta"):
+        net = Net()
+    shard_net(net, make_mesh(kind, ws), make_placements(kind))
+    assert all(not p.is_meta for p in net.parameters())
+    set_model_state_dict(net, ref.state_dict(), options=StateDictOptions(full_state_dict=True))
+    optim = torch.optim.SGD(net.parameters(), lr=0.1)
+    ref_optim = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for step in range(2):
+        x, y = global_batch(step, 4, 5, 13)
+        loss_fn(ref(x), y).backward()
+        ref_optim.step()
+        ref_optim.zero_grad()
+        loss_fn(net(x.chunk(ws)[rank]), y.chunk(ws)[rank]).backward()
+        optim.step()
+        optim.zero_grad()
+    return max(float((p.full_tensor() - q).abs().max()) for p, q in zip(net.parameters(), ref.parameters()))
+
+
+@pytest.mark.parametrize("kind", ["zero3", "zero2"])
+def test_meta_device_init(world, kind):
+    assert world(2).run(meta_init, kind=kind)[0] < 1e-6

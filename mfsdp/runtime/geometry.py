@@ -39,6 +39,13 @@ class ShardGeometry:
         self._order = order
 
     @property
+    def device(self) -> torch.device:
+        """This rank's device on the mesh's device type (where meta parameters get their shards)."""
+        if self.mesh.device_type == "cuda":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device(self.mesh.device_type)
+
+    @property
     def has_deferred(self) -> bool:
         return self.grad_level < self.num_levels or bool(self.deferred_all_reduce_groups)
 

@@ -466,11 +466,6 @@ def _collect_owned_parameters(root: nn.Module):
                 "sharded after its parent (apply fully_shard bottom-up: blocks first, root last), or "
                 "the parameter is shared across FSDP modules (shard their common ancestor only)"
             )
-        if param.device.type == "meta":
-            raise NotImplementedError(
-                f"parameter {fqn!r} is on the meta device; materialize the module (to_empty + init) "
-                "before fully_shard"
-            )
     return owned, children
 
 

@@ -61,6 +61,8 @@ class FsdpParameterGroup:
         self.state = GroupState.SHARDED
         self.needs_refresh = False  # main weights changed since the compute weights were derived
         device = params[0].device
+        if device.type == "meta":  # built without storage: shards are allocated here, then initialised
+            device = geometry.device
         g = geometry
         # Tensor-parallel parameters: FSDP works on their local shards, the DTensor keeps its axes.
         locals_ = [_local(p) for p in params]
@@ -101,6 +103,8 @@ class FsdpParameterGroup:
         self._main_regions = self.layout.regions(self.main.tensor, g.num_shards)
         with torch.no_grad():
             for i, (t, m) in enumerate(zip(locals_, self.layout.members)):
+                if t.is_meta:
+                    continue  # zeros until the caller initialises or loads the shards
                 fill_region(self._main_regions[i], t.detach(), m, g.num_shards, g.shard_index)
                 if self.model is not None and self.model is not self.main:
                     fill_region(self._model_regions[i], t.detach(), m, level_ways, g.index(g.param_level))
@@ -110,6 +114,12 @@ class FsdpParameterGroup:
                     DTensor.from_local(view, p.device_mesh, p.placements, run_check=False,
                                        shape=p.shape, stride=p.stride()),
                     requires_grad=p.requires_grad)
+            elif p.is_meta:  # no storage to re-point: a new Parameter, then re-pointed like the rest
+                # (assigning .data keeps the Parameter's own version counter, so gathers into the
+                # buffer do not look like in-place edits of tensors autograd saved)
+                self.params[i] = nn.Parameter(torch.empty(0, dtype=view.dtype, device=view.device),
+                                              requires_grad=p.requires_grad)
+                self.params[i].data = view
             else:
                 p.data = view  # the original Parameter now lives in the unsharded buffer
         if self.unsharded is not self.model:
