@@ -99,12 +99,26 @@ def test_placements_mapping():
     for s in range(3):
         with pytest.raises(NotImplementedError, match="dp_replicate_size=2"):
             dp_placements(s, two)
-    cp = MeshSizes(1, 2, 2, 1)  # the designed CP path: ZeRO-3 over dp_shard x cp
-    assert dp_placements(3, cp).dp_axes == ("dp_shard", "cp")
-    with pytest.raises(NotImplementedError, match="cp > 1"):
-        dp_placements(1, cp)
-    with pytest.raises(NotImplementedError, match="three data-parallel axes"):
-        dp_placements(3, MeshSizes(2, 1, 2, 1))
+    cp = MeshSizes(1, 2, 2, 1)  # every ZeRO level over the flattened dp_shard x cp dim
+    assert [dp_placements(s, cp).dp_axes for s in range(4)] == [("dp_shard_cp",)] * 4
+    assert dp_placements(3, MeshSizes(2, 1, 2, 1)).name == "HSDP"
+
+
+def test_communication_policy_mapping():
+    from mfsdp.manager import communication_policy
+
+    sizes = MeshSizes(2, 2, 2, 1)  # dp = 8
+    default = communication_policy(MegatronFSDPConfig(), sizes)
+    assert (default.overlap, default.coalesce, default.gradient_divide_factor) == (True, True, 1.0)
+    for flags in ({"overlap_grad_reduce": False}, {"overlap_param_gather": False},
+                  {"overlap_grad_reduce": False, "overlap_param_gather": False}):
+        assert communication_policy(MegatronFSDPConfig(**flags), sizes).overlap is False
+    assert communication_policy(MegatronFSDPConfig(disable_bucketing=True), sizes).coalesce is False
+    assert communication_policy(MegatronFSDPConfig(calculate_per_token_loss=True), sizes).gradient_divide_factor \
+        == 1 / 8
+    assert communication_policy(MegatronFSDPConfig(calculate_per_token_loss=True), MeshSizes(1, 1, 1, 2)) \
+        .gradient_divide_factor == 1.0
+    assert dp_placements(3, sizes).dp_axes == ("dp_replicate", "dp_shard_cp")
 
 
 def test_resolve_sizes():

@@ -101,6 +101,15 @@ def test_parity_optimizer_modes(world, bind):
     assert max(errors) < TOL, errors
 
 
+@pytest.mark.parametrize("flags", [
+    {"overlap_grad_reduce": False, "overlap_param_gather": False, "disable_bucketing": True},
+    {"overlap_param_gather": False, "zero_dp_strategy": 1},  # one False is enough for synchronous
+])
+def test_parity_synchronous_and_unbucketed(world, flags):
+    errors = world(2).run(train_parity, **flags)[0]
+    assert max(errors) < TOL, errors
+
+
 def test_parity_activation_checkpointing_and_units(world):
     errors = world(2).run(train_parity, activation_checkpointing=True,
                           megatron_fsdp_unit_modules=["transformers.models.llama.modeling_llama.LlamaDecoderLayer",
@@ -161,9 +170,10 @@ def loss_scaling(rank, ws, **config):
     return {scale: max_rel_error({n: g * scale for n, g in got.items()}, want) for scale in (1, ws)}
 
 
-@pytest.mark.parametrize("mode", ["default", "average_in_collective", "calculate_per_token_loss"])
-def test_loss_scaling(world, mode):
-    config = {} if mode == "default" else {mode: True}
+@pytest.mark.parametrize("mode,strategy", [("default", 3), ("average_in_collective", 3),
+                                           ("calculate_per_token_loss", 3), ("calculate_per_token_loss", 0)])
+def test_loss_scaling(world, mode, strategy):
+    config = {"zero_dp_strategy": strategy} if mode == "default" else {mode: True, "zero_dp_strategy": strategy}
     err = world(2).run(loss_scaling, **config)[0]
     scale = 1 if mode == "calculate_per_token_loss" else 2  # summed vs averaged over dp=2
     assert err[scale] < TOL, err
@@ -261,6 +271,11 @@ def test_post_wrap_operations(world, strategy, replicate, ws):
 
 
 # ---------------------------------------------------------------------- errors that need a mesh
+def _meta_hf():
+    with torch.device("meta"):
+        return make_hf()
+
+
 def mesh_errors(rank, ws):
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -272,13 +287,17 @@ def mesh_errors(rank, ws):
             out[key] = "no error"
         except (ValueError, NotImplementedError, TypeError, RuntimeError) as exc:
             out[key] = f"{type(exc).__name__}: {exc}"
+        except FileNotFoundError as exc:
+            out[key] = f"FileNotFoundError: {exc}"
 
     mesh = build_device_mesh("cpu")
-    for flag in ("init_fsdp_with_meta_device", "fsdp_double_buffer", "disable_bucketing", "keep_fp8_transpose_cache",
-                 "nccl_ub"):
+    for flag in ("fsdp_double_buffer", "keep_fp8_transpose_cache", "nccl_ub"):
         capture(flag, lambda f=flag: MegatronFSDPManager(MegatronFSDPConfig(**{f: True}), mesh))
-    for flag in ("overlap_grad_reduce", "overlap_param_gather"):
-        capture(flag, lambda f=flag: MegatronFSDPManager(MegatronFSDPConfig(**{f: False}), mesh))
+    capture("meta_with_optimizer", lambda: MegatronFSDPManager(MegatronFSDPConfig(init_fsdp_with_meta_device=True),
+                                                               mesh).parallelize(_meta_hf(), torch.optim.SGD(
+                                                                   [torch.zeros(1, requires_grad=True)], lr=1)))
+    capture("missing_hf_path", lambda: MegatronFSDPManager(MegatronFSDPConfig(), mesh).parallelize(
+        make_hf(), hf_path="/nonexistent/dir"))
     capture("config_vs_mesh", lambda: MegatronFSDPManager(MegatronFSDPConfig(tp_size=2), mesh))
     capture("mesh_names", lambda: MegatronFSDPManager(MegatronFSDPConfig(),
                                                       init_device_mesh("cpu", (ws,), mesh_dim_names=("dp",))))
@@ -293,7 +312,8 @@ def mesh_errors(rank, ws):
         capture("tp_heads", lambda: MegatronFSDPManager(MegatronFSDPConfig(), tp_mesh).parallelize(
             make_hf(heads=4, kv_heads=1)))
         capture("sp", lambda: MegatronFSDPManager(MegatronFSDPConfig(sequence_parallel=True), tp_mesh))
-        capture("cp", lambda: MegatronFSDPManager(MegatronFSDPConfig(), build_device_mesh("cpu", cp_size=2)))
+        cp_manager = MegatronFSDPManager(MegatronFSDPConfig(), build_device_mesh("cpu", cp_size=2))
+        out["cp_axes"] = cp_manager.placements.dp_axes
         rep = build_device_mesh("cpu", dp_replicate_size=2)
         capture("replicate_zero2", lambda: MegatronFSDPManager(MegatronFSDPConfig(zero_dp_strategy=2), rep))
         # maybe_shard_optimizer: binds only for MegatronFSDPConfig at world > 1
@@ -311,9 +331,10 @@ def mesh_errors(rank, ws):
 
 def test_errors_world2(world):
     out = world(2).run(mesh_errors)[0]
-    for flag in ("init_fsdp_with_meta_device", "fsdp_double_buffer", "disable_bucketing", "keep_fp8_transpose_cache",
-                 "overlap_grad_reduce", "overlap_param_gather"):
+    for flag in ("fsdp_double_buffer", "keep_fp8_transpose_cache"):
         assert out[flag].startswith("NotImplementedError") and flag in out[flag], out[flag]
+    assert "build it on model.parameters() after parallelize" in out["meta_with_optimizer"]
+    assert out["missing_hf_path"].startswith("FileNotFoundError") and "/nonexistent/dir" in out["missing_hf_path"]
     assert out["nccl_ub"].startswith("ValueError") and "CUDA" in out["nccl_ub"]
     assert "disagrees with the device mesh" in out["config_vs_mesh"]
     assert "4-D mesh with dims" in out["mesh_names"]
@@ -323,7 +344,7 @@ def test_errors_world2(world):
     assert "already sharded" in out["twice"]
     assert out["tp_heads"].startswith("ValueError") and "num_key_value_heads=1" in out["tp_heads"]
     assert out["sp"].startswith("NotImplementedError") and "position ids" in out["sp"]
-    assert out["cp"].startswith("NotImplementedError") and "context parallel" in out["cp"]
+    assert out["cp_axes"] == ("dp_shard_cp",)
     assert out["replicate_zero2"].startswith("NotImplementedError") and "zero_dp_strategy=2" in out["replicate_zero2"]
     assert out["maybe_other"] and out["maybe_bound"]
     assert out["maybe_disallowed"].startswith("ValueError") and "allow=False" in out["maybe_disallowed"]

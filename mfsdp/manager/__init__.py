@@ -11,9 +11,12 @@ See ``docs/manager.md``.
 import logging
 
 from mfsdp.manager.config import MegatronFSDPConfig
-from mfsdp.manager.manager import (MegatronFSDPManager, MegatronFSDPModel, NonFiniteGradientError, dp_placements,
-                                   fully_shard_optimizer, maybe_shard_optimizer, precision_policy,
-                                   resolve_unit_modules)
+from mfsdp.manager.context_parallel import attention_context, shard_sequence, shift_labels
+from mfsdp.manager.hf_checkpoint import (init_weights_shard_local, load_hf_weights, materialize_meta_buffers,
+                                         meta_model_from_config, save_hf_checkpoint)
+from mfsdp.manager.manager import (MegatronFSDPManager, MegatronFSDPModel, NonFiniteGradientError,
+                                   communication_policy, dp_placements, fully_shard_optimizer, maybe_shard_optimizer,
+                                   precision_policy, resolve_unit_modules)
 from mfsdp.manager.mesh import MESH_DIM_NAMES, build_device_mesh, build_device_mesh_from_config, resolve_sizes
 from mfsdp.manager.param_attrs import restore_distributed_param_attrs, snapshot_distributed_param_attrs
 
@@ -40,4 +43,13 @@ __all__ = [
     "dp_placements",
     "precision_policy",
     "resolve_unit_modules",
+    "communication_policy",
+    "load_hf_weights",
+    "save_hf_checkpoint",
+    "init_weights_shard_local",
+    "materialize_meta_buffers",
+    "meta_model_from_config",
+    "shard_sequence",
+    "shift_labels",
+    "attention_context",
 ]

@@ -52,8 +52,9 @@ def _level(value: Any, names: Mapping[str, int], field: str, top: int) -> int:
 class MegatronFSDPConfig:
     """How :class:`~mfsdp.manager.MegatronFSDPManager` parallelizes a model.
 
-    Fields marked *not available yet* raise ``NotImplementedError`` from the manager when set to
-    their non-default value, with the reason; they exist so configs written for Megatron-FSDP load.
+    Fields marked *not available yet* (``fsdp_double_buffer``, ``nccl_ub``,
+    ``keep_fp8_transpose_cache``) raise ``NotImplementedError`` from the manager when set to their
+    non-default value, with the reason; they exist so configs written for Megatron-FSDP load.
     """
 
     megatron_fsdp_unit_modules: Optional[Sequence[Union[str, type]]] = None
@@ -73,8 +74,12 @@ class MegatronFSDPConfig:
     weights across it (HFSDP; needs dim 0 of every parameter divisible by the dp size)."""
 
     init_fsdp_with_meta_device: bool = False
-    """Default False. Build on the meta device and materialise shard by shard. *Not available yet*:
-    the core shards materialised parameters only."""
+    """Default False. True: ``parallelize`` accepts a model built on the meta device (e.g.
+    :func:`~mfsdp.manager.hf_checkpoint.meta_model_from_config`); ``fully_shard`` allocates only this
+    rank's shards, meta buffers (RoPE ``inv_freq``) are recomputed, and the shards are either loaded
+    from ``parallelize(..., hf_path=DIR)`` (each rank reads only its slices of the safetensors) or
+    initialised shard-locally (:func:`~mfsdp.manager.hf_checkpoint.init_weights_shard_local`). The
+    full model never exists on one rank. False: a meta-device model is an error."""
 
     grad_reduce_in_fp32: bool = True
     """Default True. Gradients are reduced and accumulated in fp32 (``MixedPrecisionPolicy.
@@ -86,18 +91,22 @@ class MegatronFSDPConfig:
     takes bf16 optimizer steps)."""
 
     overlap_grad_reduce: bool = True
-    """Default True. Reduce gradients on a side stream while backward continues. False (synchronous,
-    for debugging): *not available yet*, the core always overlaps."""
+    """Default True. Reduce gradients on a side stream while backward continues. False:
+    ``CommunicationPolicy(overlap=False)``, every collective on the compute stream with no prefetch
+    (synchronous, deterministic ordering, for debugging). The core has a single overlap switch, so
+    False here also makes the all-gathers synchronous (logged when only one flag is False)."""
 
     overlap_param_gather: bool = True
-    """Default True. Prefetch the next unit's all-gather during compute. False: *not available yet*,
-    the core always prefetches one unit ahead."""
+    """Default True. Prefetch the next unit's all-gather during compute. False: synchronous and
+    non-prefetched communication, exactly as ``overlap_grad_reduce=False`` (one core switch)."""
 
     check_for_nan_in_grad: bool = True
     """Default True. After gradients are reduced (``model.finish_grad_sync()``, called for you before
-    a bound optimizer steps), raise :class:`NonFiniteGradientError` on every rank, naming the step
-    and the parameter group(s), if any gradient holds NaN or Inf. Cost: one reduction per parameter
-    and one small all-reduce per step."""
+    a bound optimizer steps), raise :class:`NonFiniteGradientError` on every rank, naming the
+    optimizer step and the parameter group(s), if any gradient holds NaN or Inf. Cost: one reduction
+    per parameter and one small all-reduce per step. This is the manager's own check, not the
+    core's ``CommunicationPolicy.check_finite_gradients``: that one runs per backward (per
+    microbatch) and cannot name parameters, which ``report_nan_in_param_grad`` needs."""
 
     report_nan_in_param_grad: bool = False
     """Default False. Like ``check_for_nan_in_grad`` (and enabled even when that is off), but the
@@ -111,22 +120,23 @@ class MegatronFSDPConfig:
     combined with ``calculate_per_token_loss``."""
 
     disable_bucketing: bool = False
-    """Default False. One collective per parameter instead of one coalesced launch per unit. True:
-    *not available yet* (the core always coalesces a unit's collectives)."""
+    """Default False. True: one collective per parameter instead of one coalesced launch per unit
+    (``CommunicationPolicy(coalesce=False)``); slower, for debugging or backends without
+    coalescing."""
 
     calculate_per_token_loss: bool = False
-    """Default False. True: gradients are *summed* over the data-parallel ranks instead of averaged,
-    because the loss is already normalised by the global token count. The manager multiplies the
-    reduced gradients by the number of data-parallel ranks in ``model.finish_grad_sync()``."""
+    """Default False. True: gradients are *summed* over the data-parallel ranks (dp_replicate x
+    dp_shard x cp) instead of averaged, because the loss is already normalised by the global token
+    count. Done inside the reduction, with ``CommunicationPolicy(gradient_divide_factor=1/dp)``."""
 
     keep_fp8_transpose_cache: bool = False
     """Default False. Keep Transformer Engine's FP8 transpose cache. True: *not available*, mfsdp has
     no FP8 parameter support."""
 
     nccl_ub: bool = False
-    """Default False. Gather and reduce through NCCL user buffers (symmetric memory). Needs CUDA;
-    on other devices it is an error; on CUDA it is passed to ``fully_shard(use_symm_mem=True)``,
-    which says when the core does not support it yet."""
+    """Default False. Gather and reduce through NCCL user buffers (symmetric memory). Needs CUDA:
+    on other devices a ValueError; on CUDA *not available yet* (NotImplementedError: the core's
+    ``fully_shard(use_symm_mem=True)`` is not implemented)."""
 
     fsdp_double_buffer: bool = False
     """Default False. Two persistent gather buffers used in alternation. True: *not available yet*
@@ -141,7 +151,10 @@ class MegatronFSDPConfig:
     """Default None (take it from the mesh). Tensor-parallel degree; must match ``mesh["tp"]``."""
 
     cp_size: Optional[int] = None
-    """Default None (take it from the mesh). Context-parallel degree; must match ``mesh["cp"]``."""
+    """Default None (take it from the mesh). Context-parallel degree; must match ``mesh["cp"]``.
+    With cp > 1 parameters shard over the flattened ``dp_shard_cp`` dim (every ZeRO level, and
+    HSDP), so gradients are reduced over dp x cp; the loop feeds each cp rank its part of the
+    sequence (:mod:`mfsdp.manager.context_parallel`)."""
 
     dp_replicate_size: Optional[int] = None
     """Default None (take it from the mesh). Replicas of the sharded model (HSDP); must match

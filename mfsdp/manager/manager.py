@@ -3,10 +3,12 @@
 ``parallelize(model, optimizer)`` walks one path at every world size:
 
 1. check the config against the mesh and refuse, with the reason, what mfsdp cannot do yet;
-2. tensor parallel (plan chosen and validated; sharding TP DTensors is not in the core yet);
+2. tensor parallel (plan chosen and validated, applied over ``mesh["tp"]``);
 3. activation checkpointing around each unit module's forward;
 4. ``fully_shard`` each unit module bottom-up, then the root, with the placements
-   ``zero_dp_strategy`` maps to and the precision policy the fp32 flags map to;
+   ``zero_dp_strategy`` maps to, the precision policy the fp32 flags map to and the communication
+   policy the overlap / bucketing / loss-scaling flags map to; a model built on the meta device
+   is then initialised shard-locally or loaded from a Hugging Face directory, slice by slice;
 5. dress the root: ``dtype`` reports the compute dtype, ``finish_grad_sync`` /
    ``install_optimized_model_weights`` / ``zero_grad_buffer`` for optimizer-less loops, the gradient
    scaling and NaN checks, a guard against parameters replaced after wrapping, and a
@@ -30,8 +32,10 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils.checkpoint import checkpoint
 
 import mfsdp
-from mfsdp import FsdpModule
+from mfsdp import FsdpModule, _compat
+from mfsdp.manager import hf_checkpoint
 from mfsdp.manager.config import MegatronFSDPConfig, field_names
+from mfsdp.manager.context_parallel import DP_SHARD_CP
 from mfsdp.manager.mesh import MeshSizes, check_config_against_mesh, mesh_sizes
 from mfsdp.manager.tp_plans import apply_tp_plan, select_tp_plan, validate_tp
 
@@ -46,14 +50,12 @@ class NonFiniteGradientError(RuntimeError):
 def dp_placements(zero_dp_strategy: int, sizes: MeshSizes, outer_dp_sharding_strategy: int = 0) -> mfsdp.Placements:
     """The mfsdp placements a strategy stands for on a manager mesh of ``sizes``.
 
-    Parameters shard over dp_shard (times cp when cp > 1) and replicate over dp_replicate.
+    Parameters shard over dp_shard (over the flattened ``dp_shard_cp`` dim when cp > 1, which the
+    manager creates) and replicate over dp_replicate.
     """
     s = zero_dp_strategy
+    shard = DP_SHARD_CP if sizes.cp > 1 else "dp_shard"
     if sizes.dp_replicate > 1:
-        if sizes.cp > 1:
-            raise NotImplementedError(
-                "dp_replicate > 1 together with cp > 1 needs three data-parallel axes (replicate over "
-                "dp_replicate, shard over dp_shard x cp); mfsdp's placements support two")
         if s != 3:
             raise NotImplementedError(
                 f"zero_dp_strategy={s} with dp_replicate_size={sizes.dp_replicate}: mfsdp has no placement that "
@@ -62,15 +64,9 @@ def dp_placements(zero_dp_strategy: int, sizes: MeshSizes, outer_dp_sharding_str
                 f"dp_replicate_size=1 with zero_dp_strategy={s} over all data-parallel ranks (with nothing "
                 "sharded, a separate replicate axis saves nothing)")
         if outer_dp_sharding_strategy == 1:
-            return mfsdp.Placements.hfsdp("dp_replicate", "dp_shard")
-        return mfsdp.Placements.hsdp("dp_replicate", "dp_shard")
-    if sizes.cp > 1:
-        if s != 3:
-            raise NotImplementedError(
-                f"zero_dp_strategy={s} with cp > 1 needs one flattened dp_shard x cp axis; mfsdp shards over "
-                "dp_shard x cp as two axes, which only ZeRO-3 (zero_dp_strategy=3) supports")
-        return mfsdp.Placements.fully_sharded("dp_shard", "cp")
-    return (mfsdp.Placements.ddp, mfsdp.Placements.zero1, mfsdp.Placements.zero2, mfsdp.Placements.zero3)[s]("dp_shard")
+            return mfsdp.Placements.hfsdp("dp_replicate", shard)
+        return mfsdp.Placements.hsdp("dp_replicate", shard)
+    return (mfsdp.Placements.ddp, mfsdp.Placements.zero1, mfsdp.Placements.zero2, mfsdp.Placements.zero3)[s](shard)
 
 
 def precision_policy(config: MegatronFSDPConfig) -> mfsdp.MixedPrecisionPolicy:
@@ -78,6 +74,24 @@ def precision_policy(config: MegatronFSDPConfig) -> mfsdp.MixedPrecisionPolicy:
     return mfsdp.MixedPrecisionPolicy(
         main_params_dtype=torch.float32 if config.preserve_fp32_weights else None,
         main_grads_dtype=torch.float32 if config.grad_reduce_in_fp32 else None,
+    )
+
+
+def communication_policy(config: MegatronFSDPConfig, sizes: MeshSizes) -> mfsdp.CommunicationPolicy:
+    """The core communication policy the flags stand for.
+
+    ``overlap_grad_reduce`` / ``overlap_param_gather``: the core has one switch, so either False
+    makes all communication synchronous (no side streams, no prefetch). ``disable_bucketing``: one
+    collective per parameter. ``calculate_per_token_loss``: gradients are summed over the
+    data-parallel ranks, i.e. the core's average divided by 1/dp.
+    """
+    factor = 1.0
+    if config.calculate_per_token_loss and sizes.dp > 1:
+        factor = 1.0 / sizes.dp
+    return mfsdp.CommunicationPolicy(
+        overlap=config.overlap_grad_reduce and config.overlap_param_gather,
+        coalesce=not config.disable_bucketing,
+        gradient_divide_factor=factor,
     )
 
 
@@ -162,20 +176,15 @@ class MegatronFSDPModel:
         return self._mfsdp_manager_state.compute_dtype
 
     def finish_grad_sync(self) -> None:
-        """Finish this step's gradients: per-token-loss scaling, then the NaN/Inf check.
+        """Finish this step's gradients: the NaN/Inf check (and the step count it reports).
 
-        The reductions themselves already ran during backward. Call it before clipping gradients;
-        a bound optimizer calls it before stepping if you did not. Once per step.
+        The reductions, with their scaling (mean over dp, or the sum for
+        ``calculate_per_token_loss``), already ran during backward. Call it before clipping
+        gradients; a bound optimizer calls it before stepping if you did not. Once per step.
         """
         state = self._mfsdp_manager_state
         if state.synced:
             return
-        if state.config.calculate_per_token_loss and state.sizes.dp > 1:
-            with torch.no_grad():
-                for _, members in state.groups:
-                    for _, p in members:
-                        if p.grad is not None:
-                            p.grad.mul_(state.sizes.dp)
         if state.config.checks_gradients:
             _check_finite(state)
         state.step += 1
@@ -391,38 +400,45 @@ class MegatronFSDPManager:
     def _check_supported(self) -> None:
         c, device = self.config, self.device_mesh.device_type
         missing = {
-            "init_fsdp_with_meta_device": "the core shards materialised parameters only (meta-device "
-                                          "initialisation is not in fully_shard yet)",
             "fsdp_double_buffer": "the core allocates and frees each unit's gather buffer; persistent "
                                   "alternating buffers are not a fully_shard option yet",
-            "disable_bucketing": "the core always issues one coalesced launch per unit; per-parameter "
-                                 "collectives are not a fully_shard option yet",
             "keep_fp8_transpose_cache": "mfsdp has no FP8 (Transformer Engine) parameter support",
         }
         for name, why in missing.items():
             if getattr(c, name):
                 raise NotImplementedError(f"MegatronFSDPConfig.{name}=True: {why}")
-        for name, what in (("overlap_grad_reduce", "gradient reductions"), ("overlap_param_gather", "all-gathers")):
-            if not getattr(c, name):
-                raise NotImplementedError(
-                    f"MegatronFSDPConfig.{name}=False: the core always overlaps {what} with compute; a "
-                    "synchronous mode is not a fully_shard option yet")
-        if c.nccl_ub and device != "cuda":
-            raise ValueError(f"MegatronFSDPConfig.nccl_ub=True needs CUDA symmetric memory; this mesh is on "
-                             f"{device!r}")
+        if c.nccl_ub:
+            if device != "cuda":
+                raise ValueError(f"MegatronFSDPConfig.nccl_ub=True needs CUDA symmetric memory; this mesh is on "
+                                 f"{device!r}")
+            raise NotImplementedError("MegatronFSDPConfig.nccl_ub=True: fully_shard(use_symm_mem=True) (NCCL "
+                                      "user buffers / symmetric memory) is not implemented in the core yet")
+        if c.overlap_grad_reduce != c.overlap_param_gather:
+            logger.warning("MegatronFSDPConfig: overlap_grad_reduce=%s, overlap_param_gather=%s: the core has one "
+                           "overlap switch, so all communication is synchronous", c.overlap_grad_reduce,
+                           c.overlap_param_gather)
         if c.sequence_parallel:
             if self.sizes.tp == 1:
                 raise ValueError("MegatronFSDPConfig.sequence_parallel=True needs a mesh with tp > 1")
             raise NotImplementedError(
                 "MegatronFSDPConfig.sequence_parallel=True: Hugging Face models derive position ids from the "
                 "length of the embedding output, which sequence parallelism shards; not supported yet")
+
+    def _dp_mesh(self):
+        """The sub-mesh ``fully_shard`` gets: the data-parallel dims (dp_shard x cp flattened), plus tp."""
+        mesh = self.device_mesh
         if self.sizes.cp > 1:
-            raise NotImplementedError(
-                "context parallel (cp > 1): mfsdp does not yet shard SDPA attention over the sequence "
-                "(torch's context_parallel) together with fully_shard; use cp_size=1")
+            _compat.flatten_mesh(mesh["dp_shard", "cp"], DP_SHARD_CP)
+        axes = tuple(self.placements.dp_axes) + (("tp",) if self.sizes.tp > 1 else ())
+        return mesh[axes] if len(axes) > 1 else mesh[axes[0]]
+
+    @property
+    def communication_policy(self) -> mfsdp.CommunicationPolicy:
+        return communication_policy(self.config, self.sizes)
 
     # ------------------------------------------------------------------------------ parallelize
-    def parallelize(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None):
+    def parallelize(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *,
+                    hf_path: Optional[str] = None, init_seed: int = 0):
         """Shard ``model`` in place; returns ``(model, optimizer)``.
 
         ``optimizer`` may be built on the model before this call (it is re-pointed at the sharded
@@ -430,6 +446,12 @@ class MegatronFSDPManager:
         ``model.parameters()`` afterwards and either bind it with :func:`fully_shard_optimizer` or
         drive the loop with ``finish_grad_sync`` / ``install_optimized_model_weights`` /
         ``zero_grad_buffer``.
+
+        A model built on the meta device (``init_fsdp_with_meta_device=True``) gets storage for this
+        rank's shards only; then ``hf_path`` (a local HF safetensors directory) is loaded into the
+        shards, each rank reading only its slices, or, without ``hf_path``, every shard is
+        initialised locally (:func:`~mfsdp.manager.hf_checkpoint.init_weights_shard_local`, seeded
+        by ``init_seed``). ``hf_path`` also loads into a materialised model.
         """
         if not isinstance(model, nn.Module):
             raise TypeError(f"parallelize expects an nn.Module, got {type(model).__name__}")
@@ -439,6 +461,15 @@ class MegatronFSDPManager:
         floating = [p for p in model.parameters() if p.is_floating_point()]
         if not floating:
             raise ValueError(f"{type(model).__name__} has no floating-point parameters to shard")
+        on_meta = any(p.is_meta for p in model.parameters())
+        if on_meta and not c.init_fsdp_with_meta_device:
+            raise ValueError(f"{type(model).__name__} has parameters on the meta device; set "
+                             "MegatronFSDPConfig.init_fsdp_with_meta_device=True to shard and initialise it here")
+        if on_meta and optimizer is not None:
+            raise ValueError("an optimizer cannot be built on a meta-device model; pass optimizer=None and build "
+                             "it on model.parameters() after parallelize")
+        if hf_path is not None and not hf_checkpoint.has_weights(hf_path):
+            raise FileNotFoundError(f"hf_path={hf_path!r} holds no model.safetensors (or index)")
         compute_dtype = floating[0].dtype
         dtypes = {p.dtype for p in floating}
         if len(dtypes) > 1:
@@ -460,21 +491,36 @@ class MegatronFSDPManager:
                 hf_config.use_cache = False
 
         # The core takes the data-parallel axes, plus tp where the parameters are TP DTensors over it.
-        axes = tuple(self.placements.dp_axes) + (("tp",) if sizes.tp > 1 else ())
-        dp_mesh = mesh[axes] if len(axes) > 1 else mesh[axes[0]]
+        dp_mesh = self._dp_mesh()
         policy = precision_policy(c)
-        use_symm_mem = c.nccl_ub
+        comm = self.communication_policy
         for _, unit in units:
-            mfsdp.fully_shard(unit, dp_mesh, self.placements, policy, use_symm_mem=use_symm_mem)
-        mfsdp.fully_shard(model, dp_mesh, self.placements, policy, use_symm_mem=use_symm_mem)
+            mfsdp.fully_shard(unit, dp_mesh, self.placements, policy, communication_policy=comm)
+        mfsdp.fully_shard(model, dp_mesh, self.placements, policy, communication_policy=comm)
+        if on_meta:
+            hf_checkpoint.materialize_meta_buffers(model)
+        if hf_path is not None:
+            hf_checkpoint.load_hf_weights(model, hf_path)
+        elif on_meta:
+            hf_checkpoint.init_weights_shard_local(model, seed=init_seed)
 
         state = _ManagerState(c, sizes, mesh, compute_dtype, _gradient_groups(model, units), _slots(model))
         _dress_root(model, state)
         if optimizer is not None:
             _rebind_optimizer(optimizer, old_names, model)
             fully_shard_optimizer(model, optimizer)
-        logger.info("mfsdp: %s over mesh %s, %d unit modules, %s", self.placements.name, sizes, len(units), policy)
+        logger.info("mfsdp: %s over mesh %s, %d unit modules, %s, %s", self.placements.name, sizes, len(units),
+                    policy, comm)
         return model, optimizer
+
+    def load_pretrained(self, model: nn.Module, path: str) -> nn.Module:
+        """Load a local HF safetensors directory into a model this manager parallelized (slices only)."""
+        hf_checkpoint.load_hf_weights(model, path)
+        return model
+
+    def save_pretrained(self, model: nn.Module, path: str, **kwargs) -> None:
+        """Export consolidated HF safetensors + config.json (a collective; rank 0 writes)."""
+        hf_checkpoint.save_hf_checkpoint(model, path, **kwargs)
 
 
 def _gradient_groups(model: nn.Module, units) -> list:

@@ -25,7 +25,7 @@ def stream_context(stream: Optional[torch.Stream]):
     """``with`` the given stream current, or a no-op on devices without streams (CPU)."""
     if stream is None:
         return contextlib.nullcontext()
-    return torch.cuda.stream(stream) if stream.device_type == "cuda" else contextlib.nullcontext()
+    return torch.cuda.stream(stream) if stream.device.type == "cuda" else contextlib.nullcontext()
 
 
 def _native_average(group) -> bool:
