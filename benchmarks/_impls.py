@@ -126,15 +126,17 @@ def build_mfsdp(ctx: Ctx) -> Built:
     policy = mfsdp.MixedPrecisionPolicy(main_params_dtype=torch.float32,
                                         main_grads_dtype=ctx.grad_reduce_dtype)
     mesh = ctx.mesh()
+    from mfsdp.models.parallelize import sharding_units
+
     model = _model_on_device(ctx, ctx.compute_dtype)
-    for block in model.layers:
-        mfsdp.fully_shard(block, mesh, placements=placements, mixed_precision_policy=policy)
+    for unit in sharding_units(model):  # embedding, blocks, head: mfsdp's recommended wrapping
+        mfsdp.fully_shard(unit, mesh, placements=placements, mixed_precision_policy=policy)
     mfsdp.fully_shard(model, mesh, placements=placements, mixed_precision_policy=policy)
     optimizer = make_adamw(model.parameters(), ctx)
     # fully_shard_optimizer may wrap or patch in place; accept either.
     optimizer = mfsdp.fully_shard_optimizer(model, optimizer) or optimizer
     return Built(model, optimizer, dtype_name(ctx.grad_reduce_dtype),
-                 "mfsdp.fully_shard(block) x n_layers + root, Placements.zero3('dp'); "
+                 "mfsdp.fully_shard(embedding, each block, head) + root, Placements.zero3('dp'); "
                  f"{dtype_name(ctx.compute_dtype)} model, fp32 main params, "
                  f"main grads {dtype_name(ctx.grad_reduce_dtype)}; fully_shard_optimizer",
                  {"mfsdp_version": getattr(mfsdp, "__version__", None)})

@@ -47,8 +47,9 @@ def shard_sequence(mesh: DeviceMesh, batch: Mapping[str, torch.Tensor], seq_dim:
     """This cp rank's contiguous part of every tensor in ``batch`` along ``seq_dim``.
 
     Adds ``position_ids`` (global positions, unless given) so rotary embeddings see where the shard
-    sits, and replaces ``labels`` by ``shift_labels`` (shifted on the whole sequence, then sharded)
-    so no label crosses a shard boundary. The sequence length must divide by the cp size (equal
+    sits, and shifts ``labels`` on the whole sequence before sharding, returning them as both
+    ``labels`` and ``shift_labels`` (HF's causal-LM loss needs ``labels`` to run and uses
+    ``shift_labels`` without shifting again), so no label crosses a shard boundary. The sequence length must divide by the cp size (equal
     shards keep the per-rank mean losses an unbiased average). With cp = 1 the batch is returned
     with those two additions only.
     """
@@ -70,7 +71,8 @@ def shard_sequence(mesh: DeviceMesh, batch: Mapping[str, torch.Tensor], seq_dim:
         positions = torch.arange(length, device=ref.device).view(shape)
         out["position_ids"] = positions.expand(*ref.shape[:seq_dim + 1]) if seq_dim else positions
     if labels_key and labels_key in out:
-        out["shift_labels"] = shift_labels(out.pop(labels_key), seq_dim)
+        # Both keys: HF computes a loss only when ``labels`` is given, and uses ``shift_labels`` as is.
+        out["shift_labels"] = out[labels_key] = shift_labels(out[labels_key], seq_dim)
     return {k: (v.chunk(size, dim=seq_dim)[rank].contiguous()
                 if isinstance(v, torch.Tensor) and v.ndim > seq_dim else v) for k, v in out.items()}
 

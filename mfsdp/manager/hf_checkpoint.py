@@ -163,10 +163,11 @@ def load_hf_weights(model: nn.Module, path: str, *, strict: bool = True) -> list
     files = checkpoint_files(path)
     prefix = getattr(model, "base_model_prefix", "") or ""
     plan, missing, bad_shape = [], [], []
+    param_ids = {id(p) for p in model.parameters()}
     for names, tensor in _model_tensors(model):
         key = next((k for k in _candidate_keys(names, prefix) if k in files), None)
         if key is None:
-            if any(n in names for n, _ in model.named_parameters(remove_duplicate=False)):
+            if id(tensor) in param_ids:  # a persistent buffer may be absent (HF omits many)
                 missing.append(names[0])
             continue
         plan.append((key, names[0], tensor))
@@ -365,3 +366,39 @@ def meta_model_from_config(config, *, dtype: Optional[torch.dtype] = None) -> nn
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype) if dtype is not None \
             else transformers.AutoModelForCausalLM.from_config(config)
     return model
+
+
+_STRATEGIES = {"zero3": 3, "zero2": 2, "zero1": 1, "ddp": 0, "hsdp": 3, "hfsdp": 3}
+
+
+def build_hf_for_training(cfg, device: torch.device, compute_dtype: torch.dtype, world: int):
+    """``mfsdp train --model.hf DIR``: the sharded HF model and its bound AdamW.
+
+    Built on the meta device from ``DIR/config.json`` in the compute dtype, parallelized by the
+    manager (``--parallel.placements`` mapped to ``zero_dp_strategy``, hsdp/hfsdp to
+    ``dp_replicate_size``), then loaded slice by slice from ``DIR``'s safetensors if it has any,
+    else initialised shard-locally with ``--train.seed``.
+    """
+    from mfsdp.manager.config import MegatronFSDPConfig
+    from mfsdp.manager.manager import MegatronFSDPManager, fully_shard_optimizer
+    from mfsdp.manager.mesh import build_device_mesh
+
+    p, t, path = cfg.parallel, cfg.train, cfg.model.hf
+    replicate = p.replicate if p.placements in ("hsdp", "hfsdp") else 1
+    config = MegatronFSDPConfig(
+        zero_dp_strategy=_STRATEGIES[p.placements],
+        outer_dp_sharding_strategy=1 if p.placements == "hfsdp" else 0,
+        grad_reduce_in_fp32=p.main_grads_dtype != "bf16",
+        activation_checkpointing=p.activation_checkpointing,
+        init_fsdp_with_meta_device=True)
+    mesh = build_device_mesh(device.type, dp_replicate_size=replicate, world_size=world)
+    model = meta_model_from_config(path, dtype=compute_dtype)
+    model.config.use_cache = False
+    manager = MegatronFSDPManager(config, mesh)
+    model, _ = manager.parallelize(model, hf_path=path if has_weights(path) else None, init_seed=t.seed)
+    decay = [q for q in model.parameters() if q.ndim >= 2]
+    no_decay = [q for q in model.parameters() if q.ndim < 2]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay},
+                                   {"params": no_decay, "weight_decay": 0.0}],
+                                  lr=t.lr, betas=(t.beta1, t.beta2), foreach=True)
+    return model, fully_shard_optimizer(model, optimizer)

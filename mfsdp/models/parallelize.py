@@ -84,10 +84,22 @@ def parallelize(model: Llama, mesh: DeviceMesh, config: ParallelizeConfig) -> Ll
     placements = resolve_placements(config.placements)
     if config.activation_checkpointing:
         model.set_activation_checkpointing(True)
-    # Bottom-up: each block becomes its own unit before the root claims the rest.
-    for block in model.layers:
-        mfsdp.fully_shard(block, mesh, placements,
-                          mixed_precision_policy=config.mixed_precision)
+    # Bottom-up: each unit before the root claims the rest (the final norm).
+    for unit in sharding_units(model):
+        mfsdp.fully_shard(unit, mesh, placements, mixed_precision_policy=config.mixed_precision)
     mfsdp.fully_shard(model, mesh, placements, mixed_precision_policy=config.mixed_precision)
     return model
+
+
+def sharding_units(model: Llama) -> list:
+    """The modules sharded as units: the embedding, every block, and the output head.
+
+    Giving the two vocabulary-sized matrices their own units lets the head's gradient reduction
+    overlap the last blocks' backward and keeps the root (then just the final norm) tiny; with a
+    tied embedding the pair must stay in one unit, so the root keeps both.
+    """
+    units = list(model.layers)
+    if model.output.weight is not model.tok_embeddings.weight:
+        units = [model.tok_embeddings, *units, model.output]
+    return units
 

@@ -47,14 +47,44 @@ class ModelSection:
     """Overrides the preset's vocabulary size when set."""
     tie_embeddings: bool | None = None
     """Overrides whether the output head shares the embedding matrix."""
+    hf: str | None = None
+    """A local Hugging Face model directory (config.json, plus safetensors weights if present) to
+    train instead of the built-in Llama, through mfsdp.manager; the shape fields above must then
+    be unset."""
 
     def llama_config(self, max_seq_len: int) -> LlamaConfig:
+        if self.hf is not None:
+            return _hf_shape(self, max_seq_len)
         overrides = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
                      if f.name != "preset" and getattr(self, f.name) is not None}
         try:
             return get_config(self.preset, max_seq_len=max_seq_len, **overrides)
         except ValueError as err:
             raise ConfigError(f"{err}; set --model.preset or the --model.* fields") from None
+
+
+def _hf_shape(model: ModelSection, max_seq_len: int) -> LlamaConfig:
+    """The shape of a HF model directory as a LlamaConfig (for FLOP counts and checkpoint checks)."""
+    import json
+
+    set_fields = [f.name for f in dataclasses.fields(model)
+                  if f.name not in ("preset", "hf") and getattr(model, f.name) is not None]
+    _require(not set_fields, f"--model.hf takes the shape from {model.hf}/config.json; unset "
+             f"{', '.join('--model.' + n for n in set_fields)}")
+    path = Path(model.hf) / "config.json"
+    _require(path.is_file(), f"--model.hf {model.hf}: no config.json there (a local Hugging Face "
+             "model directory is needed)")
+    c = json.loads(path.read_text())
+    try:
+        return LlamaConfig(dim=c["hidden_size"], n_layers=c["num_hidden_layers"],
+                           n_heads=c["num_attention_heads"],
+                           n_kv_heads=c.get("num_key_value_heads") or c["num_attention_heads"],
+                           ffn_dim=c["intermediate_size"], vocab_size=c["vocab_size"],
+                           max_seq_len=max_seq_len,
+                           tie_embeddings=bool(c.get("tie_word_embeddings", False)))
+    except (KeyError, ValueError) as err:
+        raise ConfigError(f"--model.hf {model.hf}: config.json is not a decoder config mfsdp "
+                          f"can train ({err})") from None
 
 
 @dataclass(frozen=True)

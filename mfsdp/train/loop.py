@@ -182,6 +182,9 @@ class Trainer:
             grad_comm_dtype=_DTYPES.get(p.grad_comm_dtype))
         # Built on the meta device, so no memory or time goes into a first random init
         # that init_weights would overwrite anyway. Every rank draws the same weights.
+        if self.cfg.model.hf is not None:  # a Hugging Face model, through mfsdp.manager
+            from mfsdp.manager.hf_checkpoint import build_hf_for_training
+            return build_hf_for_training(self.cfg, self.device, compute, self.world)
         with torch.device("meta"):
             model = Llama(self.model_cfg, dtype=compute)
         model.to_empty(device=self.device)
@@ -268,6 +271,7 @@ class Trainer:
                               if d.microbatches > 1 else nullcontext())
                 with accumulate:
                     logits = model(inputs)
+                    logits = getattr(logits, "logits", logits)  # HF models return an output object
                     loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
                     (loss / d.microbatches).backward()
                 loss_sum += loss.detach() / d.microbatches

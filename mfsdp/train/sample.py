@@ -20,7 +20,8 @@ def generate_text(model: torch.nn.Module, tokenizer, prompt: str, new_tokens: in
     ids = torch.tensor([tokenizer.encode(prompt)], dtype=torch.long, device=device)
     generator = torch.Generator(device=device).manual_seed(seed)
     for _ in range(new_tokens):
-        logits = model(ids[:, -max_context:])[:, -1].float()
+        out = model(ids[:, -max_context:])
+        logits = getattr(out, "logits", out)[:, -1].float()  # HF models return an output object
         probs = torch.softmax(logits / temperature, dim=-1)
         next_id = torch.multinomial(probs, 1, generator=generator)
         ids = torch.cat([ids, next_id], dim=1)

@@ -1,0 +1,57 @@
+"""`mfsdp train --model.hf DIR`: a tiny Hugging Face model trained through the manager by torchrun."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from test_manager_models import make_hf
+from test_train_e2e import torchrun
+from mfsdp.train.config import ConfigError, load_config
+
+pytest.importorskip("transformers")
+pytestmark = [pytest.mark.timeout(240), pytest.mark.filterwarnings("ignore::UserWarning")]
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("hf") / "tiny-qwen2"
+    import torch
+
+    model = make_hf("qwen2", vocab=260)  # the byte tokenizer has 257 ids
+    with torch.no_grad():
+        model.lm_head.weight.mul_(200)  # confident, wrong logits: a loss far above a fresh init's ln 260
+    model.save_pretrained(path)
+    return path
+
+
+def test_train_hf_two_processes(hf_dir, tmp_path):
+    from mfsdp.data import prepare
+    from mfsdp.data.prepare import stdlib_source
+
+    corpus = tmp_path / "small.tokens"
+    prepare(stdlib_source(), corpus, glob="a*.py")
+    out = tmp_path / "run"
+    run = torchrun("--model.hf", str(hf_dir), "--data.path", str(corpus), "--data.seq_len", "16",
+                   "--data.local_batch", "2", "--train.steps", "3", "--train.warmup_steps", "1",
+                   "--train.lr", "1e-2", "--train.sample_tokens", "4", "--train.progress", "false",
+                   "--train.device", "cpu", "--train.out_dir", str(out))
+    assert run.returncode == 0, run.stdout + run.stderr
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert all(math.isfinite(r["loss"]) for r in records)
+    # Loaded weights, not a fresh init (which would start at about ln 260).
+    assert records[0]["loss"] > math.log(260) + 1, records[0]
+    assert (out / "checkpoints" / "step_3").is_dir()
+
+
+def test_hf_config_errors(hf_dir, tmp_path):
+    cfg = load_config(["--model.hf", str(hf_dir)])
+    shape = cfg.llama_config()
+    assert (shape.dim, shape.n_layers, shape.vocab_size) == (16, 2, 260)
+    with pytest.raises(ConfigError, match="unset --model.dim"):
+        load_config(["--model.hf", str(hf_dir), "--model.dim", "8"]).llama_config()
+    with pytest.raises(ConfigError, match="no config.json"):
+        load_config(["--model.hf", str(tmp_path)]).llama_config()
