@@ -21,7 +21,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from mfsdp import _compat
-from mfsdp.runtime.module import _GROUP_OF_SHARDED
+from mfsdp.runtime.registry import GROUP_OF_SHARDED
 
 _BOUND_OPTIMIZERS: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
 
@@ -30,7 +30,7 @@ def _groups_of(optimizer: torch.optim.Optimizer) -> list:
     groups, seen = [], set()
     for param_group in optimizer.param_groups:
         for p in param_group["params"]:
-            group = _GROUP_OF_SHARDED.get(p)
+            group = GROUP_OF_SHARDED.get(p)
             if group is not None and id(group) not in seen:
                 seen.add(id(group))
                 groups.append(group)

@@ -3,17 +3,15 @@ parameters, state dicts and clipping. CPU, gloo, one world of 2 ranks."""
 
 from __future__ import annotations
 
-import os
 import tempfile
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 import mfsdp
 from mfsdp.runtime import collectives
-from models import Block, Net, full_params, global_batch, loss_fn, make_mesh, make_placements, reference_copy, shard_net
+from models import Block, Net, global_batch, loss_fn, make_mesh, make_placements, reference_copy, shard_net
 
 
 def _expect(exc_type, fn, *words):
@@ -199,7 +197,6 @@ def unused_parameters(rank, ws):
     ref = reference_copy(net)
     shard_net(net, make_mesh("zero3", ws), make_placements("zero3"))
     x, y = global_batch(0, 4, 5, 13)
-    grads = {}
     for r in range(ws):
         ref.blocks[0].route = r
         loss_fn(ref(x.chunk(ws)[r]), y.chunk(ws)[r]).div(ws).backward()

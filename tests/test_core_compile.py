@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-import mfsdp
 from models import Net, full_params, global_batch, loss_fn, make_mesh, make_placements, max_rel_error, reference_copy, shard_net
 
 

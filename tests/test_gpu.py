@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from _dist import World
-from test_core_parity import _check, bf16_parity, train_parity
+from test_core_parity import _check, train_parity
 
 pytestmark = pytest.mark.gpu
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -33,13 +33,15 @@ from mfsdp.mixed_precision import MixedPrecisionPolicy
 from mfsdp.placement import Placements
 from mfsdp.runtime.context import FsdpContext
 from mfsdp.runtime.geometry import ShardGeometry
-from mfsdp.runtime.indexed_order import IndexedOrder
 from mfsdp.runtime.parameter_group import FsdpParameterGroup
+from mfsdp.runtime.ownership import (
+    check_parameter_locations,
+    collect_backward_order,
+    collect_owned_parameters,
+    group_parameters,
+)
 from mfsdp.runtime.registry import GROUP_OF_SHARDED, OWNER_OF_PARAMETER
 
-# Weak maps, so a deleted model leaves nothing behind and no load-bearing state lives on Parameters.
-_OWNER_OF_PARAMETER = OWNER_OF_PARAMETER
-_GROUP_OF_SHARDED = GROUP_OF_SHARDED
 _CPU_READY = object()  # unshard "event" on devices without streams: the work is already done
 
 
@@ -94,21 +96,21 @@ class FsdpModule:
         self._inputs_hooked = 0
         self._use_symm_mem = use_symm_mem
         self._communication_policy = communication_policy or CommunicationPolicy()
-        owned, children = _collect_owned_parameters(self)
+        owned, children = collect_owned_parameters(self, FsdpModule)
         for child in children:
             child._fsdp_parent = weakref.ref(self)
         geometry = ShardGeometry(mesh, placements)
         groups = []
-        for params, aliases in _group_parameters(owned):
+        for params, aliases in group_parameters(owned):
             dtypes = mixed_precision_policy.resolve(params[0].dtype)
             label = f"{type(self).__name__}[{params[0].dtype}, requires_grad={params[0].requires_grad}]"
             groups.append(FsdpParameterGroup(params, aliases, geometry, dtypes, label, self._communication_policy))
         self._parameter_groups: tuple[FsdpParameterGroup, ...] = tuple(groups)
         for group in groups:
             for orig, sharded in zip(group.params, group.sharded_params):
-                _OWNER_OF_PARAMETER[orig] = self
-                _OWNER_OF_PARAMETER[sharded] = self
-                _GROUP_OF_SHARDED[sharded] = group
+                OWNER_OF_PARAMETER[orig] = self
+                OWNER_OF_PARAMETER[sharded] = self
+                GROUP_OF_SHARDED[sharded] = group
         self._num_trainable_parameters = sum(len(g.params) for g in groups if g.requires_grad)
         self._register_hooks()
 
@@ -421,83 +423,7 @@ class FsdpModule:
                 )
             module._context, module._name = ctx, name
             ctx.forward_order.append(module)
-        _collect_backward_order(self, ctx.backward_order)
-        _check_parameter_locations(self)
+        collect_backward_order(self, ctx.backward_order, FsdpModule)
+        check_parameter_locations(self, FsdpModule)
 
-
-def _collect_backward_order(module: nn.Module, order: IndexedOrder) -> None:
-    """Collect FsdpModules in static backward prefetch order: node first, children reversed."""
-    if isinstance(module, FsdpModule) and module not in order:
-        order.append(module)
-    for child in reversed(list(module.children())):
-        _collect_backward_order(child, order)
-
-
-def _collect_owned_parameters(root: nn.Module):
-    """Parameters under ``root`` not owned by an FSDP descendant, with every place holding each.
-
-    Returns ``({param: [(module, attr, fqn), ...]}, [FSDP children])`` in first-seen order.
-    """
-    owned: dict[nn.Parameter, list] = {}
-    children: list = []
-    seen: set[tuple[int, str]] = set()
-
-    def visit(module: nn.Module, prefix: str) -> None:
-        for attr, param in module._parameters.items():
-            if param is None or (id(module), attr) in seen:
-                continue
-            seen.add((id(module), attr))
-            owned.setdefault(param, []).append((module, attr, prefix + attr))
-        for name, child in module._modules.items():
-            if child is None:
-                continue
-            if isinstance(child, FsdpModule):
-                if child not in children:
-                    children.append(child)
-                continue
-            visit(child, f"{prefix}{name}.")
-
-    visit(root, "")
-    for param, places in owned.items():
-        fqn = places[0][2]
-        if param in _OWNER_OF_PARAMETER:
-            raise ValueError(
-                f"parameter {fqn!r} is already owned by another FSDP module: either a child was "
-                "sharded after its parent (apply fully_shard bottom-up: blocks first, root last), or "
-                "the parameter is shared across FSDP modules (shard their common ancestor only)"
-            )
-    return owned, children
-
-
-def _group_parameters(owned: dict) -> list[tuple[list[nn.Parameter], list[list[tuple[nn.Module, str]]]]]:
-    """Group parameters by (dtype, requires_grad), keeping first-seen order."""
-    groups: dict[tuple, tuple[list, list]] = {}
-    for param, places in owned.items():
-        params, aliases = groups.setdefault((param.dtype, param.requires_grad), ([], []))
-        params.append(param)
-        aliases.append([(module, attr) for module, attr, _ in places])
-    return list(groups.values())
-
-
-def _check_parameter_locations(root: nn.Module) -> None:
-    """A parameter may be used only inside the FSDP module that owns it (first-forward check)."""
-
-    def visit(module: nn.Module, owner: Optional[FsdpModule], prefix: str) -> None:
-        if isinstance(module, FsdpModule):
-            owner = module
-        for attr, param in module._parameters.items():
-            if param is None:
-                continue
-            holder = _OWNER_OF_PARAMETER.get(param)
-            if holder is not None and holder is not owner:
-                raise ValueError(
-                    f"parameter {prefix + attr!r} is shared with FSDP module {holder.name!r}, which "
-                    "owns it; shard the modules sharing it together (fully_shard their common "
-                    "ancestor, not each of them)"
-                )
-        for name, child in module._modules.items():
-            if child is not None:
-                visit(child, owner, f"{prefix}{name}.")
-
-    visit(root, None, "")
 

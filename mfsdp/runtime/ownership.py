@@ -1,0 +1,89 @@
+"""Ownership: which parameters an FSDP module takes, how they group, and where they may be used.
+
+Free functions over the module tree; ``fsdp_cls`` is the FsdpModule class, passed in so this file
+does not import the module that imports it.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from mfsdp.runtime.indexed_order import IndexedOrder
+from mfsdp.runtime.registry import OWNER_OF_PARAMETER
+
+def collect_backward_order(module: nn.Module, order: IndexedOrder, fsdp_cls: type) -> None:
+    """Collect FsdpModules in static backward prefetch order: node first, children reversed."""
+    if isinstance(module, fsdp_cls) and module not in order:
+        order.append(module)
+    for child in reversed(list(module.children())):
+        collect_backward_order(child, order, fsdp_cls)
+
+
+def collect_owned_parameters(root: nn.Module, fsdp_cls: type):
+    """Parameters under ``root`` not owned by an FSDP descendant, with every place holding each.
+
+    Returns ``({param: [(module, attr, fqn), ...]}, [FSDP children])`` in first-seen order.
+    """
+    owned: dict[nn.Parameter, list] = {}
+    children: list = []
+    seen: set[tuple[int, str]] = set()
+
+    def visit(module: nn.Module, prefix: str) -> None:
+        for attr, param in module._parameters.items():
+            if param is None or (id(module), attr) in seen:
+                continue
+            seen.add((id(module), attr))
+            owned.setdefault(param, []).append((module, attr, prefix + attr))
+        for name, child in module._modules.items():
+            if child is None:
+                continue
+            if isinstance(child, fsdp_cls):
+                if child not in children:
+                    children.append(child)
+                continue
+            visit(child, f"{prefix}{name}.")
+
+    visit(root, "")
+    for param, places in owned.items():
+        fqn = places[0][2]
+        if param in OWNER_OF_PARAMETER:
+            raise ValueError(
+                f"parameter {fqn!r} is already owned by another FSDP module: either a child was "
+                "sharded after its parent (apply fully_shard bottom-up: blocks first, root last), or "
+                "the parameter is shared across FSDP modules (shard their common ancestor only)"
+            )
+    return owned, children
+
+
+def group_parameters(owned: dict) -> list[tuple[list[nn.Parameter], list[list[tuple[nn.Module, str]]]]]:
+    """Group parameters by (dtype, requires_grad), keeping first-seen order."""
+    groups: dict[tuple, tuple[list, list]] = {}
+    for param, places in owned.items():
+        params, aliases = groups.setdefault((param.dtype, param.requires_grad), ([], []))
+        params.append(param)
+        aliases.append([(module, attr) for module, attr, _ in places])
+    return list(groups.values())
+
+
+def check_parameter_locations(root: nn.Module, fsdp_cls: type) -> None:
+    """A parameter may be used only inside the FSDP module that owns it (first-forward check)."""
+
+    def visit(module: nn.Module, owner, prefix: str) -> None:
+        if isinstance(module, fsdp_cls):
+            owner = module
+        for attr, param in module._parameters.items():
+            if param is None:
+                continue
+            holder = OWNER_OF_PARAMETER.get(param)
+            if holder is not None and holder is not owner:
+                raise ValueError(
+                    f"parameter {prefix + attr!r} is shared with FSDP module {holder.name!r}, which "
+                    "owns it; shard the modules sharing it together (fully_shard their common "
+                    "ancestor, not each of them)"
+                )
+        for name, child in module._modules.items():
+            if child is not None:
+                visit(child, owner, f"{prefix}{name}.")
+
+    visit(root, None, "")
+
