@@ -243,14 +243,14 @@ class FsdpParameterGroup:
             self.main_grad = FlatBuffer(self.grad_layout.numel(g.num_shards), self.dtypes.grads,
                                         self._all_used.device)
             self.main_grad.tensor.zero_()
-            regions = self.grad_layout.regions(self.main_grad.tensor, g.num_shards)
+            regions = self._main_grad_views = self.grad_layout.regions(self.main_grad.tensor, g.num_shards)
             self._grad_dtensors = [
                 DTensor.from_local(local, mesh, placements, run_check=False,
                                    shape=p.shape, stride=contiguous_stride(p.shape))
                 for p, local, (mesh, placements) in zip(
                     self.params, self.grad_layout.shards(regions, g.shard_index), self._specs)
             ]
-        return self.grad_layout.regions(self.main_grad.tensor, self.geometry.num_shards)
+        return self._main_grad_views
 
     def _claim_main_grad(self) -> tuple[list[torch.Tensor], bool]:
         """Regions to reduce into, and whether they may be overwritten (no gradient to keep).
@@ -306,22 +306,31 @@ class FsdpParameterGroup:
             i for i, (gr, m) in enumerate(zip(grads, members[:-1]))
             if gr is None or m.is_padded or gr.dtype != comm or not gr.is_contiguous()
         ]
+        staged_set = set(staged)
         inputs: list[Optional[torch.Tensor]] = [
-            None if i in staged else gr.view(-1) for i, gr in enumerate(grads)
+            None if i in staged_set else gr.view(-1) for i, gr in enumerate(grads)
         ]
         keep: list = [gr for gr in grads if gr is not None]
         if staged:
             sizes = [members[i].padded_rows * members[i].row_numel for i in staged]
-            buf = torch.zeros(sum(sizes), dtype=comm, device=self._all_used.device)
-            regions = list(torch.split(buf, sizes))
-            dst, src = [], []
-            for i, region in zip(staged, regions):
+            # Uninitialised: the copy below fills the real rows; only padding and missing
+            # gradients are zeroed, so no full memset of the staging buffer per backward.
+            buf = torch.empty(sum(sizes), dtype=comm, device=self._all_used.device)
+            dst, src, zero = [], [], []
+            for i, region in zip(staged, torch.split(buf, sizes)):
                 inputs[i] = region
-                if grads[i] is not None:
-                    dst.append(region[: members[i].rows * members[i].row_numel].view(grads[i].shape))
-                    src.append(grads[i])
+                real = members[i].rows * members[i].row_numel
+                if grads[i] is None:
+                    zero.append(region)
+                    continue
+                dst.append(region[:real].view(grads[i].shape))
+                src.append(grads[i])
+                if real < region.numel():
+                    zero.append(region[real:])
             if dst:
                 _compat.foreach_copy_(dst, src)
+            if zero:
+                _compat.foreach_zero_(zero)
             keep.append(buf)
         present = [i for i, gr in enumerate(grads) if gr is not None]
         if len(present) == len(grads):
@@ -427,7 +436,8 @@ class FsdpParameterGroup:
         the compute stream wait before anyone reads them.
         """
         for p, grad in zip(self.sharded_params, self._grad_dtensors):
-            p.grad = grad
+            if p.grad is not grad:  # the setter validates; skip it once ours is in place
+                p.grad = grad
         if self._missing_seen:
             self._missing_seen = False
             self.needs_usage_check = True
@@ -443,7 +453,7 @@ class FsdpParameterGroup:
         if not self.needs_usage_check:
             return
         self.needs_usage_check = False
-        counts = self.grad_layout.regions(self.main_grad.tensor, self.geometry.num_shards)[-1]
+        counts = self._main_grad_views[-1]
         used = counts.float().tolist()  # a host sync, on this rare path only
         for p, grad, count in zip(self.sharded_params, self._grad_dtensors, used):
             p.grad = grad if count > 0 else None
