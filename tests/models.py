@@ -111,3 +111,14 @@ def max_rel_error(a: dict, b: dict) -> float:
 
 def reference_copy(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model)
+
+
+def step_both(model, ref, optim, ref_optim, step: int, batch: int, rank: int, ws: int) -> None:
+    """One optimizer step of the reference on the global batch and of the sharded model on its slice."""
+    x, y = global_batch(step, batch, 5, ref.embed.num_embeddings)
+    loss_fn(ref(x), y).backward()
+    ref_optim.step()
+    ref_optim.zero_grad()
+    loss_fn(model(x.chunk(ws)[rank]), y.chunk(ws)[rank]).backward()
+    optim.step()
+    optim.zero_grad()

@@ -11,7 +11,7 @@ from torch import nn
 
 import mfsdp
 from mfsdp.runtime import collectives
-from models import Block, Net, global_batch, loss_fn, make_mesh, make_placements, reference_copy, shard_net
+from models import Block, Net, global_batch, step_both, loss_fn, make_mesh, make_placements, reference_copy, shard_net
 
 
 def _expect(exc_type, fn, *words):
@@ -338,13 +338,7 @@ def meta_init(rank, ws, kind):
     optim = torch.optim.SGD(net.parameters(), lr=0.1)
     ref_optim = torch.optim.SGD(ref.parameters(), lr=0.1)
     for step in range(2):
-        x, y = global_batch(step, 4, 5, 13)
-        loss_fn(ref(x), y).backward()
-        ref_optim.step()
-        ref_optim.zero_grad()
-        loss_fn(net(x.chunk(ws)[rank]), y.chunk(ws)[rank]).backward()
-        optim.step()
-        optim.zero_grad()
+        step_both(net, ref, optim, ref_optim, step, 4, rank, ws)
     return max(float((p.full_tensor() - q).abs().max()) for p, q in zip(net.parameters(), ref.parameters()))
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models import Net, full_params, global_batch, loss_fn, make_mesh, make_placements, max_rel_error, reference_copy, shard_net
+from models import Net, full_params, make_mesh, make_placements, max_rel_error, reference_copy, shard_net, step_both
 
 
 def compiled_parity(rank, ws, kind):
@@ -20,13 +20,7 @@ def compiled_parity(rank, ws, kind):
     ref_optim = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     errors = []
     for step in range(3):
-        x, y = global_batch(step, 8, 5, 13)
-        loss_fn(ref(x), y).backward()
-        ref_optim.step()
-        ref_optim.zero_grad()
-        loss_fn(model(x.chunk(ws)[rank]), y.chunk(ws)[rank]).backward()
-        optim.step()
-        optim.zero_grad()
+        step_both(model, ref, optim, ref_optim, step, 8, rank, ws)
         errors.append(max_rel_error(full_params(model), full_params(ref)))
     return errors
 
