@@ -14,6 +14,8 @@ something when the model code, data, optimizer and precision are the same for ev
   device, bf16 compute (``param_dtype``), reduce-scatter in ``--grad-reduce-dtype``.
 - ``mfsdp``: a compute-dtype model built on the device, ``mfsdp.fully_shard`` per block then the
   root with ZeRO-3 placements, fp32 main weights, main grads in ``--grad-reduce-dtype``.
+  ``mfsdp-db`` adds persistent gather buffers (``double_buffer``); ``mfsdp-ub`` also registers
+  them with NCCL (``use_symm_mem``).
 - ``megatron-fsdp``: ``megatron_fsdp.fully_shard`` (v1) with ``fsdp_unit_modules=[Block]``, ZeRO-3,
   package defaults otherwise; its reduce-scatter runs in the main-grad dtype.
 - ``megatron-fsdp-exp``: ``megatron_fsdp.experimental.fully_shard`` bottom-up with all-Flat
@@ -117,7 +119,7 @@ def build_fsdp2(ctx: Ctx) -> Built:
                  f"reduce_dtype={dtype_name(ctx.grad_reduce_dtype)}")
 
 
-def build_mfsdp(ctx: Ctx) -> Built:
+def build_mfsdp(ctx: Ctx, double_buffer: bool = False, use_symm_mem: bool = False) -> Built:
     import mfsdp
 
     if not hasattr(mfsdp, "fully_shard"):
@@ -129,16 +131,20 @@ def build_mfsdp(ctx: Ctx) -> Built:
     from mfsdp.models.parallelize import sharding_units
 
     model = _model_on_device(ctx, ctx.compute_dtype)
+    comm = mfsdp.CommunicationPolicy(double_buffer=double_buffer)
+    options = dict(placements=placements, mixed_precision_policy=policy, use_symm_mem=use_symm_mem,
+                   communication_policy=comm)
     for unit in sharding_units(model):  # embedding, blocks, head: mfsdp's recommended wrapping
-        mfsdp.fully_shard(unit, mesh, placements=placements, mixed_precision_policy=policy)
-    mfsdp.fully_shard(model, mesh, placements=placements, mixed_precision_policy=policy)
+        mfsdp.fully_shard(unit, mesh, **options)
+    mfsdp.fully_shard(model, mesh, **options)
     optimizer = make_adamw(model.parameters(), ctx)
     # fully_shard_optimizer may wrap or patch in place; accept either.
     optimizer = mfsdp.fully_shard_optimizer(model, optimizer) or optimizer
     return Built(model, optimizer, dtype_name(ctx.grad_reduce_dtype),
                  "mfsdp.fully_shard(embedding, each block, head) + root, Placements.zero3('dp'); "
                  f"{dtype_name(ctx.compute_dtype)} model, fp32 main params, "
-                 f"main grads {dtype_name(ctx.grad_reduce_dtype)}; fully_shard_optimizer",
+                 f"main grads {dtype_name(ctx.grad_reduce_dtype)}; fully_shard_optimizer"
+                 + ("; double_buffer" if double_buffer else "") + ("; use_symm_mem" if use_symm_mem else ""),
                  {"mfsdp_version": getattr(mfsdp, "__version__", None)})
 
 
@@ -193,6 +199,8 @@ def build_megatron_fsdp_exp(ctx: Ctx) -> Built:
 
 BUILDERS: dict[str, Callable[[Ctx], Built]] = {
     "mfsdp": build_mfsdp,
+    "mfsdp-db": lambda ctx: build_mfsdp(ctx, double_buffer=True),  # persistent gather buffers
+    "mfsdp-ub": lambda ctx: build_mfsdp(ctx, double_buffer=True, use_symm_mem=True),  # NCCL-registered
     "fsdp2": build_fsdp2,
     "megatron-fsdp": build_megatron_fsdp,
     "megatron-fsdp-exp": build_megatron_fsdp_exp,

@@ -44,6 +44,51 @@ def set_grad_dtype(param: torch.Tensor, dtype) -> None:
     param.grad_dtype = None if dtype is None or dtype == param.dtype else dtype
 
 
+def set_dtensor_local(param: torch.Tensor, local: torch.Tensor) -> None:
+    """Re-point a DTensor parameter's local tensor at ``local`` (same shape and dtype), keeping the
+    Parameter object, its hooks and its spec. ``.data =`` on a DTensor does not reach the local
+    tensor, so this sets the local tensor's data directly."""
+    param._local_tensor.data = local
+
+
+def nccl_registered_buffers(specs, process_groups):
+    """1-D tensors ``[(numel, dtype, device), ...]`` from NCCL's allocator, registered with every
+    group in ``process_groups`` (NCCL user buffers; symmetric windows where this torch offers them).
+
+    Returns (tensors, pool); keep the pool alive as long as the tensors. Raises a clear error
+    where the device, backend or torch build lacks what this needs.
+    """
+    devices = {device for _, _, device in specs}
+    if any(d.type != "cuda" for d in devices):
+        raise RuntimeError(f"use_symm_mem / nccl_ub needs CUDA devices, got {sorted(map(str, devices))}")
+    missing = [name for name in ("MemPool", "use_mem_pool") if not hasattr(torch.cuda, name)]
+    if missing:
+        raise RuntimeError(f"use_symm_mem / nccl_ub needs torch.cuda.{missing[0]} (torch >= 2.8); this torch "
+                           f"is {torch.__version__}. Use use_symm_mem=False")
+    device = next(iter(devices))
+    backends = []
+    for pg in process_groups:
+        if dist.get_backend(pg) != "nccl":
+            raise RuntimeError(f"use_symm_mem / nccl_ub needs NCCL process groups, got {dist.get_backend(pg)!r}")
+        backend = pg._get_backend(device)
+        for attr in ("mem_allocator", "register_mem_pool"):
+            if not hasattr(backend, attr):
+                raise RuntimeError(f"use_symm_mem / nccl_ub: this torch's ProcessGroupNCCL lacks {attr!r} "
+                                   f"(torch {torch.__version__}); use use_symm_mem=False")
+        backends.append(backend)
+    if not backends:  # one rank: nothing to register with, plain persistent tensors do
+        return [torch.empty(n, dtype=dt, device=d) for n, dt, d in specs], None
+    pool = torch.cuda.MemPool(backends[0].mem_allocator)
+    with torch.cuda.use_mem_pool(pool):
+        tensors = [torch.empty(n, dtype=dt, device=d) for n, dt, d in specs]
+    for backend in backends:
+        try:
+            backend.register_mem_pool(pool, symm=True)  # NCCL symmetric windows (torch >= 2.9)
+        except (TypeError, RuntimeError):  # no symm argument, or no window support in this NCCL
+            backend.register_mem_pool(pool)
+    return tensors, pool
+
+
 def strided_shard(dim: int, split_factor: int):
     """A placement sharding ``dim`` on this axis *after* another axis sharded it."""
     from torch.distributed.tensor.placement_types import _StridedShard

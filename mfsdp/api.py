@@ -41,7 +41,10 @@ def fully_shard(
         placements: per-axis placements; None shards fully (``Shard(0)``) over every mesh axis.
         mixed_precision_policy: dtypes of main weights, gradients and reductions; None is the
             default policy (fp32 main weights, gradients in the compute dtype).
-        use_symm_mem: gather and reduce through symmetric memory (not available yet).
+        use_symm_mem: allocate the persistent gather buffers (``double_buffer``) from NCCL's
+            allocator and register them with the gather process groups (symmetric windows where
+            torch and NCCL offer them), so NCCL reads and writes them in place. CUDA only; the
+            root's setting applies to the tree.
         communication_policy: prefetch depth, overlap, stream sharing, coalescing, gradient
             divide factor and the NaN check; None is the default policy.
     """
@@ -56,7 +59,12 @@ def fully_shard(
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"fully_shard expects a DeviceMesh, got {type(mesh).__name__}")
     if use_symm_mem:
-        raise NotImplementedError("use_symm_mem=True is not available yet; use the default NCCL path")
+        if mesh.device_type != "cuda":
+            raise ValueError(f"use_symm_mem=True registers gather buffers with NCCL, which needs a CUDA mesh; "
+                             f"this mesh is on {mesh.device_type!r}. Use use_symm_mem=False")
+        if communication_policy is None or not communication_policy.double_buffer:
+            raise ValueError("use_symm_mem=True registers the persistent gather buffers with NCCL; pass "
+                             "communication_policy=CommunicationPolicy(double_buffer=True) as well")
     placements = placements if placements is not None else default_placements(mesh)
     if not isinstance(placements, Placements):
         raise TypeError(f"placements must be an mfsdp.Placements, got {type(placements).__name__}")

@@ -9,8 +9,9 @@ import dataclasses
 class CommunicationPolicy:
     """Scheduling and packing of one ``fully_shard`` call's collectives.
 
-    The stream options (``prefetch_depth``, ``overlap``, ``unify_streams``) are read from the root
-    module, since one context schedules the whole tree; the others apply per module.
+    The stream and buffer options (``prefetch_depth``, ``overlap``, ``unify_streams``,
+    ``double_buffer``) are read from the root module, since one context schedules the whole tree;
+    the others apply per module.
     """
 
     prefetch_depth: int = 1
@@ -24,6 +25,12 @@ class CommunicationPolicy:
     unify_streams: bool = False
     """One side stream for gathers and reductions. The allocator can then reuse blocks between
     them (lower peak memory), but a reduction can no longer run during the next gather."""
+    double_buffer: bool = False
+    """Repeated same-size modules (transformer blocks) gather into ``prefetch_depth + 1``
+    persistent buffers, module ``k`` always into slot ``k % (prefetch_depth + 1)``, instead of
+    allocating and freeing a buffer per unshard: no allocation on the hot path and a fixed memory
+    layout, at the cost of keeping those buffers at rest. Needed by ``use_symm_mem``. A schedule
+    that would overwrite a slot still in use raises. Read from the root."""
     coalesce: bool = True
     """False issues one collective launch per parameter instead of one coalesced launch per group:
     only for debugging or backends without coalescing."""

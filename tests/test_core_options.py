@@ -18,6 +18,68 @@ def test_options_keep_parity(world, comm):
     _check(world(2).run(train_parity, kind="zero1", opt="adamw", comm=comm))
 
 
+@pytest.mark.parametrize("comm", [
+    {"double_buffer": True}, {"double_buffer": True, "prefetch_depth": 0}, {"double_buffer": True, "prefetch_depth": 2},
+])
+def test_double_buffer_keeps_parity(world, comm):
+    _check(world(2).run(train_parity, kind="zero3", opt="adamw", mb=2, tied=True, ckpt="nonreentrant", comm=comm))
+    _check(world(2).run(train_parity, kind="zero3", opt="sgd", frozen=True, ckpt="reentrant", comm=comm))
+
+
+def test_double_buffer_keeps_parity_hsdp(world):
+    _check(world(4).run(train_parity, kind="hsdp", opt="adamw", mb=3, comm={"double_buffer": True}))  # 3 rows a rank
+
+
+def gather_slot_layout(rank, ws, depth):
+    torch.manual_seed(0)
+    net = shard_net(Net(n_blocks=5), make_mesh("zero3", ws), make_placements("zero3"),
+                    comm=mfsdp.CommunicationPolicy(double_buffer=True, prefetch_depth=depth))
+    x, y = global_batch(0, 4, 5, 13)
+    loss_fn(net(x), y).backward()
+    slots = net.context.gather_slots.slots
+    block_groups = [b.parameter_groups[0] for b in net.blocks]
+    # Module k gathers into slot k % (depth + 1), and its parameters live in that slot for good.
+    bound = [slots.index(g._slot) for g in block_groups]
+    in_slot = all(
+        p.untyped_storage().data_ptr() == g._slot.tensor.untyped_storage().data_ptr()
+        for g in block_groups for p in g.params
+    )
+    root_unbound = all(g._slot is None for g in net.parameter_groups)
+    # A busy slot: a prefetch is skipped, a just-in-time unshard raises.
+    first, clash = net.blocks[0], net.blocks[depth + 1]
+    first._unshard_parameter_groups()
+    clash._unshard_parameter_groups(prefetch=True)
+    skipped = clash._unshard_event is None
+    try:
+        clash._unshard_parameter_groups()
+        raised = ""
+    except RuntimeError as exc:
+        raised = str(exc)
+    first._reshard_parameter_groups()
+    return len(slots), bound, in_slot, root_unbound, skipped, raised
+
+
+@pytest.mark.parametrize("depth", [0, 1, 2])
+def test_double_buffer_binds_fixed_slots(world, depth):
+    n, bound, in_slot, root_unbound, skipped, raised = world(2).run(gather_slot_layout, depth=depth)[0]
+    assert n == depth + 1
+    assert bound == [k % (depth + 1) for k in range(5)]
+    assert in_slot and root_unbound and skipped
+    assert "still holds" in raised and "double_buffer=False" in raised, raised
+
+
+def symm_mem_needs_cuda(rank, ws):
+    net = Net()
+    with pytest.raises(ValueError, match="CUDA mesh"):
+        mfsdp.fully_shard(net.blocks[0], make_mesh("zero3", ws), use_symm_mem=True,
+                          communication_policy=mfsdp.CommunicationPolicy(double_buffer=True))
+    return True
+
+
+def test_use_symm_mem_needs_cuda(world):
+    assert world(2).run(symm_mem_needs_cuda)[0]
+
+
 def policy_validation():
     with pytest.raises(ValueError, match="prefetch_depth"):
         mfsdp.CommunicationPolicy(prefetch_depth=-1)

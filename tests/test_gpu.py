@@ -41,7 +41,8 @@ def test_cuda_parity_2d(kind):
 
 
 @requires_cuda
-@pytest.mark.parametrize("comm", [{"unify_streams": True}, {"overlap": False}, {"prefetch_depth": 2}])
+@pytest.mark.parametrize("comm", [{"unify_streams": True}, {"overlap": False}, {"prefetch_depth": 2},
+                                  {"double_buffer": True}, {"double_buffer": True, "prefetch_depth": 2}])
 def test_cuda_communication_options(cuda_world, comm):
     _check(cuda_world.run(train_parity, kind="zero3", opt="adamw", mb=2, device="cuda", delay=True, comm=comm))
 
@@ -90,3 +91,47 @@ def test_communication_overlaps_compute(cuda_world):
     fraction, side_streams = cuda_world.run(overlap_fraction)[0]
     assert side_streams >= 1
     assert fraction > 0.5, fraction  # most gather/reduce work hides under compute
+
+
+def registered_buffers_match_default(rank, ws, comm):
+    """Gathers through NCCL-registered persistent buffers (use_symm_mem) give bit-identical training
+    to the default path: a gather only copies, so any difference is a bug, not rounding."""
+    import mfsdp
+    from models import Net, global_batch, loss_fn, make_mesh, make_placements, reference_copy
+
+    torch.manual_seed(0)
+    nets = [Net(vocab=64, dim=32, hidden=64, n_blocks=4).cuda()]
+    nets.append(reference_copy(nets[0]))
+    mesh, placements = make_mesh("zero3", ws, "cuda"), make_placements("zero3")
+    policy = mfsdp.MixedPrecisionPolicy(main_params_dtype=torch.float32, main_grads_dtype=torch.float32)
+    options = [dict(), dict(use_symm_mem=True, communication_policy=mfsdp.CommunicationPolicy(**comm))]
+    for net, opts in zip(nets, options):
+        net.to(torch.bfloat16)
+        for unit in list(net.blocks) + [net]:
+            mfsdp.fully_shard(unit, mesh, placements, policy, **opts)
+    optims = [torch.optim.AdamW(n.parameters(), lr=1e-2) for n in nets]
+    losses = []
+    for step in range(3):
+        x, y = global_batch(step, 8, 16, 64, "cuda")
+        x, y = x.chunk(ws)[rank], y.chunk(ws)[rank]
+        pair = []
+        for net, opt in zip(nets, optims):
+            loss = loss_fn(net(x).float(), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            pair.append(float(loss))
+        losses.append(pair)
+    same = all(torch.equal(a.full_tensor(), b.full_tensor()) for a, b in zip(nets[0].parameters(), nets[1].parameters()))
+    slots = nets[1].context.gather_slots
+    return losses, same, len(slots.slots), slots._pools[0] is not None if slots._pools else None
+
+
+@requires_cuda
+@pytest.mark.parametrize("comm", [{"double_buffer": True}, {"double_buffer": True, "prefetch_depth": 2}])
+def test_symm_mem_buffers_match_default(cuda_world, comm):
+    losses, same, n_slots, pooled = cuda_world.run(registered_buffers_match_default, comm=comm)[0]
+    assert all(a == b for a, b in losses), losses
+    assert same
+    assert n_slots == comm.get("prefetch_depth", 1) + 1
+    assert pooled or torch.cuda.device_count() == 1, "registered slots come from an NCCL memory pool"

@@ -114,6 +114,8 @@ def test_communication_policy_mapping():
                   {"overlap_grad_reduce": False, "overlap_param_gather": False}):
         assert communication_policy(MegatronFSDPConfig(**flags), sizes).overlap is False
     assert communication_policy(MegatronFSDPConfig(disable_bucketing=True), sizes).coalesce is False
+    assert default.double_buffer is False
+    assert communication_policy(MegatronFSDPConfig(fsdp_double_buffer=True), sizes).double_buffer is True
     assert communication_policy(MegatronFSDPConfig(calculate_per_token_loss=True), sizes).gradient_divide_factor \
         == 1 / 8
     assert communication_policy(MegatronFSDPConfig(calculate_per_token_loss=True), MeshSizes(1, 1, 1, 2)) \

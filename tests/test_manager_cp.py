@@ -128,6 +128,43 @@ def test_shard_sequence_single_process():
     assert DeviceMesh  # the real mesh type is what the manager passes
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_causal_sdpa_matches_hf_sdpa(family):
+    """What context parallel runs (causal SDPA, no mask tensor) equals HF's own SDPA path."""
+    from test_manager_models import make_hf
+
+    from mfsdp.manager import use_causal_sdpa
+
+    model = make_hf(family, vocab=64, heads=4, kv_heads=2)  # grouped-query heads
+    model.set_attn_implementation("sdpa")
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    ref_logits = model(input_ids=ids).logits
+    ref_loss = model(input_ids=ids, labels=ids).loss
+    ref_loss.backward()
+    ref_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    use_causal_sdpa(model)
+    assert model.config._attn_implementation == "mfsdp_causal_sdpa"
+    torch.testing.assert_close(model(input_ids=ids).logits, ref_logits, rtol=1e-6, atol=1e-6)
+    model(input_ids=ids, labels=ids).loss.backward()
+    for p, g in zip(model.parameters(), ref_grads):
+        torch.testing.assert_close(p.grad, g, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="no padding mask"):
+        model(input_ids=ids, attention_mask=torch.ones_like(ids).index_fill_(1, torch.tensor([0]), 0))
+
+
+def test_manager_switches_attention_for_cp(world):
+    assert world(2).run(_cp_attention_name)[0] == "mfsdp_causal_sdpa"
+
+
+def _cp_attention_name(rank, ws):
+    from test_manager_models import make_hf
+
+    model, _ = MegatronFSDPManager(MegatronFSDPConfig(cp_size=2), build_device_mesh("cpu", cp_size=2)).parallelize(
+        make_hf("llama", vocab=64))
+    return model.config._attn_implementation
+
+
 # ------------------------------------------------------------------------------------- GPU
 def cp_attention_parity(rank, ws):
     """HF Llama with SDPA under torch's context_parallel at dp x cp, vs the unsharded model."""
@@ -137,9 +174,8 @@ def cp_attention_parity(rank, ws):
 
     torch.cuda.set_device(rank)
     model = make_hf("llama", vocab=64).cuda()
-    if hasattr(model, "set_attn_implementation"):
-        model.set_attn_implementation("sdpa")
-    ref = copy.deepcopy(model)
+    model.set_attn_implementation("sdpa")
+    ref = copy.deepcopy(model)  # HF's own SDPA path, unsharded
     cp = 2
     mesh = build_device_mesh("cuda", cp_size=cp)
     # Per-token loss: each rank sums its tokens' losses over the global token count and the
@@ -173,8 +209,6 @@ def cp_attention_parity(rank, ws):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-@pytest.mark.xfail(reason="seen failing on 2 x H200, torch 2.11: Hugging Face's SDPA path adds an explicit "
-                          "attention mask, which torch's context_parallel does not shard", strict=False)
 def test_cp_attention_parity_gpu():
     from _dist import World
 

@@ -24,11 +24,11 @@ def _manager(ws, **kwargs):
 
 
 # ------------------------------------------------------------------------------------- parity
-def train_parity(rank, ws, family="llama", bind="pre", steps=3, **config):
+def train_parity(rank, ws, family="llama", bind="pre", steps=3, layers=2, **config):
     """3 AdamW steps (two param groups) vs the unsharded HF model on the full batch."""
     # HFSDP and TP-over-dim-0 shards need rows divisible by the shard count; 62 tests the padding.
     vocab = 64 if config.get("outer_dp_sharding_strategy") or config.get("tp_size") else 62
-    model = make_hf(family, vocab=vocab, tied=family == "llama")
+    model = make_hf(family, vocab=vocab, tied=family == "llama", layers=layers)
     ref = copy.deepcopy(model)
     ref_opt = optimizer_groups(ref)
     manager = _manager(ws, **config)
@@ -108,6 +108,16 @@ def test_parity_optimizer_modes(world, bind):
 def test_parity_synchronous_and_unbucketed(world, flags):
     errors = world(2).run(train_parity, **flags)[0]
     assert max(errors) < TOL, errors
+
+
+@pytest.mark.parametrize("ws,flags", [
+    (2, {"activation_checkpointing": True}),
+    (4, {"tp_size": 2}),  # tensor-parallel DTensors re-pointed into the shared buffers
+])
+def test_parity_double_buffer(world, ws, flags):
+    # Four decoder layers share two persistent gather buffers, two layers per buffer.
+    errors = world(ws).run(train_parity, layers=4, fsdp_double_buffer=True, **flags)[0]
+    assert max(errors) < 2 * TOL, errors
 
 
 def test_parity_activation_checkpointing_and_units(world):
@@ -331,8 +341,8 @@ def mesh_errors(rank, ws):
 
 def test_errors_world2(world):
     out = world(2).run(mesh_errors)[0]
-    for flag in ("fsdp_double_buffer", "keep_fp8_transpose_cache"):
-        assert out[flag].startswith("NotImplementedError") and flag in out[flag], out[flag]
+    assert out["fsdp_double_buffer"] == "no error"
+    assert out["keep_fp8_transpose_cache"].startswith("NotImplementedError") and "FP8" in out["keep_fp8_transpose_cache"]
     assert "build it on model.parameters() after parallelize" in out["meta_with_optimizer"]
     assert out["missing_hf_path"].startswith("FileNotFoundError") and "/nonexistent/dir" in out["missing_hf_path"]
     assert out["nccl_ub"].startswith("ValueError") and "CUDA" in out["nccl_ub"]

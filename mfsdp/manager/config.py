@@ -52,9 +52,9 @@ def _level(value: Any, names: Mapping[str, int], field: str, top: int) -> int:
 class MegatronFSDPConfig:
     """How :class:`~mfsdp.manager.MegatronFSDPManager` parallelizes a model.
 
-    Fields marked *not available yet* (``fsdp_double_buffer``, ``nccl_ub``,
-    ``keep_fp8_transpose_cache``) raise ``NotImplementedError`` from the manager when set to their
-    non-default value, with the reason; they exist so configs written for Megatron-FSDP load.
+    ``keep_fp8_transpose_cache`` is *not available* (mfsdp has no FP8 parameters): True raises
+    ``NotImplementedError`` from the manager, with the reason; the field exists so configs written
+    for Megatron-FSDP load.
     """
 
     megatron_fsdp_unit_modules: Optional[Sequence[Union[str, type]]] = None
@@ -134,13 +134,18 @@ class MegatronFSDPConfig:
     no FP8 parameter support."""
 
     nccl_ub: bool = False
-    """Default False. Gather and reduce through NCCL user buffers (symmetric memory). Needs CUDA:
-    on other devices a ValueError; on CUDA *not available yet* (NotImplementedError: the core's
-    ``fully_shard(use_symm_mem=True)`` is not implemented)."""
+    """Default False. Allocate the persistent gather buffers from NCCL's allocator and register them
+    with the data-parallel communicators (NCCL user buffers; symmetric windows where torch and NCCL
+    offer them), i.e. the core's ``fully_shard(use_symm_mem=True)``. Needs CUDA and
+    ``fsdp_double_buffer=True`` (registration needs buffers that never move); otherwise a
+    ValueError. Where this torch lacks NCCL memory pools, the first forward raises."""
 
     fsdp_double_buffer: bool = False
-    """Default False. Two persistent gather buffers used in alternation. True: *not available yet*
-    (the core allocates and frees gather buffers per unit)."""
+    """Default False. Unit modules of the same size (the decoder layers) gather into persistent
+    buffers used in alternation (two with the default prefetch), each unit always into the same
+    one, instead of allocating and freeing a buffer per gather: the core's
+    ``CommunicationPolicy(double_buffer=True)``. Costs those buffers at rest; a schedule that would
+    overwrite a buffer still in use raises."""
 
     activation_checkpointing: bool = False
     """Default False. Recompute each unit module's activations in backward (torch's non-reentrant

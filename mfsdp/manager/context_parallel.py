@@ -77,13 +77,62 @@ def shard_sequence(mesh: DeviceMesh, batch: Mapping[str, torch.Tensor], seq_dim:
                 if isinstance(v, torch.Tensor) and v.ndim > seq_dim else v) for k, v in out.items()}
 
 
+CAUSAL_SDPA = "mfsdp_causal_sdpa"
+
+
+def _causal_sdpa(module, query, key, value, attention_mask=None, dropout: float = 0.0, scaling=None, **kwargs):
+    """Hugging Face attention function: causal SDPA from ``is_causal`` alone, never a mask tensor.
+
+    torch's context parallel shards q, k and v along the sequence and runs ring attention inside
+    SDPA; it derives causality from ``is_causal`` but cannot shard an explicit mask, which is what
+    Hugging Face's own SDPA path passes. Grouped-query heads are repeated as HF's ``repeat_kv`` does.
+    """
+    if attention_mask is not None:
+        raise ValueError(f"{CAUSAL_SDPA} attention takes no attention mask (got one of shape "
+                         f"{tuple(attention_mask.shape)}): pack sequences without padding")
+    if query.shape[2] != key.shape[2]:
+        raise ValueError(f"{CAUSAL_SDPA} attention is for training: query length {query.shape[2]} differs from "
+                         f"key length {key.shape[2]} (a KV cache); switch back to 'sdpa' to generate")
+    repeat = query.shape[1] // key.shape[1]
+    if repeat > 1:
+        key, value = key.repeat_interleave(repeat, dim=1), value.repeat_interleave(repeat, dim=1)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, dropout_p=dropout if module.training else 0.0, is_causal=True, scale=scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _no_mask(*args, attention_mask=None, **kwargs):
+    """Mask function: causality comes from ``is_causal``; padding cannot be expressed, so refuse it."""
+    if attention_mask is not None and not bool(attention_mask.all()):
+        raise ValueError(f"{CAUSAL_SDPA} attention takes no padding mask (the attention_mask holds zeros): pack "
+                         "sequences without padding, or use 'sdpa' attention without context parallel")
+    return None
+
+
+def use_causal_sdpa(model) -> None:
+    """Switch a Hugging Face model to :data:`CAUSAL_SDPA` attention (what context parallel needs).
+
+    Registers the attention function, and a mask function that builds no mask, under that name
+    with ``transformers``; the model then computes causal attention without any mask tensor. Only
+    for causal training without padding; the manager calls this when cp > 1.
+    """
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(CAUSAL_SDPA, _causal_sdpa)
+    AttentionMaskInterface.register(CAUSAL_SDPA, _no_mask)
+    if not hasattr(model, "set_attn_implementation"):
+        raise TypeError(f"use_causal_sdpa needs a Hugging Face PreTrainedModel, got {type(model).__name__}")
+    model.set_attn_implementation(CAUSAL_SDPA)
+
+
 def attention_context(mesh: DeviceMesh, buffers: Sequence[torch.Tensor], seq_dims: Sequence[int],
                       no_restore_buffers: Optional[set] = None):
     """torch's ``context_parallel`` over ``mesh["cp"]`` for SDPA attention (CUDA only).
 
     ``buffers`` (input ids, position ids, shifted labels, ...) are sharded in place along
-    ``seq_dims`` on entry. Use SDPA attention (``attn_implementation="sdpa"``) with a causal mask
-    and no padding mask.
+    ``seq_dims`` on entry. Hugging Face models need :func:`use_causal_sdpa` (the manager applies it
+    when cp > 1): their own SDPA path passes a mask tensor, which context parallel cannot shard.
     """
     if mesh.device_type != "cuda":
         raise NotImplementedError(

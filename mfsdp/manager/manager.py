@@ -21,7 +21,6 @@ on the root module, never on Parameters.
 
 from __future__ import annotations
 
-import importlib
 import logging
 from typing import Optional
 
@@ -29,13 +28,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
-from torch.utils.checkpoint import checkpoint
 
 import mfsdp
 from mfsdp import FsdpModule, _compat
 from mfsdp.manager import hf_checkpoint
 from mfsdp.manager.config import MegatronFSDPConfig, field_names
-from mfsdp.manager.context_parallel import DP_SHARD_CP
+from mfsdp.manager.context_parallel import CAUSAL_SDPA, DP_SHARD_CP, use_causal_sdpa
+from mfsdp.manager.core_options import (_checkpoint_forward, communication_policy, dp_placements,
+                                        precision_policy, resolve_unit_modules)
 from mfsdp.manager.mesh import MeshSizes, check_config_against_mesh, mesh_sizes
 from mfsdp.manager.tp_plans import apply_tp_plan, select_tp_plan, validate_tp
 
@@ -46,106 +46,6 @@ class NonFiniteGradientError(RuntimeError):
     """A reduced gradient holds NaN or Inf (raised on every rank)."""
 
 
-# ---------------------------------------------------------------------------------- placements
-def dp_placements(zero_dp_strategy: int, sizes: MeshSizes, outer_dp_sharding_strategy: int = 0) -> mfsdp.Placements:
-    """The mfsdp placements a strategy stands for on a manager mesh of ``sizes``.
-
-    Parameters shard over dp_shard (over the flattened ``dp_shard_cp`` dim when cp > 1, which the
-    manager creates) and replicate over dp_replicate.
-    """
-    s = zero_dp_strategy
-    shard = DP_SHARD_CP if sizes.cp > 1 else "dp_shard"
-    if sizes.dp_replicate > 1:
-        if s != 3:
-            raise NotImplementedError(
-                f"zero_dp_strategy={s} with dp_replicate_size={sizes.dp_replicate}: mfsdp has no placement that "
-                "replicates across dp_replicate while sharding only optimizer state/gradients within dp_shard. "
-                "Use zero_dp_strategy=3 (HSDP, or HFSDP with outer_dp_sharding_strategy=1), or "
-                f"dp_replicate_size=1 with zero_dp_strategy={s} over all data-parallel ranks (with nothing "
-                "sharded, a separate replicate axis saves nothing)")
-        if outer_dp_sharding_strategy == 1:
-            return mfsdp.Placements.hfsdp("dp_replicate", shard)
-        return mfsdp.Placements.hsdp("dp_replicate", shard)
-    return (mfsdp.Placements.ddp, mfsdp.Placements.zero1, mfsdp.Placements.zero2, mfsdp.Placements.zero3)[s](shard)
-
-
-def precision_policy(config: MegatronFSDPConfig) -> mfsdp.MixedPrecisionPolicy:
-    """``preserve_fp32_weights`` -> fp32 main weights; ``grad_reduce_in_fp32`` -> fp32 grads and reduction."""
-    return mfsdp.MixedPrecisionPolicy(
-        main_params_dtype=torch.float32 if config.preserve_fp32_weights else None,
-        main_grads_dtype=torch.float32 if config.grad_reduce_in_fp32 else None,
-    )
-
-
-def communication_policy(config: MegatronFSDPConfig, sizes: MeshSizes) -> mfsdp.CommunicationPolicy:
-    """The core communication policy the flags stand for.
-
-    ``overlap_grad_reduce`` / ``overlap_param_gather``: the core has one switch, so either False
-    makes all communication synchronous (no side streams, no prefetch). ``disable_bucketing``: one
-    collective per parameter. ``calculate_per_token_loss``: gradients are summed over the
-    data-parallel ranks, i.e. the core's average divided by 1/dp.
-    """
-    factor = 1.0
-    if config.calculate_per_token_loss and sizes.dp > 1:
-        factor = 1.0 / sizes.dp
-    return mfsdp.CommunicationPolicy(
-        overlap=config.overlap_grad_reduce and config.overlap_param_gather,
-        coalesce=not config.disable_bucketing,
-        gradient_divide_factor=factor,
-    )
-
-
-# -------------------------------------------------------------------------------- unit modules
-def _resolve_class(spec):
-    if isinstance(spec, type):
-        return spec
-    if "." in spec:
-        module_name, _, cls_name = spec.rpartition(".")
-        try:
-            return getattr(importlib.import_module(module_name), cls_name)
-        except (ImportError, AttributeError) as exc:
-            raise ValueError(f"megatron_fsdp_unit_modules: cannot import {spec!r} ({exc})") from exc
-    return spec
-
-
-def resolve_unit_modules(model: nn.Module, specs=None) -> list[tuple[str, nn.Module]]:
-    """``(name, module)`` of every unit module below the root, children before parents.
-
-    ``specs`` are class names, import paths or classes; None means ``model._no_split_modules``.
-    """
-    if specs is None:
-        specs = getattr(model, "_no_split_modules", None)
-        if not specs:
-            raise ValueError(
-                f"{type(model).__name__} has no _no_split_modules to pick shard units from; set "
-                "MegatronFSDPConfig.megatron_fsdp_unit_modules (e.g. ['LlamaDecoderLayer'])")
-        source = f"{type(model).__name__}._no_split_modules"
-    else:
-        source = "megatron_fsdp_unit_modules"
-    wanted = [_resolve_class(s) for s in specs]
-    classes = tuple(w for w in wanted if isinstance(w, type))
-    names = {w for w in wanted if isinstance(w, str)}
-    units = [(n, m) for n, m in model.named_modules()
-             if n and (isinstance(m, classes) or type(m).__name__ in names)]
-    if not units:
-        present = sorted({type(m).__name__ for m in model.modules()})
-        raise ValueError(
-            f"{source}={list(specs)} matches no submodule of {type(model).__name__}; its module classes "
-            f"are {present}")
-    return units[::-1]  # reversed pre-order: every child comes before its parents
-
-
-def _checkpoint_forward(module: nn.Module) -> None:
-    """Recompute ``module``'s forward in backward (non-reentrant), keeping the FSDP hooks outside."""
-    inner = module.forward
-
-    def forward(*args, **kwargs):
-        return checkpoint(inner, *args, use_reentrant=False, **kwargs)
-
-    module.forward = forward
-
-
-# ---------------------------------------------------------------------------- managed root
 class _ManagerState:
     def __init__(self, config: MegatronFSDPConfig, sizes: MeshSizes, mesh, compute_dtype: torch.dtype,
                  groups, slots) -> None:
@@ -399,20 +299,16 @@ class MegatronFSDPManager:
 
     def _check_supported(self) -> None:
         c, device = self.config, self.device_mesh.device_type
-        missing = {
-            "fsdp_double_buffer": "the core allocates and frees each unit's gather buffer; persistent "
-                                  "alternating buffers are not a fully_shard option yet",
-            "keep_fp8_transpose_cache": "mfsdp has no FP8 (Transformer Engine) parameter support",
-        }
-        for name, why in missing.items():
-            if getattr(c, name):
-                raise NotImplementedError(f"MegatronFSDPConfig.{name}=True: {why}")
+        if c.keep_fp8_transpose_cache:
+            raise NotImplementedError("MegatronFSDPConfig.keep_fp8_transpose_cache=True: mfsdp has no FP8 "
+                                      "(Transformer Engine) parameter support")
         if c.nccl_ub:
             if device != "cuda":
-                raise ValueError(f"MegatronFSDPConfig.nccl_ub=True needs CUDA symmetric memory; this mesh is on "
+                raise ValueError(f"MegatronFSDPConfig.nccl_ub=True needs CUDA (NCCL user buffers); this mesh is on "
                                  f"{device!r}")
-            raise NotImplementedError("MegatronFSDPConfig.nccl_ub=True: fully_shard(use_symm_mem=True) (NCCL "
-                                      "user buffers / symmetric memory) is not implemented in the core yet")
+            if not c.fsdp_double_buffer:
+                raise ValueError("MegatronFSDPConfig.nccl_ub=True registers the persistent gather buffers with NCCL; "
+                                 "set fsdp_double_buffer=True as well")
         if c.overlap_grad_reduce != c.overlap_param_gather:
             logger.warning("MegatronFSDPConfig: overlap_grad_reduce=%s, overlap_param_gather=%s: the core has one "
                            "overlap switch, so all communication is synchronous", c.overlap_grad_reduce,
@@ -495,8 +391,12 @@ class MegatronFSDPManager:
         policy = precision_policy(c)
         comm = self.communication_policy
         for _, unit in units:
-            mfsdp.fully_shard(unit, dp_mesh, self.placements, policy, communication_policy=comm)
-        mfsdp.fully_shard(model, dp_mesh, self.placements, policy, communication_policy=comm)
+            mfsdp.fully_shard(unit, dp_mesh, self.placements, policy, c.nccl_ub, communication_policy=comm)
+        mfsdp.fully_shard(model, dp_mesh, self.placements, policy, c.nccl_ub, communication_policy=comm)
+        if sizes.cp > 1 and hasattr(model, "set_attn_implementation"):
+            logger.info("context parallel: switching attention to %s (causal SDPA without a mask tensor)",
+                        CAUSAL_SDPA)
+            use_causal_sdpa(model)
         if on_meta:
             hf_checkpoint.materialize_meta_buffers(model)
         if hf_path is not None:

@@ -28,6 +28,7 @@ import torch
 
 from mfsdp import _compat
 from mfsdp.communication import CommunicationPolicy
+from mfsdp.runtime.gather_slots import GatherSlots
 from mfsdp.runtime.indexed_order import IndexedOrder
 
 if TYPE_CHECKING:
@@ -56,6 +57,7 @@ class FsdpContext:
         self.backward_order: IndexedOrder["FsdpModule"] = IndexedOrder()
         self._callback_queued = False
         self._pending_reduce: Optional[tuple[object, list]] = None
+        self.gather_slots: Optional[GatherSlots] = None  # persistent gather buffers (double_buffer)
 
     @property
     def root_module(self) -> "FsdpModule":

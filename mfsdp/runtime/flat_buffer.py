@@ -110,6 +110,14 @@ class FlatBuffer:
     def __init__(self, numel: int, dtype: torch.dtype, device: torch.device) -> None:
         self.tensor = torch.zeros(numel, dtype=dtype, device=device)
         self._nbytes = numel * self.tensor.element_size()
+        self.persistent = False
+
+    @classmethod
+    def over(cls, tensor: torch.Tensor) -> "FlatBuffer":
+        """A persistent buffer over an existing 1-D tensor (a gather slot): never released."""
+        buf = cls.__new__(cls)
+        buf.tensor, buf._nbytes, buf.persistent = tensor, tensor.numel() * tensor.element_size(), True
+        return buf
 
     @property
     def is_allocated(self) -> bool:
@@ -117,10 +125,10 @@ class FlatBuffer:
 
     def allocate(self) -> None:
         """Give the storage its bytes back, on the current stream (contents undefined)."""
-        if not self.is_allocated:
+        if not self.persistent and not self.is_allocated:
             self.tensor.untyped_storage().resize_(self._nbytes)
 
     def release(self) -> None:
         """Return the bytes to the allocator; the stream that allocated them may reuse them."""
-        if self._nbytes and self.is_allocated:
+        if self._nbytes and not self.persistent and self.is_allocated:
             self.tensor.untyped_storage().resize_(0)

@@ -32,6 +32,7 @@ from mfsdp.communication import CommunicationPolicy
 from mfsdp.mixed_precision import MixedPrecisionPolicy
 from mfsdp.placement import Placements
 from mfsdp.runtime.context import FsdpContext
+from mfsdp.runtime.gather_slots import GatherSlots
 from mfsdp.runtime.geometry import ShardGeometry
 from mfsdp.runtime.parameter_group import FsdpParameterGroup
 from mfsdp.runtime.ownership import (
@@ -236,9 +237,10 @@ class FsdpModule:
             self._wait_for_unshard()
             self._prefetch(ctx.forward_order)
             self._use_unsharded_params()
-            if torch.is_grad_enabled() and self._num_trainable_parameters:
+            if torch.is_grad_enabled():
                 # Every call counts; only calls whose inputs need grad can report their backward,
-                # so the fallback fires only when all calls of this forward have reported.
+                # so the fallback fires only when all calls of this forward have reported. Frozen
+                # modules are hooked too: it is where their backward ends and their weights free.
                 self._inputs_hooked += 1
                 args, kwargs = self._hook_inputs(args, kwargs or {})
         return args, kwargs
@@ -308,7 +310,7 @@ class FsdpModule:
             following = order.next_after(self, distance)
             if following is None:
                 break
-            following._unshard_parameter_groups()
+            following._unshard_parameter_groups(prefetch=True)
 
     def _enter_backward(self) -> None:
         self.context.register_post_backward_final_callback()
@@ -327,8 +329,8 @@ class FsdpModule:
 
     def _on_inputs_backward(self) -> None:
         self._inputs_hooked = max(0, self._inputs_hooked - 1)
-        if self._inputs_hooked == 0 and self._backward_pending:
-            self.post_backward()  # some parameter got no gradient on this rank
+        if self._inputs_hooked == 0 and (self._backward_pending or self._phase is ModulePhase.BACKWARD):
+            self.post_backward()  # some parameter got no gradient on this rank, or none is trainable
 
     def _finish_backward(self) -> None:
         """Final-callback fallback: reduce what no hook reduced, reshard what is left."""
@@ -350,13 +352,16 @@ class FsdpModule:
             ctx.track_reduction(keep_alive)
 
     # ------------------------------------------------------------------------ unshard/reshard
-    def _unshard_parameter_groups(self) -> None:
+    def _unshard_parameter_groups(self, prefetch: bool = False) -> None:
         """Unshard this module's parameter groups on the all-gather stream.
 
         A set ``_unshard_event`` means already unsharded or prefetched: no-op. Otherwise the event
-        is recorded after the gather, so compute waits for exactly this module's data.
+        is recorded after the gather, so compute waits for exactly this module's data. A prefetch
+        whose gather slot is still busy is skipped; the module then gathers just in time.
         """
         if self._unshard_event is not None:
+            return
+        if prefetch and not all(group.can_unshard() for group in self._parameter_groups):
             return
         stream = self.context.allgather_stream
         with record_function(self._nvtx_label("unshard")):
@@ -425,5 +430,10 @@ class FsdpModule:
             ctx.forward_order.append(module)
         collect_backward_order(self, ctx.backward_order, FsdpModule)
         check_parameter_locations(self, FsdpModule)
+        if self._communication_policy.double_buffer:
+            # The root keeps its weights from forward into backward, so it never shares a slot.
+            gathered = [g for m in ctx.forward_order if m is not self for g in m._parameter_groups
+                        if g.gather_key() is not None]
+            ctx.gather_slots = GatherSlots.build(gathered, ctx.prefetch_depth, register=self._use_symm_mem)
 
 

@@ -122,6 +122,7 @@ class FsdpParameterGroup:
                 self.params[i].data = view
             else:
                 p.data = view  # the original Parameter now lives in the unsharded buffer
+        self._slot = None  # a persistent gather slot (double buffering), bound by the context
         if self.unsharded is not self.model:
             self.unsharded.release()  # views stay valid: the storage object is kept
 
@@ -150,11 +151,38 @@ class FsdpParameterGroup:
             for module, name in aliases:
                 module._parameters[name] = param
 
+    def gather_key(self) -> Optional[tuple]:
+        """(numel, dtype, device) of the unsharded buffer, or None where nothing is gathered."""
+        if self.unsharded is self.model:
+            return None
+        t = self.unsharded.tensor
+        return (t.numel(), t.dtype, t.device)
+
+    def bind_gather_slot(self, slot) -> None:
+        """Gather into ``slot`` (see ``gather_slots``) from now on: re-point the parameters once."""
+        assert self.state is GroupState.SHARDED and self.gather_key() == (
+            slot.tensor.numel(), slot.tensor.dtype, slot.tensor.device), (self.label, slot.label)
+        self.unsharded.release()
+        self.unsharded = FlatBuffer.over(slot.tensor)
+        self._unsharded_regions = self.layout.regions(slot.tensor, 1)
+        for p, view in zip(self.params, self.layout.unpadded(self._unsharded_regions)):
+            if isinstance(p, DTensor):
+                _compat.set_dtensor_local(p, view)
+            else:
+                p.data = view
+        self._slot = slot
+
+    def can_unshard(self) -> bool:
+        """False while this group's gather slot is held by another group (prefetch must wait)."""
+        return self._slot is None or self.state is GroupState.UNSHARDED or self._slot.is_free_for(self)
+
     def unshard(self, stream: Optional[torch.Stream]) -> None:
         """Gather the compute weights into the unsharded buffer, on ``stream``."""
         if self.state is GroupState.UNSHARDED:
             return
         g = self.geometry
+        if self._slot is not None:
+            self._slot.acquire(self)
         if self.unsharded is not self.model:
             with torch.no_grad(), stream_context(stream):
                 self.unsharded.allocate()  # allocated on the all-gather stream, freed there too
@@ -175,6 +203,8 @@ class FsdpParameterGroup:
         if self.unsharded is not self.model:
             with stream_context(stream):
                 self.unsharded.release()
+        if self._slot is not None:
+            self._slot.release(self)  # the next holder gathers on ``stream``, after this compute
         self.state = GroupState.SHARDED
 
     def refresh_model_weights(self, stream: Optional[torch.Stream] = None) -> None:

@@ -1,0 +1,121 @@
+"""Persistent gather buffers ("double buffering"): same-size modules take turns in fixed slots.
+
+[Note: gather slots]
+By default each group's unsharded buffer is a storage that is re-allocated from the caching
+allocator at every unshard and released at every reshard. With ``CommunicationPolicy(double_buffer
+=True)`` the repeated modules of a model (the transformer blocks: same numel, same dtype) instead
+gather into ``prefetch_depth + 1`` persistent buffers per size, and module ``k`` of that size
+*always* uses slot ``k % (prefetch_depth + 1)``.
+
+Why a fixed slot per module rather than "whichever slot is free": autograd saves views of the
+unsharded weights in forward (``weight.t()`` for a matmul, for instance) and reads them again in
+backward. Those views point at the storage the module had in forward. With a fixed slot, the
+module re-gathers into the very same storage before its backward, exactly as the default path does
+with its re-allocated storage, so the saved views see the right weights again.
+
+Why ``prefetch_depth + 1``: while module ``k`` computes, modules ``k+1 .. k+depth`` are gathered
+ahead; module ``k - 1``, the last to share ``k + depth``'s slot, has been resharded by then. The
+same holds in backward order, which is the reverse. A schedule that breaks this (a block called
+twice out of order, a module kept unsharded across forward) would overwrite live weights, so an
+unshard into a busy slot raises instead, and a *prefetch* into a busy slot is skipped (the module
+then gathers just in time, when its slot is free).
+
+Trade-off: the slots are never freed, so resting memory grows by ``(depth + 1)`` block-sized
+gather buffers, and the root (which keeps its weights from forward into backward) and one-off
+sizes keep the allocator path. In exchange no storage is allocated on the hot path, the memory
+layout is identical every step, and the slots can be registered once with NCCL
+(``use_symm_mem``/``nccl_ub``), which needs buffers that never move.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import TYPE_CHECKING, Optional
+
+import torch
+
+from mfsdp import _compat
+
+if TYPE_CHECKING:
+    from mfsdp.runtime.parameter_group import FsdpParameterGroup
+
+
+class GatherSlot:
+    """One persistent gather buffer, held by at most one group at a time."""
+
+    def __init__(self, tensor: torch.Tensor, label: str) -> None:
+        self.tensor = tensor
+        self.label = label
+        self.holder: Optional["FsdpParameterGroup"] = None
+
+    def is_free_for(self, group: "FsdpParameterGroup") -> bool:
+        return self.holder is None or self.holder is group
+
+    def acquire(self, group: "FsdpParameterGroup") -> None:
+        if not self.is_free_for(group):
+            raise RuntimeError(
+                f"mfsdp double_buffer: {group.label} must gather into {self.label}, which "
+                f"{self.holder.label} still holds. The schedule keeps more same-size modules unsharded "
+                "at once than prefetch_depth + 1 (a module called twice out of order, or one never "
+                "resharded). Use CommunicationPolicy(double_buffer=False) for this model."
+            )
+        self.holder = group
+
+    def release(self, group: "FsdpParameterGroup") -> None:
+        if self.holder is group:
+            self.holder = None
+
+
+class GatherSlots:
+    """The slots of one context: built once, on the root's first forward."""
+
+    def __init__(self) -> None:
+        self.slots: list[GatherSlot] = []
+        self._pools: list = []  # NCCL memory pools backing registered slots; kept alive with them
+
+    @classmethod
+    def build(cls, groups_in_order: list["FsdpParameterGroup"], depth: int, register: bool) -> "GatherSlots":
+        """Bind every group that shares its gather size with another to a fixed slot.
+
+        ``groups_in_order``: gathered groups of the non-root modules, in forward order.
+        ``register``: allocate the slots from NCCL's allocator and register them with every gather
+        process group (user-buffer / symmetric-memory collectives).
+        """
+        self = cls()
+        by_size: dict[tuple, list] = defaultdict(list)
+        for group in groups_in_order:
+            by_size[group.gather_key()].append(group)
+        classes = [(key, members) for key, members in by_size.items() if len(members) > 1]
+        if not classes:
+            return self
+        per_class = [(key, members, min(depth + 1, len(members))) for key, members in classes]
+        if register:
+            process_groups = _unique(pg for _, members, _ in per_class for g in members for pg in g.geometry.groups)
+            tensors, pool = _compat.nccl_registered_buffers(
+                [(numel, dtype, device) for (numel, dtype, device), _, n in per_class for _ in range(n)],
+                process_groups,
+            )
+            self._pools.append(pool)
+        else:
+            tensors = [torch.empty(numel, dtype=dtype, device=device)
+                       for (numel, dtype, device), _, n in per_class for _ in range(n)]
+        it = iter(tensors)
+        for (numel, dtype, _), members, n in per_class:
+            slots = [GatherSlot(next(it), f"gather slot {i} of size {numel} ({dtype})") for i in range(n)]
+            self.slots.extend(slots)
+            for k, group in enumerate(members):
+                group.bind_gather_slot(slots[k % n])
+        return self
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.tensor.numel() * s.tensor.element_size() for s in self.slots)
+
+
+def _unique(items) -> list:
+    seen, out = set(), []
+    for item in items:
+        if id(item) not in seen:
+            seen.add(id(item))
+            out.append(item)
+    return out
