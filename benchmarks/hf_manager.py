@@ -42,6 +42,7 @@ def parse():
     p.add_argument("--parity-seq", type=int, default=512)
     p.add_argument("--parity-steps", type=int, default=3)
     p.add_argument("--skip-parity", action="store_true")
+    p.add_argument("--skip-throughput", action="store_true")
     p.add_argument("--double-buffer", action="store_true", help="fsdp_double_buffer=True")
     p.add_argument("--nccl-ub", action="store_true", help="nccl_ub=True (needs --double-buffer)")
     p.add_argument("--ac", action="store_true", help="activation_checkpointing=True")
@@ -84,20 +85,27 @@ def parity(args, rank: int, ws: int) -> dict:
     model, _ = manager_for(args, ws).parallelize(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
-    losses = []
+    losses, grad_error = [], None
     for step in range(args.parity_steps):
         g = torch.Generator(device=args.device).manual_seed(step)
         ids = torch.randint(0, args.vocab, (2 * dp, args.parity_seq), device=args.device, generator=g)
         ref_loss = ref(input_ids=ids, labels=ids).loss
         ref_loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
         mine = ids.chunk(dp)[rank // args.tp]  # tp is the innermost mesh dim
         loss = model(input_ids=mine, labels=mine).loss
         loss.backward()
+        if step == 0:  # the direct check: reduced gradients against the full-batch gradients
+            mine_g = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).float()
+                      for n, p in model.named_parameters()}
+            errs = {n: float((mine_g[n] - p.grad.float()).abs().max() / p.grad.float().abs().max().clamp_min(1e-12))
+                    for n, p in ref.named_parameters()}
+            grad_error = (max(errs.values()), max(errs, key=errs.get))
+            del mine_g
+        ref_opt.step()
+        ref_opt.zero_grad()
         opt.step()
         opt.zero_grad()
-        mean = loss.detach().clone()
+        mean = loss.detach().float()
         dist.all_reduce(mean)
         losses.append((float(mean) / ws, float(ref_loss)))
     a, b = full(model), full(ref.to(torch.float32))
@@ -106,7 +114,11 @@ def parity(args, rank: int, ws: int) -> dict:
     del model, ref, opt, ref_opt, a, b
     if args.device == "cuda":
         torch.cuda.empty_cache()
-    return {"losses_mfsdp_vs_ref": losses, "max_rel_param_error": errors[worst], "worst_param": worst}
+    # AdamW turns rounding-level differences in near-zero gradients (embedding rows of unseen
+    # tokens) into +-lr steps, so the parameter error after steps is bounded by ~lr/|w|max, while
+    # the gradient error is the direct measure of the reduction.
+    return {"step0_max_rel_grad_error": grad_error[0], "worst_grad": grad_error[1],
+            "losses_mfsdp_vs_ref": losses, "max_rel_param_error": errors[worst], "worst_param": worst}
 
 
 def throughput(args, rank: int, ws: int) -> dict:
@@ -174,7 +186,8 @@ def main() -> None:
               "gpu": torch.cuda.get_device_name() if args.device == "cuda" else "cpu"}
     if not args.skip_parity:
         record["parity"] = parity(args, rank, ws)
-    record["throughput"] = throughput(args, rank, ws)
+    if not args.skip_throughput:
+        record["throughput"] = throughput(args, rank, ws)
     if rank == 0:
         line = json.dumps(record)
         print(line, flush=True)

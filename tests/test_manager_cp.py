@@ -187,7 +187,9 @@ def cp_attention_parity(rank, ws):
     errors = []
     for step in range(3):
         g = torch.Generator().manual_seed(step)
-        ids = torch.randint(0, 64, (2 * dp, 32), generator=g).cuda()
+        # 128 tokens: torch's ring attention over the memory-efficient kernel (fp32) needs each
+        # load-balanced chunk to be a multiple of 32 tokens (its logsumexp is padded to 32).
+        ids = torch.randint(0, 64, (2 * dp, 128), generator=g).cuda()
         ref_opt.zero_grad()
         ref(input_ids=ids, labels=ids).loss.backward()
         ref_opt.step()

@@ -138,6 +138,13 @@ def attention_context(mesh: DeviceMesh, buffers: Sequence[torch.Tensor], seq_dim
         raise NotImplementedError(
             "context parallel attention needs CUDA: torch's context_parallel has no sharding rule for CPU "
             "attention kernels (on CPU use shard_sequence with position-wise models)")
+    size = mesh["cp"].size()
+    for buf, dim in zip(buffers, seq_dims):
+        if buf.shape[dim] % (2 * size * 32):
+            raise ValueError(
+                f"context parallel: sequence length {buf.shape[dim]} must be a multiple of 2 x cp x 32 = "
+                f"{2 * size * 32}: torch's load-balanced ring attention cuts it into 2 x cp chunks, and its "
+                "memory-efficient kernel pads each chunk's logsumexp to 32 tokens. Pad the batch.")
     from torch.distributed.tensor.experimental import context_parallel
 
     return context_parallel(mesh["cp"], buffers=list(buffers), buffer_seq_dims=list(seq_dims),
