@@ -135,3 +135,35 @@ def test_symm_mem_buffers_match_default(cuda_world, comm):
     assert same
     assert n_slots == comm.get("prefetch_depth", 1) + 1
     assert pooled or torch.cuda.device_count() == 1, "registered slots come from an NCCL memory pool"
+
+
+def manager_nccl_ub_matches_default(rank, ws):
+    """The manager's fsdp_double_buffer + nccl_ub on a Hugging Face Llama: bit-identical losses."""
+    import copy
+
+    from test_manager_models import batch, make_hf
+
+    from mfsdp.manager import MegatronFSDPConfig, MegatronFSDPManager, build_device_mesh
+
+    base = make_hf("llama", vocab=64, layers=4).cuda()
+    mesh = build_device_mesh("cuda")
+    runs = []
+    for flags in ({}, {"fsdp_double_buffer": True, "nccl_ub": True}):
+        model, _ = MegatronFSDPManager(MegatronFSDPConfig(**flags), mesh).parallelize(copy.deepcopy(base))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        losses = []
+        for step in range(3):
+            x = batch(step, size=2 * ws, vocab=64).cuda().chunk(ws)[rank]
+            loss = model(input_ids=x, labels=x).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(float(loss))
+        runs.append(losses)
+    return runs
+
+
+@requires_cuda
+def test_manager_nccl_ub_matches_default(cuda_world):
+    default, registered = cuda_world.run(manager_nccl_ub_matches_default)[0]
+    assert default == registered, (default, registered)

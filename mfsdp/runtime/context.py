@@ -11,7 +11,10 @@ compute stream never waits on a whole stream, only on the event of the module it
 * Gradients produced on the compute stream are reduced on the reduce-scatter stream. Their
   tensors are kept alive, with the event of their reduction, until the next module's reduction
   starts; the compute stream waits on that event before dropping them, so the reduction of module
-  ``i`` overlaps the backward of module ``i - 1`` and its inputs are never reused early.
+  ``i`` overlaps the backward of module ``i - 1`` and its inputs are never reused early. A module
+  whose reduction is small next to the pending ones (the root's norms after the output head) does
+  not wait: it would stall compute on a large reduction to free memory it does not need. At most
+  two reductions are pending, so memory stays bounded by the two largest.
 * At the end of backward the final callback makes the compute stream wait for the last reduction,
   so the optimizer reads finished gradients.
 
@@ -21,6 +24,7 @@ second memory pool; on CPU (gloo) the same calls run synchronously and streams a
 
 from __future__ import annotations
 
+import collections
 import weakref
 from typing import TYPE_CHECKING, Optional
 
@@ -56,7 +60,7 @@ class FsdpContext:
         self.forward_order: IndexedOrder["FsdpModule"] = IndexedOrder()
         self.backward_order: IndexedOrder["FsdpModule"] = IndexedOrder()
         self._callback_queued = False
-        self._pending_reduce: Optional[tuple[object, list]] = None
+        self._pending_reductions: collections.deque = collections.deque()  # (event, keep_alive, nbytes)
         self.gather_slots: Optional[GatherSlots] = None  # persistent gather buffers (double_buffer)
 
     @property
@@ -83,21 +87,27 @@ class FsdpContext:
                 if group.requires_grad:
                     group.release_unused_gradient_memory()
 
-    def track_reduction(self, keep_alive: list) -> None:
+    def track_reduction(self, keep_alive: list, nbytes: int) -> None:
         """Hold the inputs of a reduction just issued until the compute stream may reuse them."""
-        self.release_finished_reduction()
         stream = self.reduce_scatter_stream
         event = stream.record_event() if stream is not None else None
-        self._pending_reduce = (event, keep_alive)
+        self._pending_reductions.append((event, keep_alive, nbytes))
 
-    def release_finished_reduction(self) -> None:
-        if self._pending_reduce is None:
-            return
-        event, _ = self._pending_reduce
-        current = self.current_stream()
-        if event is not None and current is not None:
-            current.wait_event(event)
-        self._pending_reduce = None
+    def release_finished_reductions(self, incoming_bytes: Optional[int] = None) -> None:
+        """Let the compute stream wait for pending reductions and drop their inputs.
+
+        ``incoming_bytes``: the size of the reduction about to be issued; reductions are kept
+        pending while there is only one and it is over 4x that size (see the note above). None
+        releases everything (end of backward).
+        """
+        pending, current = self._pending_reductions, self.current_stream()
+        while pending:
+            if (incoming_bytes is not None and len(pending) < 2
+                    and 4 * incoming_bytes < sum(nbytes for _, _, nbytes in pending)):
+                break
+            event, _, _ = pending.popleft()
+            if event is not None and current is not None:
+                current.wait_event(event)
 
     def register_post_backward_final_callback(self) -> None:
         """Queue, once per backward pass, the callback that runs when autograd finishes.
@@ -116,7 +126,7 @@ class FsdpContext:
             self._callback_queued = False
             for module in self.backward_order:
                 module._finish_backward()  # modules whose reduction no gradient hook triggered
-            self.release_finished_reduction()
+            self.release_finished_reductions()
             current = self.current_stream()
             if current is not None:
                 current.wait_stream(self.reduce_scatter_stream)

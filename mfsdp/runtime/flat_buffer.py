@@ -26,6 +26,8 @@ from typing import Optional, Sequence
 
 import torch
 
+from mfsdp import _compat
+
 
 @dataclasses.dataclass(frozen=True)
 class MemberLayout:
@@ -132,3 +134,39 @@ class FlatBuffer:
         """Return the bytes to the allocator; the stream that allocated them may reuse them."""
         if self._nbytes and not self.persistent and self.is_allocated:
             self.tensor.untyped_storage().resize_(0)
+
+
+def pack_gradients(grads, members, dtype: torch.dtype, device) -> tuple[list, list]:
+    """Each member's gradient as a padded 1-D region in ``dtype``, ready for the reduction.
+
+    A gradient that is contiguous, unpadded and already in ``dtype`` is used as is (a view, no
+    copy); the others are copied into one staging buffer in a single fused launch, and a missing
+    gradient (None) becomes zeros. Returns (tensors to keep alive, regions).
+    """
+    staged = [i for i, (gr, m) in enumerate(zip(grads, members))
+              if gr is None or m.is_padded or gr.dtype != dtype or not gr.is_contiguous()]
+    copied = set(staged)
+    regions: list = [None if i in copied else gr.view(-1) for i, gr in enumerate(grads)]
+    keep: list = [gr for gr in grads if gr is not None]
+    if staged:
+        sizes = [members[i].padded_rows * members[i].row_numel for i in staged]
+        # Uninitialised: the copy fills the real rows; only padding and missing gradients are
+        # zeroed, so no full memset of the staging buffer per backward.
+        buf = torch.empty(sum(sizes), dtype=dtype, device=device)
+        dst, src, zero = [], [], []
+        for i, region in zip(staged, torch.split(buf, sizes)):
+            regions[i] = region
+            real = members[i].rows * members[i].row_numel
+            if grads[i] is None:
+                zero.append(region)
+                continue
+            dst.append(region[:real].view(grads[i].shape))
+            src.append(grads[i])
+            if real < region.numel():
+                zero.append(region[real:])
+        if dst:
+            _compat.foreach_copy_(dst, src)
+        if zero:
+            _compat.foreach_zero_(zero)
+        keep.append(buf)
+    return keep, regions

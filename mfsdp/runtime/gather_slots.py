@@ -21,8 +21,8 @@ unshard into a busy slot raises instead, and a *prefetch* into a busy slot is sk
 then gathers just in time, when its slot is free).
 
 Trade-off: the slots are never freed, so resting memory grows by ``(depth + 1)`` block-sized
-gather buffers, and the root (which keeps its weights from forward into backward) and one-off
-sizes keep the allocator path. In exchange no storage is allocated on the hot path, the memory
+gather buffers. The root (which keeps its weights from forward into backward) and sizes shared by
+no more than ``depth + 1`` modules (an untied embedding and head) keep the allocator path. In exchange no storage is allocated on the hot path, the memory
 layout is identical every step, and the slots can be registered once with NCCL
 (``use_symm_mem``/``nccl_ub``), which needs buffers that never move.
 """
@@ -85,10 +85,11 @@ class GatherSlots:
         by_size: dict[tuple, list] = defaultdict(list)
         for group in groups_in_order:
             by_size[group.gather_key()].append(group)
-        classes = [(key, members) for key, members in by_size.items() if len(members) > 1]
-        if not classes:
+        # Only sizes shared by more modules than slots: a persistent buffer per module would only
+        # keep memory that the allocator path frees between uses (an untied embedding and head).
+        per_class = [(key, members, depth + 1) for key, members in by_size.items() if len(members) > depth + 1]
+        if not per_class:
             return self
-        per_class = [(key, members, min(depth + 1, len(members))) for key, members in classes]
         if register:
             process_groups = _unique(pg for _, members, _ in per_class for g in members for pg in g.geometry.groups)
             tensors, pool = _compat.nccl_registered_buffers(

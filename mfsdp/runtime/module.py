@@ -344,12 +344,13 @@ class FsdpModule:
         """Pack gradients and immediately launch their reductions."""
         ctx = self.context
         with record_function(self._nvtx_label("reduce_gradients")):
-            ctx.release_finished_reduction()
+            groups = [g for g in self._parameter_groups if g.requires_grad]
+            nbytes = sum(g.reduction_nbytes for g in groups)
+            ctx.release_finished_reductions(nbytes)
             keep_alive: list = []
-            for group in self._parameter_groups:
-                if group.requires_grad:
-                    keep_alive.extend(group.reduce_gradients(ctx.is_last_microbatch, ctx.reduce_scatter_stream))
-            ctx.track_reduction(keep_alive)
+            for group in groups:
+                keep_alive.extend(group.reduce_gradients(ctx.is_last_microbatch, ctx.reduce_scatter_stream))
+            ctx.track_reduction(keep_alive, nbytes)
 
     # ------------------------------------------------------------------------ unshard/reshard
     def _unshard_parameter_groups(self, prefetch: bool = False) -> None:

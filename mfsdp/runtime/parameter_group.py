@@ -30,7 +30,7 @@ from mfsdp.communication import CommunicationPolicy
 from mfsdp.mixed_precision import ResolvedDtypes
 from mfsdp.runtime import collectives
 from mfsdp.runtime.collectives import stream_context
-from mfsdp.runtime.flat_buffer import FlatBuffer, FlatLayout
+from mfsdp.runtime.flat_buffer import FlatBuffer, FlatLayout, pack_gradients
 from mfsdp.runtime.geometry import ShardGeometry, contiguous_stride, fill_region
 
 
@@ -241,6 +241,8 @@ class FsdpParameterGroup:
         shapes = [m.shape for m in self.layout.members] + [torch.Size((g.num_shards, len(self.params)))]
         self.grad_layout = FlatLayout(shapes, g.num_shards)
         self._all_used = torch.ones(g.num_shards * len(self.params), dtype=d.comm, device=device)
+        # What one backward's reduction holds: the unsharded gradients in the reduction dtype.
+        self.reduction_nbytes = self.grad_layout.numel(1) * self._all_used.element_size()
         self.main_grad: Optional[FlatBuffer] = None
         self._accum: Optional[FlatBuffer] = None
         self._accum_empty = True
@@ -328,45 +330,16 @@ class FsdpParameterGroup:
         return keep_alive
 
     def _stage_inputs(self) -> list:
-        """Level-0 gradient regions in the reduction dtype; copies only where it must."""
-        comm = self.dtypes.comm
+        """Level-0 gradient regions in the reduction dtype, plus the usage counts; returns what
+        must stay alive, the input list last."""
         grads = [_local_grad(p) for p in self.params]
-        members = self.grad_layout.members
-        staged = [
-            i for i, (gr, m) in enumerate(zip(grads, members[:-1]))
-            if gr is None or m.is_padded or gr.dtype != comm or not gr.is_contiguous()
-        ]
-        staged_set = set(staged)
-        inputs: list[Optional[torch.Tensor]] = [
-            None if i in staged_set else gr.view(-1) for i, gr in enumerate(grads)
-        ]
-        keep: list = [gr for gr in grads if gr is not None]
-        if staged:
-            sizes = [members[i].padded_rows * members[i].row_numel for i in staged]
-            # Uninitialised: the copy below fills the real rows; only padding and missing
-            # gradients are zeroed, so no full memset of the staging buffer per backward.
-            buf = torch.empty(sum(sizes), dtype=comm, device=self._all_used.device)
-            dst, src, zero = [], [], []
-            for i, region in zip(staged, torch.split(buf, sizes)):
-                inputs[i] = region
-                real = members[i].rows * members[i].row_numel
-                if grads[i] is None:
-                    zero.append(region)
-                    continue
-                dst.append(region[:real].view(grads[i].shape))
-                src.append(grads[i])
-                if real < region.numel():
-                    zero.append(region[real:])
-            if dst:
-                _compat.foreach_copy_(dst, src)
-            if zero:
-                _compat.foreach_zero_(zero)
-            keep.append(buf)
+        keep, inputs = pack_gradients(grads, self.grad_layout.members[:-1], self.dtypes.comm,
+                                      self._all_used.device)
         present = [i for i, gr in enumerate(grads) if gr is not None]
         if len(present) == len(grads):
             inputs.append(self._all_used)
         else:  # rare: some parameter had no gradient on this rank
-            usage = torch.zeros(self.geometry.num_shards, len(self.params), dtype=comm)
+            usage = torch.zeros(self.geometry.num_shards, len(self.params), dtype=self.dtypes.comm)
             usage[:, present] = 1
             inputs.append(usage.to(self._all_used.device).view(-1))
             self._missing_seen = True

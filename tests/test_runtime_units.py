@@ -1,0 +1,49 @@
+"""Runtime pieces tested without a model or a process group: gradient packing, pending reductions."""
+
+from __future__ import annotations
+
+import torch
+
+from mfsdp.runtime.context import FsdpContext
+from mfsdp.runtime.flat_buffer import FlatLayout, pack_gradients
+
+
+def test_pack_gradients_views_when_it_can_and_copies_when_it_must():
+    # 2 shards: (4, 3) is even (no padding), (5, 2) pads to 6 rows, (2,) pads to 2 (even).
+    layout = FlatLayout([torch.Size((4, 3)), torch.Size((5, 2)), torch.Size((2,))], num_shards=2)
+    even = torch.randn(4, 3)
+    padded = torch.randn(5, 2)
+    keep, regions = pack_gradients([even, padded, None], layout.members, torch.float32, "cpu")
+    assert regions[0].data_ptr() == even.data_ptr()  # zero-copy
+    assert torch.equal(regions[1][:10], padded.view(-1)) and torch.equal(regions[1][10:], torch.zeros(2))
+    assert torch.equal(regions[2], torch.zeros(2))  # a missing gradient reduces as zeros
+    assert len(keep) == 3  # the two gradients and one staging buffer
+    # Another dtype is always staged, cast in the copy.
+    _, regions = pack_gradients([even.bfloat16(), padded, torch.ones(2)], layout.members, torch.float32, "cpu")
+    assert regions[0].dtype == torch.float32 and torch.equal(regions[0], even.bfloat16().float().view(-1))
+    # A non-contiguous gradient is staged too.
+    _, regions = pack_gradients([torch.randn(3, 4).t(), padded, torch.ones(2)], layout.members, torch.float32, "cpu")
+    assert regions[0].is_contiguous() and regions[0].numel() == 12
+
+
+class _Root:
+    pass
+
+
+def test_small_reductions_do_not_wait_on_a_large_pending_one():
+    ctx = FsdpContext(torch.device("cpu"), _Root())
+    pending = ctx._pending_reductions
+    ctx.track_reduction(["head"], nbytes=1000)  # the output head: large
+    ctx.release_finished_reductions(incoming_bytes=10)  # the root's norms: tiny, do not wait
+    assert len(pending) == 1
+    ctx.track_reduction(["root"], nbytes=10)
+    ctx.release_finished_reductions(incoming_bytes=1)  # two pending: the oldest goes, whatever its size
+    assert [k for _, k, _ in pending] == [["root"]]
+    ctx.release_finished_reductions(incoming_bytes=300)  # a block: 4 x 300 >= what is pending, so wait
+    assert not pending
+    ctx.track_reduction(["block"], nbytes=300)
+    ctx.release_finished_reductions(incoming_bytes=300)  # equal blocks: one pending at a time, as before
+    assert not pending
+    ctx.track_reduction(["a"], nbytes=1)
+    ctx.release_finished_reductions()  # end of backward: everything
+    assert not pending
