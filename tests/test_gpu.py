@@ -167,3 +167,68 @@ def manager_nccl_ub_matches_default(rank, ws):
 def test_manager_nccl_ub_matches_default(cuda_world):
     default, registered = cuda_world.run(manager_nccl_ub_matches_default)[0]
     assert default == registered, (default, registered)
+
+
+def memory_against_analytic_and_fsdp2(rank, ws):
+    """Resting memory of a bf16-compute, fp32-master ZeRO-3 model with AdamW against the analytic
+    sharded size, and the peak of a training step against torch's FSDP2 on the same model."""
+    import mfsdp
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from models import Net, global_batch, loss_fn, make_mesh, make_placements, reference_copy
+
+    mesh, placements = make_mesh("zero3", ws, "cuda"), make_placements("zero3")
+    # Set-up that stays allocated, before measuring: the communicator, and cuBLAS's workspaces
+    # (one per handle: the forward thread's and autograd's), which come from the caching allocator.
+    torch.distributed.all_reduce(torch.ones(1, device="cuda"))
+    warm = torch.randn(64, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    (warm @ warm).float().sum().backward()
+    del warm
+    x, y = global_batch(0, 8, 512, 4096, "cuda")
+    x, y = x.chunk(ws)[rank], y.chunk(ws)[rank]
+
+    def steps(net, opt, zero_grad_to_none):
+        torch.cuda.synchronize()
+        for _ in range(3):
+            torch.cuda.reset_peak_memory_stats()
+            loss_fn(net(x).float(), y).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=zero_grad_to_none)
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated()
+
+    torch.manual_seed(0)
+    template = Net(vocab=4096, dim=1024, hidden=4096, n_blocks=6)
+    out = {}
+    # mfsdp: the model is built in bf16; its storage is handed to mfsdp's buffers.
+    base = torch.cuda.memory_allocated()
+    net = reference_copy(template).cuda().to(torch.bfloat16)
+    policy = mfsdp.MixedPrecisionPolicy(main_params_dtype=torch.float32, main_grads_dtype=torch.float32)
+    for unit in list(net.blocks) + [net]:
+        mfsdp.fully_shard(unit, mesh, placements, policy)
+    opt = mfsdp.fully_shard_optimizer(net, torch.optim.AdamW(net.parameters(), lr=1e-4, fused=True))
+    peak = steps(net, opt, zero_grad_to_none=False)  # gradients stay: they are part of the resting set
+    shard = sum(p.to_local().numel() for p in net.parameters())
+    analytic = shard * (4 + 4 + 8)  # fp32 main weights, fp32 gradients, two fp32 AdamW moments
+    out["mfsdp_resting"], out["analytic"] = torch.cuda.memory_allocated() - base, analytic
+    out["mfsdp_peak"] = peak - base
+    del net, opt
+    torch.cuda.empty_cache()
+    # FSDP2: fp32 shards, bf16 all-gathers, fp32 reduce-scatters, the same blocks.
+    base = torch.cuda.memory_allocated()
+    ref = reference_copy(template).cuda()
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for unit in list(ref.blocks) + [ref]:
+        fully_shard(unit, mesh=mesh, mp_policy=mp)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-4, fused=True)
+    out["fsdp2_peak"] = steps(ref, opt, zero_grad_to_none=False) - base
+    return out
+
+
+@requires_cuda
+def test_memory_resting_analytic_and_peak_near_fsdp2(cuda_world):
+    out = cuda_world.run(memory_against_analytic_and_fsdp2)[0]
+    assert abs(out["mfsdp_resting"] - out["analytic"]) <= 0.01 * out["analytic"], out
+    # Measured on 2 H200s: resting 470.05 MB for 470.02 analytic; peak 776.3 MB against FSDP2's
+    # 759.5 (+2.2 %) on this small model, while on the 1b and 8b presets mfsdp's peak is 1-3 %
+    # below FSDP2's (benchmarks/results). The bound guards against regressions of either.
+    assert out["mfsdp_peak"] <= 1.03 * out["fsdp2_peak"], out
