@@ -113,12 +113,18 @@ def reference_copy(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model)
 
 
-def step_both(model, ref, optim, ref_optim, step: int, batch: int, rank: int, ws: int) -> None:
-    """One optimizer step of the reference on the global batch and of the sharded model on its slice."""
+def step_both(model, ref, optim, ref_optim, step: int, batch: int, rank: int, ws: int,
+              after_backward=None, after_step=None) -> None:
+    """One optimizer step of the reference on the global batch and of the sharded model on its slice
+    (slice ``rank`` of ``ws``); the optional callbacks inspect the sharded model between phases."""
     x, y = global_batch(step, batch, 5, ref.embed.num_embeddings)
     loss_fn(ref(x), y).backward()
     ref_optim.step()
     ref_optim.zero_grad()
     loss_fn(model(x.chunk(ws)[rank]), y.chunk(ws)[rank]).backward()
+    if after_backward is not None:
+        after_backward()
     optim.step()
+    if after_step is not None:
+        after_step()
     optim.zero_grad()

@@ -7,7 +7,7 @@ import torch
 
 import mfsdp
 from models import (Net, full_params, global_batch, loss_fn, make_mesh, make_optimizer, make_placements,
-                    max_rel_error, reference_copy, shard_net)
+                    max_rel_error, reference_copy, shard_net, step_both)
 
 FP32_TOL = 1e-5
 
@@ -170,17 +170,18 @@ def bf16_grads_adamw(rank, ws, kind="zero3"):
     shard_net(model, make_mesh(kind, ws), make_placements(kind))
     optim = mfsdp.fully_shard_optimizer(model, torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True))
     ref_optim = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=True)
-    dtypes = None
-    for step in range(3):
-        x, y = global_batch(step, 8, 5, 32)
-        ref_optim.zero_grad()
-        loss_fn(ref(x), y).backward()
-        ref_optim.step()
-        optim.zero_grad()
-        loss_fn(model(x.chunk(ws)[rank]), y.chunk(ws)[rank]).backward()
-        dtypes = {(p.dtype, p.grad.dtype) for p in model.parameters()}
-        optim.step()
+    dtypes = set()
+
+    def record_dtypes():
+        dtypes.clear()
+        dtypes.update((p.dtype, p.grad.dtype) for p in model.parameters())
+
+    def check_restored():
         assert all(p.grad.dtype == torch.bfloat16 for p in model.parameters())  # restored after the step
+
+    for step in range(3):
+        step_both(model, ref, optim, ref_optim, step, 8, rank, ws, after_backward=record_dtypes,
+                  after_step=check_restored)
     got, want = full_params(model), full_params(ref)
     # Norm-wise: Adam turns a near-zero bf16 gradient's rounding into a full-size step, so single
     # elements may differ by 2*lr while the tensors agree closely.

@@ -9,7 +9,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import mfsdp
-from models import Net, full_params, global_batch, loss_fn, max_rel_error, reference_copy
+from models import Net, full_params, max_rel_error, reference_copy, step_both
 
 
 def tp_parity(rank, ws, kind="zero3", steps=3, bf16=False):
@@ -38,14 +38,9 @@ def tp_parity(rank, ws, kind="zero3", steps=3, bf16=False):
     dp_rank, dp_size = mesh["dp"].get_local_rank(), mesh["dp"].size()
     errors = []
     for step in range(steps):
-        x, y = global_batch(step, 8, 5, 16)
-        ref_optim.zero_grad()
-        loss_fn(ref(x), y).backward()
-        ref_optim.step()
-        optim.zero_grad()
-        loss_fn(model(x.chunk(dp_size)[dp_rank]), y.chunk(dp_size)[dp_rank]).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)  # works across (dp, tp) DTensors
-        optim.step()
+        # Clipping works across (dp, tp) DTensors.
+        step_both(model, ref, optim, ref_optim, step, 8, dp_rank, dp_size,
+                  after_backward=lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9))
         errors.append(max_rel_error(full_params(model), full_params(ref)))
     assert all(isinstance(p, DTensor) for p in model.parameters())
     return errors, exposed
