@@ -124,7 +124,7 @@ def registered_buffers_match_default(rank, ws, comm):
         losses.append(pair)
     same = all(torch.equal(a.full_tensor(), b.full_tensor()) for a, b in zip(nets[0].parameters(), nets[1].parameters()))
     slots = nets[1].context.gather_slots
-    return losses, same, len(slots.slots), slots._pools[0] is not None if slots._pools else None
+    return losses, same, len(slots.slots), slots._pool is not None
 
 
 @requires_cuda

@@ -71,52 +71,35 @@ class GatherSlots:
 
     def __init__(self) -> None:
         self.slots: list[GatherSlot] = []
-        self._pools: list = []  # NCCL memory pools backing registered slots; kept alive with them
+        self._pool = None  # the NCCL memory pool backing registered slots; kept alive with them
 
     @classmethod
     def build(cls, groups_in_order: list["FsdpParameterGroup"], depth: int, register: bool) -> "GatherSlots":
-        """Bind every group that shares its gather size with another to a fixed slot.
+        """Bind every group whose gather size more than ``depth + 1`` groups share to a fixed slot.
 
         ``groups_in_order``: gathered groups of the non-root modules, in forward order.
         ``register``: allocate the slots from NCCL's allocator and register them with every gather
         process group (user-buffer / symmetric-memory collectives).
         """
-        self = cls()
+        built, per_size = cls(), depth + 1
         by_size: dict[tuple, list] = defaultdict(list)
         for group in groups_in_order:
             by_size[group.gather_key()].append(group)
         # Only sizes shared by more modules than slots: a persistent buffer per module would only
         # keep memory that the allocator path frees between uses (an untied embedding and head).
-        per_class = [(key, members, depth + 1) for key, members in by_size.items() if len(members) > depth + 1]
-        if not per_class:
-            return self
+        shared = [(key, members) for key, members in by_size.items() if len(members) > per_size]
+        if not shared:
+            return built
+        specs = [key for key, _ in shared for _ in range(per_size)]
         if register:
-            process_groups = _unique(pg for _, members, _ in per_class for g in members for pg in g.geometry.groups)
-            tensors, pool = _compat.nccl_registered_buffers(
-                [(numel, dtype, device) for (numel, dtype, device), _, n in per_class for _ in range(n)],
-                process_groups,
-            )
-            self._pools.append(pool)
+            process_groups = {id(pg): pg for _, members in shared for g in members for pg in g.geometry.groups}
+            tensors, built._pool = _compat.nccl_registered_buffers(specs, list(process_groups.values()))
         else:
-            tensors = [torch.empty(numel, dtype=dtype, device=device)
-                       for (numel, dtype, device), _, n in per_class for _ in range(n)]
-        it = iter(tensors)
-        for (numel, dtype, _), members, n in per_class:
-            slots = [GatherSlot(next(it), f"gather slot {i} of size {numel} ({dtype})") for i in range(n)]
-            self.slots.extend(slots)
+            tensors = [torch.empty(numel, dtype=dtype, device=device) for numel, dtype, device in specs]
+        for c, ((numel, dtype, _), members) in enumerate(shared):
+            slots = [GatherSlot(t, f"gather slot {i} of size {numel} ({dtype})")
+                     for i, t in enumerate(tensors[c * per_size:(c + 1) * per_size])]
+            built.slots.extend(slots)
             for k, group in enumerate(members):
-                group.bind_gather_slot(slots[k % n])
-        return self
-
-    @property
-    def nbytes(self) -> int:
-        return sum(s.tensor.numel() * s.tensor.element_size() for s in self.slots)
-
-
-def _unique(items) -> list:
-    seen, out = set(), []
-    for item in items:
-        if id(item) not in seen:
-            seen.add(id(item))
-            out.append(item)
-    return out
+                group.bind_gather_slot(slots[k % per_size])
+        return built
