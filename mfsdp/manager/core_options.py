@@ -115,6 +115,3 @@ def _checkpoint_forward(module: nn.Module) -> None:
         return checkpoint(inner, *args, use_reentrant=False, **kwargs)
 
     module.forward = forward
-
-
-# ---------------------------------------------------------------------------- managed root

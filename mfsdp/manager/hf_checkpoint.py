@@ -237,8 +237,9 @@ def save_hf_checkpoint(model: nn.Module, path: str, *, dtype: Optional[torch.dty
             full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
         if rank != 0:
             continue
-        value = full.detach().to("cpu", dtype if dtype is not None and full.is_floating_point() else full.dtype)
-        value = value.contiguous().clone()
+        # One copy, owned by the file writer (never a view of a live parameter on CPU).
+        value = full.detach().to("cpu", dtype if dtype is not None and full.is_floating_point() else full.dtype,
+                                 copy=True).contiguous()
         nbytes = value.numel() * value.element_size()
         if shards[-1] and size + nbytes > max_shard_bytes:
             shards.append({})
@@ -272,7 +273,7 @@ def save_hf_checkpoint(model: nn.Module, path: str, *, dtype: Optional[torch.dty
 def _target_device(model: nn.Module) -> torch.device:
     for p in model.parameters():
         if not p.is_meta:
-            return (p.to_local() if isinstance(p, DTensor) else p).device
+            return _local(p).device
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
@@ -327,10 +328,7 @@ def init_weights_shard_local(model: nn.Module, *, seed: int = 0, std: Optional[f
     """
     if std is None:
         std = float(getattr(getattr(model, "config", None), "initializer_range", None) or 0.02)
-    by_id: dict[int, tuple[str, torch.Tensor]] = {}
-    for name, p in model.named_parameters():
-        by_id.setdefault(id(p), (name, p))
-    for name, p in by_id.values():
+    for name, p in model.named_parameters():  # each tied weight once, under its first name
         dst = _local(p)
         if p.ndim < 2:
             dst.fill_(1.0 if "norm" in name.lower() else 0.0)
@@ -366,39 +364,3 @@ def meta_model_from_config(config, *, dtype: Optional[torch.dtype] = None) -> nn
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype) if dtype is not None \
             else transformers.AutoModelForCausalLM.from_config(config)
     return model
-
-
-_STRATEGIES = {"zero3": 3, "zero2": 2, "zero1": 1, "ddp": 0, "hsdp": 3, "hfsdp": 3}
-
-
-def build_hf_for_training(cfg, device: torch.device, compute_dtype: torch.dtype, world: int):
-    """``mfsdp train --model.hf DIR``: the sharded HF model and its bound AdamW.
-
-    Built on the meta device from ``DIR/config.json`` in the compute dtype, parallelized by the
-    manager (``--parallel.placements`` mapped to ``zero_dp_strategy``, hsdp/hfsdp to
-    ``dp_replicate_size``), then loaded slice by slice from ``DIR``'s safetensors if it has any,
-    else initialised shard-locally with ``--train.seed``.
-    """
-    from mfsdp.manager.config import MegatronFSDPConfig
-    from mfsdp.manager.manager import MegatronFSDPManager, fully_shard_optimizer
-    from mfsdp.manager.mesh import build_device_mesh
-
-    p, t, path = cfg.parallel, cfg.train, cfg.model.hf
-    replicate = p.replicate if p.placements in ("hsdp", "hfsdp") else 1
-    config = MegatronFSDPConfig(
-        zero_dp_strategy=_STRATEGIES[p.placements],
-        outer_dp_sharding_strategy=1 if p.placements == "hfsdp" else 0,
-        grad_reduce_in_fp32=p.main_grads_dtype != "bf16",
-        activation_checkpointing=p.activation_checkpointing,
-        init_fsdp_with_meta_device=True)
-    mesh = build_device_mesh(device.type, dp_replicate_size=replicate, world_size=world)
-    model = meta_model_from_config(path, dtype=compute_dtype)
-    model.config.use_cache = False
-    manager = MegatronFSDPManager(config, mesh)
-    model, _ = manager.parallelize(model, hf_path=path if has_weights(path) else None, init_seed=t.seed)
-    decay = [q for q in model.parameters() if q.ndim >= 2]
-    no_decay = [q for q in model.parameters() if q.ndim < 2]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay},
-                                   {"params": no_decay, "weight_decay": 0.0}],
-                                  lr=t.lr, betas=(t.beta1, t.beta2), foreach=True)
-    return model, fully_shard_optimizer(model, optimizer)

@@ -36,7 +36,7 @@ from mfsdp.manager.config import MegatronFSDPConfig, field_names
 from mfsdp.manager.context_parallel import CAUSAL_SDPA, DP_SHARD_CP, use_causal_sdpa
 from mfsdp.manager.core_options import (_checkpoint_forward, communication_policy, dp_placements,
                                         precision_policy, resolve_unit_modules)
-from mfsdp.manager.mesh import MeshSizes, check_config_against_mesh, mesh_sizes
+from mfsdp.manager.mesh import check_config_against_mesh, mesh_sizes
 from mfsdp.manager.tp_plans import apply_tp_plan, select_tp_plan, validate_tp
 
 logger = logging.getLogger("mfsdp.manager")
@@ -47,13 +47,11 @@ class NonFiniteGradientError(RuntimeError):
 
 
 class _ManagerState:
-    def __init__(self, config: MegatronFSDPConfig, sizes: MeshSizes, mesh, compute_dtype: torch.dtype,
-                 groups, slots) -> None:
+    def __init__(self, config: MegatronFSDPConfig, mesh, compute_dtype: torch.dtype, groups, slots) -> None:
         self.config = config
-        self.sizes = sizes
         self.mesh = mesh
         self.compute_dtype = compute_dtype
-        self.groups = groups  # [(label, [(name, sharded param)])]: one per (unit, dtype)
+        self.groups = groups  # [(label, core parameter group, [parameter names])], trainable groups only
         self.slots = slots  # [(module, attr, param, dtype)] as left by parallelize
         self.step = 0
         self.synced = False
@@ -92,9 +90,7 @@ class MegatronFSDPModel:
 
     def install_optimized_model_weights(self) -> None:
         """Re-derive the compute weights from the main weights the optimizer just updated."""
-        for module in self.modules():
-            if isinstance(module, FsdpModule):
-                module.refresh_model_weights()
+        hf_checkpoint.refresh_compute_weights(self)
         self._mfsdp_manager_state.synced = False
 
     def zero_grad_buffer(self) -> None:
@@ -132,35 +128,36 @@ def _param_names(model: nn.Module) -> dict[int, str]:
 
 
 def _check_finite(state: _ManagerState) -> None:
-    flags, labels, names = [], [], []
-    for label, members in state.groups:
-        sums = []
-        for name, p in members:
-            if p.grad is None:
-                continue
-            g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-            sums.append(g.sum(dtype=torch.float64))
-            labels.append(label)
-            names.append(name)
-        if sums:
-            flags.append(~torch.stack(sums).isfinite())
-    if not flags:
+    """One fused NaN/Inf flag per parameter group (the core's), one all-reduce over the mesh, so every
+    rank raises; only after a hit are the individual parameters checked, to name them."""
+    checked = [(label, group, names, group.nonfinite_flag()) for label, group, names in state.groups]
+    checked = [(label, group, names, flag) for label, group, names, flag in checked if flag is not None]
+    if not checked:
         return
-    bad = torch.cat(flags).to(torch.float32)
-    for dim in range(state.mesh.ndim):
-        if state.mesh.size(dim) > 1:
-            dist.all_reduce(bad, group=state.mesh.get_group(dim))
+    bad = _any_rank(state, torch.stack([flag for *_, flag in checked]))
     if not bool(bad.any()):
         return
-    hit = [i for i, v in enumerate(bad.tolist()) if v > 0]
-    groups = list(dict.fromkeys(labels[i] for i in hit))
+    hit = [(label, group, names) for (label, group, names, _), b in zip(checked, bad.tolist()) if b]
     msg = (f"mfsdp: non-finite gradient (NaN or Inf) at step {state.step} in parameter group(s) "
-           f"{', '.join(groups)}")
+           f"{', '.join(label for label, _, _ in hit)}")
     if state.config.report_nan_in_param_grad:
-        msg += f"; parameters: {', '.join(names[i] for i in hit)}"
+        grads = [(name, p.grad) for _, group, names in hit for name, p in zip(names, group.sharded_params)
+                 if p.grad is not None]
+        flags = _any_rank(state, torch.stack([~torch.isfinite(g.to_local() if isinstance(g, DTensor) else g).all()
+                                              for _, g in grads]))
+        msg += f"; parameters: {', '.join(name for (name, _), b in zip(grads, flags.tolist()) if b)}"
     else:
         msg += " (set report_nan_in_param_grad=True to name the parameters)"
     raise NonFiniteGradientError(msg)
+
+
+def _any_rank(state: _ManagerState, flags: torch.Tensor) -> torch.Tensor:
+    """Per-entry logical OR of ``flags`` over every rank of the mesh."""
+    flags = flags.to(torch.float32)
+    for dim in range(state.mesh.ndim):
+        if state.mesh.size(dim) > 1:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=state.mesh.get_group(dim))
+    return flags
 
 
 def _make_guard(state: _ManagerState):
@@ -404,7 +401,7 @@ class MegatronFSDPManager:
         elif on_meta:
             hf_checkpoint.init_weights_shard_local(model, seed=init_seed)
 
-        state = _ManagerState(c, sizes, mesh, compute_dtype, _gradient_groups(model, units), _slots(model))
+        state = _ManagerState(c, mesh, compute_dtype, _gradient_groups(model), _slots(model))
         _dress_root(model, state)
         if optimizer is not None:
             _rebind_optimizer(optimizer, old_names, model)
@@ -423,14 +420,17 @@ class MegatronFSDPManager:
         hf_checkpoint.save_hf_checkpoint(model, path, **kwargs)
 
 
-def _gradient_groups(model: nn.Module, units) -> list:
-    """One NaN-check group per (unit, dtype): the parameters each unit's shard group owns."""
-    prefixes = sorted((n + "." for n, _ in units), key=len, reverse=True)
-    groups: dict[tuple[str, torch.dtype], list] = {}
-    for name, p in model.named_parameters():
-        unit = next((pre[:-1] for pre in prefixes if name.startswith(pre)), "<root>")
-        groups.setdefault((unit, p.dtype), []).append((name, p))
-    return [(f"{unit} ({str(dtype).replace('torch.', '')})", members) for (unit, dtype), members in groups.items()]
+def _gradient_groups(model: nn.Module) -> list:
+    """The trainable core parameter groups, labelled ``"<unit> (<dtype>)"``, with parameter names."""
+    names = {id(p): n for n, p in model.named_parameters()}  # a tied weight: its first name
+    out = []
+    for unit_name, module in model.named_modules():
+        if isinstance(module, FsdpModule):
+            for group in module.parameter_groups:
+                if group.requires_grad:
+                    label = f"{unit_name or '<root>'} ({str(group.sharded_params[0].dtype).replace('torch.', '')})"
+                    out.append((label, group, [names[id(p)] for p in group.sharded_params]))
+    return out
 
 
 def _slots(model: nn.Module) -> list:
