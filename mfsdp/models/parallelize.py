@@ -22,6 +22,7 @@ DP = "dp"
 DP_REPLICATE = "dp_replicate"
 DP_SHARD = "dp_shard"
 TWO_AXIS = ("hsdp", "hfsdp")
+PLACEMENT_NAMES = ("zero3", "zero2", "zero1", "ddp", *TWO_AXIS)
 
 
 @dataclass(frozen=True)
@@ -36,8 +37,7 @@ class ParallelizeConfig:
     """Recompute each block's activations in backward instead of storing them."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.placements, str) and self.placements not in (
-                "zero3", "zero2", "zero1", "ddp", *TWO_AXIS):
+        if isinstance(self.placements, str) and self.placements not in PLACEMENT_NAMES:
             raise ValueError(f"unknown placements {self.placements!r}; use zero3, zero2, "
                              "zero1, ddp, hsdp or hfsdp, or pass a mfsdp.Placements")
 

@@ -68,9 +68,8 @@ def find_latest(root: str | os.PathLike) -> Path | None:
         named = root / marker.read_text().strip()
         if named.name.startswith(_PREFIX) and _is_complete(named):
             return named
-    candidates = [p for p in root.glob(_PREFIX + "*")
-                  if p.name[len(_PREFIX):].isdigit() and _is_complete(p)]
-    return max(candidates, key=_step_of, default=None)
+    complete = _complete_checkpoints(root)
+    return complete[-1] if complete else None
 
 
 def read_meta(path: Path) -> dict:
@@ -130,13 +129,17 @@ def _publish(temp: Path, final: Path) -> None:
     os.replace(marker_temp, marker)
 
 
+def _complete_checkpoints(root: Path) -> list[Path]:
+    """The complete ``step_N`` directories under ``root``, oldest first."""
+    return sorted((p for p in root.glob(_PREFIX + "*") if p.name[len(_PREFIX):].isdigit() and _is_complete(p)),
+                  key=_step_of)
+
+
 def _prune(root: Path, keep: int) -> None:
     """Delete all but the ``keep`` newest complete checkpoints (0 keeps everything)."""
     if keep <= 0:
         return
-    complete = sorted((p for p in root.glob(_PREFIX + "*")
-                       if p.name[len(_PREFIX):].isdigit() and _is_complete(p)), key=_step_of)
-    for old in complete[:-keep]:
+    for old in _complete_checkpoints(root)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
 
 

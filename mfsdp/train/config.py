@@ -15,8 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mfsdp.models.llama import LlamaConfig, get_config
-
-PLACEMENTS = ("zero3", "zero2", "zero1", "ddp", "hsdp", "hfsdp")
+from mfsdp.models.parallelize import PLACEMENT_NAMES as PLACEMENTS, TWO_AXIS
 DTYPES = ("auto", "fp32", "bf16")
 
 
@@ -173,7 +172,7 @@ class ParallelSection:
                  f"parallel.placements must be one of {', '.join(PLACEMENTS)}, "
                  f"got {self.placements!r}")
         _require(self.replicate > 0, "parallel.replicate must be positive")
-        _require(self.replicate == 1 or self.placements in ("hsdp", "hfsdp"),
+        _require(self.replicate == 1 or self.placements in TWO_AXIS,
                  f"parallel.replicate={self.replicate} needs --parallel.placements hsdp or "
                  "hfsdp")
         for name in ("compute_dtype", "main_grads_dtype", "grad_comm_dtype"):

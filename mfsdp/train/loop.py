@@ -12,7 +12,6 @@ import math
 import os
 import signal
 import sys
-import warnings
 from contextlib import nullcontext
 from datetime import timedelta
 from pathlib import Path
@@ -47,10 +46,6 @@ def main(argv: list[str] | None = None) -> int:
         print(usage())
         return 0
     rank = int(os.environ.get("RANK", "0"))
-    # torch 2.13 deprecates the all-gather name that the 2.11 GPUs still need; the warning
-    # says nothing the user can act on, and it would bury the progress output.
-    warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.*deprecated",
-                            category=FutureWarning)
     try:
         cfg = load_config(argv)
         device = _pick_device(cfg.train.device)
@@ -176,15 +171,15 @@ class Trainer:
         p = self.cfg.parallel
         compute = _DTYPES.get(p.compute_dtype) or (
             torch.bfloat16 if self.device.type == "cuda" else torch.float32)
+        if self.cfg.model.hf is not None:  # a Hugging Face model, through mfsdp.manager
+            model = _build_hf(self.cfg, self.device, compute, self.world)
+            return model, mfsdp.fully_shard_optimizer(model, _adamw(model, self.cfg.train))
         policy = mfsdp.MixedPrecisionPolicy(
             main_params_dtype=torch.float32,
             main_grads_dtype=_DTYPES.get(p.main_grads_dtype),
             grad_comm_dtype=_DTYPES.get(p.grad_comm_dtype))
         # Built on the meta device, so no memory or time goes into a first random init
         # that init_weights would overwrite anyway. Every rank draws the same weights.
-        if self.cfg.model.hf is not None:  # a Hugging Face model, through mfsdp.manager
-            from mfsdp.manager.hf_checkpoint import build_hf_for_training
-            return build_hf_for_training(self.cfg, self.device, compute, self.world)
         with torch.device("meta"):
             model = Llama(self.model_cfg, dtype=compute)
         model.to_empty(device=self.device)
@@ -194,16 +189,7 @@ class Trainer:
         parallelize(model, mesh, ParallelizeConfig(
             placements=p.placements, mixed_precision=policy,
             activation_checkpointing=p.activation_checkpointing))
-        t = self.cfg.train
-        # Norm scales (1-D) are not decayed: shrinking them towards zero only hurts.
-        decay = [q for q in model.parameters() if q.ndim >= 2]
-        no_decay = [q for q in model.parameters() if q.ndim < 2]
-        optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": t.weight_decay},
-             {"params": no_decay, "weight_decay": 0.0}],
-            lr=t.lr, betas=(t.beta1, t.beta2), foreach=True)
-        optimizer = mfsdp.fully_shard_optimizer(model, optimizer)
-        return model, optimizer
+        return model, mfsdp.fully_shard_optimizer(model, _adamw(model, self.cfg.train))
 
     def learning_rate(self, step: int) -> float:
         """Linear warm-up, then cosine decay to ``min_lr_ratio * lr`` at the last step."""
@@ -253,6 +239,8 @@ class Trainer:
         t, d = self.cfg.train, self.cfg.data
         tokens_per_step = self.world * d.microbatches * d.local_batch * d.seq_len
         flops_per_token = flops.flops_per_token(self.model_cfg, d.seq_len)
+        peak_flops = flops.peak_flops(self.device)
+        params = list(model.parameters())
         progress = _progress_bar(t.steps, start_step, enabled=self.rank == 0 and t.progress)
         timer = StepTimer(self.device)
         step = start_step
@@ -275,8 +263,10 @@ class Trainer:
                     loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
                     (loss / d.microbatches).backward()
                 loss_sum += loss.detach() / d.microbatches
-            grad_norm = torch.nn.utils.clip_grad_norm_(
-                model.parameters(), t.grad_clip if t.grad_clip > 0 else float("inf"))
+            if t.grad_clip > 0:
+                grad_norm = torch.nn.utils.clip_grad_norm_(params, t.grad_clip)
+            else:  # the norm is still logged; nothing is scaled
+                grad_norm = torch.nn.utils.get_total_norm([q.grad for q in params if q.grad is not None])
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             # One collective carries the loss for logging and every rank's stop request,
@@ -293,7 +283,7 @@ class Trainer:
                 "grad_norm": _as_float(grad_norm), "step_time_s": seconds,
                 "tokens_per_s": tokens_per_s, "tokens_per_s_per_gpu": per_gpu,
                 "tflops_per_gpu": per_gpu * flops_per_token / 1e12,
-                "mfu": flops.mfu(per_gpu, self.model_cfg, d.seq_len, self.device),
+                "mfu": per_gpu * flops_per_token / peak_flops if peak_flops else None,
                 "peak_mem_gib": peak_memory_gib(self.device),
             }
             metrics.write(record)
@@ -365,3 +355,42 @@ class _NoProgress:
     def update(self, n): pass
     def set_postfix_str(self, text, refresh=True): pass
     def close(self): pass
+
+
+def _adamw(model, t) -> torch.optim.AdamW:
+    """AdamW on the sharded parameters; 1-D ones (norm scales, biases) are not decayed: shrinking
+    them towards zero only hurts."""
+    decay = [q for q in model.parameters() if q.ndim >= 2]
+    no_decay = [q for q in model.parameters() if q.ndim < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}],
+                             lr=t.lr, betas=(t.beta1, t.beta2), foreach=True)
+
+
+_HF_STRATEGIES = {"zero3": 3, "zero2": 2, "zero1": 1, "ddp": 0, "hsdp": 3, "hfsdp": 3}
+
+
+def _build_hf(cfg, device: torch.device, compute_dtype: torch.dtype, world: int):
+    """``--model.hf DIR``: the Hugging Face model sharded by the manager.
+
+    Built on the meta device from ``DIR/config.json`` in the compute dtype, parallelized by the
+    manager (``--parallel.placements`` mapped to ``zero_dp_strategy``, hsdp/hfsdp to
+    ``dp_replicate_size``), then loaded slice by slice from ``DIR``'s safetensors if it has any,
+    else initialised shard-locally with ``--train.seed``.
+    """
+    from mfsdp.manager import MegatronFSDPConfig, MegatronFSDPManager, build_device_mesh
+    from mfsdp.manager.hf_checkpoint import has_weights, meta_model_from_config
+
+    p, path = cfg.parallel, cfg.model.hf
+    config = MegatronFSDPConfig(
+        zero_dp_strategy=_HF_STRATEGIES[p.placements],
+        outer_dp_sharding_strategy=1 if p.placements == "hfsdp" else 0,
+        grad_reduce_in_fp32=p.main_grads_dtype != "bf16",
+        activation_checkpointing=p.activation_checkpointing,
+        init_fsdp_with_meta_device=True)
+    mesh = build_device_mesh(device.type, dp_replicate_size=p.replicate, world_size=world)
+    model = meta_model_from_config(path, dtype=compute_dtype)
+    model.config.use_cache = False
+    model, _ = MegatronFSDPManager(config, mesh).parallelize(
+        model, hf_path=path if has_weights(path) else None, init_seed=cfg.train.seed)
+    return model

@@ -21,7 +21,6 @@ class MetricsLog:
 
     def __init__(self, path: Path, enabled: bool, keep_until_step: int = 0):
         self.path = Path(path)
-        self.enabled = enabled
         self._file = None
         if not enabled:
             return
