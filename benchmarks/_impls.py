@@ -122,8 +122,6 @@ def build_fsdp2(ctx: Ctx) -> Built:
 def build_mfsdp(ctx: Ctx, double_buffer: bool = False, use_symm_mem: bool = False) -> Built:
     import mfsdp
 
-    if not hasattr(mfsdp, "fully_shard"):
-        raise Skip("mfsdp.fully_shard not available in this checkout yet")
     placements = mfsdp.Placements.zero3("dp")
     policy = mfsdp.MixedPrecisionPolicy(main_params_dtype=torch.float32,
                                         main_grads_dtype=ctx.grad_reduce_dtype)
@@ -137,9 +135,7 @@ def build_mfsdp(ctx: Ctx, double_buffer: bool = False, use_symm_mem: bool = Fals
     for unit in sharding_units(model):  # embedding, blocks, head: mfsdp's recommended wrapping
         mfsdp.fully_shard(unit, mesh, **options)
     mfsdp.fully_shard(model, mesh, **options)
-    optimizer = make_adamw(model.parameters(), ctx)
-    # fully_shard_optimizer may wrap or patch in place; accept either.
-    optimizer = mfsdp.fully_shard_optimizer(model, optimizer) or optimizer
+    optimizer = mfsdp.fully_shard_optimizer(model, make_adamw(model.parameters(), ctx))
     return Built(model, optimizer, dtype_name(ctx.grad_reduce_dtype),
                  "mfsdp.fully_shard(embedding, each block, head) + root, Placements.zero3('dp'); "
                  f"{dtype_name(ctx.compute_dtype)} model, fp32 main params, "

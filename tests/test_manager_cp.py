@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from test_manager_models import full, max_rel_error
+from models import full_params as full, max_rel_error
+from test_manager_models import make_hf
 from mfsdp.manager import MegatronFSDPConfig, MegatronFSDPManager, build_device_mesh
 from mfsdp.manager.context_parallel import shard_sequence, shift_labels
 
@@ -131,7 +132,6 @@ def test_shard_sequence_single_process():
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_causal_sdpa_matches_hf_sdpa(family):
     """What context parallel runs (causal SDPA, no mask tensor) equals HF's own SDPA path."""
-    from test_manager_models import make_hf
 
     from mfsdp.manager import use_causal_sdpa
 
@@ -158,7 +158,6 @@ def test_manager_switches_attention_for_cp(world):
 
 
 def _cp_attention_name(rank, ws):
-    from test_manager_models import make_hf
 
     model, _ = MegatronFSDPManager(MegatronFSDPConfig(cp_size=2), build_device_mesh("cpu", cp_size=2)).parallelize(
         make_hf("llama", vocab=64))
@@ -168,7 +167,6 @@ def _cp_attention_name(rank, ws):
 # ------------------------------------------------------------------------------------- GPU
 def cp_attention_parity(rank, ws):
     """HF Llama with SDPA under torch's context_parallel at dp x cp, vs the unsharded model."""
-    from test_manager_models import make_hf
 
     from mfsdp.manager.context_parallel import attention_context
 

@@ -8,7 +8,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from test_manager_models import batch, full, make_hf, max_rel_error, optimizer_groups
+from models import full_params as full, max_rel_error
+from test_manager_models import batch, make_hf, optimizer_groups
 from mfsdp.manager import (MegatronFSDPConfig, MegatronFSDPManager, NonFiniteGradientError, build_device_mesh,
                            fully_shard_optimizer, maybe_shard_optimizer, restore_distributed_param_attrs,
                            snapshot_distributed_param_attrs)

@@ -8,7 +8,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from test_manager_models import batch, full, make_hf, max_rel_error
+from models import full_params as full, max_rel_error
+from test_manager_models import batch, make_hf
 from mfsdp.manager import MegatronFSDPConfig, MegatronFSDPManager, build_device_mesh, fully_shard_optimizer
 from mfsdp.manager.hf_checkpoint import (init_weights_shard_local, load_hf_weights, local_indices,
                                          meta_model_from_config, save_hf_checkpoint)

@@ -39,11 +39,3 @@ def optimizer_groups(model, lr=1e-2):
                                                                        "lr": lr * 0.5}], lr=lr)
 
 
-def full(model) -> dict:
-    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float().clone()
-            for n, p in model.named_parameters()}
-
-
-def max_rel_error(a: dict, b: dict) -> float:
-    assert a.keys() == b.keys(), (sorted(a), sorted(b))
-    return max(float((a[k] - b[k]).abs().max() / b[k].abs().max().clamp_min(1e-6)) for k in a)
