@@ -103,10 +103,11 @@ class MegatronFSDPConfig:
     check_for_nan_in_grad: bool = True
     """Default True. After gradients are reduced (``model.finish_grad_sync()``, called for you before
     a bound optimizer steps), raise :class:`NonFiniteGradientError` on every rank, naming the
-    optimizer step and the parameter group(s), if any gradient holds NaN or Inf. Cost: one reduction
-    per parameter and one small all-reduce per step. This is the manager's own check, not the
-    core's ``CommunicationPolicy.check_finite_gradients``: that one runs per backward (per
-    microbatch) and cannot name parameters, which ``report_nan_in_param_grad`` needs."""
+    optimizer step and the parameter group(s), if any gradient holds NaN or Inf. Cost: one fused
+    check per parameter group (the core's flag over its reduced gradients), one small all-reduce and
+    one host sync per step; the parameters are checked one by one only after a hit. It runs once
+    per optimizer step, where the core's ``CommunicationPolicy.check_finite_gradients`` runs per
+    backward (per microbatch) and cannot name parameters, which ``report_nan_in_param_grad`` needs."""
 
     report_nan_in_param_grad: bool = False
     """Default False. Like ``check_for_nan_in_grad`` (and enabled even when that is off), but the
