@@ -161,6 +161,23 @@ def collective_counts(rank, ws, kind, mb):
     return counts
 
 
+def cast_gather(rank, ws, coalesce):
+    """fp32 shards gathered into bf16 outputs: cast into this rank's block, then gathered in place."""
+    import torch.distributed as dist
+    sizes = [3, 5, 1]
+    inputs = [torch.randn(n, generator=torch.Generator().manual_seed(10 * rank + i)) for i, n in enumerate(sizes)]
+    outputs = [torch.full((ws * n,), float("nan"), dtype=torch.bfloat16) for n in sizes]
+    collectives.all_gather(outputs, inputs, dist.group.WORLD, coalesce=coalesce)
+    expected = [torch.cat([torch.randn(n, generator=torch.Generator().manual_seed(10 * r + i))
+                           for r in range(ws)]).bfloat16() for i, n in enumerate(sizes)]
+    return all(torch.equal(o, e) for o, e in zip(outputs, expected))
+
+
+@pytest.mark.parametrize("coalesce", [True, False])
+def test_all_gather_casts_in_place(world, coalesce):
+    assert all(world(2).run(cast_gather, coalesce=coalesce))
+
+
 @pytest.mark.parametrize("kind,mb,expected", [
     # 4 modules (3 blocks + root). ZeRO-3: a gather per module per forward and per backward, less the
     # root's re-gather; one reduce-scatter per module per backward; + the next step's forward.

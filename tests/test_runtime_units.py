@@ -17,8 +17,9 @@ def test_pack_gradients_views_when_it_can_and_copies_when_it_must():
     assert regions[0].data_ptr() == even.data_ptr()  # zero-copy
     assert torch.equal(regions[1][:10], padded.view(-1)) and torch.equal(regions[1][10:], torch.zeros(2))
     assert torch.equal(regions[2], torch.zeros(2))  # a missing gradient reduces as zeros
-    # Kept alive: the gradient read in place and the staging buffer; the copied one may be freed.
-    assert [t.data_ptr() for t in keep] == [even.data_ptr(), regions[1].untyped_storage().data_ptr()]
+    # Kept alive: every gradient (the copy may run on another stream) and the staging buffer.
+    assert [t.data_ptr() for t in keep] == [
+        even.data_ptr(), padded.data_ptr(), regions[1].untyped_storage().data_ptr()]
     # Another dtype is always staged, cast in the copy.
     _, regions = pack_gradients([even.bfloat16(), padded, torch.ones(2)], layout.members, torch.float32, "cpu")
     assert regions[0].dtype == torch.float32 and torch.equal(regions[0], even.bfloat16().float().view(-1))

@@ -47,13 +47,24 @@ def all_gather(
     stream: Optional[torch.Stream] = None,
     coalesce: bool = True,
 ) -> None:
-    """Gather each ``inputs[i]`` from every rank of ``group`` into ``outputs[i]`` (rank-major)."""
+    """Gather each ``inputs[i]`` from every rank of ``group`` into ``outputs[i]`` (rank-major).
+
+    Inputs in another dtype than their outputs (fp32 main weights gathered as bf16) are cast
+    straight into this rank's block of each output in one fused launch, then gathered in place:
+    no temporary for the cast, so an unshard allocates only the gathered buffer.
+    """
     if not inputs:
         return
     with stream_context(stream):
-        if dist.get_world_size(group) == 1:
+        size = dist.get_world_size(group)
+        if size == 1:
             _compat.foreach_copy_(list(outputs), list(inputs))
             return
+        if inputs[0].dtype != outputs[0].dtype:
+            rank = dist.get_rank(group)
+            blocks = [out.narrow(0, rank * inp.numel(), inp.numel()) for out, inp in zip(outputs, inputs)]
+            _compat.foreach_copy_(blocks, list(inputs))
+            inputs = blocks
         with _coalesced(group, len(inputs), coalesce):
             for out, inp in zip(outputs, inputs):
                 _compat.all_gather_into_tensor(out, inp, group)

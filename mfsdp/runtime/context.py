@@ -8,7 +8,8 @@ compute stream never waits on a whole stream, only on the event of the module it
   has waited for the compute that used it. The caching allocator hands a freed block only to later
   work on the same stream, which is then ordered after that compute: no ``record_stream``, and
   memory is reused deterministically.
-* Gradients produced on the compute stream are reduced on the reduce-scatter stream. Their
+* Gradients produced on the compute stream are packed (cast to the reduction dtype, padded) and
+  reduced on the reduce-scatter stream, so the compute stream spends no time on the copy. Their
   tensors are kept alive, with the event of their reduction, until the next module's reduction
   starts; the compute stream waits on that event before dropping them, so the reduction of module
   ``i`` overlaps the backward of module ``i - 1`` and its inputs are never reused early. A module

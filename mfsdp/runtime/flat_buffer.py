@@ -141,16 +141,16 @@ def pack_gradients(grads, members, dtype: torch.dtype, device) -> tuple[list, li
 
     A gradient that is contiguous, unpadded and already in ``dtype`` is used as is (a view, no
     copy); the others are copied into one staging buffer in a single fused launch, and a missing
-    gradient (None) becomes zeros. Call it on the stream that produced the gradients. Returns
-    (tensors to keep alive until the reduction has read them, regions).
+    gradient (None) becomes zeros. Call it on the reduction's stream, after that stream waited
+    for the gradients' producer. Returns (tensors to keep alive until the reduction has read them,
+    regions): every gradient, since the producer's stream must not reuse one before its copy ran,
+    and the staging buffer.
     """
     staged = [i for i, (gr, m) in enumerate(zip(grads, members))
               if gr is None or m.is_padded or gr.dtype != dtype or not gr.is_contiguous()]
     copied = set(staged)
     regions: list = [None if i in copied else gr.view(-1) for i, gr in enumerate(grads)]
-    # Only gradients the reduction reads in place must outlive this call; a copied one may be freed
-    # now: its copy runs on this stream, which is the only one that can reuse its memory.
-    keep: list = [gr for i, gr in enumerate(grads) if gr is not None and i not in copied]
+    keep: list = [gr for gr in grads if gr is not None]
     if staged:
         sizes = [members[i].padded_rows * members[i].row_numel for i in staged]
         # Uninitialised: the copy fills the real rows; only padding and missing gradients are

@@ -190,10 +190,8 @@ class FsdpParameterGroup:
                     self._gather(self._model_regions, g.param_level, self._unsharded_regions, stream)
                 elif g.num_shards == 1:
                     self.unsharded.tensor.copy_(self.main.tensor)  # one rank: cast straight into place
-                else:
-                    cast = self.main.tensor.to(self.dtypes.compute)
-                    self._gather(self.layout.regions(cast, g.num_shards), g.param_level,
-                                 self._unsharded_regions, stream)
+                else:  # the first gather casts the main shard into its own block of the output
+                    self._gather(self._main_regions, g.param_level, self._unsharded_regions, stream)
         self.state = GroupState.UNSHARDED
 
     def reshard(self, stream: Optional[torch.Stream]) -> None:
@@ -216,18 +214,17 @@ class FsdpParameterGroup:
             if g.num_levels == g.param_level:
                 self.model.tensor.copy_(self.main.tensor)
             else:
-                cast = self.main.tensor.to(self.dtypes.compute)
-                regions = self.layout.regions(cast, g.num_shards)
-                self._gather(regions, g.num_levels, self._model_regions, stream, stop=g.param_level)
+                self._gather(self._main_regions, g.num_levels, self._model_regions, stream, stop=g.param_level)
 
     def _gather(self, regions, level, out_regions, stream, stop: int = 0) -> None:
-        """All-gather ``regions`` (at ``level``) up to level ``stop``, ending in ``out_regions``."""
+        """All-gather ``regions`` (at ``level``) up to level ``stop``, ending in ``out_regions``
+        (cast to their dtype by the first gather)."""
         g = self.geometry
         for j in range(level - 1, stop - 1, -1):
             if j == stop:
                 outs = out_regions
             else:
-                outs = self.layout.regions(torch.empty(self.layout.numel(g.ways(j)), dtype=regions[0].dtype,
+                outs = self.layout.regions(torch.empty(self.layout.numel(g.ways(j)), dtype=out_regions[0].dtype,
                                                        device=regions[0].device), g.ways(j))
             collectives.all_gather(outs, regions, g.groups[j], stream, self.policy.coalesce)
             regions = outs
@@ -307,20 +304,23 @@ class FsdpParameterGroup:
     def reduce_gradients(self, is_last: bool, stream: Optional[torch.Stream]) -> list[torch.Tensor]:
         """Reduce this backward's gradients; on the last microbatch, finish the deferred axes.
 
-        Copy-in (only for padded or dtype-changing members) runs on the current stream; the
-        collectives and accumulation run on ``stream``. Returns the tensors that must stay alive
-        until ``stream`` has finished with them.
+        Everything runs on ``stream``, the copy-in too (the bf16 -> fp32 cast of an fp32
+        reduction, and padded members): that copy reads and writes 6 bytes per parameter, and on
+        the compute stream it would delay the next module's backward by as much. The price is
+        that the autograd gradients live until the reduction is done instead of until the copy
+        is queued. Returns the tensors that must stay alive until ``stream`` has finished.
         """
         g = self.geometry
         if g.grad_level == 0 and not is_last:
             return []  # ZeRO-1 / DDP: autograd keeps accumulating full gradients in .grad
-        keep_alive = self._stage_inputs()
-        inputs = keep_alive[-1]
+        grads = [_local_grad(p) for p in self.params]  # a TP Partial -> Shard runs on compute
         for p in self.params:
             p.grad = None
         if stream is not None:
             stream.wait_stream(torch.accelerator.current_stream(stream.device))  # grads are ready
         with torch.no_grad(), stream_context(stream):
+            keep_alive = self._stage_inputs(grads)
+            inputs = keep_alive[-1]
             if g.grad_level == 0:
                 self._finish_deferred(inputs, stream)
             else:
@@ -329,10 +329,9 @@ class FsdpParameterGroup:
                     self._finish_deferred(None, stream)
         return keep_alive
 
-    def _stage_inputs(self) -> list:
+    def _stage_inputs(self, grads: list) -> list:
         """Level-0 gradient regions in the reduction dtype, plus the usage counts; returns what
-        must stay alive, the input list last."""
-        grads = [_local_grad(p) for p in self.params]
+        must stay alive (every gradient, read on this stream), the input list last."""
         keep, inputs = pack_gradients(grads, self.grad_layout.members[:-1], self.dtypes.comm,
                                       self._all_used.device)
         present = [i for i, gr in enumerate(grads) if gr is not None]
