@@ -83,3 +83,37 @@ def test_exposed_comm_from_kernel_intervals(tmp_path):
     assert summary["exposed_comm_ms"] == pytest.approx(0.08)   # 50 + 30 us
     assert summary["gpu_span_ms"] == pytest.approx(0.26)
     assert summary["gpu_idle_ms"] == pytest.approx(0.03)       # 170-200 us
+
+
+def test_trace_breakdown_on_a_synthetic_trace(tmp_path, capsys):
+    """The profile tool: categories per stream kind, differences against a baseline, idle gaps."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import trace_breakdown
+
+    def trace(name, kernels):  # (name, stream, start us, duration us)
+        path = tmp_path / name
+        path.write_text(json.dumps({"traceEvents": [
+            {"ph": "X", "cat": "kernel", "name": n, "ts": s, "dur": d, "args": {"stream": st}}
+            for n, st, s, d in kernels]}))
+        return str(path)
+
+    base = trace("none.json", [("nvjet_sm90_gemm", 7, 0, 1000), ("multi_tensor_apply_kernel", 7, 1000, 500)])
+    other = trace("mfsdp.json", [
+        ("nvjet_sm90_gemm", 7, 0, 1200), ("ncclDevKernel_AllGather", 21, 100, 300),
+        ("multi_tensor_apply_kernel", 21, 400, 200),  # a copy on the communication stream
+        ("multi_tensor_apply_kernel", 7, 1500, 500)])  # after 300 us with nothing running
+    times = trace_breakdown.kernel_times(other)
+    assert times["compute"]["gemm"] == pytest.approx(1.2)
+    assert times["comm"]["foreach/optimizer"] == pytest.approx(0.2) and times["comm"]["nccl"] == pytest.approx(0.3)
+    trace_breakdown.report_kernels([base, other])
+    assert "+0.20  nvjet_sm90_gemm" in capsys.readouterr().out
+    trace_breakdown.report_idle([other])
+    assert "idle gaps >0.05 ms: 1, 0.30 ms" in capsys.readouterr().out
+
+
+def test_host_overhead_script_runs():
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+           str(ROOT / "benchmarks" / "host_overhead.py"), "--layers", "2", "--steps", "2"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert [line.split(":")[0] for line in done.stdout.splitlines() if "ms/step" in line] == ["mfsdp", "fsdp2"]

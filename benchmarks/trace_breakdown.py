@@ -1,0 +1,102 @@
+"""Where a step's GPU time goes, from the chrome traces that ``throughput.py --trace-dir`` keeps.
+
+    python3 benchmarks/trace_breakdown.py kernels BASELINE.json OTHER.json ...
+    python3 benchmarks/trace_breakdown.py idle TRACE.json ...
+
+``kernels``: per trace, kernel milliseconds by category on the compute streams and, for kernels
+that are not NCCL's, on the communication streams (any stream that runs an NCCL kernel); then,
+per trace, the kernels whose compute-stream time differs most from the first trace's. Run with
+the ``none`` (single-GPU ceiling) trace first, the same GEMMs slower under FSDP are the cost of
+communication kernels sharing the SMs and memory bandwidth.
+
+``idle``: gaps over 50 us in which no kernel runs on any stream, largest first, with the kernels
+on either side. Such gaps mean the GPU waited for the host (launch-bound Python) or for a peer.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import re
+import sys
+
+
+def _events(path: str) -> list[dict]:
+    with open(path) as f:
+        events = [e for e in json.load(f)["traceEvents"]
+                  if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    for e in events:
+        e["stream"] = (e.get("args") or {}).get("stream", e.get("tid"))
+        e["start"] = float(e["ts"])
+        e["end"] = e["start"] + float(e.get("dur", 0))
+    return sorted(events, key=lambda e: e["start"])
+
+
+def category(name: str) -> str:
+    n = name.lower()
+    if "nccl" in n:
+        return "nccl"
+    if any(k in n for k in ("flash", "fmha", "attention", "attn")):
+        return "attention"
+    if any(k in n for k in ("gemm", "cutlass", "xmma", "nvjet", "cublas", "sm90_", "sm100_")):
+        return "gemm"
+    if "multi_tensor" in n or "adam" in n or "foreach" in n:
+        return "foreach/optimizer"
+    if "memcpy" in n or "memset" in n:
+        return "memcpy/memset"
+    if "copy" in n or "cat" in n.split("::")[-1][:4]:
+        return "copy"
+    if "reduce" in n or "norm" in n:
+        return "reduce/norm"
+    return "elementwise/other"
+
+
+def kernel_times(path: str) -> dict:
+    events = _events(path)
+    comm = {e["stream"] for e in events if "nccl" in e["name"].lower()}
+    out: dict = collections.defaultdict(collections.Counter)
+    for e in events:
+        where = "comm" if e["stream"] in comm else "compute"
+        ms = (e["end"] - e["start"]) / 1e3
+        out[where][category(e["name"])] += ms
+        out[where + "_names"][re.sub(r"\s+", " ", e["name"])[:90]] += ms
+    return out
+
+
+def report_kernels(paths: list[str]) -> None:
+    traces = [(p, kernel_times(p)) for p in paths]
+    for path, t in traces:
+        print(f"== {path.split('/')[-1]}: compute-stream ms by category (sum {sum(t['compute'].values()):.1f}); "
+              "comm-stream non-NCCL ms")
+        for name, ms in sorted(t["compute"].items(), key=lambda kv: -kv[1]):
+            print(f"   {name:20s} {ms:8.2f}   comm-stream: {t['comm'].get(name, 0):7.2f}")
+    base_path, base = traces[0]
+    for path, t in traces[1:]:
+        print(f"== {path.split('/')[-1]} minus {base_path.split('/')[-1]}: compute-stream kernels, "
+              "largest differences (ms)")
+        names = set(t["compute_names"]) | set(base["compute_names"])
+        diffs = sorted(((t["compute_names"].get(n, 0) - base["compute_names"].get(n, 0), n) for n in names),
+                       key=lambda d: -abs(d[0]))
+        for ms, name in diffs[:18]:
+            print(f"   {ms:+8.2f}  {name}")
+
+
+def report_idle(paths: list[str], min_us: float = 50.0) -> None:
+    for path in paths:
+        events = _events(path)
+        t0, end, prev, gaps = events[0]["start"], None, None, []
+        for e in events:
+            if end is not None and e["start"] - end > min_us:
+                gaps.append(((end - t0) / 1e3, (e["start"] - end) / 1e3, prev[:60], e["name"][:60]))
+            if end is None or e["end"] > end:
+                end, prev = e["end"], e["name"]
+        print(f"== {path.split('/')[-1]}: span {(end - t0) / 1e3:.1f} ms, idle gaps >{min_us / 1e3:.2f} ms: "
+              f"{len(gaps)}, {sum(g[1] for g in gaps):.2f} ms")
+        for at, ms, before, after in sorted(gaps, key=lambda g: -g[1])[:25]:
+            print(f"  t={at:8.2f} idle={ms:6.2f} after={before} | before={after}")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 3 or sys.argv[1] not in ("kernels", "idle"):
+        sys.exit(__doc__)
+    (report_kernels if sys.argv[1] == "kernels" else report_idle)(sys.argv[2:])
