@@ -48,8 +48,8 @@ def test_cuda_communication_options(cuda_world, comm):
 
 
 def overlap_fraction(rank, ws):
-    """Fraction of side-stream (gather and reduction) kernel time that runs while the compute
-    stream runs a kernel, over one profiled ZeRO-3 step of a bf16 model."""
+    """Fractions of side-stream kernel time (all of it, the all-gathers', the reduce-scatters')
+    that run while the compute stream runs a kernel, over one profiled ZeRO-3 step of a bf16 model."""
     import json
     import os
     import tempfile
@@ -63,10 +63,13 @@ def overlap_fraction(rank, ws):
     net = Net(vocab=4096, dim=2048, hidden=8192, n_blocks=6).cuda().to(torch.bfloat16)
     shard_net(net, make_mesh("zero3", ws, "cuda"), make_placements("zero3"),
               policy=mfsdp.MixedPrecisionPolicy(main_grads_dtype=torch.float32))
-    x = torch.randint(0, 4096, (8, 1024), device="cuda")
+    # 32k tokens: about 5 ms of forward per block, so the GPU, not the host's hooks, sets the pace
+    # (with short kernels the compute stream idles between launches and nothing can hide).
+    x = torch.randint(0, 4096, (16, 2048), device="cuda")
     for _ in range(2):
         net(x).float().pow(2).mean().backward()
     torch.cuda.synchronize()
+    torch.distributed.barrier()  # a rank that starts late would show as the other's gathers waiting
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         net(x).float().pow(2).mean().backward()
         torch.cuda.synchronize()
@@ -86,21 +89,25 @@ def overlap_fraction(rank, ws):
         return covered / total if total else None
 
     side = [iv for ivs in by_stream.values() for iv in ivs]
+    gathers = [iv for iv in side if "AllGather" in names[iv]]
+    reductions = [iv for iv in side if "ReduceScatter" in names[iv]]
     return {"side": hidden(side), "streams": len(by_stream),
-            "all_gather": hidden([iv for iv in side if "AllGather" in names[iv]]),
-            "reduce_scatter": hidden([iv for iv in side if "ReduceScatter" in names[iv]])}
+            "all_gather": hidden(gathers), "reduce_scatter": hidden(reductions),
+            "kernels": (len(gathers), len(reductions))}
 
 
 @requires_cuda
 def test_communication_overlaps_compute(cuda_world):
     """Gathers overlap the forward and backward compute of the module before them, reductions the
-    backward of the module after them: most of each collective's kernel time runs beside compute.
-    (One rank has no NCCL kernels, only side-stream copies; then the side streams are checked.)"""
+    backward of the module after them. (With one rank there are no NCCL kernels, only side-stream
+    copies; then only the side streams are checked.)"""
     out = cuda_world.run(overlap_fraction)[0]
     print("hidden fractions:", out)
     assert out["streams"] >= 1
     assert out["side"] > 0.5, out
     if cuda_world.world_size > 1:
+        # Measured on 2 H200s: gathers 0.77-0.82 hidden (the step's first ones have no compute to
+        # hide behind), reductions 0.94-0.95 (all but the root's last one).
         assert out["all_gather"] > 0.5 and out["reduce_scatter"] > 0.5, out
 
 
