@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -24,8 +26,11 @@ def train_parity(rank, ws, kind="zero3", opt="adamw", steps=3, tied=False, mb=1,
     ref = reference_copy(model)
     shard_net(model, make_mesh(kind, ws, device), make_placements(kind),
               comm=mfsdp.CommunicationPolicy(**comm) if comm else None)
-    if delay:
-        _inject_delays()
+    with _injected_delays(delay):
+        return _train_and_compare(rank, ws, model, ref, opt, steps, mb, bind, device)
+
+
+def _train_and_compare(rank, ws, model, ref, opt, steps, mb, bind, device):
     optim = make_optimizer(opt, [p for p in model.parameters() if p.requires_grad])
     if bind:
         mfsdp.fully_shard_optimizer(model, optim)
@@ -53,14 +58,16 @@ def train_parity(rank, ws, kind="zero3", opt="adamw", steps=3, tied=False, mb=1,
     return errors, losses
 
 
-def _inject_delays():
+@contextlib.contextmanager
+def _injected_delays(enabled: bool = True):
     """Stall every collective's stream and the compute before reading: a missing wait shows up as
-    wrong numbers instead of passing by luck (GPU only)."""
+    wrong numbers instead of passing by luck (GPU only). Restored on exit: the worker process
+    serves later cases, which must not inherit (or stack) the stalls."""
     from mfsdp.runtime import collectives
 
-    for name in ("all_gather", "reduce_scatter", "all_reduce"):
-        original = getattr(collectives, name)
-
+    names = ("all_gather", "reduce_scatter", "all_reduce") if enabled else ()
+    originals = {name: getattr(collectives, name) for name in names}
+    for name, original in originals.items():
         def delayed(*args, _original=original, **kwargs):
             stream = kwargs.get("stream") or (args[-1] if args and isinstance(args[-1], torch.cuda.Stream) else None)
             with collectives.stream_context(stream):
@@ -68,6 +75,11 @@ def _inject_delays():
             return _original(*args, **kwargs)
 
         setattr(collectives, name, delayed)
+    try:
+        yield
+    finally:
+        for name, original in originals.items():
+            setattr(collectives, name, original)
 
 
 def _check(results):
