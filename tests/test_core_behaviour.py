@@ -178,6 +178,24 @@ def test_all_gather_casts_in_place(world, coalesce):
     assert all(world(2).run(cast_gather, coalesce=coalesce))
 
 
+def scatter_blocks(rank, ws):
+    """reduce_scatter averages each input over the ranks and keeps this rank's block (on gloo, via
+    one all-reduce of the inputs laid end to end)."""
+    import torch.distributed as dist
+    sizes = [3, 5, 1]
+    make = lambda r: [torch.randn(ws * n, generator=torch.Generator().manual_seed(10 * r + i))  # noqa: E731
+                      for i, n in enumerate(sizes)]
+    outputs = [torch.full((n,), float("nan")) for n in sizes]
+    collectives.reduce_scatter(outputs, make(rank), dist.group.WORLD)
+    mean = [sum(ins) / ws for ins in zip(*[make(r) for r in range(ws)])]
+    expected = [m[rank * n:(rank + 1) * n] for m, n in zip(mean, sizes)]
+    return max(float((o - e).abs().max()) for o, e in zip(outputs, expected))
+
+
+def test_reduce_scatter_keeps_the_average_of_its_block(world):
+    assert max(world(2).run(scatter_blocks)) < 1e-6
+
+
 @pytest.mark.parametrize("kind,mb,expected", [
     # 4 modules (3 blocks + root). ZeRO-3: a gather per module per forward and per backward, less the
     # root's re-gather; one reduce-scatter per module per backward; + the next step's forward.
