@@ -105,6 +105,30 @@ def test_parity_world4(world, kind):
     _check(world(4).run(train_parity, kind=kind, opt="adamw", ckpt="nonreentrant"))
 
 
+def bf16_wire_gradients(rank, ws, kind):
+    """fp32 gradients reduced in bf16 on the wire, over two microbatches: every reduction path
+    (DDP's, the deferred all-reduce on the main gradient, HFSDP's accumulator) casts to bf16 and
+    back, and still lands on the fp32 full-batch gradient to bf16 precision."""
+    torch.manual_seed(0)
+    model = Net(**(dict(vocab=16, dim=8, hidden=12) if kind == "hfsdp" else {}))
+    ref = reference_copy(model)
+    policy = mfsdp.MixedPrecisionPolicy(main_params_dtype=torch.float32, main_grads_dtype=torch.float32,
+                                        grad_comm_dtype=torch.bfloat16)
+    shard_net(model, make_mesh(kind, ws), make_placements(kind), policy)
+    x, y = global_batch(0, 16, 5, model.embed.num_embeddings)  # equal microbatches on 2 and 4 ranks
+    loss_fn(ref(x), y).backward()
+    for i, (mx, my) in enumerate(zip(x.chunk(ws)[rank].chunk(2), y.chunk(ws)[rank].chunk(2))):
+        with mfsdp.microbatch(model, is_last=i == 1):
+            (loss_fn(model(mx), my) / 2).backward()
+    got = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+    return max_rel_error(got, {n: p.grad for n, p in ref.named_parameters()})
+
+
+@pytest.mark.parametrize("kind,ws", [("ddp", 2), ("zero1", 2), ("hsdp_deferred", 4), ("hfsdp", 4)])
+def test_gradients_reduced_in_bf16(world, kind, ws):
+    assert max(world(ws).run(bf16_wire_gradients, kind=kind)) < 2e-2
+
+
 @pytest.mark.parametrize("kind", ["zero3", "zero1"])
 def test_parity_world1(world, kind):
     _check(world(1).run(train_parity, kind=kind, opt="adamw", mb=3, tied=True, ckpt="reentrant"))

@@ -82,8 +82,8 @@ class FsdpParameterGroup:
         # Compute weights at rest. Three cases, cheapest memory first:
         # * main dtype == compute dtype at the same level: the main weights *are* the compute weights;
         # * sharded like the main weights but in another dtype (ZeRO-3 / HSDP with fp32 masters): no
-        #   persistent copy; each unshard casts the main shard into the gather input (one kernel of
-        #   1/N of the bytes), which saves 2 bytes per parameter per rank at rest;
+        #   persistent copy; each unshard casts the main shard into its block of the gather output
+        #   (one kernel of 1/N of the bytes), which saves 2 bytes per parameter per rank at rest;
         # * replicated (ZeRO-1/2, DDP) or sharded over fewer axes (HFSDP): a persistent copy, refreshed
         #   once per optimizer step, so the per-step gathers stay off the slow axes.
         level_ways = g.ways(g.param_level)
@@ -395,22 +395,18 @@ class FsdpParameterGroup:
         start = g.grad_level
         if inputs is None:
             if self._accum is not None:  # HFSDP: from the accumulated gradient shard
-                inputs = self.grad_layout.regions(self._accum.tensor, g.ways(start))
+                inputs = self.grad_layout.regions(self._in_comm_dtype(self._accum.tensor), g.ways(start))
                 self._accum_empty = True
             else:  # the deferred axis is all-reduced in place on the main gradient
-                regions = self._main_grad_regions()
-                if regions[0].dtype == self.dtypes.comm:
-                    for group in g.deferred_all_reduce_groups:
-                        collectives.all_reduce(regions, group, coalesce=self.policy.coalesce)
-                else:
-                    tmp = [r.to(self.dtypes.comm) for r in regions]
-                    for group in g.deferred_all_reduce_groups:
-                        collectives.all_reduce(tmp, group, coalesce=self.policy.coalesce)
-                    _compat.foreach_copy_(regions, tmp)
+                self._main_grad_regions()
+                flat = self._in_comm_dtype(self.main_grad.tensor)
+                regions = self.grad_layout.regions(flat, g.num_shards)
+                for group in g.deferred_all_reduce_groups:
+                    collectives.all_reduce(regions, group, coalesce=self.policy.coalesce)
+                if flat is not self.main_grad.tensor:
+                    self.main_grad.tensor.copy_(flat)
                 self._expose_gradients()
                 return
-        if inputs[0].dtype != self.dtypes.comm:
-            inputs = [r.to(self.dtypes.comm) for r in inputs]
         target, overwrite = self._claim_main_grad()
 
         divide = start == 0  # raw gradients: not divided by a per-microbatch reduction yet
@@ -425,6 +421,10 @@ class FsdpParameterGroup:
 
         self._accumulate(target, overwrite, compute)
         self._expose_gradients()
+
+    def _in_comm_dtype(self, flat: torch.Tensor) -> torch.Tensor:
+        """``flat`` itself, or one cast of it to the reduction dtype (one kernel, not one per member)."""
+        return flat if flat.dtype == self.dtypes.comm else flat.to(self.dtypes.comm)
 
     def _divide(self, regions: list[torch.Tensor]) -> None:
         factor = self.policy.gradient_divide_factor
