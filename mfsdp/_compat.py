@@ -96,6 +96,13 @@ def strided_shard(dim: int, split_factor: int):
     return _StridedShard(dim, split_factor=split_factor)
 
 
+def is_strided_shard(placement) -> bool:
+    """Whether ``placement`` is torch's ``_StridedShard`` (not a ``Shard`` subclass in every version)."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return isinstance(placement, _StridedShard)
+
+
 def flatten_mesh(mesh, name=None):
     """``mesh`` viewed as 1-D, ranks in row-major order (cached by torch; ``name`` names the dim,
     which then can be sliced from the root mesh, e.g. ``root["dp_shard_cp", "tp"]``)."""

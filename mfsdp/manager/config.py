@@ -215,10 +215,6 @@ class MegatronFSDPConfig:
             )
 
     @property
-    def zero_dp_strategy_name(self) -> str:
-        return {v: k for k, v in ZERO_DP_STRATEGY_NAMES.items()}[self.zero_dp_strategy]
-
-    @property
     def checks_gradients(self) -> bool:
         """Whether ``finish_grad_sync`` looks for non-finite gradients."""
         return self.check_for_nan_in_grad or self.report_nan_in_param_grad

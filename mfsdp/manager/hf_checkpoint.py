@@ -30,6 +30,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from mfsdp import _compat
+from mfsdp.runtime.parameter_group import local_tensor
+
 logger = logging.getLogger("mfsdp.manager")
 
 SAFE_WEIGHTS = "model.safetensors"
@@ -45,8 +48,7 @@ class CheckpointKeyError(KeyError):
 
 # ------------------------------------------------------------------------------ ownership
 def _is_shard(placement) -> bool:
-    # _StridedShard (torch's name; not a Shard subclass in every version) also splits a dim.
-    return hasattr(placement, "dim") and (placement.is_shard() or type(placement).__name__ == "_StridedShard")
+    return hasattr(placement, "dim") and (placement.is_shard() or _compat.is_strided_shard(placement))
 
 
 def local_indices(param: torch.Tensor) -> Optional[list[torch.Tensor]]:
@@ -67,8 +69,8 @@ def local_indices(param: torch.Tensor) -> Optional[list[torch.Tensor]]:
     mesh, placements = param.device_mesh, param.placements
     coord = mesh.get_coordinate()
     shards = [(a, pl) for a, pl in enumerate(placements) if _is_shard(pl)]
-    strided = [(a, pl) for a, pl in shards if type(pl).__name__ == "_StridedShard"]
-    plain = [(a, pl) for a, pl in shards if type(pl).__name__ != "_StridedShard"]
+    strided = [(a, pl) for a, pl in shards if _compat.is_strided_shard(pl)]
+    plain = [(a, pl) for a, pl in shards if not _compat.is_strided_shard(pl)]
     for axis, pl in plain + strided:
         pieces = full[pl.dim].chunk(mesh.size(axis))
         full[pl.dim] = pieces[coord[axis]] if coord[axis] < len(pieces) else full[pl.dim][:0]
@@ -77,10 +79,6 @@ def local_indices(param: torch.Tensor) -> Optional[list[torch.Tensor]]:
             f"cannot map the local shard of a parameter of shape {shape} with placements {placements} to global "
             f"indices (computed {tuple(len(i) for i in full)}, local shape {local_shape})")
     return full
-
-
-def _local(param: torch.Tensor) -> torch.Tensor:
-    return param.to_local() if isinstance(param, DTensor) else param
 
 
 def _span(idx: torch.Tensor) -> tuple[int, int, Optional[torch.Tensor]]:
@@ -185,7 +183,7 @@ def load_hf_weights(model: nn.Module, path: str, *, strict: bool = True) -> list
             indices = local_indices(tensor)
             if indices is None:
                 continue
-            dst = _local(tensor)
+            dst = local_tensor(tensor)
             if dst.is_meta:
                 raise RuntimeError(f"{name} is still on the meta device; shard the model (fully_shard or the "
                                    "manager) or materialize its buffers before loading")
@@ -273,7 +271,7 @@ def save_hf_checkpoint(model: nn.Module, path: str, *, dtype: Optional[torch.dty
 def _target_device(model: nn.Module) -> torch.device:
     for p in model.parameters():
         if not p.is_meta:
-            return _local(p).device
+            return local_tensor(p).device
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
@@ -329,7 +327,7 @@ def init_weights_shard_local(model: nn.Module, *, seed: int = 0, std: Optional[f
     if std is None:
         std = float(getattr(getattr(model, "config", None), "initializer_range", None) or 0.02)
     for name, p in model.named_parameters():  # each tied weight once, under its first name
-        dst = _local(p)
+        dst = local_tensor(p)
         if p.ndim < 2:
             dst.fill_(1.0 if "norm" in name.lower() else 0.0)
             continue

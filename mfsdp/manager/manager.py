@@ -38,6 +38,8 @@ from mfsdp.manager.core_options import (_checkpoint_forward, communication_polic
                                         precision_policy, resolve_unit_modules)
 from mfsdp.manager.mesh import check_config_against_mesh, mesh_sizes
 from mfsdp.manager.tp_plans import apply_tp_plan, select_tp_plan, validate_tp
+from mfsdp.runtime import collectives
+from mfsdp.runtime.parameter_group import local_tensor
 
 logger = logging.getLogger("mfsdp.manager")
 
@@ -53,6 +55,12 @@ class _ManagerState:
         self.compute_dtype = compute_dtype
         self.groups = groups  # [(label, core parameter group, [parameter names])], trainable groups only
         self.slots = slots  # [(module, attr, param, dtype)] as left by parallelize
+        # The checked attributes as (the module's parameter dict, attr, param, dtype): a dict lookup
+        # per parameter on every forward instead of nn.Module.__getattr__.
+        self.guarded = [(module, module._parameters, attr, param, dtype) for module, attr, param, dtype in slots]
+        # A mesh over every rank: one all-reduce of the default group ORs the NaN flags over it.
+        self.flag_groups = ([None] if mesh.size() == dist.get_world_size()
+                            else [mesh.get_group(d) for d in range(mesh.ndim) if mesh.size(d) > 1])
         self.step = 0
         self.synced = False
 
@@ -89,9 +97,13 @@ class MegatronFSDPModel:
         state.synced = True
 
     def install_optimized_model_weights(self) -> None:
-        """Re-derive the compute weights from the main weights the optimizer just updated."""
-        hf_checkpoint.refresh_compute_weights(self)
-        self._mfsdp_manager_state.synced = False
+        """Re-derive the compute weights from the main weights the optimizer just updated (the
+        trainable groups: an optimizer changes nothing else)."""
+        state = self._mfsdp_manager_state
+        for _, group, _ in state.groups:
+            group.refresh_model_weights()
+            group.needs_refresh = False
+        state.synced = False
 
     def zero_grad_buffer(self) -> None:
         """Drop the gradients (the next backward starts from zero)."""
@@ -134,36 +146,27 @@ def _check_finite(state: _ManagerState) -> None:
     checked = [(label, group, names, flag) for label, group, names, flag in checked if flag is not None]
     if not checked:
         return
-    bad = _any_rank(state, torch.stack([flag for *_, flag in checked]))
-    if not bool(bad.any()):
+    bad = collectives.any_rank(torch.stack([flag for *_, flag in checked]), state.flag_groups)
+    if not any(bad):
         return
-    hit = [(label, group, names) for (label, group, names, _), b in zip(checked, bad.tolist()) if b]
+    hit = [(label, group, names) for (label, group, names, _), b in zip(checked, bad) if b]
     msg = (f"mfsdp: non-finite gradient (NaN or Inf) at step {state.step} in parameter group(s) "
            f"{', '.join(label for label, _, _ in hit)}")
     if state.config.report_nan_in_param_grad:
         grads = [(name, p.grad) for _, group, names in hit for name, p in zip(names, group.sharded_params)
                  if p.grad is not None]
-        flags = _any_rank(state, torch.stack([~torch.isfinite(g.to_local() if isinstance(g, DTensor) else g).all()
-                                              for _, g in grads]))
-        msg += f"; parameters: {', '.join(name for (name, _), b in zip(grads, flags.tolist()) if b)}"
+        flags = collectives.any_rank(torch.stack([~torch.isfinite(local_tensor(g)).all() for _, g in grads]),
+                                     state.flag_groups)
+        msg += f"; parameters: {', '.join(name for (name, _), b in zip(grads, flags) if b)}"
     else:
         msg += " (set report_nan_in_param_grad=True to name the parameters)"
     raise NonFiniteGradientError(msg)
 
 
-def _any_rank(state: _ManagerState, flags: torch.Tensor) -> torch.Tensor:
-    """Per-entry logical OR of ``flags`` over every rank of the mesh."""
-    flags = flags.to(torch.float32)
-    for dim in range(state.mesh.ndim):
-        if state.mesh.size(dim) > 1:
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=state.mesh.get_group(dim))
-    return flags
-
-
 def _make_guard(state: _ManagerState):
     def guard(module, args, kwargs):
-        for owner, attr, param, dtype in state.slots:
-            current = getattr(owner, attr, None)
+        for owner, params, attr, param, dtype in state.guarded:
+            current = params.get(attr)
             if current is not param or current.dtype != dtype:
                 raise RuntimeError(
                     f"parameter {type(owner).__name__}.{attr} was replaced after parallelize (a re-tie, "
@@ -422,7 +425,7 @@ class MegatronFSDPManager:
 
 def _gradient_groups(model: nn.Module) -> list:
     """The trainable core parameter groups, labelled ``"<unit> (<dtype>)"``, with parameter names."""
-    names = {id(p): n for n, p in model.named_parameters()}  # a tied weight: its first name
+    names = _param_names(model)  # a tied weight: its first name
     out = []
     for unit_name, module in model.named_modules():
         if isinstance(module, FsdpModule):

@@ -29,10 +29,6 @@ class MeshSizes:
         """Ranks over which gradients are averaged (data parallel, context parallel included)."""
         return self.dp_replicate * self.dp_shard * self.cp
 
-    @property
-    def world(self) -> int:
-        return self.dp * self.tp
-
 
 def resolve_sizes(world_size: int, *, tp_size: Optional[int] = 1, cp_size: Optional[int] = 1,
                   dp_replicate_size: Optional[int] = 1, dp_shard_size: Optional[int] = None) -> MeshSizes:

@@ -112,6 +112,17 @@ def _reduce_scatter_by_all_reduce(outputs, inputs, group, size: int) -> None:
     _compat.foreach_div_(list(outputs), float(size))
 
 
+def any_rank(flags: torch.Tensor, groups: Sequence = (None,)) -> list[bool]:
+    """Per-entry logical OR of ``flags`` over the ranks of ``groups`` (each in turn; None is the
+    default group): a MAX all-reduce per group, then one host read for all entries."""
+    flags = flags.to(torch.int32)
+    if dist.is_initialized():
+        for group in groups:
+            if dist.get_world_size(group) > 1:
+                dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+    return [bool(f) for f in flags.tolist()]
+
+
 def all_reduce(
     tensors: Sequence[torch.Tensor], group, stream: Optional[torch.Stream] = None, coalesce: bool = True
 ) -> None:

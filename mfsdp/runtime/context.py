@@ -33,6 +33,7 @@ import torch
 
 from mfsdp import _compat
 from mfsdp.communication import CommunicationPolicy
+from mfsdp.runtime import collectives
 from mfsdp.runtime.gather_slots import GatherSlots
 from mfsdp.runtime.indexed_order import IndexedOrder
 
@@ -144,10 +145,8 @@ class FsdpContext:
         checked = [(g, flag) for g, flag in checked if flag is not None]
         if not checked:
             return
-        flags = torch.stack([flag for _, flag in checked]).to(torch.int32)
-        if torch.distributed.is_initialized():
-            torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
-        bad = [g.label for (g, _), f in zip(checked, flags.tolist()) if f]
+        flags = collectives.any_rank(torch.stack([flag for _, flag in checked]))
+        bad = [g.label for (g, _), f in zip(checked, flags) if f]
         if bad:
             raise FloatingPointError(
                 f"mfsdp: NaN or Inf in the reduced gradients after backward {self.backward_count} in "

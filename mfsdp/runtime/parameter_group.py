@@ -65,7 +65,7 @@ class FsdpParameterGroup:
             device = geometry.device
         g = geometry
         # Tensor-parallel parameters: FSDP works on their local shards, the DTensor keeps its axes.
-        locals_ = [_local(p) for p in params]
+        locals_ = [local_tensor(p) for p in params]
         specs = [g.parameter_spec(p) for p in params]
         self.layout = FlatLayout([t.shape for t in locals_], g.num_shards)
         for p, m, (_, _, even) in zip(params, self.layout.members, specs):
@@ -461,7 +461,7 @@ class FsdpParameterGroup:
             p.grad = grad if count > 0 else None
 
 
-def _local(param: torch.Tensor) -> torch.Tensor:
+def local_tensor(param: torch.Tensor) -> torch.Tensor:
     """The tensor FSDP shards: the local shard of a tensor-parallel DTensor, else the tensor."""
     if isinstance(param, DTensor):
         with torch.no_grad():
