@@ -66,10 +66,19 @@ def make_placements(kind: str) -> mfsdp.Placements:
     }[kind]()
 
 
-def shard_net(model: Net, mesh, placements, policy=None, comm=None) -> Net:
-    for block in model.blocks:
-        mfsdp.fully_shard(block, mesh, placements, mixed_precision_policy=policy, communication_policy=comm)
-    mfsdp.fully_shard(model, mesh, placements, mixed_precision_policy=policy, communication_policy=comm)
+def shard_net(model: Net, mesh, placements, policy=None, comm=None, **kwargs) -> Net:
+    """fully_shard every block, then the root; ``kwargs`` go to each fully_shard call."""
+    for unit in list(model.blocks) + [model]:
+        mfsdp.fully_shard(unit, mesh, placements, mixed_precision_policy=policy, communication_policy=comm,
+                          **kwargs)
+    return model
+
+
+def round_to_bf16(model: nn.Module) -> nn.Module:
+    """Round every parameter to its nearest bf16 value, keeping its dtype."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
     return model
 
 

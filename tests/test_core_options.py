@@ -80,15 +80,11 @@ def test_use_symm_mem_needs_cuda(world):
     assert world(2).run(symm_mem_needs_cuda)[0]
 
 
-def policy_validation():
+def test_policy_validation():
     with pytest.raises(ValueError, match="prefetch_depth"):
         mfsdp.CommunicationPolicy(prefetch_depth=-1)
     with pytest.raises(ValueError, match="gradient_divide_factor"):
         mfsdp.CommunicationPolicy(gradient_divide_factor=0)
-
-
-def test_policy_validation():
-    policy_validation()
 
 
 def unsharded_during_forward(rank, ws, depth):

@@ -9,7 +9,7 @@ import torch
 
 import mfsdp
 from models import (Net, full_params, global_batch, loss_fn, make_mesh, make_optimizer, make_placements,
-                    max_rel_error, reference_copy, shard_net, step_both)
+                    max_rel_error, reference_copy, round_to_bf16, shard_net, step_both)
 
 FP32_TOL = 1e-5
 
@@ -60,18 +60,16 @@ def _train_and_compare(rank, ws, model, ref, opt, steps, mb, bind, device):
 
 @contextlib.contextmanager
 def _injected_delays(enabled: bool = True):
-    """Stall every collective's stream and the compute before reading: a missing wait shows up as
-    wrong numbers instead of passing by luck (GPU only). Restored on exit: the worker process
-    serves later cases, which must not inherit (or stack) the stalls."""
+    """Stall every collective's stream before it runs (its callers already run on that stream):
+    a missing wait shows up as wrong numbers instead of passing by luck (GPU only). Restored on
+    exit: the worker process serves later cases, which must not inherit (or stack) the stalls."""
     from mfsdp.runtime import collectives
 
     names = ("all_gather", "reduce_scatter", "all_reduce") if enabled else ()
     originals = {name: getattr(collectives, name) for name in names}
     for name, original in originals.items():
         def delayed(*args, _original=original, **kwargs):
-            stream = kwargs.get("stream") or (args[-1] if args and isinstance(args[-1], torch.cuda.Stream) else None)
-            with collectives.stream_context(stream):
-                torch.cuda._sleep(2_000_000)
+            torch.cuda._sleep(2_000_000)
             return _original(*args, **kwargs)
 
         setattr(collectives, name, delayed)
@@ -147,9 +145,7 @@ def bf16_parity(rank, ws, kind="zero3"):
     """bf16 compute, fp32 main weights and fp32 gradients: close to fp32, equal to a bf16 twin."""
     torch.manual_seed(0)
     model = Net(dim=16, hidden=32, vocab=32)
-    with torch.no_grad():  # the sharded model's fp32 masters start from its bf16 weights
-        for p in model.parameters():
-            p.copy_(p.to(torch.bfloat16).float())
+    round_to_bf16(model)  # the sharded model's fp32 masters start from its bf16 weights
     fp32_ref = reference_copy(model)
     bf16_ref = reference_copy(model)
     model.to(torch.bfloat16)
@@ -198,9 +194,7 @@ def bf16_grads_adamw(rank, ws, kind="zero3"):
     """Default policy on a bf16 model: fp32 main weights, bf16 grads upcast for AdamW per step."""
     torch.manual_seed(0)
     model = Net(dim=16, hidden=32, vocab=32)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(p.to(torch.bfloat16).float())
+    round_to_bf16(model)
     ref = reference_copy(model)
     model.to(torch.bfloat16)
     shard_net(model, make_mesh(kind, ws), make_placements(kind))

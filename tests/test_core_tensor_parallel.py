@@ -9,20 +9,17 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import mfsdp
-from models import Net, full_params, max_rel_error, reference_copy, step_both
+from models import Net, full_params, make_placements, max_rel_error, reference_copy, round_to_bf16, step_both
 
 
 def tp_parity(rank, ws, kind="zero3", steps=3, bf16=False):
     torch.manual_seed(0)
     model = Net(vocab=16, dim=8, hidden=12)
     if bf16:
-        with torch.no_grad():
-            for p in model.parameters():
-                p.copy_(p.to(torch.bfloat16).float())
+        round_to_bf16(model)
     ref = reference_copy(model)
     mesh = init_device_mesh("cpu", (ws // 2, 2), mesh_dim_names=("dp", "tp"))
-    placements = {"zero3": mfsdp.Placements.zero3, "zero2": mfsdp.Placements.zero2,
-                  "zero1": mfsdp.Placements.zero1, "ddp": mfsdp.Placements.ddp}[kind]("dp")
+    placements = make_placements(kind)
     for block in model.blocks:
         parallelize_module(block, mesh["tp"], {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
     if bf16:

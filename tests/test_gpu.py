@@ -115,18 +115,17 @@ def registered_buffers_match_default(rank, ws, comm):
     """Gathers through NCCL-registered persistent buffers (use_symm_mem) give bit-identical training
     to the default path: a gather only copies, so any difference is a bug, not rounding."""
     import mfsdp
-    from models import Net, global_batch, loss_fn, make_mesh, make_placements, reference_copy
+    from models import Net, global_batch, loss_fn, make_mesh, make_placements, reference_copy, shard_net
 
     torch.manual_seed(0)
     nets = [Net(vocab=64, dim=32, hidden=64, n_blocks=4).cuda()]
     nets.append(reference_copy(nets[0]))
     mesh, placements = make_mesh("zero3", ws, "cuda"), make_placements("zero3")
     policy = mfsdp.MixedPrecisionPolicy(main_params_dtype=torch.float32, main_grads_dtype=torch.float32)
-    options = [dict(), dict(use_symm_mem=True, communication_policy=mfsdp.CommunicationPolicy(**comm))]
+    options = [dict(), dict(use_symm_mem=True, comm=mfsdp.CommunicationPolicy(**comm))]
     for net, opts in zip(nets, options):
         net.to(torch.bfloat16)
-        for unit in list(net.blocks) + [net]:
-            mfsdp.fully_shard(unit, mesh, placements, policy, **opts)
+        shard_net(net, mesh, placements, policy, **opts)
     optims = [torch.optim.AdamW(n.parameters(), lr=1e-2) for n in nets]
     losses = []
     for step in range(3):
@@ -192,7 +191,7 @@ def memory_against_analytic_and_fsdp2(rank, ws):
     sharded size, and the peak of a training step against torch's FSDP2 on the same model."""
     import mfsdp
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    from models import Net, global_batch, loss_fn, make_mesh, make_placements, reference_copy
+    from models import Net, global_batch, loss_fn, make_mesh, make_placements, reference_copy, shard_net
 
     mesh, placements = make_mesh("zero3", ws, "cuda"), make_placements("zero3")
     # Set-up that stays allocated, before measuring: the communicator, and cuBLAS's workspaces
@@ -221,8 +220,7 @@ def memory_against_analytic_and_fsdp2(rank, ws):
     base = torch.cuda.memory_allocated()
     net = reference_copy(template).cuda().to(torch.bfloat16)
     policy = mfsdp.MixedPrecisionPolicy(main_params_dtype=torch.float32, main_grads_dtype=torch.float32)
-    for unit in list(net.blocks) + [net]:
-        mfsdp.fully_shard(unit, mesh, placements, policy)
+    shard_net(net, mesh, placements, policy)
     opt = mfsdp.fully_shard_optimizer(net, torch.optim.AdamW(net.parameters(), lr=1e-4, fused=True))
     peak = steps(net, opt, zero_grad_to_none=False)  # gradients stay: they are part of the resting set
     shard = sum(p.to_local().numel() for p in net.parameters())

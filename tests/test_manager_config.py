@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -24,14 +25,8 @@ def test_module_surface():
     assert HAS_MEGATRON_FSDP is True and logger.name == "mfsdp.manager"
     c = MegatronFSDPConfig()
     assert (c.preserve_fp32_weights, c.grad_reduce_in_fp32, c.zero_dp_strategy) == (True, True, 3)
-    with pytest.raises(dataclasses_frozen()):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         c.zero_dp_strategy = 1
-
-
-def dataclasses_frozen():
-    import dataclasses
-
-    return dataclasses.FrozenInstanceError
 
 
 @pytest.mark.parametrize("value,level", [(0, 0), (3, 3), ("no_shard", 0), ("optim", 1), ("optim_grads", 2),
@@ -63,6 +58,9 @@ def test_bad_configs(kwargs, match):
 def test_bool_fields_are_checked(field):
     with pytest.raises(TypeError, match=field):
         MegatronFSDPConfig(**{field: "yes"})
+
+
+def test_tp_plan_type_is_checked():
     with pytest.raises(TypeError, match="tp_plan"):
         MegatronFSDPConfig(tp_plan=["colwise"])
 

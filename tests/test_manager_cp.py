@@ -101,8 +101,6 @@ def test_cp_only_world2(world):
 
 
 def test_shard_sequence_single_process():
-    from torch.distributed.device_mesh import DeviceMesh
-
     class FakeMesh:  # shard_sequence only asks the cp dim for its rank and size
         def __init__(self, rank, size):
             self.rank, self.size_ = rank, size
@@ -126,7 +124,6 @@ def test_shard_sequence_single_process():
     assert torch.equal(parts[1]["labels"], parts[1]["shift_labels"])
     with pytest.raises(ValueError, match="does not divide"):
         shard_sequence(FakeMesh(0, 4), {"input_ids": ids})
-    assert DeviceMesh  # the real mesh type is what the manager passes
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
@@ -170,7 +167,6 @@ def cp_attention_parity(rank, ws):
 
     from mfsdp.manager.context_parallel import attention_context
 
-    torch.cuda.set_device(rank)
     model = make_hf("llama", vocab=64).cuda()
     model.set_attn_implementation("sdpa")
     ref = copy.deepcopy(model)  # HF's own SDPA path, unsharded

@@ -18,7 +18,7 @@ pytest.importorskip("transformers")
 TOL = 5e-5  # fp32; Adam amplifies the summation-order differences of split batches
 
 
-def _manager(ws, **kwargs):
+def _manager(**kwargs):
     replicate = kwargs.get("dp_replicate_size") or 1
     mesh = build_device_mesh("cpu", dp_replicate_size=replicate, tp_size=kwargs.get("tp_size") or 1)
     return MegatronFSDPManager(MegatronFSDPConfig(**kwargs), mesh)
@@ -32,7 +32,7 @@ def train_parity(rank, ws, family="llama", bind="pre", steps=3, layers=2, **conf
     model = make_hf(family, vocab=vocab, tied=family == "llama", layers=layers)
     ref = copy.deepcopy(model)
     ref_opt = optimizer_groups(ref)
-    manager = _manager(ws, **config)
+    manager = _manager(**config)
     if bind == "pre":  # built before parallelize: re-pointed at the shards, groups kept
         model, opt = manager.parallelize(model, optimizer_groups(model))
     else:
@@ -132,7 +132,7 @@ def test_parity_activation_checkpointing_and_units(world):
 def bf16_model_dtype(rank, ws, preserve=True, fp32_grads=True):
     model = make_hf("llama", dtype=torch.bfloat16)
     ref = copy.deepcopy(model)
-    model, _ = _manager(ws, preserve_fp32_weights=preserve, grad_reduce_in_fp32=fp32_grads).parallelize(model)
+    model, _ = _manager(preserve_fp32_weights=preserve, grad_reduce_in_fp32=fp32_grads).parallelize(model)
     param_dtype = next(model.parameters()).dtype
     x = batch(0)
     mask = torch.ones_like(x)
@@ -172,7 +172,7 @@ def loss_scaling(rank, ws, **config):
                                                  reduction="sum") / total
 
     token_loss(ref, x).backward()
-    model, _ = _manager(ws, **config).parallelize(model)
+    model, _ = _manager(**config).parallelize(model)
     token_loss(model, x.chunk(ws)[rank]).backward()
     model.finish_grad_sync()
     model.finish_grad_sync()  # once per step: a second call does not scale again
@@ -193,7 +193,7 @@ def test_loss_scaling(world, mode, strategy):
 
 # --------------------------------------------------------------------------------- NaN checks
 def nan_check(rank, ws, via_optimizer=False, **config):
-    model, _ = _manager(ws, **config).parallelize(make_hf("llama"))
+    model, _ = _manager(**config).parallelize(make_hf("llama"))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     if via_optimizer:
         fully_shard_optimizer(model, opt)
@@ -231,7 +231,7 @@ def post_wrap_ops(rank, ws, strategy=3, replicate=1):
     out = {}
     model = make_hf("llama", tied=True)
     other = make_hf("llama", tied=True, seed=1)
-    model, _ = _manager(ws, zero_dp_strategy=strategy, dp_replicate_size=replicate).parallelize(model)
+    model, _ = _manager(zero_dp_strategy=strategy, dp_replicate_size=replicate).parallelize(model)
     x = batch(0)
     # 1. load_state_dict with full tensors (and with our own DTensor state dict) refreshes compute weights.
     result = model.load_state_dict(other.state_dict())
@@ -261,7 +261,7 @@ def post_wrap_ops(rank, ws, strategy=3, replicate=1):
     restore_distributed_param_attrs(model, snap)
     out["restored"] = (emb.tag, emb.keep)
     # A real re-tie of an untied model after wrapping cannot work: the next forward says so.
-    untied, _ = _manager(ws, zero_dp_strategy=strategy, dp_replicate_size=replicate).parallelize(make_hf("qwen2"))
+    untied, _ = _manager(zero_dp_strategy=strategy, dp_replicate_size=replicate).parallelize(make_hf("qwen2"))
     untied.lm_head.weight = untied.model.embed_tokens.weight
     try:
         untied(input_ids=x)
@@ -296,10 +296,8 @@ def mesh_errors(rank, ws):
         try:
             fn()
             out[key] = "no error"
-        except (ValueError, NotImplementedError, TypeError, RuntimeError) as exc:
+        except (ValueError, NotImplementedError, TypeError, RuntimeError, FileNotFoundError) as exc:
             out[key] = f"{type(exc).__name__}: {exc}"
-        except FileNotFoundError as exc:
-            out[key] = f"FileNotFoundError: {exc}"
 
     mesh = build_device_mesh("cpu")
     for flag in ("fsdp_double_buffer", "keep_fp8_transpose_cache", "nccl_ub"):
