@@ -46,6 +46,7 @@ import torch.nn.functional as F  # noqa: E402
 from _impls import BUILDERS, DTYPES, Ctx, Skip  # noqa: E402
 from mfsdp.models.flops import flops_per_token, param_counts, peak_flops  # noqa: E402
 from mfsdp.models.llama import PRESETS, get_config  # noqa: E402
+from trace_breakdown import kernel_summary  # noqa: E402
 
 REFERENCES = ("none", "fsdp2")
 # Present in every JSON line, None when an implementation was skipped or failed.
@@ -166,41 +167,6 @@ def measure(args, impl, built, cfg, device) -> dict:
 
 
 # ---------------------------------------------------------------- profiling
-
-def busy_time(intervals) -> float:
-    """Length of the union of (start, end) intervals."""
-    total, end = 0.0, float("-inf")
-    for s, e in sorted(intervals):
-        total += max(0.0, e - max(s, end))
-        end = max(end, e)
-    return total
-
-
-def kernel_summary(trace_path) -> dict:
-    """Exposed communication from the GPU activity of a chrome trace, in ms.
-
-    Streams that run any NCCL kernel are communication streams; the rest are compute streams.
-    Exposed communication is the time an NCCL kernel runs while no compute stream does anything:
-    |NCCL u compute| - |compute|. The hidden rest may still slow compute (SM and HBM contention).
-    """
-    with open(trace_path) as f:
-        events = [e for e in json.load(f)["traceEvents"]
-                  if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
-    for e in events:
-        e["stream"] = (e.get("args") or {}).get("stream", e.get("tid"))
-        e["nccl"] = "nccl" in e.get("name", "").lower()
-        e["span"] = (float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)))
-    comm_streams = {e["stream"] for e in events if e["nccl"]}
-    nccl = [e["span"] for e in events if e["nccl"]]
-    compute = [e["span"] for e in events if e["stream"] not in comm_streams]
-    every = [e["span"] for e in events]
-    wall = max(e for _, e in every) - min(s for s, _ in every) if every else 0.0
-    us_to_ms = {"gpu_span_ms": wall, "compute_busy_ms": busy_time(compute),
-                "nccl_busy_ms": busy_time(nccl),
-                "exposed_comm_ms": busy_time(nccl + compute) - busy_time(compute),
-                "gpu_idle_ms": wall - busy_time(every)}
-    return {k: round(v / 1e3, 2) for k, v in us_to_ms.items()}
-
 
 def profile_step(args, impl, built, batches, device) -> dict:
     """Two extra steps after timing: one with peak-memory resets between the phases (their syncs

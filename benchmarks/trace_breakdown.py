@@ -9,6 +9,9 @@ per trace, the kernels whose compute-stream time differs most from the first tra
 the ``none`` (single-GPU ceiling) trace first, the same GEMMs slower under FSDP are the cost of
 communication kernels sharing the SMs and memory bandwidth.
 
+``kernel_summary`` (used by ``throughput.py --profile``): compute, NCCL and idle time of one trace,
+and the communication time exposed on the compute streams.
+
 ``idle``: gaps over 50 us in which no kernel runs on any stream, largest first, with the kernels
 on either side. Such gaps mean the GPU waited for the host (launch-bound Python) or for a peer.
 """
@@ -26,10 +29,40 @@ def _events(path: str) -> list[dict]:
         events = [e for e in json.load(f)["traceEvents"]
                   if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
     for e in events:
+        e["name"] = e.get("name", "")
         e["stream"] = (e.get("args") or {}).get("stream", e.get("tid"))
         e["start"] = float(e["ts"])
         e["end"] = e["start"] + float(e.get("dur", 0))
     return sorted(events, key=lambda e: e["start"])
+
+
+def busy_time(intervals) -> float:
+    """Length of the union of (start, end) intervals."""
+    total, end = 0.0, float("-inf")
+    for s, e in sorted(intervals):
+        total += max(0.0, e - max(s, end))
+        end = max(end, e)
+    return total
+
+
+def kernel_summary(trace_path: str) -> dict:
+    """Exposed communication from the GPU activity of a chrome trace, in ms.
+
+    Streams that run any NCCL kernel are communication streams; the rest are compute streams.
+    Exposed communication is the time an NCCL kernel runs while no compute stream does anything:
+    |NCCL u compute| - |compute|. The hidden rest may still slow compute (SM and HBM contention).
+    """
+    events = _events(trace_path)
+    is_nccl = [("nccl" in e["name"].lower()) for e in events]
+    comm_streams = {e["stream"] for e, n in zip(events, is_nccl) if n}
+    spans = [(e["start"], e["end"]) for e in events]
+    nccl = [span for span, n in zip(spans, is_nccl) if n]
+    compute = [span for span, e in zip(spans, events) if e["stream"] not in comm_streams]
+    wall = max(b for _, b in spans) - min(a for a, _ in spans) if spans else 0.0
+    us = {"gpu_span_ms": wall, "compute_busy_ms": busy_time(compute), "nccl_busy_ms": busy_time(nccl),
+          "exposed_comm_ms": busy_time(nccl + compute) - busy_time(compute),
+          "gpu_idle_ms": wall - busy_time(spans)}
+    return {k: round(v / 1e3, 2) for k, v in us.items()}
 
 
 def category(name: str) -> str:

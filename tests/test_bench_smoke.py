@@ -55,13 +55,10 @@ def test_throughput_smoke_two_ranks(tmp_path):
     assert len(list(tmp_path.glob("*_cpu_tiny-b2-s64-w2.md"))) == 1
 
 
-def test_exposed_comm_from_kernel_intervals(tmp_path):
+def test_exposed_comm_from_kernel_intervals(tmp_path, monkeypatch):
     """NCCL time counts as exposed only where no compute-stream kernel runs."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import throughput
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))  # trace_breakdown sets nothing on import
+    import trace_breakdown
 
     def kernel(name, ts, dur, stream):
         return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur,
@@ -77,7 +74,7 @@ def test_exposed_comm_from_kernel_intervals(tmp_path):
     ]
     path = tmp_path / "trace.json"
     path.write_text(json.dumps({"traceEvents": events}))
-    summary = throughput.kernel_summary(str(path))
+    summary = trace_breakdown.kernel_summary(str(path))
     assert summary["nccl_busy_ms"] == pytest.approx(0.14)
     assert summary["compute_busy_ms"] == pytest.approx(0.13)
     assert summary["exposed_comm_ms"] == pytest.approx(0.08)   # 50 + 30 us
@@ -85,9 +82,9 @@ def test_exposed_comm_from_kernel_intervals(tmp_path):
     assert summary["gpu_idle_ms"] == pytest.approx(0.03)       # 170-200 us
 
 
-def test_trace_breakdown_on_a_synthetic_trace(tmp_path, capsys):
+def test_trace_breakdown_on_a_synthetic_trace(tmp_path, capsys, monkeypatch):
     """The profile tool: categories per stream kind, differences against a baseline, idle gaps."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     import trace_breakdown
 
     def trace(name, kernels):  # (name, stream, start us, duration us)
