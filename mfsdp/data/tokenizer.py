@@ -41,8 +41,7 @@ class HuggingFaceTokenizer:
         self._tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
         self.name = str(Path(path).resolve())
         self.vocab_size = len(self._tok)
-        eos = self._tok.eos_token_id
-        self.end_of_document = eos if eos is not None else None
+        self.end_of_document = self._tok.eos_token_id
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False)

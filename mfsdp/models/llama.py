@@ -135,6 +135,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     """Rotate ``x`` of shape (batch, seq, heads, head_dim) by position.
 
     Rotate-half form: element i of the first half pairs with element i of the second.
+    ``Llama.forward`` passes tables already in the activation dtype, so the casts below
+    are no-ops there; they keep direct callers with the fp32 tables working.
     """
     half = x.shape[-1] // 2
     first, second = x[..., :half], x[..., half:]
@@ -272,8 +274,9 @@ class Llama(nn.Module):
         seq = tokens.shape[1]
         if seq > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {seq} exceeds max_seq_len {self.cfg.max_seq_len}")
-        cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
         h = self.tok_embeddings(tokens)
+        # Cast once here rather than for q and k in every layer.
+        cos, sin = self.rope_cos[:seq].to(h.dtype), self.rope_sin[:seq].to(h.dtype)
         for block in self.layers:
             h = block(h, cos, sin)
         return self.output(self.norm(h))

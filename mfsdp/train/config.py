@@ -10,6 +10,7 @@ whole training run.
 from __future__ import annotations
 
 import dataclasses
+import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -295,9 +296,7 @@ def _merge_yaml(values: dict[str, dict[str, object]], path: Path) -> None:
 
 def _parse_text(section: str, name: str, text: str) -> object:
     """Convert a command-line string to the field's type."""
-    kind = _field_type(section, name)
-    options = typing.get_args(kind) if typing.get_origin(kind) in (typing.Union,
-                                                                   _union_type()) else (kind,)
+    options = _type_options(section, name)
     if type(None) in options and text.lower() in ("none", "null"):
         return None
     base = next(t for t in options if t is not type(None))
@@ -316,9 +315,7 @@ def _parse_text(section: str, name: str, text: str) -> object:
 
 def _check_type(section: str, name: str, value: object) -> object:
     """Check a YAML value against the field's type (ints are accepted for floats)."""
-    kind = _field_type(section, name)
-    options = typing.get_args(kind) if typing.get_origin(kind) in (typing.Union,
-                                                                   _union_type()) else (kind,)
+    options = _type_options(section, name)
     if value is None and type(None) in options:
         return None
     for option in options:
@@ -332,6 +329,9 @@ def _check_type(section: str, name: str, value: object) -> object:
     raise ConfigError(f"{section}.{name} expects {names}, got {value!r}")
 
 
-def _union_type():
-    import types
-    return getattr(types, "UnionType", typing.Union)
+def _type_options(section: str, name: str) -> tuple:
+    """The types a field accepts: the members of an Optional/Union, else the type alone."""
+    kind = _field_type(section, name)
+    if typing.get_origin(kind) in (typing.Union, types.UnionType):
+        return typing.get_args(kind)
+    return (kind,)

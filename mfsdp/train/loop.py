@@ -263,24 +263,31 @@ class Trainer:
                     loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
                     (loss / d.microbatches).backward()
                 loss_sum += loss.detach() / d.microbatches
+            # The norm is logged every step and clips only with grad_clip > 0. Over sharded
+            # gradients it is a DTensor: reduce it once, then clip with that plain tensor.
+            grad_norm = torch.nn.utils.get_total_norm(
+                [q.grad for q in params if q.grad is not None])
+            if hasattr(grad_norm, "full_tensor"):
+                grad_norm = grad_norm.full_tensor()
             if t.grad_clip > 0:
-                grad_norm = torch.nn.utils.clip_grad_norm_(params, t.grad_clip)
-            else:  # the norm is still logged; nothing is scaled
-                grad_norm = torch.nn.utils.get_total_norm([q.grad for q in params if q.grad is not None])
+                torch.nn.utils.clip_grads_with_norm_(params, t.grad_clip, grad_norm)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             # One collective carries the loss for logging and every rank's stop request,
             # so all ranks leave the loop after the same step.
-            shared = torch.stack([loss_sum, torch.tensor(float(self.stop_requested),
-                                                         device=self.device)])
+            shared = torch.stack([loss_sum, torch.full((), float(self.stop_requested),
+                                                       device=self.device)])
             dist.all_reduce(shared)
-            loss_value, stop = shared[0].item() / self.world, shared[1].item() > 0
+            # One host sync reads all three; cat promotes, so no value is rounded.
+            loss_total, stop_votes, grad_norm = torch.cat(
+                [shared, grad_norm.to(self.device).reshape(1)]).tolist()
+            loss_value, stop = loss_total / self.world, stop_votes > 0
             seconds = timer.stop()
             tokens_per_s = tokens_per_step / seconds
             per_gpu = tokens_per_s / self.world
             record = {
                 "step": step, "loss": loss_value, "lr": lr,
-                "grad_norm": _as_float(grad_norm), "step_time_s": seconds,
+                "grad_norm": grad_norm, "step_time_s": seconds,
                 "tokens_per_s": tokens_per_s, "tokens_per_s_per_gpu": per_gpu,
                 "tflops_per_gpu": per_gpu * flops_per_token / 1e12,
                 "mfu": per_gpu * flops_per_token / peak_flops if peak_flops else None,
@@ -324,12 +331,6 @@ class Trainer:
                              max_context=self.cfg.data.seq_len, device=self.device,
                              seed=self.cfg.train.seed)
         self.log(f"\n--- sample (temperature 0.8, prompt {prompt!r}) ---\n{text}\n--- end ---")
-
-
-def _as_float(value) -> float:
-    if hasattr(value, "full_tensor"):  # a DTensor norm over sharded gradients
-        value = value.full_tensor()
-    return float(value)
 
 
 def _postfix(record: dict) -> str:

@@ -6,6 +6,7 @@ import json
 import resource
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -27,12 +28,12 @@ class MetricsLog:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         kept = []
         if keep_until_step > 0 and self.path.is_file():
-            for line in self.path.read_text().splitlines():
+            for line, record in _parsed_lines(self.path):
                 try:
-                    if json.loads(line)["step"] <= keep_until_step:
+                    if record["step"] <= keep_until_step:
                         kept.append(line)
-                except (json.JSONDecodeError, KeyError, TypeError):
-                    continue  # a line cut short by the interruption
+                except (KeyError, TypeError):
+                    continue  # cut short by the interruption, yet valid JSON (say "12")
         self.path.write_text("".join(line + "\n" for line in kept))
         self._file = open(self.path, "a")
 
@@ -45,6 +46,21 @@ class MetricsLog:
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    """The records of a metrics.jsonl file, skipping lines an interrupted run cut short."""
+    return [record for _, record in _parsed_lines(path)]
+
+
+def _parsed_lines(path: str | Path) -> Iterator[tuple[str, object]]:
+    """Each line of ``path`` that is valid JSON, with its parsed value."""
+    for line in Path(path).read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut short by an interrupted run
+        yield line, record
 
 
 class StepTimer:

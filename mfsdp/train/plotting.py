@@ -2,18 +2,9 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-
-def read_metrics(path: str | Path) -> list[dict]:
-    records = []
-    for line in Path(path).read_text().splitlines():
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue  # a line cut short by an interrupted run
-    return records
+from mfsdp.train.metrics import read_metrics
 
 
 def plot_loss(metrics_path: str | Path, out: str | Path) -> Path | None:
