@@ -20,7 +20,6 @@ import copy
 import json
 import os
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
@@ -123,6 +122,9 @@ def parity(args, rank: int, ws: int) -> dict:
 
 def throughput(args, rank: int, ws: int) -> dict:
     from mfsdp.manager import fully_shard_optimizer
+    from mfsdp.models.flops import flops_per_token, mfu
+    from mfsdp.models.llama import LlamaConfig
+    from mfsdp.train.metrics import StepTimer
 
     dp = ws // args.tp
     cfg = hf_config(args)
@@ -130,40 +132,32 @@ def throughput(args, rank: int, ws: int) -> dict:
 
     with torch.device("meta"):
         model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16)
-    embedding = cfg.vocab_size * cfg.hidden_size
     total = sum(p.numel() for p in model.parameters())
-    non_embedding = total - embedding + (embedding if cfg.tie_word_embeddings else 0)
-    flops_per_token = 6 * non_embedding + 12 * cfg.num_hidden_layers * cfg.hidden_size * args.seq
+    shape = LlamaConfig.from_hf(cfg.to_dict(), args.seq)
     model, _ = manager_for(args, ws, init_fsdp_with_meta_device=True).parallelize(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
     fully_shard_optimizer(model, opt)
     g = torch.Generator(device=args.device).manual_seed(1234 + rank // args.tp)
     times = []
     cuda = args.device == "cuda"
+    timer = StepTimer(torch.device(args.device))
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     for step in range(args.warmup + args.steps):
         ids = torch.randint(0, cfg.vocab_size, (args.local_batch, args.seq), device=args.device, generator=g)
-        if cuda:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
+        timer.start()
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         opt.step()
         opt.zero_grad()
-        if cuda:
-            torch.cuda.synchronize()
+        seconds = timer.stop()
         if step >= args.warmup:
-            times.append(time.perf_counter() - t0)
+            times.append(seconds)
     step_s = statistics.median(times)
     tokens_per_gpu = args.local_batch * args.seq * dp / ws / step_s
-    from mfsdp.models.flops import peak_flops
-
-    tflops = tokens_per_gpu * flops_per_token / 1e12
-    peak = peak_flops() if cuda else None
     return {"params": total, "step_time_median_s": step_s, "step_time_spread_s": max(times) - min(times),
-            "tokens_per_s_per_gpu": tokens_per_gpu, "tflops_per_gpu": tflops,
-            "mfu": tflops * 1e12 / peak if peak else None, "final_loss": float(loss),
+            "tokens_per_s_per_gpu": tokens_per_gpu, "tflops_per_gpu": tokens_per_gpu * flops_per_token(shape, args.seq) / 1e12,
+            "mfu": mfu(tokens_per_gpu, shape, args.seq) if cuda else None, "final_loss": float(loss),
             "peak_mem_alloc_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
             "peak_mem_reserved_gib": torch.cuda.max_memory_reserved() / 2**30 if cuda else None}
 

@@ -78,6 +78,17 @@ class LlamaConfig:
         """Width of one attention head."""
         return self.dim // self.n_heads
 
+    @classmethod
+    def from_hf(cls, c: dict, max_seq_len: int) -> "LlamaConfig":
+        """The shape of a Hugging Face decoder ``config.json`` (for FLOP counts and shape checks).
+
+        Raises KeyError or ValueError when the dict is not a Llama-like decoder config.
+        """
+        return cls(dim=c["hidden_size"], n_layers=c["num_hidden_layers"], n_heads=c["num_attention_heads"],
+                   n_kv_heads=c.get("num_key_value_heads") or c["num_attention_heads"],
+                   ffn_dim=c["intermediate_size"], vocab_size=c["vocab_size"], max_seq_len=max_seq_len,
+                   tie_embeddings=bool(c.get("tie_word_embeddings", False)))
+
 
 PRESETS: dict[str, LlamaConfig] = {
     # About 3.4M parameters: trains on two CPU processes in minutes. The vocabulary holds

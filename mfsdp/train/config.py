@@ -76,12 +76,7 @@ def _hf_shape(model: ModelSection, max_seq_len: int) -> LlamaConfig:
              "model directory is needed)")
     c = json.loads(path.read_text())
     try:
-        return LlamaConfig(dim=c["hidden_size"], n_layers=c["num_hidden_layers"],
-                           n_heads=c["num_attention_heads"],
-                           n_kv_heads=c.get("num_key_value_heads") or c["num_attention_heads"],
-                           ffn_dim=c["intermediate_size"], vocab_size=c["vocab_size"],
-                           max_seq_len=max_seq_len,
-                           tie_embeddings=bool(c.get("tie_word_embeddings", False)))
+        return LlamaConfig.from_hf(c, max_seq_len)
     except (KeyError, ValueError) as err:
         raise ConfigError(f"--model.hf {model.hf}: config.json is not a decoder config mfsdp "
                           f"can train ({err})") from None
