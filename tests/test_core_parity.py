@@ -36,8 +36,11 @@ def _train_and_compare(rank, ws, model, ref, opt, steps, mb, bind, device):
         mfsdp.fully_shard_optimizer(model, optim)
     ref_optim = make_optimizer(opt, [p for p in ref.parameters() if p.requires_grad])
     errors, losses = [], []
+    batch = 12
+    # Unequal microbatches would each be weighted 1/mb: a wrong reference, not a wrong library.
+    assert batch % (ws * mb) == 0, f"global batch {batch} does not split into {ws} ranks x {mb} microbatches"
     for step in range(steps):
-        x, y = global_batch(step, 12, 5, model.embed.num_embeddings, device)
+        x, y = global_batch(step, batch, 5, model.embed.num_embeddings, device)
         ref_optim.zero_grad()
         ref_loss = loss_fn(ref(x), y)
         ref_loss.backward()

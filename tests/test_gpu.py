@@ -35,7 +35,7 @@ def test_cuda_parity(cuda_world, kind, delay):
 def test_cuda_parity_2d(kind):
     w = World(4, backend="nccl")
     try:
-        _check(w.run(train_parity, kind=kind, opt="sgd", mb=2, device="cuda", delay=True))
+        _check(w.run(train_parity, kind=kind, opt="sgd", mb=3, device="cuda", delay=True))
     finally:
         w.close()
 
