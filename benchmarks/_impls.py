@@ -21,6 +21,13 @@ something when the model code, data, optimizer and precision are the same for ev
 - ``megatron-fsdp-exp``: ``megatron_fsdp.experimental.fully_shard`` bottom-up with all-Flat
   placements. Version 0.6.1 packs the bf16 parameter grads into a bf16 buffer, so it always
   reduces in bf16, whatever the main-grad dtype.
+
+With ``replicate > 1`` (``--replicate R``) the FSDP implementations run HSDP on an
+``(R, world / R)`` mesh named ``("dp_replicate", "dp_shard")``: sharded within a group of
+``world / R`` ranks, replicated across the ``R`` groups, gradients averaged over all. FSDP2 does this
+from the 2-D mesh, mfsdp from ``Placements.hsdp``, megatron-fsdp experimental from
+``[Replicate, Flat]`` parameter placements. megatron-fsdp v1 needs Megatron-Core's process groups
+for it and is skipped.
 """
 
 from __future__ import annotations
@@ -50,10 +57,27 @@ class Ctx:
     ac: bool
     compile: bool
     lr: float = 1e-4
+    replicate: int = 1              # HSDP replica groups; 1 = plain ZeRO-3 over every rank
+
+    def __post_init__(self):
+        if self.replicate < 1 or self.world_size % self.replicate:
+            raise ValueError(f"--replicate {self.replicate} does not divide the world size "
+                             f"{self.world_size}; pick a divisor (1 = no replication)")
+
+    @property
+    def hsdp(self) -> bool:
+        return self.replicate > 1
 
     def mesh(self):
         from torch.distributed.device_mesh import init_device_mesh
+        if self.hsdp:
+            return init_device_mesh(self.device.type, (self.replicate, self.world_size // self.replicate),
+                                    mesh_dim_names=("dp_replicate", "dp_shard"))
         return init_device_mesh(self.device.type, (self.world_size,), mesh_dim_names=("dp",))
+
+    def layout(self) -> str:
+        """How the ranks are laid out, for the one-line setup description."""
+        return f"HSDP {self.replicate} x {self.world_size // self.replicate}" if self.hsdp else "ZeRO-3"
 
 
 @dataclasses.dataclass
@@ -114,7 +138,7 @@ def build_fsdp2(ctx: Ctx) -> Built:
     model.to_empty(device=ctx.device)
     model.init_weights(buffer_device=ctx.device)
     return Built(model, make_adamw(model.parameters(), ctx), dtype_name(ctx.grad_reduce_dtype),
-                 "torch fully_shard(block) x n_layers + root; fp32 sharded params, "
+                 f"torch fully_shard(block) x n_layers + root, {ctx.layout()}; fp32 sharded params, "
                  f"param_dtype={dtype_name(ctx.compute_dtype)}, "
                  f"reduce_dtype={dtype_name(ctx.grad_reduce_dtype)}")
 
@@ -122,7 +146,8 @@ def build_fsdp2(ctx: Ctx) -> Built:
 def build_mfsdp(ctx: Ctx, double_buffer: bool = False, use_symm_mem: bool = False) -> Built:
     import mfsdp
 
-    placements = mfsdp.Placements.zero3("dp")
+    placements = (mfsdp.Placements.hsdp("dp_replicate", "dp_shard") if ctx.hsdp
+                  else mfsdp.Placements.zero3("dp"))
     policy = mfsdp.MixedPrecisionPolicy(main_params_dtype=torch.float32,
                                         main_grads_dtype=ctx.grad_reduce_dtype)
     mesh = ctx.mesh()
@@ -137,7 +162,8 @@ def build_mfsdp(ctx: Ctx, double_buffer: bool = False, use_symm_mem: bool = Fals
     mfsdp.fully_shard(model, mesh, **options)
     optimizer = mfsdp.fully_shard_optimizer(model, make_adamw(model.parameters(), ctx))
     return Built(model, optimizer, dtype_name(ctx.grad_reduce_dtype),
-                 "mfsdp.fully_shard(embedding, each block, head) + root, Placements.zero3('dp'); "
+                 "mfsdp.fully_shard(embedding, each block, head) + root, "
+                 f"{'Placements.hsdp' if ctx.hsdp else 'Placements.zero3'}; "
                  f"{dtype_name(ctx.compute_dtype)} model, fp32 main params, "
                  f"main grads {dtype_name(ctx.grad_reduce_dtype)}; fully_shard_optimizer"
                  + ("; double_buffer" if double_buffer else "") + ("; use_symm_mem" if use_symm_mem else ""),
@@ -156,6 +182,8 @@ def _import_megatron():
 
 def build_megatron_fsdp(ctx: Ctx) -> Built:
     megatron_fsdp = _import_megatron()
+    if ctx.hsdp:
+        raise Skip("HSDP with megatron-fsdp v1 needs Megatron-Core process groups; use megatron-fsdp-exp")
     model = _model_on_device(ctx, ctx.compute_dtype)
     optimizer = make_adamw(model.parameters(), ctx)
     policy = megatron_fsdp.MixedPrecisionPolicy(main_params_dtype=torch.float32,
@@ -174,8 +202,14 @@ def build_megatron_fsdp_exp(ctx: Ctx) -> Built:
     megatron_fsdp = _import_megatron()
     from megatron_fsdp import experimental as mx
 
-    placements = mx.Placements(dp_axes=["dp"], parameter=[mx.Flat()], gradient=[mx.Flat()],
-                               optimizer=[mx.Flat()])
+    if ctx.hsdp:  # replicated across groups; gradients averaged over the replicas as well
+        avg = mx.Partial(torch.distributed.ReduceOp.AVG)
+        placements = mx.Placements(dp_axes=["dp_replicate", "dp_shard"],
+                                   parameter=[mx.Replicate(), mx.Flat()], gradient=[avg, mx.Flat()],
+                                   optimizer=[mx.Replicate(), mx.Flat()])
+    else:
+        placements = mx.Placements(dp_axes=["dp"], parameter=[mx.Flat()], gradient=[mx.Flat()],
+                                   optimizer=[mx.Flat()])
     policy = megatron_fsdp.MixedPrecisionPolicy(main_params_dtype=torch.float32,
                                                 main_grads_dtype=ctx.grad_reduce_dtype)
     mesh = ctx.mesh()
@@ -187,8 +221,8 @@ def build_megatron_fsdp_exp(ctx: Ctx) -> Built:
     optimizer = make_adamw(model.parameters(), ctx)
     mx.fully_shard_optimizer(optimizer)
     return Built(model, optimizer, "bf16",
-                 "megatron_fsdp.experimental.fully_shard(block) x n_layers + root, all-Flat "
-                 f"placements, main params fp32, main grads {dtype_name(ctx.grad_reduce_dtype)}, "
+                 "megatron_fsdp.experimental.fully_shard(block) x n_layers + root, "
+                 f"{'[Replicate, Flat] (HSDP)' if ctx.hsdp else 'all-Flat'} placements, main params fp32, main grads {dtype_name(ctx.grad_reduce_dtype)}, "
                  "reduce-scatter bf16; experimental.fully_shard_optimizer",
                  {"megatron_fsdp_version": megatron_fsdp.__version__})
 

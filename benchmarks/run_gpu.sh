@@ -16,7 +16,8 @@
 #   BUDGET_S   stop starting new configs when fewer than 60 s of this budget remain (default 540)
 #   PROFILE=0  skip the profiled step (default on: exposed communication, memory by phase)
 #   TRACES=1   keep the chrome traces under $OUT/traces
-#   EXTRA      more throughput.py flags, e.g. "--compile" or "--grad-reduce-dtype bf16"
+#   EXTRA      more throughput.py flags, e.g. "--compile", "--grad-reduce-dtype bf16" or
+#              "--replicate 2" (HSDP: 2 replica groups, each sharding over NPROC/2 GPUs)
 # megatron-fsdp comes from wheels in .whl/ (benchmarks/fetch_wheels.sh; carry .whl to the machine).
 set -o pipefail
 # Never NVLink multicast / NVLS on the shared machines.

@@ -66,6 +66,8 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=10, help="timed steps")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first")
     p.add_argument("--grad-reduce-dtype", choices=sorted(DTYPES), default="fp32")
+    p.add_argument("--replicate", type=int, default=1,
+                   help="HSDP: R replica groups, each sharding over world/R ranks (default 1: ZeRO-3)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16",
                    help="compute dtype (fp32 only to keep CPU smoke runs fast)")
     p.add_argument("--seed", type=int, default=1234)
@@ -83,6 +85,9 @@ def parse_args(argv=None):
     unknown = [i for i in args.impls if i not in BUILDERS]
     if unknown:
         p.error(f"unknown --impl {unknown}; choose from {list(BUILDERS)}")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.replicate < 1 or world % args.replicate:
+        p.error(f"--replicate {args.replicate} does not divide the world size {world}")
     if args.preset not in PRESETS:
         p.error(f"unknown --preset {args.preset!r}; choose from {sorted(PRESETS)}")
     return args
@@ -234,6 +239,7 @@ def run_one(args, impl, device) -> dict:
     cfg = get_config(args.preset, max_seq_len=args.seq)
     rec = {"impl": impl, "preset": args.preset, "world_size": dist.get_world_size(),
            "local_batch": args.local_batch, "seq": args.seq, "ac": args.ac, "compile": args.compile,
+           "replicate": args.replicate,
            **dict.fromkeys(METRICS), "status": "failed",
            "compute_dtype": args.dtype, "grad_reduce_dtype": args.grad_reduce_dtype,
            "warmup_steps": args.warmup, "timed_steps": args.steps,
@@ -244,7 +250,7 @@ def run_one(args, impl, device) -> dict:
     rec["mem_alloc_at_start_gib"] = round(torch.cuda.memory_allocated(device) / GIB, 2) if cuda else None
     ctx = Ctx(cfg=cfg, device=device, world_size=dist.get_world_size(),
               compute_dtype=DTYPES[args.dtype], grad_reduce_dtype=DTYPES[args.grad_reduce_dtype],
-              ac=args.ac, compile=args.compile, lr=args.lr)
+              ac=args.ac, compile=args.compile, lr=args.lr, replicate=args.replicate)
     torch.manual_seed(args.seed)  # same initial weights for every implementation
     t0 = time.perf_counter()
     built = None
@@ -429,7 +435,8 @@ def write_report(args, records, text, identity):
     gpu = "".join(c if c.isalnum() else "-" for c in first.get("gpu", "unknown").lower()
                   .replace("nvidia", "").strip())
     config = (f"{args.preset}-b{args.local_batch}-s{args.seq}{'-ac' * args.ac}"
-              f"{'-compile' * args.compile}-w{first.get('world_size', '?')}")
+              f"{'-compile' * args.compile}-w{first.get('world_size', '?')}"
+              f"{f'-hsdp{args.replicate}' if args.replicate > 1 else ''}")
     day = identity["date_utc"][:10]
     path = Path(args.report_dir) / f"{day}_{gpu}_{config}.md"
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -55,6 +55,30 @@ def test_throughput_smoke_two_ranks(tmp_path):
     assert len(list(tmp_path.glob("*_cpu_tiny-b2-s64-w2.md"))) == 1
 
 
+def test_throughput_hsdp_four_ranks(tmp_path):
+    """--replicate 2 on four ranks: HSDP 2 x 2 for both FSDP implementations, named in the report."""
+    out = tmp_path / "results.jsonl"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+           str(SCRIPT), "--preset", "tiny", "--impl", "mfsdp,fsdp2", "--steps", "2", "--warmup", "1",
+           "--seq", "32", "--local-batch", "2", "--dtype", "fp32", "--replicate", "2",
+           "--out", str(out), "--report-dir", str(tmp_path), "--impl-timeout", "120"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    records = {r["impl"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert records["mfsdp"]["status"] == "ok" and records["fsdp2"]["status"] == "ok", records
+    assert "Placements.hsdp" in records["mfsdp"]["setup"] and "HSDP 2 x 2" in records["fsdp2"]["setup"]
+    assert all(r["replicate"] == 2 and r["world_size"] == 4 and r["loss_finite"] for r in records.values())
+    assert len(list(tmp_path.glob("*_cpu_tiny-b2-s32-w4-hsdp2.md"))) == 1
+
+
+def test_replicate_must_divide_the_world_size():
+    env = dict(os.environ, WORLD_SIZE="4", CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--preset", "tiny", "--replicate", "3"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--replicate 3 does not divide the world size 4" in proc.stderr
+
+
 def test_exposed_comm_from_kernel_intervals(tmp_path, monkeypatch):
     """NCCL time counts as exposed only where no compute-stream kernel runs."""
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))  # trace_breakdown sets nothing on import
