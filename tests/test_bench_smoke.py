@@ -23,17 +23,20 @@ REQUIRED_KEYS = {
 }
 
 
-def test_throughput_smoke_two_ranks(tmp_path):
+def run_tiny(tmp_path, nproc: int, *flags: str) -> tuple[str, dict]:
+    """The tiny preset in fp32 on ``nproc`` gloo ranks; its stdout and its records by impl."""
     out = tmp_path / "results.jsonl"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(SCRIPT), "--preset", "tiny", "--impl", "mfsdp,fsdp2,none", "--steps", "3",
-           "--warmup", "1", "--seq", "64", "--local-batch", "2", "--dtype", "fp32",
-           "--out", str(out), "--report-dir", str(tmp_path), "--impl-timeout", "120"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+           str(SCRIPT), "--preset", "tiny", "--warmup", "1", "--local-batch", "2", "--dtype", "fp32",
+           "--out", str(out), "--report-dir", str(tmp_path), "--impl-timeout", "120", *flags]
     env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout, {r["impl"]: r for r in map(json.loads, out.read_text().splitlines())}
 
-    records = {r["impl"]: r for r in map(json.loads, out.read_text().splitlines())}
+
+def test_throughput_smoke_two_ranks(tmp_path):
+    stdout, records = run_tiny(tmp_path, 2, "--impl", "mfsdp,fsdp2,none", "--steps", "3", "--seq", "64")
     assert set(records) == {"mfsdp", "fsdp2", "none"}
     for impl, rec in records.items():
         assert REQUIRED_KEYS <= rec.keys(), (impl, REQUIRED_KEYS - rec.keys())
@@ -51,21 +54,13 @@ def test_throughput_smoke_two_ranks(tmp_path):
     assert records["fsdp2"]["speed_vs_fsdp2"] == 1.0
     assert records["fsdp2"]["grad_reduce_dtype"] == "fp32"
     assert records["none"]["grad_reduce_dtype"] == "none"
-    assert "| fsdp2 | ok |" in proc.stdout  # the markdown table on rank 0
+    assert "| fsdp2 | ok |" in stdout  # the markdown table on rank 0
     assert len(list(tmp_path.glob("*_cpu_tiny-b2-s64-w2.md"))) == 1
 
 
 def test_throughput_hsdp_four_ranks(tmp_path):
     """--replicate 2 on four ranks: HSDP 2 x 2 for both FSDP implementations, named in the report."""
-    out = tmp_path / "results.jsonl"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-           str(SCRIPT), "--preset", "tiny", "--impl", "mfsdp,fsdp2", "--steps", "2", "--warmup", "1",
-           "--seq", "32", "--local-batch", "2", "--dtype", "fp32", "--replicate", "2",
-           "--out", str(out), "--report-dir", str(tmp_path), "--impl-timeout", "120"]
-    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    records = {r["impl"]: r for r in map(json.loads, out.read_text().splitlines())}
+    _, records = run_tiny(tmp_path, 4, "--impl", "mfsdp,fsdp2", "--steps", "2", "--seq", "32", "--replicate", "2")
     assert records["mfsdp"]["status"] == "ok" and records["fsdp2"]["status"] == "ok", records
     assert "Placements.hsdp" in records["mfsdp"]["setup"] and "HSDP 2 x 2" in records["fsdp2"]["setup"]
     assert all(r["replicate"] == 2 and r["world_size"] == 4 and r["loss_finite"] for r in records.values())
