@@ -30,7 +30,7 @@ OUT=${OUT:-benchmarks/results}
 mkdir -p "$OUT"
 
 if compgen -G ".whl/*.whl" > /dev/null; then
-  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl \
+  python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site:$PYTHONPATH
 fi
 export PYTHONPATH=$PWD:$PYTHONPATH  # mfsdp straight from this tree, no install

@@ -133,3 +133,32 @@ def test_host_overhead_script_runs():
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
     assert [line.split(":")[0] for line in done.stdout.splitlines() if "ms/step" in line] == ["mfsdp", "fsdp2"]
+
+
+def test_scaling_table_efficiency_and_ratios(tmp_path, monkeypatch):
+    """Weak-scaling efficiency against each implementation's smallest size, the reference's ratio
+    against each peer at the same size, repeats pooled by median, and reduce dtypes never pooled."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import scaling
+
+    def rec(impl, ws, tps, dtype="fp32", status="ok"):
+        return {"impl": impl, "world_size": ws, "tokens_per_s_per_gpu": tps, "grad_reduce_dtype": dtype,
+                "status": status, "preset": "1b", "local_batch": 2, "seq": 4096, "ac": False,
+                "compile": False, "replicate": 1}
+
+    rows = [rec("mfsdp", 1, 100.0), rec("mfsdp", 4, 96.0), rec("mfsdp", 4, 98.0), rec("mfsdp", 4, 200.0),
+            rec("fsdp2", 1, 90.0), rec("fsdp2", 4, 80.0), rec("fsdp2", 4, 1.0, status="failed: OOM"),
+            rec("none", 1, 120.0, dtype="none")]
+    path = tmp_path / "results.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    text = scaling.render(scaling.collect(scaling.load([str(path)])), "mfsdp")
+    assert "| mfsdp | 100 (1.000) | 98 (0.980) |" in text      # median of 96, 98, 200
+    assert "| fsdp2 | 90 (1.000) | 80 (0.889) |" in text       # the failed run is not counted
+    assert "| fsdp2 | 1.111 | 1.225 |" in text                 # 100/90 and 98/80
+    assert "none" not in text
+
+    rows.append(rec("mfsdp", 4, 120.0, dtype="bf16"))
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    text = scaling.render(scaling.collect(scaling.load([str(path)])), "mfsdp")
+    assert "| mfsdp (fp32) | 100 (1.000) | 98 (0.980) |" in text
+    assert "| mfsdp (bf16) | – | 120 (1.000) |" in text
