@@ -15,7 +15,7 @@
 #             unsharded state does not fit)
 #   HSDP=R    also run 8b at the largest size as HSDP R x (N/R), into OUT/w<N>-hsdp<R>/
 #   COMPILE=1 also run 8b compiled (fsdp2, mfsdp) at the largest size, into OUT/w<N>-compile/
-#   BUDGET_S  seconds for the whole script (default 570: one device call), shared out evenly
+#   BUDGET_S  seconds for the whole script (default 570: one device call), shared out by configs
 set -o pipefail
 cd "$(dirname "$0")/.."
 T0=$(date +%s)
@@ -30,32 +30,36 @@ for n in ${SIZES:-8 4 2 1}; do
 done
 (( ${#sizes[@]} )) || exit 2
 largest=${sizes[0]}
-runs_left=${#sizes[@]}
-[[ -n $HSDP ]] && runs_left=$((runs_left + 1))
-[[ $COMPILE == 1 ]] && runs_left=$((runs_left + 1))
+configs_of() {  # the configs that run on N GPUs
+  for c in ${CONFIGS:-1b 8b_ac 8b}; do [[ $1 == 1 && $c == 8b ]] || echo "$c"; done
+}
+configs_left=0  # every run gets the budget left in proportion to its number of configs
+for n in "${sizes[@]}"; do configs_left=$((configs_left + $(configs_of "$n" | wc -l))); done
+[[ -n $HSDP ]] && configs_left=$((configs_left + 1))
+[[ $COMPILE == 1 ]] && configs_left=$((configs_left + 1))
 
-one_run() {  # one_run NAME NPROC VAR=VALUE...: one run_gpu.sh call with its share of what is left
-  local name=$1 n=$2; shift 2
+one_run() {  # one_run NAME NPROC CONFIGS VAR=VALUE...: one run_gpu.sh call with its share
+  local name=$1 n=$2 cfgs=$3; shift 3
+  local count; count=$(wc -w <<< "$cfgs")
   local left=$(( BUDGET_S - ($(date +%s) - T0) ))
-  local share=$(( left / runs_left ))
-  runs_left=$((runs_left - 1))
+  local share=$(( left * count / configs_left ))
+  configs_left=$((configs_left - count))
   if (( share < 60 )); then echo "SKIP $name: ${left}s of the budget left"; return; fi
   echo "##### $name: $n GPU(s), ${share}s"
-  env CUDA_VISIBLE_DEVICES="$(seq -s, 0 $((n - 1)))" NPROC="$n" OUT="$OUT/$name" BUDGET_S="$share" "$@" \
-    bash benchmarks/run_gpu.sh
+  env CUDA_VISIBLE_DEVICES="$(seq -s, 0 $((n - 1)))" NPROC="$n" OUT="$OUT/$name" BUDGET_S="$share" \
+    CONFIGS="$cfgs" "$@" bash benchmarks/run_gpu.sh
 }
 
 for n in "${sizes[@]}"; do
-  cfgs=() impls_8b=()
-  for c in ${CONFIGS:-1b 8b_ac 8b}; do [[ $n == 1 && $c == 8b ]] || cfgs+=("$c"); done
+  impls_8b=()
   for i in ${IMPLS//,/ }; do [[ $n == 1 && $i == megatron-fsdp* ]] || impls_8b+=("$i"); done
-  one_run "w$n" "$n" CONFIGS="${cfgs[*]}" IMPLS="$IMPLS" IMPLS_8B="$(IFS=,; echo "${impls_8b[*]}")"
+  one_run "w$n" "$n" "$(configs_of "$n" | xargs)" IMPLS="$IMPLS" IMPLS_8B="$(IFS=,; echo "${impls_8b[*]}")"
 done
 if [[ -n $HSDP ]]; then
-  one_run "w$largest-hsdp$HSDP" "$largest" CONFIGS=8b IMPLS_8B="$IMPLS" EXTRA="$EXTRA --replicate $HSDP"
+  one_run "w$largest-hsdp$HSDP" "$largest" 8b IMPLS_8B="$IMPLS" EXTRA="$EXTRA --replicate $HSDP"
 fi
 if [[ $COMPILE == 1 ]]; then
-  one_run "w$largest-compile" "$largest" CONFIGS=8b IMPLS_8B=fsdp2,mfsdp EXTRA="$EXTRA --compile"
+  one_run "w$largest-compile" "$largest" 8b IMPLS_8B=fsdp2,mfsdp EXTRA="$EXTRA --compile"
 fi
 
 shopt -s nullglob
