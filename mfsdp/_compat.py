@@ -146,3 +146,9 @@ def tree_unflatten(leaves, spec):
     from torch.utils import _pytree
 
     return _pytree.tree_unflatten(leaves, spec)
+
+
+def gpu_spin(cycles: int) -> None:
+    """Keep the current CUDA stream busy for about ``cycles`` clock cycles (tests delay a stream with
+    it, so that a missing wait shows up as wrong numbers)."""
+    torch.cuda._sleep(cycles)

@@ -66,13 +66,14 @@ def _injected_delays(enabled: bool = True):
     """Stall every collective's stream before it runs (its callers already run on that stream):
     a missing wait shows up as wrong numbers instead of passing by luck (GPU only). Restored on
     exit: the worker process serves later cases, which must not inherit (or stack) the stalls."""
+    from mfsdp import _compat
     from mfsdp.runtime import collectives
 
     names = ("all_gather", "reduce_scatter", "all_reduce") if enabled else ()
     originals = {name: getattr(collectives, name) for name in names}
     for name, original in originals.items():
         def delayed(*args, _original=original, **kwargs):
-            torch.cuda._sleep(2_000_000)
+            _compat.gpu_spin(2_000_000)
             return _original(*args, **kwargs)
 
         setattr(collectives, name, delayed)
