@@ -222,7 +222,8 @@ def build_megatron_fsdp_exp(ctx: Ctx) -> Built:
     mx.fully_shard_optimizer(optimizer)
     return Built(model, optimizer, "bf16",
                  "megatron_fsdp.experimental.fully_shard(block) x n_layers + root, "
-                 f"{'[Replicate, Flat] (HSDP)' if ctx.hsdp else 'all-Flat'} placements, main params fp32, main grads {dtype_name(ctx.grad_reduce_dtype)}, "
+                 f"{'[Replicate, Flat] (HSDP)' if ctx.hsdp else 'all-Flat'} placements, main params fp32, "
+                 f"main grads {dtype_name(ctx.grad_reduce_dtype)}, "
                  "reduce-scatter bf16; experimental.fully_shard_optimizer",
                  {"megatron_fsdp_version": megatron_fsdp.__version__})
 
