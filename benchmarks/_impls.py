@@ -12,8 +12,8 @@ something when the model code, data, optimizer and precision are the same for ev
   states), no communication. An upper bound for this model code, not a like-for-like peer.
 - ``fsdp2``: torch's ``fully_shard`` per block then the root, on an fp32 model built on the meta
   device, bf16 compute (``param_dtype``), reduce-scatter in ``--grad-reduce-dtype``.
-- ``mfsdp``: a compute-dtype model built on the device, ``mfsdp.fully_shard`` per block then the
-  root with ZeRO-3 placements, fp32 main weights, main grads in ``--grad-reduce-dtype``.
+- ``mfsdp``: a compute-dtype model built on the device, ``mfsdp.fully_shard`` on the embedding,
+  each block and the head, then the root, with ZeRO-3 placements, fp32 main weights, main grads in ``--grad-reduce-dtype``.
   ``mfsdp-db`` adds persistent gather buffers (``double_buffer``); ``mfsdp-ub`` also registers
   them with NCCL (``use_symm_mem``).
 - ``megatron-fsdp``: ``megatron_fsdp.fully_shard`` (v1) with ``fsdp_unit_modules=[Block]``, ZeRO-3,
@@ -57,12 +57,7 @@ class Ctx:
     ac: bool
     compile: bool
     lr: float = 1e-4
-    replicate: int = 1              # HSDP replica groups; 1 = plain ZeRO-3 over every rank
-
-    def __post_init__(self):
-        if self.replicate < 1 or self.world_size % self.replicate:
-            raise ValueError(f"--replicate {self.replicate} does not divide the world size "
-                             f"{self.world_size}; pick a divisor (1 = no replication)")
+    replicate: int = 1              # HSDP replica groups (a divisor of world_size; 1 = plain ZeRO-3)
 
     @property
     def hsdp(self) -> bool:

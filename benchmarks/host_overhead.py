@@ -19,31 +19,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import mfsdp  # noqa: E402
-from mfsdp.models.llama import Llama, LlamaConfig  # noqa: E402
-from mfsdp.models.parallelize import sharding_units  # noqa: E402
-
-
-def build(impl: str, cfg: LlamaConfig, mesh):
-    """bf16 compute, fp32 main weights and reductions, one unit per block (as in throughput.py)."""
-    if impl == "mfsdp":
-        model = Llama(cfg, dtype=torch.bfloat16)
-        policy = mfsdp.MixedPrecisionPolicy(main_params_dtype=torch.float32, main_grads_dtype=torch.float32)
-        for unit in sharding_units(model):
-            mfsdp.fully_shard(unit, mesh, mixed_precision_policy=policy)
-        mfsdp.fully_shard(model, mesh, mixed_precision_policy=policy)
-        return model, mfsdp.fully_shard_optimizer(model, torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True))
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    model = Llama(cfg)
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for block in model.layers:
-        fully_shard(block, mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+from _impls import BUILDERS, Ctx  # noqa: E402  (the builders throughput.py measures)
+from mfsdp.models.llama import LlamaConfig  # noqa: E402
 
 
 def main() -> None:
@@ -55,13 +34,15 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp",))
     cfg = LlamaConfig(dim=64, n_layers=args.layers, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=256,
                       max_seq_len=32)
     tokens = torch.randint(0, cfg.vocab_size, (1, 16))
     for impl in args.impl.split(","):
         torch.manual_seed(0)
-        model, optimizer = build(impl, cfg, mesh)
+        # bf16 compute, fp32 main weights and reductions, as throughput.py runs them
+        built = BUILDERS[impl](Ctx(cfg, torch.device("cpu"), dist.get_world_size(), torch.bfloat16,
+                                   torch.float32, ac=False, compile=False))
+        model, optimizer = built.model, built.optimizer
 
         def step():
             model(tokens).float().mean().backward()

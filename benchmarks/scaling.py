@@ -18,9 +18,6 @@ import collections
 import json
 import statistics
 
-CONFIG_KEYS = ("preset", "local_batch", "seq", "ac", "compile", "replicate")
-
-
 def config_name(rec: dict) -> str:
     name = f"{rec['preset']}, b={rec['local_batch']}, seq {rec['seq']}"
     name += ", AC" if rec.get("ac") else ""
@@ -46,8 +43,7 @@ def collect(records) -> dict:
     table = collections.defaultdict(lambda: collections.defaultdict(lambda: collections.defaultdict(list)))
     for r in records:
         impl = r["impl"] if len(dtypes[r["impl"]]) == 1 else f"{r['impl']} ({r['grad_reduce_dtype']})"
-        config = config_name({k: r.get(k, 1 if k == "replicate" else None) for k in CONFIG_KEYS})
-        table[config][impl][r["world_size"]].append(r["tokens_per_s_per_gpu"])
+        table[config_name(r)][impl][r["world_size"]].append(r["tokens_per_s_per_gpu"])
     return table
 
 

@@ -33,7 +33,13 @@ def _events(path: str) -> list[dict]:
         e["stream"] = (e.get("args") or {}).get("stream", e.get("tid"))
         e["start"] = float(e["ts"])
         e["end"] = e["start"] + float(e.get("dur", 0))
+        e["nccl"] = "nccl" in e["name"].lower()
     return sorted(events, key=lambda e: e["start"])
+
+
+def comm_streams(events: list[dict]) -> set:
+    """Streams that run any NCCL kernel; every other stream counts as a compute stream."""
+    return {e["stream"] for e in events if e["nccl"]}
 
 
 def busy_time(intervals) -> float:
@@ -53,11 +59,10 @@ def kernel_summary(trace_path: str) -> dict:
     |NCCL u compute| - |compute|. The hidden rest may still slow compute (SM and HBM contention).
     """
     events = _events(trace_path)
-    is_nccl = [("nccl" in e["name"].lower()) for e in events]
-    comm_streams = {e["stream"] for e, n in zip(events, is_nccl) if n}
+    comm = comm_streams(events)
     spans = [(e["start"], e["end"]) for e in events]
-    nccl = [span for span, n in zip(spans, is_nccl) if n]
-    compute = [span for span, e in zip(spans, events) if e["stream"] not in comm_streams]
+    nccl = [(e["start"], e["end"]) for e in events if e["nccl"]]
+    compute = [(e["start"], e["end"]) for e in events if e["stream"] not in comm]
     wall = max(b for _, b in spans) - min(a for a, _ in spans) if spans else 0.0
     us = {"gpu_span_ms": wall, "compute_busy_ms": busy_time(compute), "nccl_busy_ms": busy_time(nccl),
           "exposed_comm_ms": busy_time(nccl + compute) - busy_time(compute),
@@ -86,7 +91,7 @@ def category(name: str) -> str:
 
 def kernel_times(path: str) -> dict:
     events = _events(path)
-    comm = {e["stream"] for e in events if "nccl" in e["name"].lower()}
+    comm = comm_streams(events)
     out: dict = collections.defaultdict(collections.Counter)
     for e in events:
         where = "comm" if e["stream"] in comm else "compute"
