@@ -11,7 +11,7 @@
 #   NPROC      GPUs to use (default: all visible)
 #   CONFIGS    any of "1b 8b_ac 8b" (default "1b 8b_ac"); "tiny" is a CPU dry run of this script
 #   IMPLS      implementations for 1b (default all five); IMPLS_8B for the 8b configs (default all
-#              five on 2+ GPUs; "none,fsdp2,mfsdp" on one GPU, where megatron-fsdp's 18 B/param of
+#              five on 2+ GPUs; on one GPU, IMPLS without megatron-fsdp, whose 18 B/param of
 #              unsharded state cannot fit an 8b model)
 #   BUDGET_S   stop starting new configs when fewer than 60 s of this budget remain (default 540)
 #   PROFILE=0  skip the profiled step (default on: exposed communication, memory by phase)
@@ -38,7 +38,11 @@ export PYTHONPATH=$PWD:$PYTHONPATH  # mfsdp straight from this tree, no install
 NPROC=${NPROC:-$(nvidia-smi -L 2>/dev/null | wc -l)}
 ALL=mfsdp,fsdp2,megatron-fsdp,megatron-fsdp-exp,none
 IMPLS=${IMPLS:-$ALL}
-if (( NPROC >= 2 )); then IMPLS_8B=${IMPLS_8B:-$ALL}; else IMPLS_8B=${IMPLS_8B:-none,fsdp2,mfsdp}; fi
+if (( NPROC >= 2 )); then
+  IMPLS_8B=${IMPLS_8B:-$ALL}
+else
+  IMPLS_8B=${IMPLS_8B:-$(tr , '\n' <<< "$IMPLS" | grep -v '^megatron-fsdp' | paste -sd,)}
+fi
 FLAGS="--out $OUT/results.jsonl --report-dir $OUT $EXTRA"
 [[ ${PROFILE:-1} == 1 ]] && FLAGS="$FLAGS --profile"
 [[ ${TRACES:-0} == 1 ]] && FLAGS="$FLAGS --trace-dir $OUT/traces"

@@ -11,8 +11,8 @@
 #   OUT       results root (default benchmarks/results/scaling): OUT/w<N>/ per size, OUT/scaling.md
 #   SIZES     GPU counts, largest first (default "8 4 2 1"; sizes above the GPUs present are skipped)
 #   CONFIGS   run_gpu.sh configs (default "1b 8b_ac 8b"; on 1 GPU "8b" is dropped: it does not fit)
-#   IMPLS     default fsdp2,mfsdp,megatron-fsdp-exp (on 1 GPU megatron-fsdp is dropped for 8b: its
-#             unsharded state does not fit)
+#   IMPLS     default fsdp2,mfsdp,megatron-fsdp-exp (on 1 GPU run_gpu.sh drops megatron-fsdp for 8b:
+#             its unsharded state does not fit)
 #   HSDP=R    also run 8b at the largest size as HSDP R x (N/R), into OUT/w<N>-hsdp<R>/
 #   COMPILE=1 also run 8b compiled (fsdp2, mfsdp) at the largest size, into OUT/w<N>-compile/
 #   BUDGET_S  seconds for the whole script (default 570: one device call), shared out by configs
@@ -51,9 +51,8 @@ one_run() {  # one_run NAME NPROC CONFIGS VAR=VALUE...: one run_gpu.sh call with
 }
 
 for n in "${sizes[@]}"; do
-  impls_8b=()
-  for i in ${IMPLS//,/ }; do [[ $n == 1 && $i == megatron-fsdp* ]] || impls_8b+=("$i"); done
-  one_run "w$n" "$n" "$(configs_of "$n" | xargs)" IMPLS="$IMPLS" IMPLS_8B="$(IFS=,; echo "${impls_8b[*]}")"
+  impls_8b=$IMPLS; (( n == 1 )) && impls_8b=  # empty: run_gpu.sh's one-GPU default
+  one_run "w$n" "$n" "$(configs_of "$n" | xargs)" IMPLS="$IMPLS" IMPLS_8B="$impls_8b"
 done
 if [[ -n $HSDP ]]; then
   one_run "w$largest-hsdp$HSDP" "$largest" 8b IMPLS_8B="$IMPLS" EXTRA="$EXTRA --replicate $HSDP"
