@@ -7,6 +7,7 @@ import tempfile
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import mfsdp
@@ -163,7 +164,6 @@ def collective_counts(rank, ws, kind, mb):
 
 def cast_gather(rank, ws, coalesce):
     """fp32 shards gathered into bf16 outputs: cast into this rank's block, then gathered in place."""
-    import torch.distributed as dist
     sizes = [3, 5, 1]
     inputs = [torch.randn(n, generator=torch.Generator().manual_seed(10 * rank + i)) for i, n in enumerate(sizes)]
     outputs = [torch.full((ws * n,), float("nan"), dtype=torch.bfloat16) for n in sizes]
@@ -181,7 +181,6 @@ def test_all_gather_casts_in_place(world, coalesce):
 def scatter_blocks(rank, ws):
     """reduce_scatter averages each input over the ranks and keeps this rank's block (on gloo, via
     one all-reduce of the inputs laid end to end)."""
-    import torch.distributed as dist
     sizes = [3, 5, 1]
     make = lambda r: [torch.randn(ws * n, generator=torch.Generator().manual_seed(10 * r + i))  # noqa: E731
                       for i, n in enumerate(sizes)]

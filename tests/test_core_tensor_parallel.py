@@ -9,7 +9,8 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import mfsdp
-from models import Net, full_params, make_placements, max_rel_error, reference_copy, round_to_bf16, step_both
+from models import (Net, full_params, make_placements, max_rel_error, reference_copy, round_to_bf16, shard_net,
+                    step_both)
 
 
 def tp_parity(rank, ws, kind="zero3", steps=3, bf16=False):
@@ -19,15 +20,12 @@ def tp_parity(rank, ws, kind="zero3", steps=3, bf16=False):
         round_to_bf16(model)
     ref = reference_copy(model)
     mesh = init_device_mesh("cpu", (ws // 2, 2), mesh_dim_names=("dp", "tp"))
-    placements = make_placements(kind)
     for block in model.blocks:
         parallelize_module(block, mesh["tp"], {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
     if bf16:
         model.to(torch.bfloat16)
     policy = mfsdp.MixedPrecisionPolicy(main_grads_dtype=torch.float32) if bf16 else None
-    for block in model.blocks:
-        mfsdp.fully_shard(block, mesh, placements, policy)
-    mfsdp.fully_shard(model, mesh, placements, policy)
+    shard_net(model, mesh, make_placements(kind), policy)
     exposed = {n: (tuple(p.device_mesh.mesh_dim_names), [str(pl) for pl in p.placements])
                for n, p in model.named_parameters()}
     optim = mfsdp.fully_shard_optimizer(model, torch.optim.SGD(model.parameters(), lr=0.5))
