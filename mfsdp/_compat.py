@@ -122,19 +122,6 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op, group) 
     _reduce_scatter(output, input, op=op, group=group)
 
 
-def symmetric_memory_module():
-    """torch's symmetric-memory module, or a clear error when this torch or device lacks it."""
-    try:
-        import torch.distributed._symmetric_memory as symm_mem
-    except ImportError as exc:  # pragma: no cover - depends on the torch build
-        raise RuntimeError(
-            "use_symm_mem=True needs torch.distributed._symmetric_memory, which this torch build "
-            "lacks; use use_symm_mem=False"
-        ) from exc
-    return symm_mem
-
-
-
 def tree_flatten(tree):
     """Flatten nested containers of tensors (tuples, lists, dicts, registered outputs)."""
     from torch.utils import _pytree

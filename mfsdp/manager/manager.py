@@ -51,7 +51,6 @@ class NonFiniteGradientError(RuntimeError):
 class _ManagerState:
     def __init__(self, config: MegatronFSDPConfig, mesh, compute_dtype: torch.dtype, groups, slots) -> None:
         self.config = config
-        self.mesh = mesh
         self.compute_dtype = compute_dtype
         self.groups = groups  # [(label, core parameter group, [parameter names])], trainable groups only
         self.slots = slots  # [(module, attr, param, dtype)] as left by parallelize
