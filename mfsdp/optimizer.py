@@ -4,7 +4,10 @@ Elementwise optimizers (SGD, Adam, AdamW: foreach or fused) step directly on the
 parameters. What mfsdp adds around ``step()``:
 
 * before: gradients kept in another dtype than the main weights (``main_grads_dtype``) are
-  upcast, one fused cast per group, because torch's optimizers want matching dtypes;
+  upcast, one fused cast per group, because torch's optimizers want matching dtypes. The sharded
+  parameters of such groups accept a ``.grad`` of any dtype (``grad_dtype = None``), so torch's
+  state-dict helpers can attach main-dtype zeros to a fresh optimizer (see
+  ``_accept_any_grad_dtype``);
 * after: the compute weights are re-derived from the main weights once per group (one fused cast,
   plus the all-gather that rebuilds replicated weights for ZeRO-1/2).
 
@@ -18,6 +21,7 @@ import weakref
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from mfsdp import _compat
@@ -66,6 +70,25 @@ def _free_gradients_on_zero_grad(optimizer: torch.optim.Optimizer, groups: list)
     optimizer.zero_grad = zero_grad_and_free
 
 
+def _accept_any_grad_dtype(params: list) -> None:
+    """Let ``params`` hold a ``.grad`` of any dtype (``grad_dtype = None``).
+
+    Autograd never produces a gradient for a sharded parameter (it produces them for the
+    unsharded ones, which the runtime reduces), so ``grad_dtype`` on a sharded parameter only
+    validates assignments to ``.grad``. Pinned to the main-gradient dtype it rejects the
+    assignments of torch's own helpers: ``get_optimizer_state_dict`` / ``set_optimizer_state_dict``
+    initialise a fresh optimizer by attaching ``torch.zeros_like(param)`` (the main dtype) and
+    stepping. None accepts both those and the runtime's main gradients; the pre-step hook below
+    gives the optimizer main-dtype gradients either way.
+    """
+    for p in params:
+        if p.grad_dtype is None:
+            continue
+        attached, p.grad = p.grad, None  # older torch refuses to change grad_dtype under a grad
+        _compat.set_grad_dtype(p, None)
+        p.grad = attached
+
+
 def fully_shard_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """Register an already-built optimizer with a sharded model; returns the same optimizer.
 
@@ -81,29 +104,31 @@ def fully_shard_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) ->
     if optimizer in _BOUND_OPTIMIZERS:
         return optimizer
     upcast_groups = [g for g in groups if g.requires_grad and g.dtypes.grads != g.dtypes.main]
+    for group in upcast_groups:
+        _accept_any_grad_dtype(group.sharded_params)
     swapped: list[tuple[nn.Parameter, torch.Tensor]] = []
 
     def pre_step(opt, args, kwargs):
         for group in upcast_groups:
-            if group.main_grad is None:
-                continue
-            upcast = group.main_grad.tensor.to(group.dtypes.main)  # one fused cast per group
-            views = group.grad_layout.shards(group.grad_layout.regions(upcast, group.geometry.num_shards),
-                                             group.geometry.shard_index)
-            for p, grad_view in zip(group.sharded_params, views):
-                if p.grad is None:
-                    continue
-                swapped.append((p, p.grad))
-                p.grad = None  # torch refuses to change grad_dtype while a grad is attached
-                _compat.set_grad_dtype(p, None)
-                p.grad = torch.distributed.tensor.DTensor.from_local(
-                    grad_view, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+            main_dtype, fused = group.dtypes.main, None
+            for i, p in enumerate(group.sharded_params):
+                grad = p.grad
+                if grad is None or grad.dtype == main_dtype:
+                    continue  # nothing to step, or already in the optimizer's dtype (state-dict init)
+                if fused is None:
+                    fused = _upcast_main_grad(group)
+                local = grad.to_local() if isinstance(grad, DTensor) else grad
+                if fused and _shares_storage(local, group.main_grad.tensor):
+                    upcast = fused[i]  # the runtime's gradient: a view of the one fused cast
+                else:  # a gradient the user attached: cast on its own
+                    upcast = local.to(main_dtype)
+                swapped.append((p, grad))
+                p.grad = DTensor.from_local(upcast, p.device_mesh, p.placements, run_check=False,
+                                            shape=p.shape, stride=p.stride())
 
     def post_step(opt, args, kwargs):
         while swapped:
             p, original = swapped.pop()
-            p.grad = None
-            _compat.set_grad_dtype(p, original.dtype)
             p.grad = original
         with torch.profiler.record_function("mfsdp::refresh_model_weights"):
             for group in groups:
@@ -115,3 +140,17 @@ def fully_shard_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) ->
     _free_gradients_on_zero_grad(optimizer, groups)
     _BOUND_OPTIMIZERS.add(optimizer)
     return optimizer
+
+
+def _upcast_main_grad(group) -> list:
+    """The group's main gradient cast to the main dtype (one fused cast), as per-parameter shard
+    views; empty when the main gradient holds no storage (nothing the runtime exposed is live)."""
+    if group.main_grad is None or not group.main_grad.is_allocated:
+        return []
+    upcast = group.main_grad.tensor.to(group.dtypes.main)
+    layout, geometry = group.grad_layout, group.geometry
+    return layout.shards(layout.regions(upcast, geometry.num_shards), geometry.shard_index)
+
+
+def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()

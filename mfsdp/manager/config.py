@@ -101,17 +101,17 @@ class MegatronFSDPConfig:
     non-prefetched communication, exactly as ``overlap_grad_reduce=False`` (one core switch)."""
 
     check_for_nan_in_grad: bool = True
-    """Default True. After gradients are reduced (``model.finish_grad_sync()``, called for you before
-    a bound optimizer steps), raise :class:`NonFiniteGradientError` on every rank, naming the
-    optimizer step and the parameter group(s), if any gradient holds NaN or Inf. Cost: one fused
-    check per parameter group (the core's flag over its reduced gradients), one small all-reduce and
-    one host sync per step; the parameters are checked one by one only after a hit. It runs once
-    per optimizer step, where the core's ``CommunicationPolicy.check_finite_gradients`` runs per
-    backward (per microbatch) and cannot name parameters, which ``report_nan_in_param_grad`` needs."""
+    """Default True. The core's NaN/Inf check (``CommunicationPolicy(check_finite_gradients=True)``):
+    once the gradients of a backward are reduced, if any holds NaN or Inf, ``loss.backward()`` raises
+    :data:`~mfsdp.manager.NonFiniteGradientError` (``FloatingPointError``) on every rank, naming the
+    backward and the parameter group(s), before any optimizer can step on it. It runs in every loop,
+    whichever way the optimizer was built (or none). Cost: one fused check per parameter group, one
+    small all-reduce and one host sync per backward."""
 
     report_nan_in_param_grad: bool = False
-    """Default False. Like ``check_for_nan_in_grad`` (and enabled even when that is off), but the
-    error also names every affected parameter."""
+    """Default False. Turns the same check on even when ``check_for_nan_in_grad`` is off (kept for
+    Megatron-FSDP configs). The error names the parameter groups (module and dtype) that hold the
+    NaN or Inf."""
 
     average_in_collective: bool = False
     """Default False. Gradients are the mean over the data-parallel ranks either way. True asks for
@@ -216,7 +216,7 @@ class MegatronFSDPConfig:
 
     @property
     def checks_gradients(self) -> bool:
-        """Whether ``finish_grad_sync`` looks for non-finite gradients."""
+        """Whether the core checks the reduced gradients for NaN/Inf (``check_finite_gradients``)."""
         return self.check_for_nan_in_grad or self.report_nan_in_param_grad
 
 

@@ -54,7 +54,9 @@ def communication_policy(config: MegatronFSDPConfig, sizes: MeshSizes) -> mfsdp.
     makes all communication synchronous (no side streams, no prefetch). ``disable_bucketing``: one
     collective per parameter. ``fsdp_double_buffer``: persistent gather buffers in alternation.
     ``calculate_per_token_loss``: gradients are summed over the
-    data-parallel ranks, i.e. the core's average divided by 1/dp.
+    data-parallel ranks, i.e. the core's average divided by 1/dp. ``check_for_nan_in_grad`` /
+    ``report_nan_in_param_grad``: the core's NaN/Inf check at the end of backward
+    (``check_finite_gradients``), which raises on every rank.
     """
     factor = 1.0
     if config.calculate_per_token_loss and sizes.dp > 1:
@@ -64,6 +66,7 @@ def communication_policy(config: MegatronFSDPConfig, sizes: MeshSizes) -> mfsdp.
         coalesce=not config.disable_bucketing,
         double_buffer=config.fsdp_double_buffer,
         gradient_divide_factor=factor,
+        check_finite_gradients=config.checks_gradients,
     )
 
 

@@ -10,10 +10,14 @@
    policy the overlap / bucketing / loss-scaling flags map to; a model built on the meta device
    is then initialised shard-locally or loaded from a Hugging Face directory, slice by slice;
 5. dress the root: ``dtype`` reports the compute dtype, ``finish_grad_sync`` /
-   ``install_optimized_model_weights`` / ``zero_grad_buffer`` for optimizer-less loops, the gradient
-   scaling and NaN checks, a guard against parameters replaced after wrapping, and a
-   ``load_state_dict`` that accepts full (unsharded) tensors;
-6. bind the optimizer, if one is given, keeping its param groups and settings.
+   ``install_optimized_model_weights`` / ``zero_grad_buffer`` for optimizer-less loops, a guard
+   against parameters replaced after wrapping, and a ``load_state_dict`` that accepts full
+   (unsharded) tensors;
+6. bind the optimizer, if one is given, with the core's ``fully_shard_optimizer``, keeping its param
+   groups and settings.
+
+The end of a step (gradient scaling, the NaN/Inf check) has one path, the core's, whichever way
+the optimizer was built: the config only chooses the core options (``core_options``).
 
 Everything goes through mfsdp's public API; the manager keeps its per-model state in one object
 on the root module, never on Parameters.
@@ -38,18 +42,18 @@ from mfsdp.manager.core_options import (_checkpoint_forward, communication_polic
                                         precision_policy, resolve_unit_modules)
 from mfsdp.manager.mesh import check_config_against_mesh, mesh_sizes
 from mfsdp.manager.tp_plans import apply_tp_plan, select_tp_plan, validate_tp
-from mfsdp.runtime import collectives
-from mfsdp.runtime.parameter_group import local_tensor
 
 logger = logging.getLogger("mfsdp.manager")
 
 
-class NonFiniteGradientError(RuntimeError):
-    """A reduced gradient holds NaN or Inf (raised on every rank)."""
+NonFiniteGradientError = FloatingPointError
+"""What the NaN/Inf check raises on every rank (``check_for_nan_in_grad``): the core's error, raised
+at the end of backward by ``CommunicationPolicy(check_finite_gradients=True)``. Megatron-FSDP's
+name, kept for ``except`` clauses."""
 
 
 class _ManagerState:
-    def __init__(self, config: MegatronFSDPConfig, mesh, compute_dtype: torch.dtype, groups, slots) -> None:
+    def __init__(self, config: MegatronFSDPConfig, compute_dtype: torch.dtype, groups, slots) -> None:
         self.config = config
         self.compute_dtype = compute_dtype
         self.groups = groups  # [(label, core parameter group, [parameter names])], trainable groups only
@@ -57,11 +61,6 @@ class _ManagerState:
         # The checked attributes as (the module's parameter dict, attr, param, dtype): a dict lookup
         # per parameter on every forward instead of nn.Module.__getattr__.
         self.guarded = [(module, module._parameters, attr, param, dtype) for module, attr, param, dtype in slots]
-        # A mesh over every rank: one all-reduce of the default group ORs the NaN flags over it.
-        self.flag_groups = ([None] if mesh.size() == dist.get_world_size()
-                            else [mesh.get_group(d) for d in range(mesh.ndim) if mesh.size(d) > 1])
-        self.step = 0
-        self.synced = False
 
 
 class MegatronFSDPModel:
@@ -71,6 +70,9 @@ class MegatronFSDPModel:
 
         loss.backward(); model.finish_grad_sync(); optimizer.step()
         model.install_optimized_model_weights(); optimizer.zero_grad(); model.zero_grad_buffer()
+
+    With an optimizer bound by ``fully_shard_optimizer`` (or passed to ``parallelize``) the plain
+    ``loss.backward(); optimizer.step(); optimizer.zero_grad()`` does the same.
     """
 
     _mfsdp_manager_state: _ManagerState
@@ -81,19 +83,14 @@ class MegatronFSDPModel:
         return self._mfsdp_manager_state.compute_dtype
 
     def finish_grad_sync(self) -> None:
-        """Finish this step's gradients: the NaN/Inf check (and the step count it reports).
+        """Megatron-FSDP's end-of-step call, kept for its loops; there is nothing left to do here.
 
-        The reductions, with their scaling (mean over dp, or the sum for
-        ``calculate_per_token_loss``), already ran during backward. Call it before clipping
-        gradients; a bound optimizer calls it before stepping if you did not. Once per step.
+        The core finishes every step's gradients at the end of backward, whatever the loop: the
+        reductions with their scaling (mean over dp, or the sum for ``calculate_per_token_loss``:
+        ``CommunicationPolicy.gradient_divide_factor``) and the NaN/Inf check
+        (``check_for_nan_in_grad``: ``CommunicationPolicy.check_finite_gradients``, which raises
+        :data:`NonFiniteGradientError` from ``loss.backward()`` on every rank).
         """
-        state = self._mfsdp_manager_state
-        if state.synced:
-            return
-        if state.config.checks_gradients:
-            _check_finite(state)
-        state.step += 1
-        state.synced = True
 
     def install_optimized_model_weights(self) -> None:
         """Re-derive the compute weights from the main weights the optimizer just updated (the
@@ -102,13 +99,11 @@ class MegatronFSDPModel:
         for _, group, _ in state.groups:
             group.refresh_model_weights()
             group.needs_refresh = False
-        state.synced = False
 
     def zero_grad_buffer(self) -> None:
         """Drop the gradients (the next backward starts from zero)."""
         for p in self.parameters():
             p.grad = None
-        self._mfsdp_manager_state.synced = False
 
     def _apply(self, fn, recurse=True):
         """``to`` / ``float`` / ``cuda`` ...: a no-op for the parameters is fine, a change raises.
@@ -138,30 +133,6 @@ def _param_names(model: nn.Module) -> dict[int, str]:
     return {id(p): n for n, p in model.named_parameters()}
 
 
-def _check_finite(state: _ManagerState) -> None:
-    """One fused NaN/Inf flag per parameter group (the core's), one all-reduce over the mesh, so every
-    rank raises; only after a hit are the individual parameters checked, to name them."""
-    checked = [(label, group, names, group.nonfinite_flag()) for label, group, names in state.groups]
-    checked = [(label, group, names, flag) for label, group, names, flag in checked if flag is not None]
-    if not checked:
-        return
-    bad = collectives.any_rank(torch.stack([flag for *_, flag in checked]), state.flag_groups)
-    if not any(bad):
-        return
-    hit = [(label, group, names) for (label, group, names, _), b in zip(checked, bad) if b]
-    msg = (f"mfsdp: non-finite gradient (NaN or Inf) at step {state.step} in parameter group(s) "
-           f"{', '.join(label for label, _, _ in hit)}")
-    if state.config.report_nan_in_param_grad:
-        grads = [(name, p.grad) for _, group, names in hit for name, p in zip(names, group.sharded_params)
-                 if p.grad is not None]
-        flags = collectives.any_rank(torch.stack([~torch.isfinite(local_tensor(g)).all() for _, g in grads]),
-                                     state.flag_groups)
-        msg += f"; parameters: {', '.join(name for (name, _), b in zip(grads, flags) if b)}"
-    else:
-        msg += " (set report_nan_in_param_grad=True to name the parameters)"
-    raise NonFiniteGradientError(msg)
-
-
 def _make_guard(state: _ManagerState):
     def guard(module, args, kwargs):
         for owner, params, attr, param, dtype in state.guarded:
@@ -171,8 +142,6 @@ def _make_guard(state: _ManagerState):
                     f"parameter {type(owner).__name__}.{attr} was replaced after parallelize (a re-tie, "
                     "load_state_dict(assign=True), or a dtype/device change?); mfsdp trains the parameters it "
                     "sharded. Tie weights and cast before parallelize; load with load_state_dict(assign=False).")
-        if torch.is_grad_enabled():
-            state.synced = False  # a new training forward: this step's gradients are not finished
         return None
 
     return guard
@@ -214,28 +183,13 @@ def _dress_root(model: nn.Module, state: _ManagerState) -> None:
 # ---------------------------------------------------------------------------------- optimizer
 def fully_shard_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer,
                           preproc_state_dict_for_dcp_ckpt: bool = True) -> torch.optim.Optimizer:
-    """Bind an optimizer built on ``model.parameters()`` (after parallelize); returns it.
-
-    Param groups and their settings are kept. For a managed model, the optimizer also finishes
-    the step's gradients (scaling, NaN check) before stepping unless ``finish_grad_sync`` already ran.
+    """Megatron-FSDP's name for :func:`mfsdp.fully_shard_optimizer` (the same binding); returns it.
 
     ``preproc_state_dict_for_dcp_ckpt`` is accepted for compatibility and has nothing to do: mfsdp's
     shards are ``torch.chunk`` blocks, i.e. ordinary evenly-described DTensors that DCP saves and
     loads as they are, so no uneven-shard metadata needs pre-processing.
     """
-    mfsdp.fully_shard_optimizer(model, optimizer)
-    state = getattr(model, "_mfsdp_manager_state", None)
-    if state is not None and not getattr(optimizer, "_mfsdp_manager_hooked", False):
-        def pre_step(opt, args, kwargs):
-            model.finish_grad_sync()
-
-        def post_step(opt, args, kwargs):
-            state.synced = False
-
-        optimizer.register_step_pre_hook(pre_step)
-        optimizer.register_step_post_hook(post_step)
-        optimizer._mfsdp_manager_hooked = True
-    return optimizer
+    return mfsdp.fully_shard_optimizer(model, optimizer)
 
 
 def maybe_shard_optimizer(model_part: nn.Module, optimizer: torch.optim.Optimizer, distributed_config,
@@ -339,8 +293,8 @@ class MegatronFSDPManager:
         ``optimizer`` may be built on the model before this call (it is re-pointed at the sharded
         main weights, keeping its param groups and settings) or be None; then build one on
         ``model.parameters()`` afterwards and either bind it with :func:`fully_shard_optimizer` or
-        drive the loop with ``finish_grad_sync`` / ``install_optimized_model_weights`` /
-        ``zero_grad_buffer``.
+        drive the loop with ``install_optimized_model_weights`` / ``zero_grad_buffer``. Either way the
+        NaN/Inf check and the gradient scaling run in the core, at the end of backward.
 
         A model built on the meta device (``init_fsdp_with_meta_device=True``) gets storage for this
         rank's shards only; then ``hf_path`` (a local HF safetensors directory) is loaded into the
@@ -403,7 +357,7 @@ class MegatronFSDPManager:
         elif on_meta:
             hf_checkpoint.init_weights_shard_local(model, seed=init_seed)
 
-        state = _ManagerState(c, mesh, compute_dtype, _gradient_groups(model), _slots(model))
+        state = _ManagerState(c, compute_dtype, _gradient_groups(model), _slots(model))
         _dress_root(model, state)
         if optimizer is not None:
             _rebind_optimizer(optimizer, old_names, model)
