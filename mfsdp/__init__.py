@@ -16,9 +16,9 @@ from mfsdp.mixed_precision import MixedPrecisionPolicy
 from mfsdp.optimizer import fully_shard_optimizer
 from mfsdp.placement import Placements
 from mfsdp.runtime.context import FsdpContext
-from mfsdp.runtime.indexed_order import IndexedOrder
 from mfsdp.runtime.module import FsdpModule, ModulePhase
 from mfsdp.runtime.parameter_group import FsdpParameterGroup
+from mfsdp.runtime.tag_check import CollectiveMismatchError
 
 __version__ = "0.1.0"
 
@@ -32,6 +32,6 @@ __all__ = [
     "FsdpModule",
     "FsdpContext",
     "FsdpParameterGroup",
-    "IndexedOrder",
     "ModulePhase",
+    "CollectiveMismatchError",
 ]

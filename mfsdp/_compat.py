@@ -40,7 +40,7 @@ def supports_grad_dtype() -> bool:
 
 
 def set_grad_dtype(param: torch.Tensor, dtype) -> None:
-    """Let ``param`` hold a ``.grad`` of ``dtype`` (None: its own dtype). No grad may be attached."""
+    """Let ``param`` hold a ``.grad`` of ``dtype`` (None: any dtype). No grad may be attached."""
     param.grad_dtype = None if dtype is None or dtype == param.dtype else dtype
 
 
@@ -101,6 +101,27 @@ def is_strided_shard(placement) -> bool:
     from torch.distributed.tensor.placement_types import _StridedShard
 
     return isinstance(placement, _StridedShard)
+
+
+def supports_ordered_groups() -> bool:
+    """Whether ``new_group`` can keep a caller-given rank order (``sort_ranks=False``; newer torch)."""
+    import inspect
+
+    return "sort_ranks" in inspect.signature(dist.new_group).parameters
+
+
+def new_ordered_group(ranks):
+    """A process group whose group rank ``i`` is global rank ``ranks[i]``. Like ``new_group``, every
+    rank of the world calls it, with the same list, in the same order."""
+    return dist.new_group(ranks=list(ranks), sort_ranks=False)
+
+
+def local_shape_and_offset(shape, mesh, placements) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """This rank's local shape and global offset of a DTensor of ``shape``, as torch reads the spec."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    local, offset = compute_local_shape_and_global_offset(torch.Size(shape), mesh, placements)
+    return tuple(int(x) for x in local), tuple(int(x) for x in offset)
 
 
 def flatten_mesh(mesh, name=None):

@@ -37,6 +37,12 @@ class CommunicationPolicy:
     gradient_divide_factor: float = 1.0
     """Extra division of gradients after the data-parallel average: e.g. the expert-parallel
     size for experts, or to turn averaged gradients into sums (pass 1 / world size)."""
+    check_collectives: bool = False
+    """Debug mode: before every collective, the ranks of its group exchange a small fingerprint
+    (kind, module, sizes, dtype) and compare them, so ranks about to issue different collectives
+    (which would hang, or mix two modules' data) fail at once with every rank's module and call
+    path. Costs one extra tiny collective and a host sync per collective. The environment variable
+    ``MFSDP_CHECK_COLLECTIVES=1`` turns it on for every module without a code change."""
     check_finite_gradients: bool = False
     """After each backward, one fused check per group; a NaN or Inf raises FloatingPointError on
     every rank, naming the backward count and the group. Costs one tiny all-reduce and a host sync

@@ -6,6 +6,7 @@ import contextlib
 
 from torch import nn
 
+from mfsdp.runtime.context import FsdpContext
 from mfsdp.runtime.module import FsdpModule
 
 
@@ -24,11 +25,7 @@ def microbatch(module: nn.Module, is_last: bool):
     ``is_last=False`` their gradients accumulate locally. Outside any scope every backward counts as
     the last: always correct, with more communication. ``module`` is a root or contains roots.
     """
-    contexts = []
-    for root in _roots(module):
-        if root._context is None:
-            root._lazy_init_context()
-        contexts.append(root.context)
+    contexts = [FsdpContext.ensure(root) for root in _roots(module)]
     previous = [ctx.is_last_microbatch for ctx in contexts]
     for ctx in contexts:
         ctx.is_last_microbatch = bool(is_last)

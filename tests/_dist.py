@@ -22,7 +22,7 @@ import torch.multiprocessing as mp
 _TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
-def _worker(rank: int, world_size: int, backend: str, init_file: str, tasks, results) -> None:
+def _worker(rank: int, world_size: int, backend: str, init_file: str, tasks, results, pg_timeout_s: float) -> None:
     sys.path.insert(0, _TESTS_DIR)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
@@ -33,7 +33,7 @@ def _worker(rank: int, world_size: int, backend: str, init_file: str, tasks, res
         torch.cuda.set_device(rank % torch.cuda.device_count())
     dist.init_process_group(
         backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size,
-        timeout=datetime.timedelta(seconds=90),
+        timeout=datetime.timedelta(seconds=pg_timeout_s),
     )
     while True:
         task = tasks.get()
@@ -49,9 +49,10 @@ def _worker(rank: int, world_size: int, backend: str, init_file: str, tasks, res
 
 
 class World:
-    def __init__(self, world_size: int, backend: str = "gloo") -> None:
+    def __init__(self, world_size: int, backend: str = "gloo", pg_timeout_s: float = 90.0) -> None:
         self.world_size = world_size
         self.backend = backend
+        self.pg_timeout_s = pg_timeout_s  # a collective mismatch fails the case after this long
         self._start()
 
     def _start(self) -> None:
@@ -63,7 +64,7 @@ class World:
         self._results = ctx.Queue()
         self._procs = [
             ctx.Process(target=_worker, args=(r, self.world_size, self.backend, self._init_file,
-                                              self._tasks[r], self._results), daemon=True)
+                                              self._tasks[r], self._results, self.pg_timeout_s), daemon=True)
             for r in range(self.world_size)
         ]
         for p in self._procs:

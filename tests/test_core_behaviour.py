@@ -353,7 +353,7 @@ def test_bf16_resting_memory(world):
     shard_fp32 = 4 * total / 2
     padding = 4 * 4 * 64 * 4  # a row per parameter, generously
     assert at_rest <= shard_fp32 + padding, (at_rest, shard_fp32)
-    assert with_grads > at_rest + 2 * total / 2  # bf16 gradient shards appeared
+    assert with_grads >= at_rest + 2 * total / 2  # bf16 gradient shards appeared (counts live apart, in fp32)
     assert after_zero_grad == at_rest, (after_zero_grad, at_rest)
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from mfsdp.runtime.context import FsdpContext
+from mfsdp.runtime.in_flight import PendingReductions
 from mfsdp.runtime.flat_buffer import FlatLayout, pack_gradients
 
 
@@ -28,24 +28,19 @@ def test_pack_gradients_views_when_it_can_and_copies_when_it_must():
     assert regions[0].is_contiguous() and regions[0].numel() == 12
 
 
-class _Root:
-    pass
-
-
 def test_small_reductions_do_not_wait_on_a_large_pending_one():
-    ctx = FsdpContext(torch.device("cpu"), _Root())
-    pending = ctx._pending_reductions
-    ctx.track_reduction(["head"], nbytes=1000)  # the output head: large
-    ctx.release_finished_reductions(incoming_bytes=10)  # the root's norms: tiny, do not wait
+    pending = PendingReductions(lambda: None)
+    pending.track(None, ["head"], nbytes=1000)  # the output head: large
+    pending.release(incoming_bytes=10)  # the root's norms: tiny, do not wait
     assert len(pending) == 1
-    ctx.track_reduction(["root"], nbytes=10)
-    ctx.release_finished_reductions(incoming_bytes=1)  # two pending: the oldest goes, whatever its size
-    assert [k for _, k, _ in pending] == [["root"]]
-    ctx.release_finished_reductions(incoming_bytes=300)  # a block: 4 x 300 >= what is pending, so wait
+    pending.track(None, ["root"], nbytes=10)
+    pending.release(incoming_bytes=1)  # two pending: the oldest goes, whatever its size
+    assert [r.keep_alive for r in pending] == [["root"]]
+    pending.release(incoming_bytes=300)  # a block: 4 x 300 >= what is pending, so wait
     assert not pending
-    ctx.track_reduction(["block"], nbytes=300)
-    ctx.release_finished_reductions(incoming_bytes=300)  # equal blocks: one pending at a time, as before
+    pending.track(None, ["block"], nbytes=300)
+    pending.release(incoming_bytes=300)  # equal blocks: one pending at a time, as before
     assert not pending
-    ctx.track_reduction(["a"], nbytes=1)
-    ctx.release_finished_reductions()  # end of backward: everything
+    pending.track(None, ["a"], nbytes=1)
+    pending.release()  # end of backward: everything
     assert not pending

@@ -93,23 +93,38 @@ def reduce_scatter(
             for out, inp in zip(outputs, inputs):
                 _compat.reduce_scatter_tensor(out, inp, op, group)
         if op == dist.ReduceOp.SUM:
-            _compat.foreach_div_(list(outputs), float(size))
+            _divide(outputs, size)
 
 
 def _reduce_scatter_by_all_reduce(outputs, inputs, group, size: int) -> None:
-    """gloo's reduce-scatter: one all-reduce over the inputs laid end to end, then each rank keeps
-    its block. gloo runs a coalesced reduce-scatter as one slow operation per tensor (a block of
-    nine tensors: 12 ms against 1.8 ms for this, on two CPU ranks); in host memory the extra bytes
-    of an all-reduce cost less than the per-operation latency."""
-    flat = torch.cat([t.reshape(-1) for t in inputs])
-    dist.all_reduce(flat, group=group)
-    rank, offset, blocks = dist.get_rank(group), 0, []
-    for out, inp in zip(outputs, inputs):
-        n = out.numel()
-        blocks.append(flat[offset + rank * n : offset + (rank + 1) * n])
-        offset += inp.numel()
-    _compat.foreach_copy_(list(outputs), blocks)
-    _compat.foreach_div_(list(outputs), float(size))
+    """gloo's reduce-scatter: one all-reduce over the inputs laid end to end (one per dtype), then
+    each rank keeps its block. gloo runs a coalesced reduce-scatter as one slow operation per tensor
+    (a block of nine tensors: 12 ms against 1.8 ms for this, on two CPU ranks); in host memory the
+    extra bytes of an all-reduce cost less than the per-operation latency."""
+    rank = dist.get_rank(group)
+    pairs = list(zip(outputs, inputs))
+    for dtype in dict.fromkeys(inp.dtype for inp in inputs):
+        batch = [(out, inp) for out, inp in pairs if inp.dtype == dtype]
+        flat = torch.cat([inp.reshape(-1) for _, inp in batch])
+        dist.all_reduce(flat, group=group)
+        offset, blocks = 0, []
+        for out, inp in batch:
+            n = out.numel()
+            blocks.append(flat[offset + rank * n : offset + (rank + 1) * n])
+            offset += inp.numel()
+        _compat.foreach_copy_([out for out, _ in batch], blocks)
+    _divide(outputs, size)
+
+
+def _divide(tensors: Sequence[torch.Tensor], size: int) -> None:
+    """The average after a SUM: integer tensors (usage counts and tags, built to divide exactly)
+    by exact division."""
+    floats = [t for t in tensors if t.is_floating_point()]
+    if floats:
+        _compat.foreach_div_(floats, float(size))
+    for t in tensors:
+        if not t.is_floating_point():
+            t.floor_divide_(size)
 
 
 def any_rank(flags: torch.Tensor, groups: Sequence = (None,)) -> list[bool]:
@@ -134,8 +149,19 @@ def all_reduce(
         if size == 1:
             return
         op = dist.ReduceOp.AVG if _native_average(group) else dist.ReduceOp.SUM
-        with _coalesced(group, len(tensors), coalesce):
-            for t in tensors:
-                dist.all_reduce(t, op=op, group=group)
+        # NCCL coalesces tensors of different dtypes (fp32 usage counts beside bf16 gradients) into
+        # one launch; gloo's coalesced all-reduce wants one dtype, so it gets one launch per dtype.
+        batches = [tensors] if _native_average(group) else _by_dtype(tensors)
+        for batch in batches:
+            with _coalesced(group, len(batch), coalesce):
+                for t in batch:
+                    dist.all_reduce(t, op=op, group=group)
         if op == dist.ReduceOp.SUM:
-            _compat.foreach_div_(list(tensors), float(size))
+            _divide(tensors, size)
+
+
+def _by_dtype(tensors: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
+    batches: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        batches.setdefault(t.dtype, []).append(t)
+    return list(batches.values())

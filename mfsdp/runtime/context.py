@@ -9,45 +9,42 @@ compute stream never waits on a whole stream, only on the event of the module it
   work on the same stream, which is then ordered after that compute: no ``record_stream``, and
   memory is reused deterministically.
 * Gradients produced on the compute stream are packed (cast to the reduction dtype, padded) and
-  reduced on the reduce-scatter stream, so the compute stream spends no time on the copy. Their
-  tensors are kept alive, with the event of their reduction, until the next module's reduction
-  starts; the compute stream waits on that event before dropping them, so the reduction of module
-  ``i`` overlaps the backward of module ``i - 1`` and its inputs are never reused early. A module
-  whose reduction is small next to the pending ones (the root's norms after the output head) does
-  not wait: it would stall compute on a large reduction to free memory it does not need. At most
-  two reductions are pending, so memory stays bounded by the two largest.
+  reduced on the reduce-scatter stream, so the compute stream spends no time on the copy; their
+  inputs stay alive until the compute stream may reuse them (see ``in_flight``).
 * At the end of backward the final callback makes the compute stream wait for the last reduction,
   so the optimizer reads finished gradients.
 
 Trade-off: two streams let all-gathers and reductions overlap each other, at the price of a
 second memory pool; on CPU (gloo) the same calls run synchronously and streams are None.
+
+*When* each collective is issued is the schedule's business (see ``schedule``): the context holds
+the two cursors that walk it, and performs the steps the module hooks signal.
 """
 
 from __future__ import annotations
 
-import collections
 import weakref
 from typing import TYPE_CHECKING, Optional
 
 import torch
 
 from mfsdp import _compat
-from mfsdp.communication import CommunicationPolicy
 from mfsdp.runtime import collectives
 from mfsdp.runtime.gather_slots import GatherSlots
-from mfsdp.runtime.indexed_order import IndexedOrder
+from mfsdp.runtime.in_flight import PendingReductions
+from mfsdp.runtime.ownership import check_parameter_locations
+from mfsdp.runtime.schedule import Schedule, StepKind
+from mfsdp.runtime.tag_check import TagCheck
 
 if TYPE_CHECKING:
     from mfsdp.runtime.module import FsdpModule
 
 
 class FsdpContext:
-    """Runtime stream and prefetch state shared by one FSDP subtree."""
+    """Runtime stream, schedule and cursor state shared by one FSDP subtree."""
 
-    def __init__(
-        self, device: torch.device, root_module: "FsdpModule", policy: Optional[CommunicationPolicy] = None
-    ) -> None:
-        policy = policy or CommunicationPolicy()
+    def __init__(self, device: torch.device, root_module: "FsdpModule", schedule: Schedule) -> None:
+        policy = root_module._communication_policy
         self.device = device
         # Without overlap every collective runs on the compute stream, exactly as on CPU.
         has_streams = device.type == "cuda" and policy.overlap
@@ -59,11 +56,67 @@ class FsdpContext:
         self.backward_count = 0
         self.is_last_microbatch = True
         self._root = weakref.ref(root_module)
-        self.forward_order: IndexedOrder["FsdpModule"] = IndexedOrder()
-        self.backward_order: IndexedOrder["FsdpModule"] = IndexedOrder()
-        self._callback_queued = False
-        self._pending_reductions: collections.deque = collections.deque()  # (event, keep_alive, nbytes)
+        self.schedule = schedule
+        self._forward_issued = 0  # forward positions whose unshard has been issued this pass
+        self._forward_swept = 0  # forward positions the pass has reached or passed
+        self._backward_cursor = 0  # next backward step to perform
+        self._backward_active = False  # between the first backward hook and the final callback
+        self.pending_reductions = PendingReductions(self.current_stream)
         self.gather_slots: Optional[GatherSlots] = None  # persistent gather buffers (double_buffer)
+        self.tag_check = TagCheck(schedule, device, self.current_stream)
+
+    @classmethod
+    def ensure(cls, root: "FsdpModule") -> "FsdpContext":
+        """The root's context, built on its first forward (or first ``microbatch`` scope).
+
+        fully_shard is applied bottom-up, so children exist before their eventual root. The root
+        is therefore resolved lazily, on the first forward through the outermost FsdpModule, and
+        shares one context with every FSDP descendant. Rejected alternatives: eager contexts per
+        fully_shard call (transient child contexts, and every parent re-walks its descendants:
+        quadratic), and an is_root flag on every module (per-module state that must be kept
+        consistent with the final hierarchy).
+        """
+        from mfsdp.runtime.module import FsdpModule
+
+        if root._context is not None:
+            return root._context
+        parent = root._fsdp_parent() if root._fsdp_parent is not None else None
+        if parent is not None:
+            raise RuntimeError(
+                f"{type(root).__name__} ran forward before its FSDP root {type(parent).__name__} ever "
+                "did; run the root module's forward (it calls this one), not a sharded child directly"
+            )
+        modules = [(n, m) for n, m in root.named_modules() if isinstance(m, FsdpModule)]
+        device = next((g.params[0].device for _, m in modules for g in m.parameter_groups), None)
+        if device is None:
+            raise RuntimeError(f"{type(root).__name__}: no parameters under this FSDP root")
+        parent_of = {}
+        for name, module in modules:
+            if module._context is not None:
+                raise RuntimeError(
+                    f"FSDP module {name!r} already ran forward as its own root before {type(root).__name__} "
+                    "was sharded; shard bottom-up and only then run the model"
+                )
+            if module is not root:
+                parent = module._fsdp_parent() if module._fsdp_parent is not None else None
+                if parent is None:
+                    raise RuntimeError(f"FSDP module {name!r} has no FSDP parent under {type(root).__name__}; "
+                                       "apply fully_shard bottom-up, the root last")
+                parent_of[id(module)] = parent
+        ctx = cls(device, root, Schedule([m for _, m in modules], parent_of))
+        for name, module in modules:
+            module._context, module._name = ctx, name
+            for group in module.parameter_groups:
+                group.module_name = name or "<root>"
+                if group.requires_grad:
+                    group.set_reduction_tag(*ctx.schedule.reduction_tags(module, name))
+        check_parameter_locations(root, FsdpModule)
+        if root._communication_policy.double_buffer:
+            # The root keeps its weights from forward into backward, so it never shares a slot.
+            gathered = [g for m in ctx.schedule.forward_modules() if m is not root for g in m.parameter_groups
+                        if g.gather_key() is not None]
+            ctx.gather_slots = GatherSlots.build(gathered, ctx.prefetch_depth, register=root._use_symm_mem)
+        return ctx
 
     @property
     def root_module(self) -> "FsdpModule":
@@ -77,66 +130,106 @@ class FsdpContext:
             return None
         return torch.cuda.current_stream(self.device)
 
-    # ------------------------------------------------------------------ forward / backward edges
+    # ------------------------------------------------------------------------------ forward walk
     def begin_forward(self) -> None:
         """Root pre-forward: communication may read what the optimizer just wrote, and gradients
         the user dropped with ``zero_grad()`` stop occupying memory during forward."""
         current = self.current_stream()
         if current is not None:
             self.allgather_stream.wait_stream(current)
-        for module in self.forward_order:
+        self.tag_check.raise_if_mismatched(wait=False)
+        self._forward_issued = self._forward_swept = 0
+        self._backward_active = False
+        for module in self.schedule.forward_modules():
             for group in module.parameter_groups:
                 if group.requires_grad:
                     group.release_unused_gradient_memory()
 
-    def track_reduction(self, keep_alive: list, nbytes: int) -> None:
-        """Hold the inputs of a reduction just issued until the compute stream may reuse them."""
-        stream = self.reduce_scatter_stream
-        event = stream.record_event() if stream is not None else None
-        self._pending_reductions.append((event, keep_alive, nbytes))
-
-    def release_finished_reductions(self, incoming_bytes: Optional[int] = None) -> None:
-        """Let the compute stream wait for pending reductions and drop their inputs.
-
-        ``incoming_bytes``: the size of the reduction about to be issued; reductions are kept
-        pending while there is only one and it is over 4x that size (see the note above). None
-        releases everything (end of backward).
-        """
-        pending, current = self._pending_reductions, self.current_stream()
-        while pending:
-            if (incoming_bytes is not None and len(pending) < 2
-                    and 4 * incoming_bytes < sum(nbytes for _, _, nbytes in pending)):
-                break
-            event, _, _ = pending.popleft()
-            if event is not None and current is not None:
-                current.wait_event(event)
-
-    def register_post_backward_final_callback(self) -> None:
-        """Queue, once per backward pass, the callback that runs when autograd finishes.
-
-        Root post_backward() means only that root-owned parameters have accumulated gradients;
-        it may run before descendant reductions, or not at all when the root owns no trainable
-        parameters. Waiting at autograd completion orders consumers after every reduction.
-        """
-        if self._callback_queued:
+    def forward_reached(self, module: "FsdpModule") -> None:
+        """``module`` is about to run forward: issue the unshards up to it, in schedule order
+        (gathering and freeing the modules this rank skipped), then prefetch the next ones."""
+        position = self.schedule.forward_position[id(module)]
+        if position < self._forward_swept:  # a repeated or out-of-order call: gather again
+            module._unshard_parameter_groups()
             return
-        self._callback_queued = True
-        _compat.queue_autograd_callback(self._post_backward_final_callback)
+        self._issue_forward_through(position - 1, prefetch=False)
+        self._release_skipped(position)
+        module._unshard_parameter_groups()
+        self._forward_issued = max(self._forward_issued, position + 1)
+        self._issue_forward_through(position + self.prefetch_depth, prefetch=True)
+
+    def end_forward(self) -> None:
+        """Root post-forward: the modules no rank-local call reached still take their turn."""
+        last = self.schedule.num_forward - 1
+        self._issue_forward_through(last, prefetch=False)
+        self._release_skipped(last + 1)
+
+    def _issue_forward_through(self, last: int, prefetch: bool) -> None:
+        last = min(last, self.schedule.num_forward - 1)
+        while self._forward_issued <= last:
+            module = self.schedule.forward_module(self._forward_issued)
+            # A prefetch that must wait for a busy gather slot stops here: later modules may not
+            # gather before it, or the ranks' orders would differ.
+            if not module._unshard_parameter_groups(prefetch=prefetch):
+                return
+            self._forward_issued += 1
+
+    def _release_skipped(self, stop: int) -> None:
+        from mfsdp.runtime.module import ModulePhase
+
+        for position in range(self._forward_swept, stop):
+            module = self.schedule.forward_module(position)
+            if module._phase is ModulePhase.IDLE and module is not self.root_module:
+                module._reshard_parameter_groups()
+        self._forward_swept = max(self._forward_swept, stop)
+
+    # ----------------------------------------------------------------------------- backward walk
+    def backward_reached(self, kind: StepKind, module: "FsdpModule") -> bool:
+        """Perform every backward step up to ``module``'s ``kind`` step; False if already passed."""
+        if not self._backward_active:
+            self._backward_active = True
+            self._backward_cursor = 0
+            _compat.queue_autograd_callback(self._post_backward_final_callback)
+        positions = self.schedule.enter_position if kind is StepKind.ENTER else self.schedule.exit_position
+        target = positions[id(module)]
+        if target < self._backward_cursor:
+            return False
+        self._advance_backward(target, module)
+        return True
+
+    def has_reduced(self, module: "FsdpModule") -> bool:
+        """Whether ``module``'s reduction already ran in the backward now in progress."""
+        return self._backward_active and self._backward_cursor > self.schedule.exit_position[id(module)]
+
+    def _advance_backward(self, target: int, signalled: Optional["FsdpModule"]) -> None:
+        steps = self.schedule.backward
+        while self._backward_cursor <= target:
+            step = steps[self._backward_cursor]
+            self._backward_cursor += 1
+            module = step.module
+            if step.kind is StepKind.ENTER:
+                ran = signalled is not None and self.schedule.is_ancestor_or_self(module, signalled)
+                module._enter_backward(ran)
+                for following in self.schedule.next_in_backward(module, self.prefetch_depth):
+                    if not following._unshard_parameter_groups(prefetch=True):
+                        break
+            else:
+                module._exit_backward()
 
     def _post_backward_final_callback(self) -> None:
         with torch.profiler.record_function("mfsdp::post_backward_final_callback"):
-            self._callback_queued = False
-            for module in self.backward_order:
-                module._finish_backward()  # modules whose reduction no gradient hook triggered
-            self.release_finished_reductions()
+            self._advance_backward(len(self.schedule.backward) - 1, None)  # what no hook reached
+            self._backward_active = False
+            self.pending_reductions.release()
             current = self.current_stream()
             if current is not None:
                 current.wait_stream(self.reduce_scatter_stream)
                 current.wait_stream(self.allgather_stream)
             self.backward_count += 1
-            groups = [g for m in self.backward_order for g in m.parameter_groups if g.requires_grad]
+            groups = [g for m in self.schedule.backward_modules() for g in m.parameter_groups if g.requires_grad]
             for group in groups:
                 group.finalize_gradients()
+            self.tag_check.end_backward(self.backward_count)
             self._check_finite(groups)
 
     def _check_finite(self, groups) -> None:
@@ -145,6 +238,7 @@ class FsdpContext:
         checked = [(g, flag) for g, flag in checked if flag is not None]
         if not checked:
             return
+        self.tag_check.raise_if_mismatched(wait=True)  # this path syncs anyway: name a mismatch first
         flags = collectives.any_rank(torch.stack([flag for _, flag in checked]))
         bad = [g.label for (g, _), f in zip(checked, flags) if f]
         if bad:

@@ -2,18 +2,17 @@
 
 Per module and step::
 
-    pre_forward   unshard (or find it prefetched), wait for its event, prefetch the next module
+    pre_forward   the forward walk reaches the module: unshard (or find it prefetched), wait for its
+                  event, prefetch the next modules
     post_forward  swap the sharded parameters back and release the unsharded storage
-    pre_backward  unshard again (the root kept its storage), prefetch the next in backward order
-    post_backward once every trainable parameter has its gradient: reshard, then reduce
+    pre_backward  a hook on the module's outputs: the backward walk may advance to its ENTER step
+    inputs' grad  the backward of the module's inputs: the walk may advance to its EXIT step
+                  (reshard, then reduce)
 
-[Note: when a module's gradients are reduced]
-The trigger is the seed's: the last post-accumulate-grad hook of the module's trainable
-parameters. A parameter that got no gradient on this rank (a routed expert, an unused branch)
-would stall that trigger, so two fallbacks exist, both at a point every rank reaches in the same
-order: the backward of the module's inputs (just after the module's own backward), and the end of
-autograd for modules without such inputs. A missing gradient then counts as zero, and the
-reduction still runs on every rank, in the same order, so no collective can mismatch.
+Hooks only say how far the walk may go; the walk itself (``FsdpContext``, ``schedule``) performs
+the steps of every module before that point in a static order, so what each rank issues does not
+depend on which modules ran there. Per-parameter gradient hooks record nothing but the misuse of a
+gradient that arrives after its module was reduced.
 """
 
 from __future__ import annotations
@@ -32,24 +31,27 @@ from mfsdp.communication import CommunicationPolicy
 from mfsdp.mixed_precision import MixedPrecisionPolicy
 from mfsdp.placement import Placements
 from mfsdp.runtime.context import FsdpContext
-from mfsdp.runtime.gather_slots import GatherSlots
 from mfsdp.runtime.geometry import ShardGeometry
+from mfsdp.runtime.ownership import collect_owned_parameters, group_parameters
 from mfsdp.runtime.parameter_group import FsdpParameterGroup
-from mfsdp.runtime.ownership import (
-    check_parameter_locations,
-    collect_backward_order,
-    collect_owned_parameters,
-    group_parameters,
-)
 from mfsdp.runtime.registry import GROUP_OF_SHARDED, OWNER_OF_PARAMETER
+from mfsdp.runtime.schedule import StepKind
 
 _CPU_READY = object()  # unshard "event" on devices without streams: the work is already done
+
+_ORDER_HELP = (
+    "mfsdp issues collectives in a static order so that ranks running different modules stay in step: "
+    "each FSDP module may run forward at most once per pass, in the order its parent registers it, and "
+    "backward once per forward, in reverse. Register modules in the order they run, call backward once "
+    "per forward (accumulate with mfsdp.microbatch), and keep a module that is called twice on "
+    "consecutive calls."
+)
 
 
 class ModulePhase(enum.Enum):
     IDLE = "idle"  # between passes; sharded (the root may keep its storage until backward)
     FORWARD = "forward"  # between pre_forward and post_forward
-    BACKWARD = "backward"  # between pre_backward and post_backward (recompute forwards included)
+    BACKWARD = "backward"  # between the ENTER and EXIT steps of the backward walk (recompute included)
 
 
 _TRANSITIONS = {
@@ -59,7 +61,7 @@ _TRANSITIONS = {
 }
 
 
-class _PostBackwardFallback(torch.autograd.Function):
+class _InputsBackward(torch.autograd.Function):
     """Identity on a module's inputs; its backward runs right after the module's own backward."""
 
     @staticmethod
@@ -92,9 +94,7 @@ class FsdpModule:
         self._fsdp_parent: Optional[weakref.ref] = None
         self._phase = ModulePhase.IDLE
         self._unshard_event: Any = None
-        self._ready_grad_parameters: set[int] = set()
-        self._backward_pending = False
-        self._inputs_hooked = 0
+        self._inputs_hooked = 0  # forward calls whose inputs' backward has not run yet
         self._use_symm_mem = use_symm_mem
         self._communication_policy = communication_policy or CommunicationPolicy()
         owned, children = collect_owned_parameters(self, FsdpModule)
@@ -112,7 +112,6 @@ class FsdpModule:
                 OWNER_OF_PARAMETER[orig] = self
                 OWNER_OF_PARAMETER[sharded] = self
                 GROUP_OF_SHARDED[sharded] = group
-        self._num_trainable_parameters = sum(len(g.params) for g in groups if g.requires_grad)
         self._register_hooks()
 
     # ----------------------------------------------------------------------------- properties
@@ -181,19 +180,22 @@ class FsdpModule:
         for group in self._parameter_groups:
             if group.requires_grad:
                 for param in group.params:
-                    param.register_post_accumulate_grad_hook(self._make_grad_hook(ref))
+                    param.register_post_accumulate_grad_hook(self._make_grad_hook(ref, group))
 
     @staticmethod
-    def _make_grad_hook(ref):
+    def _make_grad_hook(ref, group):
         @torch.compiler.disable
         def hook(param: nn.Parameter) -> None:
             module = ref()
-            if module is None:
+            if module is None or module._context is None:
                 return
-            module.context.register_post_backward_final_callback()
-            module._ready_grad_parameters.add(id(param))
-            if module._backward_pending and len(module._ready_grad_parameters) == module._num_trainable_parameters:
-                module.post_backward()
+            ctx = module._context
+            if not ctx.has_reduced(module):
+                return
+            if group.geometry.grad_level > 0 or ctx.is_last_microbatch:  # the reduction read .grad
+                raise RuntimeError(
+                    f"mfsdp: a gradient of {module.name or 'the root'} arrived after its reduction in this "
+                    f"backward; it would be lost. {_ORDER_HELP}")
 
         return hook
 
@@ -210,21 +212,12 @@ class FsdpModule:
 
     # -------------------------------------------------------------------------------- forward
     def pre_forward(self, args=(), kwargs=None):
-        """Prepare full parameters for forward compute and prefetch the next FsdpModule.
-
-        While this module computes, the next module's all-gather is already queued on the
-        all-gather stream, so AG(i+1) overlaps F(i).
-        """
-        if self._context is None:
-            self._lazy_init_context()
-        ctx = self.context
-        recompute = _compat.backward_is_running()
+        """Unshard for forward compute (the walk prefetches the next modules)."""
+        ctx = FsdpContext.ensure(self)
         with record_function(self._nvtx_label("pre_forward")):
-            if recompute:
-                if self._phase is ModulePhase.IDLE:  # reentrant checkpoint: backward starts here
-                    self._enter_backward()
-                    self._backward_pending = True
-                    self._ready_grad_parameters.clear()
+            if _compat.backward_is_running():  # a checkpoint's recompute: backward needs the weights
+                if self._phase is not ModulePhase.BACKWARD:
+                    self._signal_enter_backward()
                 self._unshard_parameter_groups()
                 self._wait_for_unshard()
                 self._use_unsharded_params()
@@ -232,15 +225,12 @@ class FsdpModule:
             if self.is_root():
                 ctx.begin_forward()
             self._set_phase(ModulePhase.FORWARD)
-            self._ready_grad_parameters.clear()
-            self._unshard_parameter_groups()
+            ctx.forward_reached(self)
             self._wait_for_unshard()
-            self._prefetch(ctx.forward_order)
             self._use_unsharded_params()
             if torch.is_grad_enabled():
                 # Every call counts; only calls whose inputs need grad can report their backward,
-                # so the fallback fires only when all calls of this forward have reported. Frozen
-                # modules are hooked too: it is where their backward ends and their weights free.
+                # so the EXIT signal fires only when all calls of this forward have reported.
                 self._inputs_hooked += 1
                 args, kwargs = self._hook_inputs(args, kwargs or {})
         return args, kwargs
@@ -250,20 +240,16 @@ class FsdpModule:
         ctx = self.context
         with record_function(self._nvtx_label("post_forward")):
             if _compat.backward_is_running():  # recompute: backward needs the weights next
-                self._hook_outputs(output)
                 return output
             self._set_phase(ModulePhase.IDLE)
             self._use_sharded_params()
             training = torch.is_grad_enabled()
             if training:
-                self._backward_pending = self._backward_pending or self._num_trainable_parameters > 0
                 self._hook_outputs(output)
+            if self.is_root():
+                ctx.end_forward()
             if not (training and self.is_root()):  # the root keeps its storage for backward
                 self._reshard_parameter_groups()
-            if self.is_root():
-                for module in ctx.forward_order:  # prefetched but never run
-                    if module is not self and module._phase is ModulePhase.IDLE:
-                        module._reshard_parameter_groups()
         return output
 
     def _hook_inputs(self, args, kwargs):
@@ -271,7 +257,7 @@ class FsdpModule:
         positions = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
         if not positions:
             return args, kwargs
-        outs = _PostBackwardFallback.apply(weakref.ref(self), *[flat[i] for i in positions])
+        outs = _InputsBackward.apply(weakref.ref(self), *[flat[i] for i in positions])
         outs = outs if isinstance(outs, tuple) else (outs,)
         for i, t in zip(positions, outs):
             flat[i] = t
@@ -294,76 +280,71 @@ class FsdpModule:
 
     # ------------------------------------------------------------------------------- backward
     def pre_backward(self) -> None:
-        """Prepare full parameters and prefetch the next FsdpModule in backward order."""
-        if self._phase is ModulePhase.BACKWARD:
-            return
-        with record_function(self._nvtx_label("pre_backward")):
-            self._enter_backward()
-            self._unshard_parameter_groups()
-            self._wait_for_unshard()
-            self._prefetch(self.context.backward_order)
-            self._use_unsharded_params()
+        """A gradient reached this module's outputs: the backward walk may enter it."""
+        if self._phase is not ModulePhase.BACKWARD:
+            self._signal_enter_backward()
 
-    def _prefetch(self, order) -> None:
-        """Queue the gathers of the next ``prefetch_depth`` modules in ``order``."""
-        for distance in range(1, self.context.prefetch_depth + 1):
-            following = order.next_after(self, distance)
-            if following is None:
-                break
-            following._unshard_parameter_groups(prefetch=True)
-
-    def _enter_backward(self) -> None:
-        self.context.register_post_backward_final_callback()
-        self._set_phase(ModulePhase.BACKWARD)
-
-    def post_backward(self) -> None:
-        """Reduce gradients and return parameters to their sharded resting state."""
-        with record_function(self._nvtx_label("post_backward")):
-            if self._phase is ModulePhase.BACKWARD:
-                self._set_phase(ModulePhase.IDLE)
-            self._use_sharded_params()
-            self._reshard_parameter_groups()  # free first: the reduction allocates
-            if self._backward_pending:
-                self._backward_pending = False
-                self._reduce_gradient_groups()
+    def _signal_enter_backward(self) -> None:
+        if not self.context.backward_reached(StepKind.ENTER, self):
+            raise RuntimeError(
+                f"mfsdp: {self.name or 'the root'} started its backward after the backward schedule had "
+                f"passed it (its gradients were already reduced, as zeros, in this backward). {_ORDER_HELP}")
 
     def _on_inputs_backward(self) -> None:
         self._inputs_hooked = max(0, self._inputs_hooked - 1)
-        if self._inputs_hooked == 0 and (self._backward_pending or self._phase is ModulePhase.BACKWARD):
-            self.post_backward()  # some parameter got no gradient on this rank, or none is trainable
+        if self._inputs_hooked == 0 and self._phase is ModulePhase.BACKWARD:
+            self.context.backward_reached(StepKind.EXIT, self)
 
-    def _finish_backward(self) -> None:
-        """Final-callback fallback: reduce what no hook reduced, reshard what is left."""
-        self._inputs_hooked = 0
-        if self._backward_pending or self._phase is ModulePhase.BACKWARD:
-            self.post_backward()
-        elif self._unshard_event is not None and self._phase is ModulePhase.IDLE:
-            self._reshard_parameter_groups()
+    def _enter_backward(self, ran: bool) -> None:
+        """The walk's ENTER step: unshard (and, where this rank runs the backward, make the
+        unsharded parameters current). A module this rank skipped is only gathered."""
+        with record_function(self._nvtx_label("pre_backward")):
+            if ran:
+                self._set_phase(ModulePhase.BACKWARD)
+            self._unshard_parameter_groups()
+            if ran:
+                self._wait_for_unshard()
+                self._use_unsharded_params()
+
+    def _exit_backward(self) -> None:
+        """The walk's EXIT step: reshard, then reduce (a missing gradient counts as zero)."""
+        with record_function(self._nvtx_label("post_backward")):
+            if self._phase is ModulePhase.BACKWARD:
+                self._set_phase(ModulePhase.IDLE)
+            self._inputs_hooked = 0
+            self._use_sharded_params()
+            self._reshard_parameter_groups()  # free first: the reduction allocates
+            self._reduce_gradient_groups()
 
     def _reduce_gradient_groups(self) -> None:
         """Pack gradients and immediately launch their reductions."""
+        groups = [g for g in self._parameter_groups if g.requires_grad]
+        if not groups:
+            return
         ctx = self.context
         with record_function(self._nvtx_label("reduce_gradients")):
-            groups = [g for g in self._parameter_groups if g.requires_grad]
             nbytes = sum(g.reduction_nbytes for g in groups)
-            ctx.release_finished_reductions(nbytes)
+            ctx.pending_reductions.release(nbytes)
             keep_alive: list = []
             for group in groups:
-                keep_alive.extend(group.reduce_gradients(ctx.is_last_microbatch, ctx.reduce_scatter_stream))
-            ctx.track_reduction(keep_alive, nbytes)
+                keep_alive.extend(group.reduce_gradients(ctx.is_last_microbatch, ctx.reduce_scatter_stream,
+                                                         ctx.tag_check.record_for(self)))
+            ctx.pending_reductions.track(ctx.reduce_scatter_stream, keep_alive, nbytes)
 
     # ------------------------------------------------------------------------ unshard/reshard
-    def _unshard_parameter_groups(self, prefetch: bool = False) -> None:
-        """Unshard this module's parameter groups on the all-gather stream.
+    def _unshard_parameter_groups(self, prefetch: bool = False) -> bool:
+        """Unshard this module's parameter groups on the all-gather stream; False if a prefetch
+        was declined.
 
         A set ``_unshard_event`` means already unsharded or prefetched: no-op. Otherwise the event
         is recorded after the gather, so compute waits for exactly this module's data. A prefetch
-        whose gather slot is still busy is skipped; the module then gathers just in time.
+        whose gather slot is still busy is declined; the module then gathers just in time (the slot
+        states are the same on every rank at the same point of the walk, so is the decision).
         """
         if self._unshard_event is not None:
-            return
+            return True
         if prefetch and not all(group.can_unshard() for group in self._parameter_groups):
-            return
+            return False
         stream = self.context.allgather_stream
         with record_function(self._nvtx_label("unshard")):
             for group in self._parameter_groups:
@@ -372,6 +353,7 @@ class FsdpModule:
                     group.needs_refresh = False
                 group.unshard(stream)
             self._unshard_event = stream.record_event() if stream is not None else _CPU_READY
+        return True
 
     def _wait_for_unshard(self) -> None:
         event = self._unshard_event
@@ -398,43 +380,3 @@ class FsdpModule:
     def _use_sharded_params(self) -> None:
         for group in self._parameter_groups:
             group.use_sharded_params()
-
-    # ------------------------------------------------------------------------------ lazy root
-    def _lazy_init_context(self) -> None:
-        """Initialize one shared runtime context for this FSDP root subtree.
-
-        fully_shard is applied bottom-up, so children exist before their eventual root. The root
-        is therefore resolved lazily, on the first forward through the outermost FsdpModule, and
-        shares one context with every FSDP descendant. Rejected alternatives: eager contexts per
-        fully_shard call (transient child contexts, and every parent re-walks its descendants:
-        quadratic), and an is_root flag on every module (per-module state that must be kept
-        consistent with the final hierarchy).
-        """
-        parent = self._fsdp_parent() if self._fsdp_parent is not None else None
-        if parent is not None:
-            raise RuntimeError(
-                f"{type(self).__name__} ran forward before its FSDP root {type(parent).__name__} ever "
-                "did; run the root module's forward (it calls this one), not a sharded child directly"
-            )
-        modules = [(n, m) for n, m in self.named_modules() if isinstance(m, FsdpModule)]
-        device = next((g.params[0].device for _, m in modules for g in m._parameter_groups), None)
-        if device is None:
-            raise RuntimeError(f"{type(self).__name__}: no parameters under this FSDP root")
-        ctx = FsdpContext(device, self, self._communication_policy)
-        for name, module in modules:
-            if module._context is not None:
-                raise RuntimeError(
-                    f"FSDP module {name!r} already ran forward as its own root before {type(self).__name__} "
-                    "was sharded; shard bottom-up and only then run the model"
-                )
-            module._context, module._name = ctx, name
-            ctx.forward_order.append(module)
-        collect_backward_order(self, ctx.backward_order, FsdpModule)
-        check_parameter_locations(self, FsdpModule)
-        if self._communication_policy.double_buffer:
-            # The root keeps its weights from forward into backward, so it never shares a slot.
-            gathered = [g for m in ctx.forward_order if m is not self for g in m._parameter_groups
-                        if g.gather_key() is not None]
-            ctx.gather_slots = GatherSlots.build(gathered, ctx.prefetch_depth, register=self._use_symm_mem)
-
-

@@ -8,16 +8,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from mfsdp.runtime.indexed_order import IndexedOrder
 from mfsdp.runtime.registry import OWNER_OF_PARAMETER
-
-def collect_backward_order(module: nn.Module, order: IndexedOrder, fsdp_cls: type) -> None:
-    """Collect FsdpModules in static backward prefetch order: node first, children reversed."""
-    if isinstance(module, fsdp_cls) and module not in order:
-        order.append(module)
-    for child in reversed(list(module.children())):
-        collect_backward_order(child, order, fsdp_cls)
-
 
 def collect_owned_parameters(root: nn.Module, fsdp_cls: type):
     """Parameters under ``root`` not owned by an FSDP descendant, with every place holding each.

@@ -19,19 +19,23 @@ context's business, so every method takes the stream it runs on.
 from __future__ import annotations
 
 import enum
-from typing import Optional
+import math
+import os
+from typing import Callable, Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from mfsdp import _compat
 from mfsdp.communication import CommunicationPolicy
 from mfsdp.mixed_precision import ResolvedDtypes
-from mfsdp.runtime import collectives
+from mfsdp.runtime import collective_check, collectives
 from mfsdp.runtime.collectives import stream_context
 from mfsdp.runtime.flat_buffer import FlatBuffer, FlatLayout, pack_gradients
 from mfsdp.runtime.geometry import ShardGeometry, contiguous_stride, fill_region
+from mfsdp.runtime.tag_check import TAG_COLUMNS
 
 
 class GroupState(enum.Enum):
@@ -60,6 +64,8 @@ class FsdpParameterGroup:
         self.requires_grad = params[0].requires_grad
         self.state = GroupState.SHARDED
         self.needs_refresh = False  # main weights changed since the compute weights were derived
+        self.module_name: Optional[str] = None  # the owning module's name, once its context is built
+        self.check_collectives = policy.check_collectives or os.environ.get("MFSDP_CHECK_COLLECTIVES", "0") not in ("", "0")
         device = params[0].device
         if device.type == "meta":  # built without storage: shards are allocated here, then initialised
             device = geometry.device
@@ -226,22 +232,33 @@ class FsdpParameterGroup:
             else:
                 outs = self.layout.regions(torch.empty(self.layout.numel(g.ways(j)), dtype=out_regions[0].dtype,
                                                        device=regions[0].device), g.ways(j))
-            collectives.all_gather(outs, regions, g.groups[j], stream, self.policy.coalesce)
+            self._collective("all_gather", outs, regions, g.groups[j], stream)
             regions = outs
 
     # -------------------------------------------------------------------------- gradients
     def _init_gradient_state(self, device: torch.device) -> None:
         g, d = self.geometry, self.dtypes
-        # Gradients carry one extra member: per-parameter usage counts (K rows of one entry per
-        # parameter). Reduced like the gradients, they tell every rank whether *any* rank produced
-        # a gradient, so a parameter unused everywhere keeps .grad None, as in plain PyTorch.
-        shapes = [m.shape for m in self.layout.members] + [torch.Size((g.num_shards, len(self.params)))]
-        self.grad_layout = FlatLayout(shapes, g.num_shards)
-        self._all_used = torch.ones(g.num_shards * len(self.params), dtype=d.comm, device=device)
+        n = len(self.params)
+        self.grad_layout = self.layout
+        # Beside the gradients, each reduction carries K rows of per-parameter usage counts and the
+        # reduction tag, as int64 scaled so that every average stays an exact integer (see
+        # ``tag_check``). Reduced with the gradients, the counts tell every rank whether *any* rank
+        # produced a gradient, so a parameter unused everywhere keeps .grad None, as in plain PyTorch.
+        self.usage_layout = FlatLayout([torch.Size((g.num_shards, n + TAG_COLUMNS))], g.num_shards)
+        self._device = device
+        sizes = lambda groups: math.prod(dist.get_world_size(pg) for pg in groups)  # noqa: E731
+        # Each path's scale is the number of ranks it averages over: contributions of ``scale`` per
+        # use stay integers through every average, and end as the count of ranks.
+        self._scale_microbatch = sizes(g.groups[:g.grad_level]) * sizes(g.grad_all_reduce_groups)
+        self._scale_from_raw = sizes(g.groups) * sizes(g.deferred_all_reduce_groups)
+        self._scale_deferred = sizes(g.groups[g.grad_level:]) * sizes(g.deferred_all_reduce_groups)
+        self.set_reduction_tag(1, 1)
         # What one backward's reduction holds: the unsharded gradients in the reduction dtype.
-        self.reduction_nbytes = self.grad_layout.numel(1) * self._all_used.element_size()
+        self.reduction_nbytes = self.layout.numel(1) * d.comm.itemsize + self.usage_layout.numel(1) * 8
         self.main_grad: Optional[FlatBuffer] = None
+        self._usage_main: Optional[torch.Tensor] = None
         self._accum: Optional[FlatBuffer] = None
+        self._usage_accum: Optional[torch.Tensor] = None
         self._accum_empty = True
         self._missing_seen = False  # a parameter lacked a gradient since the last main-grad write
         self.needs_usage_check = False
@@ -251,8 +268,35 @@ class FsdpParameterGroup:
                     f"main_grads_dtype={d.grads} differs from main_params_dtype={d.main}, which "
                     "needs Tensor.grad_dtype (torch >= 2.10); set them equal"
                 )
+            # Autograd never produces a gradient for a sharded parameter, so grad_dtype only checks
+            # assignments: None accepts our main gradient and the main-dtype zeros that torch's
+            # get/set_optimizer_state_dict attach to a fresh optimizer.
             for p in self.sharded_params:
-                _compat.set_grad_dtype(p, d.grads)
+                _compat.set_grad_dtype(p, None)
+
+    def set_reduction_tag(self, position_tag: int, name_tag: int) -> None:
+        """The tags this group's reductions carry: the owning module's place in the backward walk
+        and a hash of its name, each in 1..61 (see ``tag_check``)."""
+        self._tag_values = torch.tensor([position_tag, position_tag ** 2, name_tag, name_tag ** 2],
+                                        dtype=torch.int64, device=self._device)
+        self._usage_inputs: dict[int, torch.Tensor] = {}
+
+    def _usage_input(self, scale: int, missing: list[int]) -> torch.Tensor:
+        """Level-0 usage rows: ``scale`` per parameter that has a gradient, then the scaled tags."""
+        cached = self._usage_inputs.get(scale) if not missing else None
+        if cached is not None:  # a copy: paths without a scatter (DDP) reduce their inputs in place
+            return cached.clone()
+        n, rows = len(self.params), self.geometry.num_shards
+        usage = torch.full((rows, n + TAG_COLUMNS), scale, dtype=torch.int64)
+        usage[:, missing] = 0
+        usage[:, n:] = self._tag_values.cpu() * scale
+        usage = usage.view(-1).to(self._device)
+        if not missing:
+            self._usage_inputs[scale] = usage.clone()
+        return usage
+
+    def _tag_columns(self, usage: torch.Tensor) -> torch.Tensor:
+        return usage.view(-1, len(self.params) + TAG_COLUMNS)[:, len(self.params):]
 
     def release_unused_gradient_memory(self) -> None:
         """Free the main-gradient storage when every ``.grad`` was set to None (``zero_grad()``).
@@ -265,19 +309,22 @@ class FsdpParameterGroup:
                 self.main_grad.release()
 
     def _main_grad_regions(self) -> list[torch.Tensor]:
+        """The optimizer-level gradient regions, then the usage row."""
         g = self.geometry
         if self.main_grad is not None and not self.main_grad.is_allocated:
             self.main_grad.allocate()  # every .grad is None, so the next write overwrites it all
         if self.main_grad is None:
-            self.main_grad = FlatBuffer(self.grad_layout.numel(g.num_shards), self.dtypes.grads,
-                                        self._all_used.device)
+            self.main_grad = FlatBuffer(self.layout.numel(g.num_shards), self.dtypes.grads, self._device)
             self.main_grad.tensor.zero_()
-            regions = self._main_grad_views = self.grad_layout.regions(self.main_grad.tensor, g.num_shards)
+            self._usage_main = torch.zeros(self.usage_layout.numel(g.num_shards), dtype=torch.int64,
+                                           device=self._device)
+            regions = self.layout.regions(self.main_grad.tensor, g.num_shards)
+            self._main_grad_views = regions + [self._usage_main]
             self._grad_dtensors = [
                 DTensor.from_local(local, mesh, placements, run_check=False,
                                    shape=p.shape, stride=contiguous_stride(p.shape))
                 for p, local, (mesh, placements) in zip(
-                    self.params, self.grad_layout.shards(regions, g.shard_index), self._specs)
+                    self.params, self.layout.shards(regions, g.shard_index), self._specs)
             ]
         return self._main_grad_views
 
@@ -301,14 +348,16 @@ class FsdpParameterGroup:
                     mine.to_local().copy_(gr.to_local() if isinstance(gr, DTensor) else gr)
         return regions, False
 
-    def reduce_gradients(self, is_last: bool, stream: Optional[torch.Stream]) -> list[torch.Tensor]:
+    def reduce_gradients(self, is_last: bool, stream: Optional[torch.Stream],
+                         record_tag: Callable[[torch.Tensor, torch.Tensor], None]) -> list[torch.Tensor]:
         """Reduce this backward's gradients; on the last microbatch, finish the deferred axes.
 
         Everything runs on ``stream``, the copy-in too (the bf16 -> fp32 cast of an fp32
         reduction, and padded members): that copy reads and writes 6 bytes per parameter, and on
         the compute stream it would delay the next module's backward by as much. The price is
         that the autograd gradients live until the reduction is done instead of until the copy
-        is queued. Returns the tensors that must stay alive until ``stream`` has finished.
+        is queued. ``record_tag`` receives each finished reduction's tag columns and the expected
+        values. Returns the tensors that must stay alive until ``stream`` has finished.
         """
         g = self.geometry
         if g.grad_level == 0 and not is_last:
@@ -319,31 +368,29 @@ class FsdpParameterGroup:
         if stream is not None:
             stream.wait_stream(torch.accelerator.current_stream(stream.device))  # grads are ready
         with torch.no_grad(), stream_context(stream):
-            keep_alive = self._stage_inputs(grads)
+            keep_alive = self._stage_inputs(grads, self._scale_from_raw if g.grad_level == 0
+                                            else self._scale_microbatch)
             inputs = keep_alive[-1]
             if g.grad_level == 0:
-                self._finish_deferred(inputs, stream)
+                self._finish_deferred(inputs, record_tag)
             else:
-                self._reduce_microbatch(inputs, stream)
+                self._reduce_microbatch(inputs, record_tag)
                 if is_last and g.has_deferred:
-                    self._finish_deferred(None, stream)
+                    self._finish_deferred(None, record_tag)
         return keep_alive
 
-    def _stage_inputs(self, grads: list) -> list:
+    def _stage_inputs(self, grads: list, scale: int) -> list:
         """Level-0 gradient regions in the reduction dtype, plus the usage counts; returns what
         must stay alive (every gradient, read on this stream), the input list last."""
-        keep, inputs = pack_gradients(grads, self.grad_layout.members[:-1], self.dtypes.comm,
-                                      self._all_used.device)
-        present = [i for i, gr in enumerate(grads) if gr is not None]
-        if len(present) == len(grads):
-            inputs.append(self._all_used)
-        else:  # rare: some parameter had no gradient on this rank
-            usage = torch.zeros(self.geometry.num_shards, len(self.params), dtype=self.dtypes.comm)
-            usage[:, present] = 1
-            inputs.append(usage.to(self._all_used.device).view(-1))
-            self._missing_seen = True
+        keep, inputs = pack_gradients(grads, self.layout.members, self.dtypes.comm, self._device)
+        missing = [i for i, gr in enumerate(grads) if gr is None]
+        self._missing_seen = self._missing_seen or bool(missing)  # rare: a parameter had no gradient
+        inputs.append(self._usage_input(scale, missing))
         keep.append(inputs)
         return keep
+
+    def _regions_at(self, ways: int, grads: torch.Tensor, usage: torch.Tensor) -> list[torch.Tensor]:
+        return self.layout.regions(grads, ways) + self.usage_layout.regions(usage, ways)
 
     def _scatter(self, regions, start: int, stop: int, final=None) -> list[torch.Tensor]:
         """Reduce-scatter ``regions`` from level ``start`` to ``stop``; the last lands in ``final``."""
@@ -352,28 +399,32 @@ class FsdpParameterGroup:
             if j == stop - 1 and final is not None:
                 outs = final
             else:
-                buf = torch.empty(self.grad_layout.numel(g.ways(j + 1)), dtype=regions[0].dtype,
-                                  device=regions[0].device)
-                outs = self.grad_layout.regions(buf, g.ways(j + 1))
-            collectives.reduce_scatter(outs, regions, g.groups[j], coalesce=self.policy.coalesce)
+                ways = g.ways(j + 1)
+                outs = self._regions_at(
+                    ways, torch.empty(self.layout.numel(ways), dtype=regions[0].dtype, device=self._device),
+                    torch.empty(self.usage_layout.numel(ways), dtype=torch.int64, device=self._device))
+            self._collective("reduce_scatter", outs, regions, g.groups[j])
             regions = outs
         return regions
 
     def _accumulate(self, target: list[torch.Tensor], overwrite: bool, compute) -> None:
         """``target (+)= compute(...)``, letting the last collective write straight into ``target``
-        when nothing there must be kept and the dtypes agree."""
+        when nothing there must be kept and the dtypes agree. The tag columns are then set, not
+        summed, to what the deferred reduction of ``target`` (if any) must contribute."""
         direct = overwrite and target[0].dtype == self.dtypes.comm
         result = compute(target if direct else None)
         if result is not target:
             (_compat.foreach_copy_ if overwrite else _compat.foreach_add_)(target, result)
+        self._tag_columns(target[-1]).copy_(self._tag_values * self._scale_deferred)
 
-    def _reduce_microbatch(self, inputs, stream) -> None:
+    def _reduce_microbatch(self, inputs, record_tag) -> None:
         g = self.geometry
         if g.has_deferred and g.grad_level < g.num_levels:
+            ways = g.ways(g.grad_level)
             if self._accum is None:
-                self._accum = FlatBuffer(self.grad_layout.numel(g.ways(g.grad_level)), self.dtypes.grads,
-                                         inputs[0].device)
-            target = self.grad_layout.regions(self._accum.tensor, g.ways(g.grad_level))
+                self._accum = FlatBuffer(self.layout.numel(ways), self.dtypes.grads, self._device)
+                self._usage_accum = torch.zeros(self.usage_layout.numel(ways), dtype=torch.int64, device=self._device)
+            target = self._regions_at(ways, self._accum.tensor, self._usage_accum)
             overwrite, self._accum_empty = self._accum_empty, False
         else:
             target, overwrite = self._claim_main_grad()
@@ -381,28 +432,30 @@ class FsdpParameterGroup:
         def compute(final):
             out = self._scatter(inputs, 0, g.grad_level, final)
             for group in g.grad_all_reduce_groups:
-                collectives.all_reduce(out, group, coalesce=self.policy.coalesce)
+                self._collective("all_reduce", out, None, group)
             self._divide(out)
+            record_tag(self._tag_columns(out[-1]), self._tag_values * self._scale_microbatch)
             return out
 
         self._accumulate(target, overwrite, compute)
         if self._accum is None:  # accumulated straight into the main gradient
             self._expose_gradients()
 
-    def _finish_deferred(self, inputs, stream) -> None:
+    def _finish_deferred(self, inputs, record_tag) -> None:
         """Reduce the deferred axes (last microbatch) into the main gradient."""
         g = self.geometry
         start = g.grad_level
         if inputs is None:
             if self._accum is not None:  # HFSDP: from the accumulated gradient shard
-                inputs = self.grad_layout.regions(self._in_comm_dtype(self._accum.tensor), g.ways(start))
+                inputs = self._regions_at(g.ways(start), self._in_comm_dtype(self._accum.tensor), self._usage_accum)
                 self._accum_empty = True
             else:  # the deferred axis is all-reduced in place on the main gradient
                 self._main_grad_regions()
                 flat = self._in_comm_dtype(self.main_grad.tensor)
-                regions = self.grad_layout.regions(flat, g.num_shards)
+                regions = self._regions_at(g.num_shards, flat, self._usage_main)
                 for group in g.deferred_all_reduce_groups:
-                    collectives.all_reduce(regions, group, coalesce=self.policy.coalesce)
+                    self._collective("all_reduce", regions, None, group)
+                record_tag(self._tag_columns(regions[-1]), self._tag_values * self._scale_deferred)
                 if flat is not self.main_grad.tensor:
                     self.main_grad.tensor.copy_(flat)
                 self._expose_gradients()
@@ -410,13 +463,15 @@ class FsdpParameterGroup:
         target, overwrite = self._claim_main_grad()
 
         divide = start == 0  # raw gradients: not divided by a per-microbatch reduction yet
+        scale = self._scale_from_raw if start == 0 else self._scale_deferred
 
         def compute(final):
             out = self._scatter(inputs, start, g.num_levels, final) if g.num_levels > start else inputs
             for group in g.deferred_all_reduce_groups:
-                collectives.all_reduce(out, group, coalesce=self.policy.coalesce)
+                self._collective("all_reduce", out, None, group)
             if divide:
                 self._divide(out)
+            record_tag(self._tag_columns(out[-1]), self._tag_values * scale)
             return out
 
         self._accumulate(target, overwrite, compute)
@@ -448,17 +503,30 @@ class FsdpParameterGroup:
         """A 0-d tensor, nonzero when the reduced gradients hold a NaN or Inf (one fused check)."""
         if self.main_grad is None or not self.main_grad.is_allocated:
             return None
-        return (~torch.isfinite(self.main_grad.tensor)).any()
+        return ~torch.isfinite(self.main_grad.tensor).all()
 
     def finalize_gradients(self) -> None:
         """After the reductions have finished: unused-everywhere parameters keep ``.grad`` None."""
         if not self.needs_usage_check:
             return
         self.needs_usage_check = False
-        counts = self._main_grad_views[-1]
-        used = counts.float().tolist()  # a host sync, on this rare path only
+        used = self._usage_main[: len(self.params)].tolist()  # a host sync, on this rare path only
         for p, grad, count in zip(self.sharded_params, self._grad_dtensors, used):
             p.grad = grad if count > 0 else None
+
+    # -------------------------------------------------------------------------- collectives
+    def _collective(self, kind: str, outputs, inputs, process_group, stream=None) -> None:
+        """Issue one coalesced collective of this group; in debug mode, first check that every rank
+        of ``process_group`` is about to issue the same one (see ``collective_check``)."""
+        if self.check_collectives:
+            collective_check.verify(process_group, kind, self.module_name or self.label,
+                                    outputs if inputs is None else inputs)
+        if kind == "all_gather":
+            collectives.all_gather(outputs, inputs, process_group, stream, self.policy.coalesce)
+        elif kind == "reduce_scatter":
+            collectives.reduce_scatter(outputs, inputs, process_group, coalesce=self.policy.coalesce)
+        else:
+            collectives.all_reduce(outputs, process_group, coalesce=self.policy.coalesce)
 
 
 def local_tensor(param: torch.Tensor) -> torch.Tensor:

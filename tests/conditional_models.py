@@ -1,0 +1,150 @@
+"""Models whose ranks run different modules, and their full-batch reference (conditional computation).
+
+Every model takes ``(tokens, flag)``: ``flag`` decides, per rank and microbatch, whether the
+conditional part runs (an expert, a block, an image encoder). The reference runs the very same
+function on every rank's slices in turn, so sharded training must match it to fp32 rounding.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+import mfsdp
+from models import Block, full_params, global_batch, loss_fn, make_mesh, make_placements, max_rel_error
+
+VARIANTS = ["nested", "nested_equal", "skip_block", "expert_module", "vlm", "vlm_same", "passthrough"]
+
+
+class ExpertBlock(nn.Module):
+    """A block whose main sub-block is its own FSDP unit, plus an expert only some ranks call."""
+
+    def __init__(self, dim: int, hidden: int, expert: str, checkpointing=None) -> None:
+        super().__init__()
+        self.inner = Block(dim, hidden, checkpointing)
+        self.expert = nn.Linear(dim, dim) if expert == "linear" else Block(dim, hidden)
+        self.use_expert = True
+
+    def forward(self, h):
+        h = self.inner(h)
+        return h + self.expert(h) if self.use_expert else h
+
+
+class PassThrough(nn.Module):
+    """A parent that returns its child's output tensor unchanged (hook order follows the child)."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(dim, dim)
+        self.child = ExpertBlock(dim, hidden, "linear")
+
+    def forward(self, h):
+        return self.child(self.lin(h))
+
+
+class CondNet(nn.Module):
+    def __init__(self, variant: str, vocab=13, dim=6, hidden=10, checkpointing=None) -> None:
+        super().__init__()
+        self.variant = variant
+        self.embed = nn.Embedding(vocab, dim)
+        if variant.startswith("vlm"):
+            enc_dim = dim if variant == "vlm_same" else 4
+            enc_hidden = hidden if variant == "vlm_same" else 7
+            self.vision_embed = nn.Embedding(vocab, enc_dim)
+            self.encoder = nn.ModuleList(Block(enc_dim, enc_hidden) for _ in range(2))
+            self.projector = nn.Linear(enc_dim, dim)
+        middle = {
+            "nested": lambda: ExpertBlock(dim, hidden, "linear", checkpointing),
+            "nested_equal": lambda: ExpertBlock(dim, hidden, "block"),
+            "expert_module": lambda: ExpertBlock(dim, hidden, "block"),
+            "passthrough": lambda: PassThrough(dim, hidden),
+        }.get(variant, lambda: Block(dim, hidden, checkpointing))
+        self.blocks = nn.ModuleList([Block(dim, hidden), middle(), Block(dim, hidden)])
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens, flag: bool):
+        h = self.embed(tokens)
+        images = self.variant.startswith("vlm") and flag
+        if images:
+            img = self.vision_embed(tokens[:, :2])
+            for block in self.encoder:
+                img = block(img)
+            h = torch.cat([self.projector(img), h], dim=1)
+        for i, block in enumerate(self.blocks):
+            if self.variant == "skip_block" and i == 1 and flag:
+                continue
+            for m in block.modules():
+                if isinstance(m, ExpertBlock):
+                    m.use_expert = flag
+            h = block(h)
+        if images:
+            h = h[:, 2:]
+        return self.head(self.norm(h))
+
+
+def shard_cond(model: CondNet, mesh, placements, comm=None) -> CondNet:
+    """fully_shard bottom-up: sub-blocks, experts and encoder blocks, then blocks, then the root."""
+    def shard(module):
+        mfsdp.fully_shard(module, mesh, placements, communication_policy=comm)
+
+    for block in model.blocks:
+        for m in reversed(list(block.modules())):  # children before parents
+            if isinstance(m, ExpertBlock):
+                shard(m.inner)
+                if model.variant == "expert_module":
+                    shard(m.expert)
+                if m is not block:
+                    shard(m)
+        shard(block)
+    for block in getattr(model, "encoder", []):
+        shard(block)
+    shard(model)
+    return model
+
+
+PATTERNS = {
+    "even_ranks": lambda step, rank, m: rank % 2 == 0,  # the conditional part runs on even ranks only
+    "sometimes": lambda step, rank, m: rank == 0 and (step + m) % 2 == 0,  # one rank, some steps/microbatches
+}
+
+
+def cond_parity(rank, ws, variants, kind, mb, pattern, comm=None, steps=3, checkpointing=None):
+    """Train each variant sharded and unsharded side by side; returns {variant: (max rel error, loss error)}."""
+    out = {}
+    for variant in variants:
+        torch.manual_seed(0)
+        model = CondNet(variant, checkpointing=checkpointing)
+        ref = copy.deepcopy(model)
+        shard_cond(model, make_mesh(kind, ws), make_placements(kind),
+                   mfsdp.CommunicationPolicy(**comm) if comm else None)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+        uses = PATTERNS[pattern]
+        worst, loss_err = 0.0, 0.0
+        for step in range(steps):
+            x, y = global_batch(step, 2 * ws * mb, 5, 13)
+            ref_loss = 0.0
+            for r in range(ws):
+                for m, (mx, my) in enumerate(zip(x.chunk(ws)[r].chunk(mb), y.chunk(ws)[r].chunk(mb))):
+                    loss = loss_fn(ref(mx, uses(step, r, m)), my) / (ws * mb)
+                    loss.backward()
+                    ref_loss += loss.item()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            total = 0.0
+            for m, (mx, my) in enumerate(zip(x.chunk(ws)[rank].chunk(mb), y.chunk(ws)[rank].chunk(mb))):
+                with mfsdp.microbatch(model, is_last=m == mb - 1):
+                    loss = loss_fn(model(mx, uses(step, rank, m)), my) / mb
+                    loss.backward()
+                total += loss.item()
+            opt.step()
+            opt.zero_grad()
+            t = torch.tensor([total / ws])
+            torch.distributed.all_reduce(t)
+            loss_err = max(loss_err, abs(float(t) - ref_loss) / abs(ref_loss))
+            worst = max(worst, max_rel_error(full_params(model), full_params(ref)))
+        out[variant] = (worst, loss_err)
+    return out

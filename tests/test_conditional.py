@@ -1,0 +1,154 @@
+"""Conditional computation: ranks run different modules, and training still matches an unsharded
+reference on the full batch (CPU, gloo). Each world has a short process-group timeout, so a
+regression to a hang fails within seconds instead of stalling CI."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch import nn
+
+import mfsdp
+from _dist import World
+from conditional_models import VARIANTS, CondNet, cond_parity, shard_cond
+from models import Block, global_batch, loss_fn, make_mesh, make_placements
+
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def cworld():
+    cache: dict[int, World] = {}
+
+    def get(n: int) -> World:
+        if n not in cache:
+            cache[n] = World(n, pg_timeout_s=20)
+        return cache[n]
+
+    yield get
+    for w in cache.values():
+        w.close()
+
+
+def _check(result):
+    for variant, (err, loss_err) in result.items():
+        assert err < TOL and loss_err < TOL, (variant, err, loss_err)
+
+
+@pytest.mark.parametrize("kind", ["zero3", "zero2", "zero1", "ddp"])
+@pytest.mark.parametrize("mb", [1, 2])
+def test_every_variant_two_ranks(cworld, kind, mb):
+    _check(cworld(2).run(cond_parity, timeout=120, variants=VARIANTS, kind=kind, mb=mb, pattern="even_ranks")[0])
+
+
+@pytest.mark.parametrize("kind", ["zero3", "hsdp", "zero2", "ddp"])
+def test_every_variant_four_ranks(cworld, kind):
+    _check(cworld(4).run(cond_parity, timeout=180, variants=VARIANTS, kind=kind, mb=2, pattern="even_ranks")[0])
+
+
+@pytest.mark.parametrize("kind", ["zero3", "zero1"])
+def test_used_in_some_steps_and_microbatches_only(cworld, kind):
+    _check(cworld(2).run(cond_parity, timeout=120, variants=["nested", "expert_module", "skip_block", "vlm"],
+                         kind=kind, mb=2, pattern="sometimes", steps=4)[0])
+
+
+@pytest.mark.parametrize("comm", [dict(overlap=False), dict(prefetch_depth=2), dict(double_buffer=True)])
+def test_communication_options(cworld, comm):
+    _check(cworld(2).run(cond_parity, timeout=120, variants=["nested", "skip_block", "passthrough"],
+                         kind="zero3", mb=2, pattern="even_ranks", comm=comm)[0])
+
+
+@pytest.mark.parametrize("ckpt", ["reentrant", "nonreentrant"])
+def test_activation_checkpointing(cworld, ckpt):
+    _check(cworld(2).run(cond_parity, timeout=120, variants=["nested", "skip_block"], kind="zero3", mb=2,
+                         pattern="even_ranks", checkpointing=ckpt)[0])
+
+
+# ------------------------------------------------------------------------------ mismatches
+class _Renamed(nn.Module):
+    """The same shapes as CondNet("skip_block") under other attribute names: a rank that built a
+    different tree (a rank-dependent config, say)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(13, 6)
+        self.layers = nn.ModuleList(Block(6, 10) for _ in range(3))
+        self.norm = nn.LayerNorm(6)
+        self.head = nn.Linear(6, 13, bias=False)
+
+    def forward(self, tokens, flag=True):
+        h = self.embed(tokens)
+        for block in self.layers:
+            h = block(h)
+        return self.head(self.norm(h))
+
+
+def desynchronized(rank, ws, mode, renamed):
+    """Rank 1 builds a differently named tree, or one whose block 1 has another size; returns the
+    error each rank saw."""
+    torch.manual_seed(0)
+    comm = mfsdp.CommunicationPolicy(check_collectives=mode == "policy")
+    previous = os.environ.get("MFSDP_CHECK_COLLECTIVES")
+    if mode == "env":
+        os.environ["MFSDP_CHECK_COLLECTIVES"] = "1"
+    try:
+        mesh = make_mesh("zero3", ws)
+        if rank == 1 and renamed:
+            model = _Renamed()
+            for block in model.layers:
+                mfsdp.fully_shard(block, mesh, communication_policy=comm)
+            mfsdp.fully_shard(model, mesh, communication_policy=comm)
+        else:
+            model = CondNet("skip_block")
+            if rank == 1:
+                model.blocks[1] = Block(6, 12)
+            shard_cond(model, mesh, make_placements("zero3"), comm)
+        x, y = global_batch(0, 2 * ws, 5, 13)
+        try:
+            loss_fn(model(x.chunk(ws)[rank], False), y.chunk(ws)[rank]).backward()
+        except mfsdp.CollectiveMismatchError as err:
+            return str(err)
+        return None
+    finally:
+        if previous is None:
+            os.environ.pop("MFSDP_CHECK_COLLECTIVES", None)
+        else:
+            os.environ["MFSDP_CHECK_COLLECTIVES"] = previous
+
+
+def test_reduction_tags_name_the_mismatched_modules(cworld):
+    errors = cworld(2).run(desynchronized, timeout=60, mode="off", renamed=True)
+    assert all(e is not None and "collective mismatch in backward" in e for e in errors), errors
+    assert "blocks.1" in errors[0] and "layers.1" in errors[1], errors
+    assert "MFSDP_CHECK_COLLECTIVES" in errors[0]
+
+
+@pytest.mark.parametrize("mode", ["policy", "env"])
+def test_debug_mode_stops_a_size_mismatch_at_once(cworld, mode):
+    # Block 1 differs in size on rank 1: without the check this hangs (NCCL) or aborts unnamed (gloo).
+    errors = cworld(2).run(desynchronized, timeout=60, mode=mode, renamed=False)
+    for e in errors:
+        assert e is not None and "about to issue different collectives" in e, errors
+        assert "rank 0: all_gather of 'blocks.1': 68 elements" in e, e  # this rank's shard of each
+        assert "rank 1: all_gather of 'blocks.1': 81 elements" in e, e
+        assert "test_conditional.py" in e and "in pre_hook" in e  # the user's code, then mfsdp's hook
+
+
+def late_backward(rank, ws):
+    """Two forwards, one backward: the first forward's gradients would arrive after their reduction."""
+    torch.manual_seed(0)
+    model = shard_cond(CondNet("skip_block"), make_mesh("zero3", ws), make_placements("zero3"))
+    x, y = global_batch(0, 2 * ws, 5, 13)
+    loss = loss_fn(model(x, False), y) + loss_fn(model(x, False), y)
+    try:
+        loss.backward()
+    except RuntimeError as err:
+        return str(err)
+    return None
+
+
+def test_a_backward_out_of_schedule_is_a_named_error(cworld):
+    errors = cworld(2).run(late_backward, timeout=60)
+    assert all(e and "mfsdp:" in e and "static order" in e for e in errors), errors
