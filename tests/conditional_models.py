@@ -111,21 +111,30 @@ PATTERNS = {
 }
 
 
-def cond_parity(rank, ws, variants, kind, mb, pattern, comm=None, steps=3, checkpointing=None):
-    """Train each variant sharded and unsharded side by side; returns {variant: (max rel error, loss error)}."""
+def cond_parity(rank, ws, variants, kind, mb, pattern, comm=None, steps=3, checkpointing=None, device="cpu",
+                delay=False):
+    """Train each variant sharded and unsharded side by side; returns {variant: (max rel error, loss error)}.
+    ``delay`` stalls every collective's stream first (CUDA), so a missing wait shows as wrong numbers."""
+    from test_core_parity import _injected_delays
+
+    with _injected_delays(delay):
+        return _cond_parity(rank, ws, variants, kind, mb, pattern, comm, steps, checkpointing, device)
+
+
+def _cond_parity(rank, ws, variants, kind, mb, pattern, comm, steps, checkpointing, device):
     out = {}
     for variant in variants:
         torch.manual_seed(0)
-        model = CondNet(variant, checkpointing=checkpointing)
+        model = CondNet(variant, checkpointing=checkpointing).to(device)
         ref = copy.deepcopy(model)
-        shard_cond(model, make_mesh(kind, ws), make_placements(kind),
+        shard_cond(model, make_mesh(kind, ws, device), make_placements(kind),
                    mfsdp.CommunicationPolicy(**comm) if comm else None)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
         ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
         uses = PATTERNS[pattern]
         worst, loss_err = 0.0, 0.0
         for step in range(steps):
-            x, y = global_batch(step, 2 * ws * mb, 5, 13)
+            x, y = global_batch(step, 2 * ws * mb, 5, 13, device)
             ref_loss = 0.0
             for r in range(ws):
                 for m, (mx, my) in enumerate(zip(x.chunk(ws)[r].chunk(mb), y.chunk(ws)[r].chunk(mb))):
@@ -142,7 +151,7 @@ def cond_parity(rank, ws, variants, kind, mb, pattern, comm=None, steps=3, check
                 total += loss.item()
             opt.step()
             opt.zero_grad()
-            t = torch.tensor([total / ws])
+            t = torch.tensor([total / ws], device=device)
             torch.distributed.all_reduce(t)
             loss_err = max(loss_err, abs(float(t) - ref_loss) / abs(ref_loss))
             worst = max(worst, max_rel_error(full_params(model), full_params(ref)))

@@ -152,3 +152,4 @@ def late_backward(rank, ws):
 def test_a_backward_out_of_schedule_is_a_named_error(cworld):
     errors = cworld(2).run(late_backward, timeout=60)
     assert all(e and "mfsdp:" in e and "static order" in e for e in errors), errors
+

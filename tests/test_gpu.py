@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -231,6 +233,7 @@ def memory_against_analytic_and_fsdp2(rank, ws):
     root = sum(p.numel() for p in net.parameters()) - sum(blocks)  # embedding, norm and head
     out["largest_unit_params"] = max(blocks + [root])
     del net, opt
+    gc.collect()  # mfsdp's model has reference cycles: free it now, not during FSDP2's measured steps
     torch.cuda.empty_cache()
     # Activations: what the unsharded bf16 model's step holds beyond its weights, on the same batch
     # (it includes whatever bf16 gradients exist at that peak, so it errs on the generous side).

@@ -29,18 +29,18 @@ def test_pack_gradients_views_when_it_can_and_copies_when_it_must():
 
 
 def test_small_reductions_do_not_wait_on_a_large_pending_one():
-    pending = PendingReductions(lambda: None)
+    pending = PendingReductions()
     pending.track(None, ["head"], nbytes=1000)  # the output head: large
-    pending.release(incoming_bytes=10)  # the root's norms: tiny, do not wait
+    pending.release(None, incoming_bytes=10)  # the root's norms: tiny, do not wait
     assert len(pending) == 1
     pending.track(None, ["root"], nbytes=10)
-    pending.release(incoming_bytes=1)  # two pending: the oldest goes, whatever its size
+    pending.release(None, incoming_bytes=1)  # two pending: the oldest goes, whatever its size
     assert [r.keep_alive for r in pending] == [["root"]]
-    pending.release(incoming_bytes=300)  # a block: 4 x 300 >= what is pending, so wait
+    pending.release(None, incoming_bytes=300)  # a block: 4 x 300 >= what is pending, so wait
     assert not pending
     pending.track(None, ["block"], nbytes=300)
-    pending.release(incoming_bytes=300)  # equal blocks: one pending at a time, as before
+    pending.release(None, incoming_bytes=300)  # equal blocks: one pending at a time, as before
     assert not pending
     pending.track(None, ["a"], nbytes=1)
-    pending.release()  # end of backward: everything
+    pending.release(None)  # end of backward: everything
     assert not pending

@@ -149,9 +149,9 @@ def all_reduce(
         if size == 1:
             return
         op = dist.ReduceOp.AVG if _native_average(group) else dist.ReduceOp.SUM
-        # NCCL coalesces tensors of different dtypes (fp32 usage counts beside bf16 gradients) into
-        # one launch; gloo's coalesced all-reduce wants one dtype, so it gets one launch per dtype.
-        batches = [tensors] if _native_average(group) else _by_dtype(tensors)
+        # Coalesced all-reduces want one dtype (NCCL and gloo both check): the int64 usage counts
+        # beside the gradients get a launch of their own. Reduce-scatters mix dtypes in one launch.
+        batches = _by_dtype(tensors)
         for batch in batches:
             with _coalesced(group, len(batch), coalesce):
                 for t in batch:

@@ -61,9 +61,9 @@ class FsdpContext:
         self._forward_swept = 0  # forward positions the pass has reached or passed
         self._backward_cursor = 0  # next backward step to perform
         self._backward_active = False  # between the first backward hook and the final callback
-        self.pending_reductions = PendingReductions(self.current_stream)
+        self.pending_reductions = PendingReductions()
         self.gather_slots: Optional[GatherSlots] = None  # persistent gather buffers (double_buffer)
-        self.tag_check = TagCheck(schedule, device, self.current_stream)
+        self.tag_check = TagCheck(schedule, device)
 
     @classmethod
     def ensure(cls, root: "FsdpModule") -> "FsdpContext":
@@ -220,7 +220,7 @@ class FsdpContext:
         with torch.profiler.record_function("mfsdp::post_backward_final_callback"):
             self._advance_backward(len(self.schedule.backward) - 1, None)  # what no hook reached
             self._backward_active = False
-            self.pending_reductions.release()
+            self.pending_reductions.release(self.current_stream())
             current = self.current_stream()
             if current is not None:
                 current.wait_stream(self.reduce_scatter_stream)
@@ -229,7 +229,7 @@ class FsdpContext:
             groups = [g for m in self.schedule.backward_modules() for g in m.parameter_groups if g.requires_grad]
             for group in groups:
                 group.finalize_gradients()
-            self.tag_check.end_backward(self.backward_count)
+            self.tag_check.end_backward(self.backward_count, current)
             self._check_finite(groups)
 
     def _check_finite(self, groups) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
@@ -30,8 +30,7 @@ class InFlightReduction:
 class PendingReductions:
     """The reductions of one context whose inputs the compute stream has not released yet."""
 
-    def __init__(self, current_stream: Callable[[], Optional[torch.Stream]]) -> None:
-        self._current_stream = current_stream
+    def __init__(self) -> None:
         self._pending: collections.deque[InFlightReduction] = collections.deque()
 
     def __len__(self) -> int:
@@ -45,14 +44,14 @@ class PendingReductions:
         event = stream.record_event() if stream is not None else None
         self._pending.append(InFlightReduction(event, keep_alive, nbytes))
 
-    def release(self, incoming_bytes: Optional[int] = None) -> None:
-        """Let the compute stream wait for pending reductions and drop their inputs.
+    def release(self, current: Optional[torch.Stream], incoming_bytes: Optional[int] = None) -> None:
+        """Let the compute stream ``current`` wait for pending reductions and drop their inputs.
 
         ``incoming_bytes``: the size of the reduction about to be issued; reductions are kept
         pending while there is only one and it is over 4x that size. None releases everything
         (end of backward).
         """
-        pending, current = self._pending, self._current_stream()
+        pending = self._pending
         while pending:
             if (incoming_bytes is not None and len(pending) < 2
                     and 4 * incoming_bytes < sum(r.nbytes for r in pending)):

@@ -180,10 +180,12 @@ class FsdpModule:
         for group in self._parameter_groups:
             if group.requires_grad:
                 for param in group.params:
-                    param.register_post_accumulate_grad_hook(self._make_grad_hook(ref, group))
+                    param.register_post_accumulate_grad_hook(self._make_grad_hook(ref, group.geometry.grad_level))
 
     @staticmethod
-    def _make_grad_hook(ref, group):
+    def _make_grad_hook(ref, grad_level: int):
+        # Holds no strong reference to the group: a parameter holding a hook holding its group would
+        # be a cycle that keeps every buffer of the model alive until the garbage collector runs.
         @torch.compiler.disable
         def hook(param: nn.Parameter) -> None:
             module = ref()
@@ -192,7 +194,7 @@ class FsdpModule:
             ctx = module._context
             if not ctx.has_reduced(module):
                 return
-            if group.geometry.grad_level > 0 or ctx.is_last_microbatch:  # the reduction read .grad
+            if grad_level > 0 or ctx.is_last_microbatch:  # the reduction read .grad
                 raise RuntimeError(
                     f"mfsdp: a gradient of {module.name or 'the root'} arrived after its reduction in this "
                     f"backward; it would be lost. {_ORDER_HELP}")
@@ -202,8 +204,8 @@ class FsdpModule:
     def _after_load_state_dict(self) -> None:
         for group in self._parameter_groups:
             for sharded, aliases in zip(group.sharded_params, group.aliases):
-                for module, name in aliases:
-                    if module._parameters.get(name) is not sharded:
+                for parameters, name in aliases:
+                    if parameters.get(name) is not sharded:
                         raise RuntimeError(
                             f"load_state_dict replaced mfsdp's sharded parameter {name!r} of {self.name}"
                             " (assign=True?); load with assign=False so values are copied into the shards"
@@ -324,7 +326,7 @@ class FsdpModule:
         ctx = self.context
         with record_function(self._nvtx_label("reduce_gradients")):
             nbytes = sum(g.reduction_nbytes for g in groups)
-            ctx.pending_reductions.release(nbytes)
+            ctx.pending_reductions.release(ctx.current_stream(), nbytes)
             keep_alive: list = []
             for group in groups:
                 keep_alive.extend(group.reduce_gradients(ctx.is_last_microbatch, ctx.reduce_scatter_stream,

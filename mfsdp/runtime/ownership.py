@@ -52,7 +52,9 @@ def group_parameters(owned: dict) -> list[tuple[list[nn.Parameter], list[list[tu
     for param, places in owned.items():
         params, aliases = groups.setdefault((param.dtype, param.requires_grad), ([], []))
         params.append(param)
-        aliases.append([(module, attr) for module, attr, _ in places])
+        # The modules' parameter dicts, not the modules: a group holding its own module would be a
+        # reference cycle, freed only by the garbage collector.
+        aliases.append([(module._parameters, attr) for module, attr, _ in places])
     return list(groups.values())
 
 

@@ -49,14 +49,14 @@ class FsdpParameterGroup:
     def __init__(
         self,
         params: list[nn.Parameter],
-        aliases: list[list[tuple[nn.Module, str]]],
+        aliases: list[list[tuple[dict, str]]],
         geometry: ShardGeometry,
         dtypes: ResolvedDtypes,
         label: str,
         policy: CommunicationPolicy = CommunicationPolicy(),
     ) -> None:
         self.params = params  # the Parameters used for compute, views of the unsharded buffer
-        self.aliases = aliases  # every (module, attribute) that holds each parameter
+        self.aliases = aliases  # every (module._parameters, attribute) that holds each parameter
         self.geometry = geometry
         self.dtypes = dtypes
         self.label = label
@@ -74,7 +74,17 @@ class FsdpParameterGroup:
         locals_ = [local_tensor(p) for p in params]
         specs = [g.parameter_spec(p) for p in params]
         self.layout = FlatLayout([t.shape for t in locals_], g.num_shards)
-        g.check_exposed(params, self.layout.members, specs, label)  # the DTensors describe these shards
+        for p, m, (_, _, even) in zip(params, self.layout.members, specs):
+            if g.requires_even_rows or even:
+                if m.is_padded:
+                    why = "tensor parallelism already splits its dim 0" if even else geometry.placements.name
+                    raise NotImplementedError(
+                        f"a parameter of shape {tuple(p.shape)} in {label}: {why}, so its local dim 0 "
+                        f"({m.rows}) must divide by the {g.num_shards} data-parallel shards (torch's "
+                        "strided shard is even-only). Pad that dimension, or use HSDP or 1-D ZeRO "
+                        "without tensor parallelism on it."
+                    )
+
 
         # Compute weights at rest. Three cases, cheapest memory first:
         # * main dtype == compute dtype at the same level: the main weights *are* the compute weights;
@@ -140,13 +150,13 @@ class FsdpParameterGroup:
     # ------------------------------------------------------------------------------ weights
     def use_sharded_params(self) -> None:
         for sharded, aliases in zip(self.sharded_params, self.aliases):
-            for module, name in aliases:
-                module._parameters[name] = sharded
+            for parameters, name in aliases:
+                parameters[name] = sharded
 
     def use_unsharded_params(self) -> None:
         for param, aliases in zip(self.params, self.aliases):
-            for module, name in aliases:
-                module._parameters[name] = param
+            for parameters, name in aliases:
+                parameters[name] = param
 
     def gather_key(self) -> Optional[tuple]:
         """(numel, dtype, device) of the unsharded buffer, or None where nothing is gathered."""

@@ -7,9 +7,11 @@ from typing import Any, Optional
 
 
 class IdentityWeakMap:
-    """A map keyed by object identity that forgets an entry when its key is collected.
+    """A map keyed by object identity that holds keys and values weakly.
 
-    ``WeakKeyDictionary`` compares keys with ``==``, which tensors overload elementwise.
+    ``WeakKeyDictionary`` compares keys with ``==``, which tensors overload elementwise. Values are
+    weak too: a parameter's group holds the parameter, so a strong value would keep its own key, and
+    with it the whole model, alive for ever.
     """
 
     def __init__(self) -> None:
@@ -23,13 +25,14 @@ class IdentityWeakMap:
             if entry is not None and entry[0]() is None:
                 del entries[ident]
 
-        self._entries[ident] = (weakref.ref(key, forget), value)
+        self._entries[ident] = (weakref.ref(key, forget), weakref.ref(value))
 
     def get(self, key: object, default: Optional[Any] = None) -> Any:
         entry = self._entries.get(id(key))
         if entry is None or entry[0]() is not key:
             return default
-        return entry[1]
+        value = entry[1]()
+        return default if value is None else value
 
     def __contains__(self, key: object) -> bool:
         entry = self._entries.get(id(key))

@@ -68,16 +68,19 @@ class Schedule:
         self.ancestors: dict[int, frozenset[int]] = {}
         steps: list[BackwardStep] = []
         enter_order: list["FsdpModule"] = []
-
-        def walk(module, ancestors: frozenset[int]) -> None:
+        # Depth first, children in reverse registration order; iterative, since a recursive closure
+        # is a reference cycle that would keep these module lists alive until the garbage collector.
+        stack: list[tuple[StepKind, "FsdpModule", frozenset[int]]] = [(StepKind.ENTER, forward[0], frozenset())]
+        while stack:
+            kind, module, ancestors = stack.pop()
+            steps.append(BackwardStep(kind, weakref.ref(module)))
+            if kind is StepKind.EXIT:
+                continue
             self.ancestors[id(module)] = ancestors
-            steps.append(BackwardStep(StepKind.ENTER, weakref.ref(module)))
             enter_order.append(module)
-            for child in reversed(children[id(module)]):
-                walk(child, ancestors | {id(module)})
-            steps.append(BackwardStep(StepKind.EXIT, weakref.ref(module)))
-
-        walk(forward[0], frozenset())
+            stack.append((StepKind.EXIT, module, ancestors))
+            inner = ancestors | {id(module)}
+            stack.extend((StepKind.ENTER, child, inner) for child in children[id(module)])  # last pops first
         self.backward: tuple[BackwardStep, ...] = tuple(steps)
         self.enter_position = {id(s.module): i for i, s in enumerate(steps) if s.kind is StepKind.ENTER}
         self.exit_position = {id(s.module): i for i, s in enumerate(steps) if s.kind is StepKind.EXIT}

@@ -46,10 +46,9 @@ class CollectiveMismatchError(RuntimeError):
 class TagCheck:
     """Collects per-module mismatch flags during a backward and reports them without stalling."""
 
-    def __init__(self, schedule: Schedule, device: torch.device, current_stream: Callable) -> None:
+    def __init__(self, schedule: Schedule, device: torch.device) -> None:
         self._schedule = schedule
         self._flags = torch.zeros(len(schedule.backward), dtype=torch.int32, device=device)
-        self._current_stream = current_stream
         self._pending: collections.deque = collections.deque()  # (host flags, event or None, backward)
 
     def record(self, module, received: torch.Tensor, expected: torch.Tensor) -> None:
@@ -58,9 +57,9 @@ class TagCheck:
         position = self._schedule.exit_position[id(module)]
         self._flags[position:position + 1].add_((received != expected).any().view(1))
 
-    def end_backward(self, backward_count: int) -> None:
-        """After the compute stream has waited for every reduction of this backward."""
-        stream = self._current_stream()
+    def end_backward(self, backward_count: int, stream: Optional[torch.Stream]) -> None:
+        """After the compute stream ``stream`` (None without streams) has waited for every reduction
+        of this backward."""
         if stream is None:
             self._pending.append((self._flags.clone(), None, backward_count))
             self._flags.zero_()

@@ -1,0 +1,35 @@
+"""Conditional computation on CUDA with NCCL: every variant, with injected stream delays (GPU only)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from _dist import World
+from conditional_models import VARIANTS, cond_parity
+from test_conditional import _check
+
+pytestmark = pytest.mark.gpu
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.fixture(scope="module")
+def cuda_world():
+    w = World(min(2, torch.cuda.device_count()), backend="nccl", pg_timeout_s=60)
+    yield w
+    w.close()
+
+
+@requires_cuda
+@pytest.mark.parametrize("kind", ["zero3", "zero2", "zero1", "ddp"])
+@pytest.mark.parametrize("delay", [False, True])
+def test_cuda_every_variant(cuda_world, kind, delay):
+    _check(cuda_world.run(cond_parity, timeout=300, variants=VARIANTS, kind=kind, mb=2, pattern="even_ranks",
+                          device="cuda", delay=delay)[0])
+
+
+@requires_cuda
+@pytest.mark.parametrize("comm", [dict(double_buffer=True), dict(unify_streams=True), dict(prefetch_depth=2)])
+def test_cuda_communication_options(cuda_world, comm):
+    _check(cuda_world.run(cond_parity, timeout=300, variants=["nested", "skip_block", "vlm"], kind="zero3", mb=2,
+                          pattern="sometimes", steps=4, comm=comm, device="cuda", delay=True)[0])
