@@ -74,17 +74,7 @@ class FsdpParameterGroup:
         locals_ = [local_tensor(p) for p in params]
         specs = [g.parameter_spec(p) for p in params]
         self.layout = FlatLayout([t.shape for t in locals_], g.num_shards)
-        for p, m, (_, _, even) in zip(params, self.layout.members, specs):
-            if g.requires_even_rows or even:
-                if m.is_padded:
-                    why = "tensor parallelism already splits its dim 0" if even else geometry.placements.name
-                    raise NotImplementedError(
-                        f"a parameter of shape {tuple(p.shape)} in {label}: {why}, so its local dim 0 "
-                        f"({m.rows}) must divide by the {g.num_shards} data-parallel shards (torch's "
-                        "strided shard is even-only). Pad that dimension, or use HSDP or 1-D ZeRO "
-                        "without tensor parallelism on it."
-                    )
-
+        g.check_exposed(params, self.layout.members, specs, label)  # the DTensors describe these shards
 
         # Compute weights at rest. Three cases, cheapest memory first:
         # * main dtype == compute dtype at the same level: the main weights *are* the compute weights;
