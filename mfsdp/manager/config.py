@@ -27,7 +27,7 @@ _BOOL_FIELDS = (
     "activation_checkpointing", "average_in_collective", "calculate_per_token_loss", "check_for_nan_in_grad",
     "disable_bucketing", "fsdp_double_buffer", "grad_reduce_in_fp32", "init_fsdp_with_meta_device",
     "keep_fp8_transpose_cache", "nccl_ub", "overlap_grad_reduce", "overlap_param_gather", "preserve_fp32_weights",
-    "report_nan_in_param_grad", "sequence_parallel",
+    "report_nan_in_param_grad", "sequence_parallel", "loss_parallel",
 )
 
 
@@ -167,8 +167,20 @@ class MegatronFSDPConfig:
     ``mesh["dp_replicate"]``. dp_shard is derived: world / (dp_replicate * cp * tp)."""
 
     sequence_parallel: bool = False
-    """Default False. Shard the norms' activations over tp (sequence parallel). Needs tp > 1. *Not
-    available yet*: Hugging Face models derive position ids from the embedding output's length."""
+    """Default False. Sequence parallel (needs tp > 1, and the sequence length divisible by tp): the
+    activations between sub-layers (residual stream, norms) are sharded on the sequence dim over tp,
+    as ``Shard(1)`` DTensors; the norms run on their shard (torch's ``SequenceParallel``), attention
+    and the MLP all-gather their input once and their output projections reduce-scatter. Same
+    communication volume as plain TP, 1/tp of the norm and residual memory. The built-in plans
+    implement it; a user ``tp_plan`` is used as given."""
+
+    loss_parallel: bool = False
+    """Default False. Vocabulary-parallel loss (needs tp > 1): the output head's logits stay sharded
+    over the vocabulary (``model(...).logits`` is a ``Shard(-1)`` DTensor) and the cross-entropy,
+    forward *and* backward, must run inside ``model.loss_context()`` (torch's ``loss_parallel()``),
+    so the full logits never exist on one rank. The loss is then a replicated DTensor
+    (``float(loss)`` or ``loss.full_tensor()`` read it). False: the logits are all-gathered into a
+    plain tensor. The built-in plans implement it; a user ``tp_plan`` is used as given."""
 
     tp_plan: Optional[Mapping[str, Any]] = None
     """Default None (built-in plan for Llama, Qwen2/3 and Mistral, else the model's ``_tp_plan``). A
@@ -204,8 +216,9 @@ class MegatronFSDPConfig:
                 "MegatronFSDPConfig: average_in_collective=True averages gradients but "
                 "calculate_per_token_loss=True sums them; choose one"
             )
-        if self.sequence_parallel and self.tp_size is not None and self.tp_size == 1:
-            raise ValueError("MegatronFSDPConfig.sequence_parallel=True needs tp_size > 1 (it shards over tp)")
+        for name in ("sequence_parallel", "loss_parallel"):
+            if getattr(self, name) and self.tp_size is not None and self.tp_size == 1:
+                raise ValueError(f"MegatronFSDPConfig.{name}=True needs tp_size > 1 (it shards over tp)")
         if self.tp_plan is not None and not isinstance(self.tp_plan, Mapping):
             raise TypeError(f"MegatronFSDPConfig.tp_plan must be a dict of module patterns to styles, "
                             f"got {type(self.tp_plan).__name__}")

@@ -41,7 +41,7 @@ from mfsdp.manager.context_parallel import CAUSAL_SDPA, DP_SHARD_CP, use_causal_
 from mfsdp.manager.core_options import (_checkpoint_forward, communication_policy, dp_placements,
                                         precision_policy, resolve_unit_modules)
 from mfsdp.manager.mesh import check_config_against_mesh, mesh_sizes
-from mfsdp.manager.tp_plans import apply_tp_plan, select_tp_plan, validate_tp
+from mfsdp.manager.tp_plans import apply_tp_plan, loss_context, select_tp_plan, sequence_length_check, validate_tp
 
 logger = logging.getLogger("mfsdp.manager")
 
@@ -99,6 +99,12 @@ class MegatronFSDPModel:
         for _, group, _ in state.groups:
             group.refresh_model_weights()
             group.needs_refresh = False
+
+    def loss_context(self):
+        """The context the loss (forward and backward) runs in: torch's ``loss_parallel()`` with
+        ``MegatronFSDPConfig.loss_parallel`` (vocabulary-sharded logits), else a null context; so a
+        loop can always write ``with model.loss_context(): model(...).loss.backward()``."""
+        return loss_context(self._mfsdp_manager_state.config.loss_parallel)
 
     def zero_grad_buffer(self) -> None:
         """Drop the gradients (the next backward starts from zero)."""
@@ -266,12 +272,12 @@ class MegatronFSDPManager:
             logger.warning("MegatronFSDPConfig: overlap_grad_reduce=%s, overlap_param_gather=%s: the core has one "
                            "overlap switch, so all communication is synchronous", c.overlap_grad_reduce,
                            c.overlap_param_gather)
-        if c.sequence_parallel:
-            if self.sizes.tp == 1:
-                raise ValueError("MegatronFSDPConfig.sequence_parallel=True needs a mesh with tp > 1")
-            raise NotImplementedError(
-                "MegatronFSDPConfig.sequence_parallel=True: Hugging Face models derive position ids from the "
-                "length of the embedding output, which sequence parallelism shards; not supported yet")
+        for name in ("sequence_parallel", "loss_parallel"):
+            if getattr(c, name) and self.sizes.tp == 1:
+                raise ValueError(f"MegatronFSDPConfig.{name}=True needs a mesh with tp > 1")
+        if c.sequence_parallel and self.sizes.cp > 1:
+            raise NotImplementedError("MegatronFSDPConfig.sequence_parallel=True with cp > 1: sequence-parallel "
+                                      "activations inside context-parallel attention are not supported; use one")
 
     def _dp_mesh(self):
         """The sub-mesh ``fully_shard`` gets: the data-parallel dims (dp_shard x cp flattened), plus tp."""
@@ -280,6 +286,10 @@ class MegatronFSDPManager:
             _compat.flatten_mesh(mesh["dp_shard", "cp"], DP_SHARD_CP)
         axes = tuple(self.placements.dp_axes) + (("tp",) if self.sizes.tp > 1 else ())
         return mesh[axes] if len(axes) > 1 else mesh[axes[0]]
+
+    def loss_context(self):
+        """Same as the parallelized model's ``loss_context()``: ``loss_parallel()`` or a null context."""
+        return loss_context(self.config.loss_parallel)
 
     @property
     def communication_policy(self) -> mfsdp.CommunicationPolicy:
@@ -327,8 +337,11 @@ class MegatronFSDPManager:
 
         if sizes.tp > 1:
             validate_tp(model, sizes.tp)
-            plan = select_tp_plan(model, c.tp_plan)
+            plan = select_tp_plan(model, c.tp_plan, sequence_parallel=c.sequence_parallel,
+                                  loss_parallel=c.loss_parallel)
             apply_tp_plan(model, mesh["tp"], plan)
+            if c.sequence_parallel:
+                model.register_forward_pre_hook(sequence_length_check(sizes.tp), prepend=True, with_kwargs=True)
 
         units = resolve_unit_modules(model, c.megatron_fsdp_unit_modules)
         if c.activation_checkpointing:

@@ -1,10 +1,31 @@
 """Tensor-parallel plans for Hugging Face decoder models, applied with ``torch.distributed.tensor.parallel``.
 
 The built-in plan is the Megatron layout: q/k/v and gate/up split by output features (colwise), o
-and down split by input features (rowwise) so each block needs one all-reduce per sub-layer, a
-vocab-parallel embedding (rowwise over the vocabulary) and a colwise lm_head whose logits are
-gathered (the loss then needs no DTensor awareness; the alternative, vocab-sharded logits with a
-parallel cross-entropy, saves the gather but changes the loss code, so it is left to user plans).
+and down split by input features (rowwise), a vocab-parallel embedding (rowwise over the
+vocabulary) and a colwise output head. Two options change where activations live:
+
+* ``sequence_parallel``: the activations between the sub-layers (the residual stream, the norms)
+  are sharded on the sequence dim, ``Shard(1)``. The embedding reduce-scatters its output, the
+  norms run on their sequence shard (torch's ``SequenceParallel``), attention and the MLP gather
+  the normed input once (``PrepareModuleInput``: one all-gather, whose backward is one
+  reduce-scatter), and o/down reduce-scatter instead of all-reduce. Same bytes as plain TP, and
+  norms, residual adds and their saved activations cost 1/tp. The residual stream is a ``Shard(1)``
+  DTensor, so its global shape is the full sequence: Hugging Face models derive ``position_ids``,
+  rotary tables and the causal mask from it and get the full sequence, which is what attention
+  sees after the gather. The norm weights are replicated DTensors whose gradients come out
+  ``Partial`` over tp (each rank saw other tokens); mfsdp all-reduces them over tp before its
+  data-parallel reduction.
+* ``loss_parallel``: the head's logits stay sharded over the vocabulary (a ``Shard(-1)`` DTensor)
+  and the cross-entropy runs inside torch's ``loss_parallel()`` context (the manager's
+  ``loss_context()``), so the full logits never exist on one rank: three small all-reduces per
+  loss instead of an all-gather of batch x seq x vocab.
+
+Every plan feeds q/k/v (and gate/up) from one DTensor made once per sub-layer by a
+``PrepareModuleInput`` on the attention and MLP modules. Without it each projection wraps the
+same local input itself, and autograd all-reduces each projection's input gradient separately
+(three all-reduces for attention, two for the MLP, per backward); with it the partial gradients
+add up as one DTensor and are reduced once. With sequence parallel the same single wrapping
+turns three all-gathers into one.
 
 Hugging Face attention in transformers >= 5 reshapes with ``-1`` heads, so the local head count
 follows the sharded projections and no per-module head attribute needs rewriting; the head counts
@@ -13,34 +34,61 @@ only have to divide by tp, which :func:`validate_tp` checks.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 from typing import Any, Optional
 
 from torch import nn
-from torch.distributed.tensor import Replicate
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput, RowwiseParallel,
+                                               SequenceParallel)
 
 LLAMA_STYLE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 """``config.model_type`` values the built-in plan covers."""
 
+HEAD_NORM_FAMILIES = ("qwen3",)
+"""Families whose attention normalises each head (``q_norm`` / ``k_norm`` over the head dim)."""
 
-def llama_style_plan() -> dict[str, ParallelStyle]:
+
+def llama_style_plan(*, sequence_parallel: bool = False, loss_parallel: bool = False,
+                     head_norms: bool = False) -> dict[str, ParallelStyle]:
     """The built-in plan for Llama, Mistral and Qwen2/3 causal LMs (module names of transformers 5).
 
-    No sequence-parallel variant: Hugging Face models derive position ids from the length of the
-    embedding output, which sequence parallelism would make the local shard's length.
+    ``head_norms``: the attention has ``q_norm`` / ``k_norm`` over the head dim (Qwen3). Each tp
+    rank normalises its own heads with the shared weight, so that weight becomes a replicated
+    DTensor whose gradient is summed over tp (``SequenceParallel`` over the heads dim, local in
+    and out).
     """
-    return {
-        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+    seq = Shard(1)
+    between = seq if sequence_parallel else Replicate()  # layout of the activations between sub-layers
+    plan: dict[str, ParallelStyle] = {
+        # use_local_output=False with sequence parallel: a Shard(1) DTensor reports the full sequence
+        # length, from which HF models build position ids, rotary tables and the causal mask.
+        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=between,
+                                              use_local_output=not sequence_parallel),
+        "model.layers.*.self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": between},
+                                                       desired_input_kwarg_layouts={"hidden_states": Replicate()}),
         "model.layers.*.self_attn.q_proj": ColwiseParallel(),
         "model.layers.*.self_attn.k_proj": ColwiseParallel(),
         "model.layers.*.self_attn.v_proj": ColwiseParallel(),
-        "model.layers.*.self_attn.o_proj": RowwiseParallel(),
+        "model.layers.*.self_attn.o_proj": RowwiseParallel(output_layouts=between,
+                                                           use_local_output=not sequence_parallel),
+        "model.layers.*.mlp": PrepareModuleInput(input_layouts=(between,), desired_input_layouts=(Replicate(),)),
         "model.layers.*.mlp.gate_proj": ColwiseParallel(),
         "model.layers.*.mlp.up_proj": ColwiseParallel(),
-        "model.layers.*.mlp.down_proj": RowwiseParallel(),
-        "lm_head": ColwiseParallel(output_layouts=Replicate(), use_local_output=True),
+        "model.layers.*.mlp.down_proj": RowwiseParallel(output_layouts=between,
+                                                        use_local_output=not sequence_parallel),
+        "lm_head": ColwiseParallel(input_layouts=between, output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                                   use_local_output=not loss_parallel),
     }
+    if sequence_parallel:
+        plan["model.layers.*.input_layernorm"] = SequenceParallel()
+        plan["model.layers.*.post_attention_layernorm"] = SequenceParallel()
+        plan["model.norm"] = SequenceParallel()
+    if head_norms:  # (batch, seq, local heads, head_dim): the heads dim is sharded over tp
+        plan["model.layers.*.self_attn.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+        plan["model.layers.*.self_attn.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+    return plan
 
 
 def model_type(model: nn.Module) -> Optional[str]:
@@ -48,8 +96,10 @@ def model_type(model: nn.Module) -> Optional[str]:
     return getattr(config, "model_type", None)
 
 
-def select_tp_plan(model: nn.Module, user_plan: Optional[Mapping[str, Any]] = None) -> dict[str, ParallelStyle]:
-    """The user's plan if given, else the built-in plan for the model's family, else an error."""
+def select_tp_plan(model: nn.Module, user_plan: Optional[Mapping[str, Any]] = None, *,
+                   sequence_parallel: bool = False, loss_parallel: bool = False) -> dict[str, ParallelStyle]:
+    """The user's plan if given (used as is: it must implement the two options itself), else the
+    built-in plan for the model's family, else an error."""
     if user_plan is not None:
         bad = {k: v for k, v in user_plan.items() if not isinstance(k, str) or not isinstance(v, ParallelStyle)}
         if bad:
@@ -58,7 +108,8 @@ def select_tp_plan(model: nn.Module, user_plan: Optional[Mapping[str, Any]] = No
         return dict(user_plan)
     family = model_type(model)
     if family in LLAMA_STYLE_FAMILIES:
-        return llama_style_plan()
+        return llama_style_plan(sequence_parallel=sequence_parallel, loss_parallel=loss_parallel,
+                                head_norms=family in HEAD_NORM_FAMILIES)
     raise ValueError(
         f"no built-in tensor-parallel plan for {type(model).__name__} (config.model_type={family!r}); built-in "
         f"plans cover {LLAMA_STYLE_FAMILIES}. Pass MegatronFSDPConfig(tp_plan={{pattern: ParallelStyle}})."
@@ -78,6 +129,30 @@ def validate_tp(model: nn.Module, tp_size: int) -> None:
     if problems:
         raise ValueError(f"tensor parallel size {tp_size} must divide {', '.join(problems)} of "
                          f"{type(model).__name__}; choose a tp_size that divides them")
+
+
+def loss_context(enabled: bool):
+    """A fresh context for one loss computation and its backward: torch's ``loss_parallel()`` when
+    ``enabled`` (the logits are vocabulary-sharded DTensors), else a null context."""
+    if not enabled:
+        return contextlib.nullcontext()
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    return loss_parallel()
+
+
+def sequence_length_check(tp_size: int):
+    """A forward pre-hook (with kwargs) for the root: sequence parallel needs seq % tp == 0."""
+    def hook(module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is None:
+            ids = kwargs.get("inputs_embeds")
+        if ids is not None and ids.ndim >= 2 and ids.shape[1] % tp_size:
+            raise ValueError(f"sequence_parallel: the sequence length {ids.shape[1]} does not divide by the "
+                             f"tensor-parallel size {tp_size}; pad the batch to a multiple of {tp_size}")
+        return None
+
+    return hook
 
 
 def apply_tp_plan(model: nn.Module, tp_mesh, plan: Mapping[str, ParallelStyle]) -> nn.Module:
