@@ -212,11 +212,21 @@ def shard_order_mesh(mesh: DeviceMesh, order_dims: Sequence[int]) -> DeviceMesh:
     # rank's slices so that all ranks create the same groups in the same order.
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
-    group = None
+    group, my_slice = None, None
     for slice_ranks in sorted({s for slices in everyone for s in slices}):
         created = _compat.new_ordered_group(slice_ranks)
         if dist.get_rank() in slice_ranks:
-            group = created
+            group, my_slice = created, slice_ranks
+    # A backend that quietly sorted the ranks would make every exposed DTensor wrong without an
+    # error; one tiny all-gather, once per mesh, proves the order.
+    device = torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else mesh.device_type
+    seen = torch.empty(len(my_slice), dtype=torch.int64, device=device)
+    _compat.all_gather_into_tensor(seen, torch.tensor([dist.get_rank()], dtype=torch.int64, device=device), group)
+    if seen.tolist() != list(my_slice):
+        raise RuntimeError(f"a process group created for ranks {list(my_slice)} in that order gathers them as "
+                           f"{seen.tolist()} (torch {torch.__version__}); this torch cannot expose "
+                           f"{tuple(mesh.mesh_dim_names or ())} sharded in shard order {tuple(order_dims)}; use "
+                           "HSDP, or ZeRO over one data-parallel axis")
     names = list(mesh.mesh_dim_names or (f"dim{d}" for d in range(mesh.ndim)))
     flat_name = "_".join(names[d] for d in order_dims) + "_in_shard_order"
     if others:
