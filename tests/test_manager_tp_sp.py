@@ -32,9 +32,20 @@ def _grads(model) -> dict:
             for n, p in model.named_parameters()}
 
 
+def _model(family):
+    if family != "qwen3":
+        return make_hf(family, vocab=VOCAB, tied=family == "llama")
+    import transformers  # per-head q_norm / k_norm: their weights see only this rank's heads
+
+    torch.manual_seed(0)
+    return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
+        vocab_size=VOCAB, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, use_cache=False, max_position_embeddings=64))
+
+
 def parity(rank, ws, family="llama", steps=3, tp=2, **config):
     """Losses, the step-0 gradient error and the parameter errors per step, against the full batch."""
-    model = make_hf(family, vocab=VOCAB, tied=family == "llama")
+    model = _model(family)
     ref = copy.deepcopy(model)
     ref_opt = optimizer_groups(ref)
     mesh = build_device_mesh("cpu", tp_size=tp)
@@ -81,6 +92,10 @@ def _check(out):
 @pytest.mark.parametrize("case", list(CASES))
 def test_parity_tp2(world, case):
     _check(world(2).run(parity, **CASES[case])[0])
+
+
+def test_parity_tp2_qwen3_head_norms(world):
+    _check(world(2).run(parity, family="qwen3", **CASES["sp+loss"])[0])
 
 
 @pytest.mark.parametrize("family,strategy", [("llama", 3), ("qwen2", 1)])
