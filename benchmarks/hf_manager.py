@@ -263,7 +263,8 @@ def profile_step(impl, args, built: Built, ids, rank: int) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     cuda = args.device == "cuda"
-    release(args.device)
+    if cuda:  # no empty_cache here: the profiled step would then time cudaMalloc calls
+        torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
         train_step(built, ids)
         if cuda:
