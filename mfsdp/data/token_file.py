@@ -103,5 +103,17 @@ class TokenFile:
         return self.tokens.numel()
 
     def window(self, start: int, length: int) -> torch.Tensor:
-        """``length`` ids starting at ``start``, as int64."""
-        return self.tokens[start:start + length].to(torch.int64)
+        """``length`` ids starting at ``start``, as int64.
+
+        Raises DataError when an id lies outside the vocabulary the header declares: the
+        file is corrupt, and an out-of-range id would otherwise crash the embedding (on a
+        GPU, as a device-side assert that can leave the other ranks waiting).
+        """
+        ids = self.tokens[start:start + length].to(torch.int64)
+        if ids.numel() and int(ids.max()) >= self.vocab_size:
+            offset = start + int(torch.argmax((ids >= self.vocab_size).to(torch.uint8)))
+            raise DataError(f"{self.path} is corrupt: token {offset} has id "
+                            f"{int(self.tokens[offset])}, outside the vocabulary of "
+                            f"{self.vocab_size} its header declares; "
+                            f"{_recreate_hint(self.path)}")
+        return ids

@@ -12,6 +12,13 @@ rename it to ``step_N`` and then rewrite ``latest`` (itself through a temp file 
 rename). A crash at any point before the rename leaves ``latest`` and the previous
 checkpoint untouched, so resuming always finds a whole one. The data sampler is a pure
 function of the step, so ``meta.json``'s step counter is the entire data state.
+
+``meta.json`` is written last and lists every file of the checkpoint with its size, so it
+marks the checkpoint complete. Resuming checks that list: a checkpoint with a missing or
+truncated file (a disk that filled, a copy cut short) is skipped, with a message saying so,
+in favour of the newest one that is whole. A save that fails (a full disk, a failing
+write) raises CheckpointError naming the cause and leaves the previous checkpoint and
+``latest`` as they were.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
                                                      get_optimizer_state_dict,
                                                      set_model_state_dict,
@@ -57,19 +65,53 @@ def _rank() -> int:
 
 
 def find_latest(root: str | os.PathLike) -> Path | None:
-    """The newest complete checkpoint under ``root``, or None.
+    """The newest complete and undamaged checkpoint under ``root``, or None."""
+    return find_resumable(root)[0]
 
-    ``latest`` is trusted when it names a complete checkpoint; otherwise (a hand-edited
-    or missing marker) the complete ``step_N`` directory with the highest N is used.
+
+def find_resumable(root: str | os.PathLike) -> tuple[Path | None, list[str]]:
+    """The newest complete, undamaged checkpoint under ``root`` (or None), and one note for
+    each newer checkpoint that was skipped because a file of it is missing or truncated.
+
+    ``latest`` is tried first; a hand-edited or missing marker falls back to the complete
+    ``step_N`` directories, newest first.
     """
     root = Path(root)
+    candidates = list(reversed(_complete_checkpoints(root)))
     marker = root / LATEST
     if marker.is_file():
         named = root / marker.read_text().strip()
-        if named.name.startswith(_PREFIX) and _is_complete(named):
-            return named
-    complete = _complete_checkpoints(root)
-    return complete[-1] if complete else None
+        if named in candidates:
+            candidates.remove(named)
+            candidates.insert(0, named)
+    notes = []
+    for path in candidates:
+        problem = damage(path)
+        if problem is None:
+            return path, notes
+        notes.append(f"checkpoint {path} is damaged ({problem}); skipping it")
+    return None, notes
+
+
+def damage(path: Path) -> str | None:
+    """What is wrong with the files of checkpoint ``path``, or None when they are whole.
+
+    Checks each file that ``meta.json`` lists against its recorded size; checkpoints written
+    before the list existed are only checked for ``.metadata`` and ``meta.json``.
+    """
+    if not _is_complete(path):
+        return "no .metadata or meta.json"
+    try:
+        files = json.loads((path / META).read_text()).get("files")
+    except (OSError, json.JSONDecodeError, AttributeError) as err:
+        return f"unreadable {META}: {err}"
+    for name, size in (files or {}).items():
+        file = path / name
+        if not file.is_file():
+            return f"file {name} is missing"
+        if file.stat().st_size != size:
+            return f"file {name} has {file.stat().st_size} bytes, {size} were written"
+    return None
 
 
 def read_meta(path: Path) -> dict:
@@ -104,19 +146,66 @@ def save_checkpoint(root: str | os.PathLike, step: int, model: torch.nn.Module,
         # is the state in memory, and rewriting it would open a window with no checkpoint.
         return final
     temp = root / f"{_TEMP_PREFIX}{final.name}"
+    problem = None
     if _rank() == 0:
-        shutil.rmtree(temp, ignore_errors=True)  # debris of an earlier crashed save
-        temp.mkdir(parents=True)
-    _barrier()
+        try:
+            shutil.rmtree(temp, ignore_errors=True)  # debris of an earlier crashed save
+            temp.mkdir(parents=True)
+        except OSError as err:
+            problem = _describe(err)
+    _raise_if_any(problem, root, final, temp)
     state = {"model": get_model_state_dict(model),
              "optimizer": get_optimizer_state_dict(model, optimizer)}
-    dcp.save(state, checkpoint_id=temp)
+    try:
+        # DCP gathers every rank's write errors and raises them on all ranks alike.
+        dcp.save(state, checkpoint_id=temp)
+    except (Exception, CheckpointException) as err:  # CheckpointException is a BaseException
+        problem = _describe(err)
+    else:
+        if _rank() == 0:
+            try:
+                # meta.json is written last and lists every file: it marks the save complete.
+                files = {p.name: p.stat().st_size for p in sorted(temp.iterdir()) if p.is_file()}
+                (temp / META).write_text(json.dumps({**meta, "step": step, "files": files},
+                                                    indent=1))
+                _publish(temp, final)
+            except OSError as err:
+                problem = _describe(err)
+    _raise_if_any(problem, root, final, temp)
     if _rank() == 0:
-        (temp / META).write_text(json.dumps({**meta, "step": step}, indent=1))
-        _publish(temp, final)
         _prune(root, keep)
     _barrier()
     return final
+
+
+def _raise_if_any(problem: str | None, root: Path, final: Path, temp: Path) -> None:
+    """Raise CheckpointError on every rank when any rank saw ``problem``; collective."""
+    problems = [problem]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        problems = [None] * dist.get_world_size()
+        dist.all_gather_object(problems, problem)
+    first = next((p for p in problems if p), None)
+    if first is None:
+        return
+    if _rank() == 0:
+        shutil.rmtree(temp, ignore_errors=True)
+    previous = find_latest(root)
+    kept = (f"the previous checkpoint {previous} is intact and is what --resume will load"
+            if previous else "there is no earlier checkpoint")
+    raise CheckpointError(f"saving checkpoint {final.name} failed ({first}); {kept}. Free disk "
+                          f"space or fix {root}'s permissions, then continue with --resume")
+
+
+def _describe(err: BaseException) -> str:
+    """The root cause of a failed save in one line: DCP wraps each rank's error."""
+    failures = getattr(err, "failures", None)
+    if failures:
+        rank, wrapped = next(iter(failures.items()))
+        inner = wrapped[0] if isinstance(wrapped, tuple) else wrapped
+        return f"rank {rank}: {_describe(inner)}"
+    while err.__cause__ is not None:
+        err = err.__cause__
+    return f"{type(err).__name__}: {err}"
 
 
 def _publish(temp: Path, final: Path) -> None:

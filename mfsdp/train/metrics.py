@@ -1,4 +1,5 @@
-"""Per-step measurements: the metrics.jsonl file, step timing and peak memory."""
+"""Per-step measurements: metrics.jsonl and TensorBoard, step timing without host stalls, and
+peak memory."""
 
 from __future__ import annotations
 
@@ -61,6 +62,97 @@ def _parsed_lines(path: str | Path) -> Iterator[tuple[str, object]]:
         except json.JSONDecodeError:
             continue  # a line cut short by an interrupted run
         yield line, record
+
+
+class TensorBoardLog:
+    """The numeric fields of each metrics record as TensorBoard scalars under ``log_dir``
+    (rank 0 only): the same names as metrics.jsonl, so the two never disagree."""
+
+    def __init__(self, log_dir: Path, enabled: bool, purge_step: int | None = None):
+        self._writer = None
+        if enabled:
+            from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
+            # purge_step drops events after the resumed step, as MetricsLog drops lines.
+            self._writer = SummaryWriter(str(log_dir), purge_step=purge_step)
+
+    def write(self, record: dict) -> None:
+        if self._writer is None:
+            return
+        for key, value in record.items():
+            if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                self._writer.add_scalar(key, value, record["step"])
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+
+class StepReadout:
+    """Per-step scalars and step times read off the device one step late, without a stall.
+
+    ``push(step, values)`` is called once the step's work is queued. On CUDA it copies
+    ``values`` into pinned host memory on the current stream (non-blocking) and records an
+    event, then returns the previous step's values, waiting only for the previous step's
+    event. By then the current step is already queued, so the GPU never idles while the
+    host reads. Step times come from CUDA events between consecutive step ends, so no
+    ``synchronize`` is needed either. On CPU the same protocol runs on wall-clock time.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._cuda = device.type == "cuda"
+        self._pending: tuple | None = None
+        self._buffers: list[torch.Tensor] = []
+        self._flip = 0
+        self._last_mark = self._mark()
+
+    def _mark(self):
+        if self._cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def restart_clock(self) -> None:
+        """Start timing the next step from now (after a checkpoint save, say)."""
+        self._last_mark = self._mark()
+
+    def push(self, step: int, values: torch.Tensor, extra: dict) -> tuple | None:
+        """Queue ``step``'s 1-D ``values``; return the previous step's
+        ``(step, values as floats, seconds, extra)``, or None on the first call."""
+        end = self._mark()
+        if self._cuda:
+            if not self._buffers or self._buffers[0].shape != values.shape:
+                # Two buffers: step s writes one while step s-1's is still to be read.
+                self._buffers = [torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+                                 for _ in range(2)]
+            host = self._buffers[self._flip]
+            self._flip ^= 1
+            host.copy_(values.detach(), non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+        else:
+            host, ready = values.detach(), None
+        previous, self._pending = self._pending, (step, host, ready, self._last_mark, end, extra)
+        self._last_mark = end
+        return self._read(previous)
+
+    def flush(self) -> tuple | None:
+        """The last pushed step's values (waits for them); None if already read."""
+        previous, self._pending = self._pending, None
+        return self._read(previous)
+
+    def _read(self, pending: tuple | None) -> tuple | None:
+        if pending is None:
+            return None
+        step, host, ready, start, end, extra = pending
+        if ready is not None:
+            ready.synchronize()
+            seconds = start.elapsed_time(end) / 1e3
+        else:
+            seconds = end - start
+        return step, host.tolist(), seconds, extra
 
 
 class StepTimer:

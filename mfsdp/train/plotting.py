@@ -8,7 +8,8 @@ from mfsdp.train.metrics import read_metrics
 
 
 def plot_loss(metrics_path: str | Path, out: str | Path) -> Path | None:
-    """Write the loss curve (raw and smoothed) to ``out``; None without matplotlib."""
+    """Write the loss curve (raw and smoothed) above the throughput (tokens/s) to ``out``;
+    None without matplotlib."""
     try:
         import matplotlib
     except ImportError:
@@ -19,16 +20,23 @@ def plot_loss(metrics_path: str | Path, out: str | Path) -> Path | None:
     records = read_metrics(metrics_path)
     steps = [r["step"] for r in records]
     losses = [r["loss"] for r in records]
-    fig, ax = plt.subplots(figsize=(7, 4))
+    speed = [(r["step"], r["tokens_per_s"]) for r in records if r.get("tokens_per_s")]
+    fig, (ax, ax_speed) = plt.subplots(2, 1, figsize=(7, 6), sharex=True,
+                                       gridspec_kw={"height_ratios": [2, 1]})
     ax.plot(steps, losses, color="tab:blue", alpha=0.35, linewidth=1, label="loss")
     if len(losses) >= 10:
         ax.plot(steps, _moving_average(losses, max(2, len(losses) // 20)), color="tab:blue",
                 linewidth=2, label="moving average")
-    ax.set_xlabel("step")
     ax.set_ylabel("cross-entropy loss (nats/token)")
     ax.set_title("mfsdp training loss")
     ax.grid(alpha=0.3)
     ax.legend()
+    if speed:
+        ax_speed.plot([s for s, _ in speed], [v for _, v in speed], color="tab:green",
+                      linewidth=1)
+    ax_speed.set_ylabel("tokens/s (all ranks)")
+    ax_speed.set_xlabel("step")
+    ax_speed.grid(alpha=0.3)
     fig.tight_layout()
     out = Path(out)
     fig.savefig(out, dpi=120)
