@@ -5,6 +5,8 @@
 
 from mfsdp.models.flops import flops_per_token, mfu, param_counts, peak_flops
 from mfsdp.models.llama import PRESETS, Block, Llama, LlamaConfig, get_config
+from mfsdp.models.moe import MoEFeedForward, MoELlama, build_model
 
-__all__ = ["Block", "Llama", "LlamaConfig", "PRESETS", "get_config",
+__all__ = ["Block", "Llama", "LlamaConfig", "MoEFeedForward", "MoELlama", "PRESETS", "build_model",
+           "get_config",
            "flops_per_token", "mfu", "param_counts", "peak_flops"]

@@ -41,11 +41,16 @@ def param_counts(cfg: LlamaConfig) -> dict[str, int]:
     ``embedding`` is the input table, a lookup with no matmul. ``non_embedding`` is every
     parameter that takes part in a matmul or norm, which includes the output head. With
     tied embeddings the one shared matrix is both, so it appears in both entries and
-    ``total`` counts it once.
+    ``total`` counts it once. ``active_non_embedding`` is the part of ``non_embedding`` one
+    token computes with: for a mixture of experts, the router and ``top_k`` of the
+    ``num_experts`` experts in each block; for a dense model, all of ``non_embedding``.
     """
     d, hd = cfg.dim, cfg.head_dim
     attention = d * cfg.n_heads * hd * 2 + d * cfg.n_kv_heads * hd * 2
-    feed_forward = 3 * d * cfg.ffn_dim
+    expert = 3 * d * cfg.ffn_dim
+    router = d * cfg.num_experts
+    feed_forward = expert * cfg.num_experts + router if cfg.num_experts else expert
+    active_ffn = expert * cfg.top_k + router if cfg.num_experts else expert
     norms = 2 * d
     per_block = attention + feed_forward + norms
     embedding = cfg.vocab_size * d
@@ -56,6 +61,7 @@ def param_counts(cfg: LlamaConfig) -> dict[str, int]:
         "total": total,
         "embedding": embedding,
         "non_embedding": body + head,
+        "active_non_embedding": body + head - cfg.n_layers * (feed_forward - active_ffn),
         "per_block": per_block,
     }
 
@@ -63,8 +69,9 @@ def param_counts(cfg: LlamaConfig) -> dict[str, int]:
 def flops_per_token(cfg: LlamaConfig, seq_len: int) -> float:
     """Training FLOPs per token: ``6 * N + 12 * n_layers * dim * seq_len``.
 
-    ``N`` is ``param_counts(cfg)["non_embedding"]``: forward costs 2 FLOPs per weight per
-    token and backward twice that. The second term is the attention score and value
+    ``N`` is ``param_counts(cfg)["active_non_embedding"]`` (all non-embedding parameters for a
+    dense model; the router and ``top_k`` experts per block for a mixture of experts):
+    forward costs 2 FLOPs per weight per token and backward twice that. The second term is the attention score and value
     matmuls, counted over the full square rather than the causal half, the common
     convention that keeps figures comparable across libraries. Recomputation from
     activation checkpointing is not counted, so the utilisation derived from this is
@@ -72,7 +79,7 @@ def flops_per_token(cfg: LlamaConfig, seq_len: int) -> float:
     """
     if seq_len <= 0:
         raise ValueError(f"seq_len must be positive, got {seq_len}")
-    n = param_counts(cfg)["non_embedding"]
+    n = param_counts(cfg)["active_non_embedding"]
     return 6.0 * n + 12.0 * cfg.n_layers * cfg.dim * seq_len
 
 

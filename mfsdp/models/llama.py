@@ -7,6 +7,9 @@ The pieces are the usual ones: pre-norm RMSNorm, rotary position embeddings
 Two choices exist for the sake of sharding wrappers such as ``mfsdp.fully_shard``:
 
 * ``Llama.layers`` holds one ``Block`` per layer, the natural unit to shard.
+* A block's feed-forward layer comes from ``Llama.make_feed_forward``, so a subclass can
+  swap in another one (``mfsdp.models.moe.MoELlama`` puts a mixture of experts there)
+  and reuse everything else.
 * Activation checkpointing happens *inside* ``Block.forward``. A wrapper that
   hooks the block therefore sees exactly one forward call per step, and the
   recomputation in backward reuses the parameters the wrapper has already
@@ -55,6 +58,14 @@ class LlamaConfig:
     """Standard deviation of the normal initialisation of weight matrices."""
     tie_embeddings: bool = False
     """Share one matrix between the input embedding and the output head."""
+    num_experts: int = 0
+    """Experts per feed-forward layer (``mfsdp.models.moe``); 0 is the dense SwiGLU layer. Each
+    expert is a SwiGLU layer of hidden width ``ffn_dim``."""
+    top_k: int = 2
+    """Experts each token is routed to; ignored when ``num_experts`` is 0."""
+    moe_aux_loss_coef: float = 0.01
+    """Weight of the load-balancing loss (``MoELlama.aux_loss``) that ``mfsdp train`` adds to the
+    cross entropy; 0 turns it off. 0.01 is the Switch Transformer's value."""
 
     def __post_init__(self) -> None:
         for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size",
@@ -72,6 +83,15 @@ class LlamaConfig:
                              "rotary embeddings")
         if self.rope_theta <= 0 or self.norm_eps <= 0 or self.init_std <= 0:
             raise ValueError("rope_theta, norm_eps and init_std must be positive")
+        for name in ("num_experts", "top_k"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"LlamaConfig.{name} must be a non-negative integer, got {value!r}")
+        if self.num_experts and not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(f"top_k ({self.top_k}) must lie in [1, num_experts={self.num_experts}]; "
+                             "set top_k to at most the number of experts")
+        if not self.moe_aux_loss_coef >= 0:
+            raise ValueError(f"moe_aux_loss_coef must not be negative, got {self.moe_aux_loss_coef!r}")
 
     @property
     def head_dim(self) -> int:
@@ -84,10 +104,14 @@ class LlamaConfig:
 
         Raises KeyError or ValueError when the dict is not a Llama-like decoder config.
         """
+        # Mixtral-style experts (num_local_experts of width intermediate_size); other MoE layouts
+        # (shared experts, a separate moe_intermediate_size) are counted as their dense shape.
+        experts = c.get("num_local_experts") or 0
         return cls(dim=c["hidden_size"], n_layers=c["num_hidden_layers"], n_heads=c["num_attention_heads"],
                    n_kv_heads=c.get("num_key_value_heads") or c["num_attention_heads"],
                    ffn_dim=c["intermediate_size"], vocab_size=c["vocab_size"], max_seq_len=max_seq_len,
-                   tie_embeddings=bool(c.get("tie_word_embeddings", False)))
+                   tie_embeddings=bool(c.get("tie_word_embeddings", False)), num_experts=experts,
+                   top_k=c.get("num_experts_per_tok") or 2)
 
 
 PRESETS: dict[str, LlamaConfig] = {
@@ -101,14 +125,23 @@ PRESETS: dict[str, LlamaConfig] = {
     # The Llama-3-8B shape: about 8.03B parameters.
     "8b": LlamaConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336,
                       vocab_size=128256),
+    # Mixtures of experts (mfsdp.models.moe.MoELlama; build_model picks it from num_experts).
+    # About 1.9M parameters, 1.1M of them used per token: trains on two CPU processes in a minute.
+    "moe-tiny": LlamaConfig(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=256,
+                            vocab_size=512, max_seq_len=256, num_experts=4, top_k=2),
+    # 8 experts, top 2, the Llama-3 vocabulary: about 1.02B parameters, 0.49B used per token.
+    "moe-1b": LlamaConfig(dim=1024, n_layers=16, n_heads=16, n_kv_heads=8, ffn_dim=1792,
+                          vocab_size=128256, num_experts=8, top_k=2),
 }
 
 
 def get_config(preset: str, **overrides) -> LlamaConfig:
     """The named preset, with any field replaced by ``overrides``."""
     if preset not in PRESETS:
-        raise ValueError(f"unknown model preset {preset!r}; known presets: "
-                         f"{', '.join(sorted(PRESETS))}")
+        dense = sorted(k for k, v in PRESETS.items() if not v.num_experts)
+        moe = sorted(k for k, v in PRESETS.items() if v.num_experts)
+        raise ValueError(f"unknown model preset {preset!r}; known presets: {', '.join(dense)}; "
+                         f"mixtures of experts: {', '.join(moe)}")
     fields = {f.name for f in dataclasses.fields(LlamaConfig)}
     unknown = sorted(set(overrides) - fields)
     if unknown:
@@ -207,14 +240,22 @@ class FeedForward(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
+    def init_matrices(self) -> tuple[list[nn.Linear], list[nn.Linear]]:
+        """The linears ``Llama.init_weights`` draws: those read from the residual stream (init_std),
+        then those writing into it (the scaled std), each list in draw order."""
+        return [self.w1, self.w3], [self.w2]
+
 
 class Block(nn.Module):
-    def __init__(self, cfg: LlamaConfig, dtype=None, device=None):
+    def __init__(self, cfg: LlamaConfig, dtype=None, device=None,
+                 feed_forward: nn.Module | None = None):
         super().__init__()
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps, dtype=dtype, device=device)
         self.attention = Attention(cfg, dtype=dtype, device=device)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps, dtype=dtype, device=device)
-        self.feed_forward = FeedForward(cfg, dtype=dtype, device=device)
+        # Any module mapping (..., dim) to (..., dim) with an ``init_matrices`` method.
+        self.feed_forward = (feed_forward if feed_forward is not None
+                             else FeedForward(cfg, dtype=dtype, device=device))
         # Set through Llama.set_activation_checkpointing: recompute this block's activations
         # in backward instead of storing them, optionally with the reentrant implementation.
         self.checkpointing = False
@@ -236,8 +277,10 @@ class Llama(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim, dtype=dtype, device=device)
-        self.layers = nn.ModuleList(Block(cfg, dtype=dtype, device=device)
-                                    for _ in range(cfg.n_layers))
+        self.layers = nn.ModuleList(
+            Block(cfg, dtype=dtype, device=device,
+                  feed_forward=self.make_feed_forward(cfg, dtype=dtype, device=device))
+            for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps, dtype=dtype, device=device)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False, dtype=dtype, device=device)
         if cfg.tie_embeddings:
@@ -245,6 +288,14 @@ class Llama(nn.Module):
         cos, sin = rotary_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, device=device)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+
+    def make_feed_forward(self, cfg: LlamaConfig, dtype=None, device=None) -> nn.Module:
+        """The feed-forward layer of one block: SwiGLU here; subclasses may return another."""
+        if cfg.num_experts:
+            raise ValueError(f"num_experts={cfg.num_experts} needs the mixture-of-experts model: "
+                             "build it with mfsdp.models.build_model(cfg) or "
+                             "mfsdp.models.moe.MoELlama(cfg), or set num_experts=0")
+        return FeedForward(cfg, dtype=dtype, device=device)
 
     def set_activation_checkpointing(self, enabled: bool, reentrant: bool = False) -> None:
         """Make every block recompute its activations in backward (or stop doing so)."""
@@ -258,7 +309,8 @@ class Llama(nn.Module):
 
         Matrices are drawn from N(0, init_std); the two projections that write into the
         residual stream (``wo`` and ``w2``) use init_std / sqrt(2 * n_layers) so the
-        stream's variance does not grow with depth. Norm scales start at one. The draw
+        stream's variance does not grow with depth (a feed-forward layer names its own two
+        sets through ``init_matrices``). Norm scales start at one. The draw
         order is fixed, so the result depends only on the RNG state. In-place init works
         on sharded DTensor parameters too.
         """
@@ -266,11 +318,11 @@ class Llama(nn.Module):
         residual_std = std / math.sqrt(2 * self.cfg.n_layers)
         nn.init.normal_(self.tok_embeddings.weight, std=std)
         for block in self.layers:
-            for linear in (block.attention.wq, block.attention.wk, block.attention.wv,
-                           block.feed_forward.w1, block.feed_forward.w3):
+            ffn_in, ffn_out = block.feed_forward.init_matrices()
+            for linear in (block.attention.wq, block.attention.wk, block.attention.wv, *ffn_in):
                 nn.init.normal_(linear.weight, std=std)
-            nn.init.normal_(block.attention.wo.weight, std=residual_std)
-            nn.init.normal_(block.feed_forward.w2.weight, std=residual_std)
+            for linear in (block.attention.wo, *ffn_out):
+                nn.init.normal_(linear.weight, std=residual_std)
             block.attention_norm.reset_parameters()
             block.ffn_norm.reset_parameters()
         self.norm.reset_parameters()

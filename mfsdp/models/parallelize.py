@@ -5,6 +5,11 @@ The model file knows nothing about parallelism; this file is the one place that 
 how it is cut. Each block is its own unit, so only one block's full weights exist at a
 time (plus the prefetched next one). The root unit picks up what is left: the
 embedding, the final norm and the output head.
+
+Mixture-of-experts blocks (``mfsdp.models.moe``) are cut the same way by default. With
+``expert_units=True`` each expert becomes a unit of its own inside its block's unit: an
+expert that no token of a rank reached then runs neither forward nor backward on that rank
+while other ranks do, the hardest case of conditional computation for the runtime.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 import mfsdp
 from mfsdp.models.llama import Llama
+from mfsdp.models.moe import MoEFeedForward
 
 # Axis names of the meshes built here; the two-axis placements replicate over the first
 # and shard over the second.
@@ -35,6 +41,9 @@ class ParallelizeConfig:
     """Main-weight and gradient dtypes; None keeps the core's default policy."""
     activation_checkpointing: bool = False
     """Recompute each block's activations in backward instead of storing them."""
+    expert_units: bool = False
+    """Shard each expert of a mixture-of-experts block as its own unit (inside the block's unit)
+    instead of with the rest of the block; needs a model with experts."""
 
     def __post_init__(self) -> None:
         if isinstance(self.placements, str) and self.placements not in PLACEMENT_NAMES:
@@ -82,24 +91,36 @@ def parallelize(model: Llama, mesh: DeviceMesh, config: ParallelizeConfig) -> Ll
     rank must hold the same values, since each keeps only its own shard.
     """
     placements = resolve_placements(config.placements)
+    if config.expert_units and not _moe_layers(model):
+        raise ValueError("ParallelizeConfig.expert_units=True needs a model with experts "
+                         "(LlamaConfig.num_experts > 0, built by mfsdp.models.build_model); "
+                         "set expert_units=False for a dense model")
     if config.activation_checkpointing:
         model.set_activation_checkpointing(True)
     # Bottom-up: each unit before the root claims the rest (the final norm).
-    for unit in sharding_units(model):
+    for unit in sharding_units(model, expert_units=config.expert_units):
         mfsdp.fully_shard(unit, mesh, placements, mixed_precision_policy=config.mixed_precision)
     mfsdp.fully_shard(model, mesh, placements, mixed_precision_policy=config.mixed_precision)
     return model
 
 
-def sharding_units(model: Llama) -> list:
-    """The modules sharded as units: the embedding, every block, and the output head.
+def sharding_units(model: Llama, expert_units: bool = False) -> list:
+    """The modules sharded as units, bottom-up: the embedding, every block, and the output head;
+    with ``expert_units``, each expert of a mixture-of-experts block comes just before its block.
 
     Giving the two vocabulary-sized matrices their own units lets the head's gradient reduction
     overlap the last blocks' backward and keeps the root (then just the final norm) tiny; with a
     tied embedding the pair must stay in one unit, so the root keeps both.
     """
-    units = list(model.layers)
+    units = []
+    for block in model.layers:
+        if expert_units and isinstance(block.feed_forward, MoEFeedForward):
+            units.extend(block.feed_forward.experts)
+        units.append(block)
     if model.output.weight is not model.tok_embeddings.weight:
         units = [model.tok_embeddings, *units, model.output]
     return units
 
+
+def _moe_layers(model: Llama) -> list:
+    return [b.feed_forward for b in model.layers if isinstance(b.feed_forward, MoEFeedForward)]
