@@ -44,9 +44,9 @@ class CommunicationPolicy:
     path. Costs one extra tiny collective and a host sync per collective. The environment variable
     ``MFSDP_CHECK_COLLECTIVES=1`` turns it on for every module without a code change."""
     check_finite_gradients: bool = False
-    """After each backward, one fused check per group; a NaN or Inf raises FloatingPointError on
-    every rank, naming the backward count and the group. Costs one tiny all-reduce and a host sync
-    per backward."""
+    """After the last microbatch's backward, one fused check per group; a NaN or Inf raises
+    FloatingPointError on every rank, naming the backward count, the modules and the parameters.
+    Costs one tiny all-reduce and a host sync per step."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.prefetch_depth, int) or isinstance(self.prefetch_depth, bool) or self.prefetch_depth < 0:

@@ -43,7 +43,7 @@ def test_every_variant_two_ranks(cworld, kind, mb):
     _check(cworld(2).run(cond_parity, timeout=120, variants=VARIANTS, kind=kind, mb=mb, pattern="even_ranks")[0])
 
 
-@pytest.mark.parametrize("kind", ["zero3", "hsdp", "zero2", "ddp"])
+@pytest.mark.parametrize("kind", ["zero3", "hsdp", "hfsdp", "zero2", "ddp"])
 def test_every_variant_four_ranks(cworld, kind):
     _check(cworld(4).run(cond_parity, timeout=180, variants=VARIANTS, kind=kind, mb=2, pattern="even_ranks")[0])
 
@@ -153,3 +153,35 @@ def test_a_backward_out_of_schedule_is_a_named_error(cworld):
     errors = cworld(2).run(late_backward, timeout=60)
     assert all(e and "mfsdp:" in e and "static order" in e for e in errors), errors
 
+
+
+def plans(rank, ws):
+    """Each placement's compiled reduction plan: (every backward, into, last microbatch), as
+    (source, collectives, ranks averaged over)."""
+    from mfsdp.runtime.geometry import ShardGeometry
+    from mfsdp.runtime.reducer import ReductionPlan
+
+    def show(path):
+        return None if path is None else (path.source.value, [s.kind for s in path.stages], path.scale)
+
+    out = {}
+    for kind in ["zero3", "zero2", "zero1", "ddp", "hsdp", "hsdp_deferred", "hfsdp", "zero3_2d"]:
+        plan = ReductionPlan.compile(ShardGeometry(make_mesh(kind, ws), make_placements(kind)))
+        out[kind] = (show(plan.every_backward), "accumulator" if plan.into_accumulator else "main",
+                     show(plan.last_microbatch))
+    return out
+
+
+def test_reduction_plans_per_placement(cworld):
+    got = cworld(4).run(plans, timeout=60)[0]
+    rs, ar = "reduce_scatter", "all_reduce"
+    assert got == {
+        "zero3": (("raw", [rs], 4), "main", None),
+        "zero2": (("raw", [rs], 4), "main", None),
+        "zero1": (None, "main", ("raw", [rs], 4)),
+        "ddp": (None, "main", ("raw", [ar], 4)),
+        "hsdp": (("raw", [rs, ar], 4), "main", None),
+        "hsdp_deferred": (("raw", [rs], 2), "main", ("main", [ar], 2)),
+        "hfsdp": (("raw", [rs], 2), "accumulator", ("accumulator", [rs], 2)),
+        "zero3_2d": (("raw", [rs, rs], 4), "main", None),
+    }, got

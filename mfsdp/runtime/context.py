@@ -233,16 +233,28 @@ class FsdpContext:
             self._check_finite(groups)
 
     def _check_finite(self, groups) -> None:
-        """The optional NaN/Inf check: one flag per group, one all-reduce, the same verdict everywhere."""
+        """The optional NaN/Inf check, after the last microbatch (the main gradients then hold every
+        microbatch): one flag per group, one all-reduce, the same verdict everywhere. Only on a hit,
+        one more all-reduce names the parameters."""
+        if not self.is_last_microbatch:
+            return
         checked = [(g, g.nonfinite_flag()) for g in groups if g.policy.check_finite_gradients]
         checked = [(g, flag) for g, flag in checked if flag is not None]
         if not checked:
             return
         self.tag_check.raise_if_mismatched(wait=True)  # this path syncs anyway: name a mismatch first
         flags = collectives.any_rank(torch.stack([flag for _, flag in checked]))
-        bad = [g.label for (g, _), f in zip(checked, flags) if f]
-        if bad:
-            raise FloatingPointError(
-                f"mfsdp: NaN or Inf in the reduced gradients after backward {self.backward_count} in "
-                f"parameter group(s) {bad}; lower the learning rate, check the loss and inputs, or "
-                "clip gradients")
+        hit = [g for (g, _), f in zip(checked, flags) if f]
+        if not hit:
+            return
+        names = {id(p): n for n, p in self.root_module.named_parameters()}
+        params = [p for g in hit for p in g.sharded_params]
+        nonfinite = collectives.any_rank(torch.stack([
+            torch.zeros((), dtype=torch.bool, device=self.device) if p.grad is None
+            else ~torch.isfinite(p.grad.to_local()).all() for p in params]))
+        bad = [names.get(id(p), "?") for p, f in zip(params, nonfinite) if f]
+        more = f" and {len(bad) - 8} more" if len(bad) > 8 else ""
+        raise FloatingPointError(
+            f"mfsdp: NaN or Inf in the reduced gradients after backward {self.backward_count} in "
+            f"{sorted({g.module_name for g in hit})}, parameters {bad[:8]}{more}; lower the learning rate, "
+            "check the loss and inputs, or clip gradients")

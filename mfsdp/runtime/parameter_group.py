@@ -19,12 +19,10 @@ context's business, so every method takes the stream it runs on.
 from __future__ import annotations
 
 import enum
-import math
 import os
 from typing import Callable, Optional
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -33,9 +31,9 @@ from mfsdp.communication import CommunicationPolicy
 from mfsdp.mixed_precision import ResolvedDtypes
 from mfsdp.runtime import collective_check, collectives
 from mfsdp.runtime.collectives import stream_context
-from mfsdp.runtime.flat_buffer import FlatBuffer, FlatLayout, pack_gradients
+from mfsdp.runtime.flat_buffer import FlatBuffer, FlatLayout
 from mfsdp.runtime.geometry import ShardGeometry, contiguous_stride, fill_region
-from mfsdp.runtime.tag_check import TAG_COLUMNS
+from mfsdp.runtime.reducer import GradientReducer
 
 
 class GroupState(enum.Enum):
@@ -228,31 +226,9 @@ class FsdpParameterGroup:
 
     # -------------------------------------------------------------------------- gradients
     def _init_gradient_state(self, device: torch.device) -> None:
-        g, d = self.geometry, self.dtypes
-        n = len(self.params)
-        self.grad_layout = self.layout
-        # Beside the gradients, each reduction carries K rows of per-parameter usage counts and the
-        # reduction tag, as int64 scaled so that every average stays an exact integer (see
-        # ``tag_check``). Reduced with the gradients, the counts tell every rank whether *any* rank
-        # produced a gradient, so a parameter unused everywhere keeps .grad None, as in plain PyTorch.
-        self.usage_layout = FlatLayout([torch.Size((g.num_shards, n + TAG_COLUMNS))], g.num_shards)
-        self._device = device
-        sizes = lambda groups: math.prod(dist.get_world_size(pg) for pg in groups)  # noqa: E731
-        # Each path's scale is the number of ranks it averages over: contributions of ``scale`` per
-        # use stay integers through every average, and end as the count of ranks.
-        self._scale_microbatch = sizes(g.groups[:g.grad_level]) * sizes(g.grad_all_reduce_groups)
-        self._scale_from_raw = sizes(g.groups) * sizes(g.deferred_all_reduce_groups)
-        self._scale_deferred = sizes(g.groups[g.grad_level:]) * sizes(g.deferred_all_reduce_groups)
-        self.set_reduction_tag(1, 1)
-        # What one backward's reduction holds: the unsharded gradients in the reduction dtype.
-        self.reduction_nbytes = self.layout.numel(1) * d.comm.itemsize + self.usage_layout.numel(1) * 8
-        self.main_grad: Optional[FlatBuffer] = None
-        self._usage_main: Optional[torch.Tensor] = None
-        self._accum: Optional[FlatBuffer] = None
-        self._usage_accum: Optional[torch.Tensor] = None
-        self._accum_empty = True
-        self._missing_seen = False  # a parameter lacked a gradient since the last main-grad write
-        self.needs_usage_check = False
+        d = self.dtypes
+        self.reducer = GradientReducer(self.params, self.sharded_params, self._specs, self.layout, self.geometry,
+                                       d, self.policy.gradient_divide_factor, self._collective, device)
         if d.grads != d.main:
             if not _compat.supports_grad_dtype():
                 raise NotImplementedError(
@@ -265,83 +241,35 @@ class FsdpParameterGroup:
             for p in self.sharded_params:
                 _compat.set_grad_dtype(p, None)
 
+    @property
+    def main_grad(self) -> Optional[FlatBuffer]:
+        """The reduced gradients at the optimizer level (None before the first reduction)."""
+        return self.reducer.main_grad
+
+    @property
+    def grad_layout(self) -> FlatLayout:
+        return self.layout
+
+    @property
+    def reduction_nbytes(self) -> int:
+        return self.reducer.reduction_nbytes
+
     def set_reduction_tag(self, position_tag: int, name_tag: int) -> None:
-        """The tags this group's reductions carry: the owning module's place in the backward walk
-        and a hash of its name, each in 1..61 (see ``tag_check``)."""
-        self._tag_values = torch.tensor([position_tag, position_tag ** 2, name_tag, name_tag ** 2],
-                                        dtype=torch.int64, device=self._device)
-        self._usage_inputs: dict[int, torch.Tensor] = {}
-
-    def _usage_input(self, scale: int, missing: list[int]) -> torch.Tensor:
-        """Level-0 usage rows: ``scale`` per parameter that has a gradient, then the scaled tags."""
-        cached = self._usage_inputs.get(scale) if not missing else None
-        if cached is not None:  # a copy: paths without a scatter (DDP) reduce their inputs in place
-            return cached.clone()
-        n, rows = len(self.params), self.geometry.num_shards
-        usage = torch.full((rows, n + TAG_COLUMNS), scale, dtype=torch.int64)
-        usage[:, missing] = 0
-        usage[:, n:] = self._tag_values.cpu() * scale
-        usage = usage.view(-1).to(self._device)
-        if not missing:
-            self._usage_inputs[scale] = usage.clone()
-        return usage
-
-    def _tag_columns(self, usage: torch.Tensor) -> torch.Tensor:
-        return usage.view(-1, len(self.params) + TAG_COLUMNS)[:, len(self.params):]
+        self.reducer.set_tags(position_tag, name_tag)
 
     def release_unused_gradient_memory(self) -> None:
-        """Free the main-gradient storage when every ``.grad`` was set to None (``zero_grad()``).
+        self.reducer.release_unused_memory()
 
-        Gradients are dead between the optimizer step and the next backward; FSDP2 frees them too.
-        With ``zero_grad(set_to_none=False)`` the buffer stays, persistent and zeroed in place.
-        """
-        if self.main_grad is not None and self.main_grad.is_allocated:
-            if all(p.grad is None for p in self.sharded_params):
-                self.main_grad.release()
+    def nonfinite_flag(self) -> Optional[torch.Tensor]:
+        return self.reducer.nonfinite_flag()
 
-    def _main_grad_regions(self) -> list[torch.Tensor]:
-        """The optimizer-level gradient regions, then the usage row."""
-        g = self.geometry
-        if self.main_grad is not None and not self.main_grad.is_allocated:
-            self.main_grad.allocate()  # every .grad is None, so the next write overwrites it all
-        if self.main_grad is None:
-            self.main_grad = FlatBuffer(self.layout.numel(g.num_shards), self.dtypes.grads, self._device)
-            self.main_grad.tensor.zero_()
-            self._usage_main = torch.zeros(self.usage_layout.numel(g.num_shards), dtype=torch.int64,
-                                           device=self._device)
-            regions = self.layout.regions(self.main_grad.tensor, g.num_shards)
-            self._main_grad_views = regions + [self._usage_main]
-            self._grad_dtensors = [
-                DTensor.from_local(local, mesh, placements, run_check=False,
-                                   shape=p.shape, stride=contiguous_stride(p.shape))
-                for p, local, (mesh, placements) in zip(
-                    self.params, self.layout.shards(regions, g.shard_index), self._specs)
-            ]
-        return self._main_grad_views
-
-    def _claim_main_grad(self) -> tuple[list[torch.Tensor], bool]:
-        """Regions to reduce into, and whether they may be overwritten (no gradient to keep).
-
-        A parameter whose exposed ``.grad`` is None starts from zero, as autograd would; one whose
-        ``.grad`` is ours accumulates; one whose ``.grad`` the user replaced is copied back first.
-        """
-        regions = self._main_grad_regions()
-        grads = [p.grad for p in self.sharded_params]
-        if all(gr is None for gr in grads):
-            return regions, True
-        usage = regions[-1]
-        with torch.no_grad():
-            for i, (gr, mine) in enumerate(zip(grads, self._grad_dtensors)):
-                if gr is None:
-                    regions[i].zero_()
-                    usage[i : i + 1].zero_()
-                elif gr is not mine:
-                    mine.to_local().copy_(gr.to_local() if isinstance(gr, DTensor) else gr)
-        return regions, False
+    def finalize_gradients(self) -> None:
+        self.reducer.finalize()
 
     def reduce_gradients(self, is_last: bool, stream: Optional[torch.Stream],
                          record_tag: Callable[[torch.Tensor, torch.Tensor], None]) -> list[torch.Tensor]:
-        """Reduce this backward's gradients; on the last microbatch, finish the deferred axes.
+        """Reduce this backward's gradients on ``stream`` (see ``reducer``); on the last microbatch,
+        finish the deferred axes.
 
         Everything runs on ``stream``, the copy-in too (the bf16 -> fp32 cast of an fp32
         reduction, and padded members): that copy reads and writes 6 bytes per parameter, and on
@@ -350,8 +278,7 @@ class FsdpParameterGroup:
         is queued. ``record_tag`` receives each finished reduction's tag columns and the expected
         values. Returns the tensors that must stay alive until ``stream`` has finished.
         """
-        g = self.geometry
-        if g.grad_level == 0 and not is_last:
+        if self.reducer.plan.every_backward is None and not is_last:
             return []  # ZeRO-1 / DDP: autograd keeps accumulating full gradients in .grad
         grads = [_local_grad(p) for p in self.params]  # a TP Partial -> Shard runs on compute
         for p in self.params:
@@ -359,151 +286,7 @@ class FsdpParameterGroup:
         if stream is not None:
             stream.wait_stream(torch.accelerator.current_stream(stream.device))  # grads are ready
         with torch.no_grad(), stream_context(stream):
-            keep_alive = self._stage_inputs(grads, self._scale_from_raw if g.grad_level == 0
-                                            else self._scale_microbatch)
-            inputs = keep_alive[-1]
-            if g.grad_level == 0:
-                self._finish_deferred(inputs, record_tag)
-            else:
-                self._reduce_microbatch(inputs, record_tag)
-                if is_last and g.has_deferred:
-                    self._finish_deferred(None, record_tag)
-        return keep_alive
-
-    def _stage_inputs(self, grads: list, scale: int) -> list:
-        """Level-0 gradient regions in the reduction dtype, plus the usage counts; returns what
-        must stay alive (every gradient, read on this stream), the input list last."""
-        keep, inputs = pack_gradients(grads, self.layout.members, self.dtypes.comm, self._device)
-        missing = [i for i, gr in enumerate(grads) if gr is None]
-        self._missing_seen = self._missing_seen or bool(missing)  # rare: a parameter had no gradient
-        inputs.append(self._usage_input(scale, missing))
-        keep.append(inputs)
-        return keep
-
-    def _regions_at(self, ways: int, grads: torch.Tensor, usage: torch.Tensor) -> list[torch.Tensor]:
-        return self.layout.regions(grads, ways) + self.usage_layout.regions(usage, ways)
-
-    def _scatter(self, regions, start: int, stop: int, final=None) -> list[torch.Tensor]:
-        """Reduce-scatter ``regions`` from level ``start`` to ``stop``; the last lands in ``final``."""
-        g = self.geometry
-        for j in range(start, stop):
-            if j == stop - 1 and final is not None:
-                outs = final
-            else:
-                ways = g.ways(j + 1)
-                outs = self._regions_at(
-                    ways, torch.empty(self.layout.numel(ways), dtype=regions[0].dtype, device=self._device),
-                    torch.empty(self.usage_layout.numel(ways), dtype=torch.int64, device=self._device))
-            self._collective("reduce_scatter", outs, regions, g.groups[j])
-            regions = outs
-        return regions
-
-    def _accumulate(self, target: list[torch.Tensor], overwrite: bool, compute) -> None:
-        """``target (+)= compute(...)``, letting the last collective write straight into ``target``
-        when nothing there must be kept and the dtypes agree. The tag columns are then set, not
-        summed, to what the deferred reduction of ``target`` (if any) must contribute."""
-        direct = overwrite and target[0].dtype == self.dtypes.comm
-        result = compute(target if direct else None)
-        if result is not target:
-            (_compat.foreach_copy_ if overwrite else _compat.foreach_add_)(target, result)
-        self._tag_columns(target[-1]).copy_(self._tag_values * self._scale_deferred)
-
-    def _reduce_microbatch(self, inputs, record_tag) -> None:
-        g = self.geometry
-        if g.has_deferred and g.grad_level < g.num_levels:
-            ways = g.ways(g.grad_level)
-            if self._accum is None:
-                self._accum = FlatBuffer(self.layout.numel(ways), self.dtypes.grads, self._device)
-                self._usage_accum = torch.zeros(self.usage_layout.numel(ways), dtype=torch.int64, device=self._device)
-            target = self._regions_at(ways, self._accum.tensor, self._usage_accum)
-            overwrite, self._accum_empty = self._accum_empty, False
-        else:
-            target, overwrite = self._claim_main_grad()
-
-        def compute(final):
-            out = self._scatter(inputs, 0, g.grad_level, final)
-            for group in g.grad_all_reduce_groups:
-                self._collective("all_reduce", out, None, group)
-            self._divide(out)
-            record_tag(self._tag_columns(out[-1]), self._tag_values * self._scale_microbatch)
-            return out
-
-        self._accumulate(target, overwrite, compute)
-        if self._accum is None:  # accumulated straight into the main gradient
-            self._expose_gradients()
-
-    def _finish_deferred(self, inputs, record_tag) -> None:
-        """Reduce the deferred axes (last microbatch) into the main gradient."""
-        g = self.geometry
-        start = g.grad_level
-        if inputs is None:
-            if self._accum is not None:  # HFSDP: from the accumulated gradient shard
-                inputs = self._regions_at(g.ways(start), self._in_comm_dtype(self._accum.tensor), self._usage_accum)
-                self._accum_empty = True
-            else:  # the deferred axis is all-reduced in place on the main gradient
-                self._main_grad_regions()
-                flat = self._in_comm_dtype(self.main_grad.tensor)
-                regions = self._regions_at(g.num_shards, flat, self._usage_main)
-                for group in g.deferred_all_reduce_groups:
-                    self._collective("all_reduce", regions, None, group)
-                record_tag(self._tag_columns(regions[-1]), self._tag_values * self._scale_deferred)
-                if flat is not self.main_grad.tensor:
-                    self.main_grad.tensor.copy_(flat)
-                self._expose_gradients()
-                return
-        target, overwrite = self._claim_main_grad()
-
-        divide = start == 0  # raw gradients: not divided by a per-microbatch reduction yet
-        scale = self._scale_from_raw if start == 0 else self._scale_deferred
-
-        def compute(final):
-            out = self._scatter(inputs, start, g.num_levels, final) if g.num_levels > start else inputs
-            for group in g.deferred_all_reduce_groups:
-                self._collective("all_reduce", out, None, group)
-            if divide:
-                self._divide(out)
-            record_tag(self._tag_columns(out[-1]), self._tag_values * scale)
-            return out
-
-        self._accumulate(target, overwrite, compute)
-        self._expose_gradients()
-
-    def _in_comm_dtype(self, flat: torch.Tensor) -> torch.Tensor:
-        """``flat`` itself, or one cast of it to the reduction dtype (one kernel, not one per member)."""
-        return flat if flat.dtype == self.dtypes.comm else flat.to(self.dtypes.comm)
-
-    def _divide(self, regions: list[torch.Tensor]) -> None:
-        factor = self.policy.gradient_divide_factor
-        if factor != 1.0:
-            _compat.foreach_div_(regions[:-1], factor)  # not the usage counts
-
-    def _expose_gradients(self) -> None:
-        """Point each sharded parameter's ``.grad`` at its main-gradient shard.
-
-        Values land asynchronously on the reduce-scatter stream; the final backward callback makes
-        the compute stream wait before anyone reads them.
-        """
-        for p, grad in zip(self.sharded_params, self._grad_dtensors):
-            if p.grad is not grad:  # the setter validates; skip it once ours is in place
-                p.grad = grad
-        if self._missing_seen:
-            self._missing_seen = False
-            self.needs_usage_check = True
-
-    def nonfinite_flag(self) -> Optional[torch.Tensor]:
-        """A 0-d tensor, nonzero when the reduced gradients hold a NaN or Inf (one fused check)."""
-        if self.main_grad is None or not self.main_grad.is_allocated:
-            return None
-        return ~torch.isfinite(self.main_grad.tensor).all()
-
-    def finalize_gradients(self) -> None:
-        """After the reductions have finished: unused-everywhere parameters keep ``.grad`` None."""
-        if not self.needs_usage_check:
-            return
-        self.needs_usage_check = False
-        used = self._usage_main[: len(self.params)].tolist()  # a host sync, on this rare path only
-        for p, grad, count in zip(self.sharded_params, self._grad_dtensors, used):
-            p.grad = grad if count > 0 else None
+            return self.reducer.reduce(grads, is_last, record_tag)
 
     # -------------------------------------------------------------------------- collectives
     def _collective(self, kind: str, outputs, inputs, process_group, stream=None) -> None:
