@@ -10,13 +10,17 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
         print("usage: mfsdp {train,prepare-data} ...\n\n"
-              "  train         train a Llama-style model (see `mfsdp train --help`); launch\n"
-              "                several processes with `torchrun -m mfsdp.train`\n"
+              "  train         train a Llama-style model (see `mfsdp train --help`); start\n"
+              "                several processes with `mfsdp train --nproc-per-node N ...`\n"
               "  prepare-data  tokenize a .txt/.jsonl file or a directory into a token file")
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
     if command == "train":
-        from mfsdp.train.loop import main as train_main
+        from mfsdp.train.launcher import is_launch
+        if is_launch(rest):  # --nproc-per-node and friends: check, then start the workers
+            from mfsdp.train.launcher import main as launch_main
+            return launch_main(rest)
+        from mfsdp.train.loop import main as train_main  # one process, in this one
         return train_main(rest)
     if command == "prepare-data":
         return prepare_data(rest)

@@ -32,7 +32,7 @@ def _require(condition: bool, message: str) -> None:
 @dataclass(frozen=True)
 class ModelSection:
     preset: str = "tiny"
-    """One of mfsdp.models.llama.PRESETS: tiny, 1b or 8b."""
+    """One of mfsdp.models.llama.PRESETS: tiny, 1b, 8b, or the mixtures of experts moe-tiny, moe-1b."""
     dim: int | None = None
     """Overrides the preset's width when set."""
     n_layers: int | None = None
@@ -47,6 +47,13 @@ class ModelSection:
     """Overrides the preset's vocabulary size when set."""
     tie_embeddings: bool | None = None
     """Overrides whether the output head shares the embedding matrix."""
+    num_experts: int | None = None
+    """Overrides the preset's experts per block when set (0: the dense feed-forward layer)."""
+    top_k: int | None = None
+    """Overrides the preset's experts per token when set."""
+    moe_aux_loss_coef: float | None = None
+    """Overrides the weight of the load-balancing loss added to the cross entropy (the preset's is
+    0.01); the loss is logged as aux_loss in metrics.jsonl, the loss column stays cross entropy."""
     hf: str | None = None
     """A local Hugging Face model directory (config.json, plus safetensors weights if present) to
     train instead of the built-in Llama, through mfsdp.manager; the shape fields above must then
@@ -162,8 +169,15 @@ class ParallelSection:
     """Dtype of the gradient reduce-scatter; "auto" follows the core's default."""
     activation_checkpointing: bool = False
     """Recompute each block's activations in backward to save memory."""
+    expert_units: bool = False
+    """Shard each expert of a mixture-of-experts model as its own unit, not with its block."""
+    collective_timeout_s: float = 300.0
+    """Seconds a collective may wait for the other ranks before the run stops with an error
+    (torch's default is 10 minutes). Raise it when a step or a checkpoint save legitimately
+    takes longer."""
 
     def __post_init__(self) -> None:
+        _require(self.collective_timeout_s > 0, "parallel.collective_timeout_s must be positive")
         _require(self.placements in PLACEMENTS,
                  f"parallel.placements must be one of {', '.join(PLACEMENTS)}, "
                  f"got {self.placements!r}")
@@ -177,28 +191,68 @@ class ParallelSection:
 
 
 @dataclass(frozen=True)
+class MetricsSection:
+    tensorboard: bool = False
+    """Also write the scalars of metrics.jsonl as TensorBoard events to OUT_DIR/tensorboard
+    (needs the tensorboard package: pip install tensorboard)."""
+
+    def __post_init__(self) -> None:
+        if self.tensorboard:
+            import importlib.util
+            _require(importlib.util.find_spec("tensorboard") is not None,
+                     "--metrics.tensorboard true needs the tensorboard package; "
+                     "pip install tensorboard (or mfsdp[train])")
+
+
+@dataclass(frozen=True)
 class RunConfig:
     model: ModelSection = field(default_factory=ModelSection)
+    """The model to train: a preset with optional shape overrides, or a Hugging Face directory."""
     data: DataSection = field(default_factory=DataSection)
+    """The token file and how batches are drawn from it."""
     train: TrainSection = field(default_factory=TrainSection)
+    """Optimizer, schedule, checkpoints and output directory."""
     parallel: ParallelSection = field(default_factory=ParallelSection)
+    """Sharding, dtypes and the collective timeout."""
+    metrics: MetricsSection = field(default_factory=MetricsSection)
+    """Where per-step metrics go besides metrics.jsonl."""
     resume: bool = False
     """Continue from the newest complete checkpoint in OUT_DIR/checkpoints."""
 
     def llama_config(self) -> LlamaConfig:
-        return self.model.llama_config(max_seq_len=self.data.seq_len)
+        shape = self.model.llama_config(max_seq_len=self.data.seq_len)
+        _require(not self.parallel.expert_units or (self.model.hf is None and shape.num_experts > 0),
+                 "--parallel.expert_units true needs a built-in mixture-of-experts model "
+                 "(--model.preset moe-tiny or moe-1b, or --model.num_experts N); unset it otherwise")
+        return shape
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
 
 _SECTION_TYPES = {"model": ModelSection, "data": DataSection, "train": TrainSection,
-                  "parallel": ParallelSection}
+                  "parallel": ParallelSection, "metrics": MetricsSection}
 
-USAGE = """usage: mfsdp train [--config FILE.yaml] [--resume] [--SECTION.KEY VALUE ...]
+# Flags of the `mfsdp train` launcher (mfsdp/train/launcher.py), named here so that a worker
+# started by torchrun can say where they belong.
+LAUNCHER_FLAGS = ("--nproc-per-node", "--nnodes", "--node-rank", "--rdzv-endpoint",
+                  "--rdzv-id", "--max-restarts", "--stop-timeout")
 
-Trains a Llama-style model with mfsdp. Launch with torchrun for several processes, e.g.
-  torchrun --nproc-per-node 2 -m mfsdp.train --train.steps 100
+USAGE = """usage: mfsdp train [LAUNCHER FLAGS] [--config FILE.yaml] [--resume] [--SECTION.KEY VALUE ...]
+
+Trains a Llama-style model with mfsdp. Several processes, on one node or several:
+  mfsdp train --nproc-per-node 8 --train.steps 100
+  mfsdp train --nnodes 2 --nproc-per-node 8 --rdzv-endpoint HOST:29500 ...  (on each node)
+(`torchrun --nproc-per-node 8 -m mfsdp.train ...` works too.)
+Launcher flags:
+  --nproc-per-node N      worker processes on this node (one per GPU)
+  --nnodes N              nodes in the job (default 1); start one `mfsdp train` per node
+  --rdzv-endpoint H:P     rendezvous host and port, the same on every node (needed with --nnodes)
+  --node-rank R           this node's index; node 0 hosts the rendezvous (default: by hostname)
+  --rdzv-id ID            job id shared by the nodes (default: $SLURM_JOB_ID or "mfsdp")
+  --max-restarts N        restart the workers up to N times after a failure (default 0)
+  --stop-timeout S        seconds the workers get to save and exit after Ctrl-C, SIGTERM or a
+                          lost rank before they are killed (default 50)
 Sections and keys (defaults in parentheses):
 """
 
@@ -225,6 +279,9 @@ def load_config(argv: list[str]) -> RunConfig:
             continue
         if not arg.startswith("--"):
             raise ConfigError(f"unexpected argument {arg!r}; flags look like --train.steps 100")
+        if arg.partition("=")[0] in LAUNCHER_FLAGS:
+            raise ConfigError(f"{arg.partition('=')[0]} is a flag of the `mfsdp train` launcher; "
+                              "under torchrun give the launcher's flags to torchrun, before -m")
         key, eq, value = arg[2:].partition("=")
         if not eq:
             if i + 1 >= len(argv):

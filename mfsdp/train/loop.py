@@ -3,7 +3,9 @@
 The order is: parse the config, join the process group, check everything a user can
 get wrong (on every rank, then agree), build and shard the model, resume if asked,
 train, save, plot, and print a text sample. Each rank runs this same file; only rank 0
-prints.
+prints. ``main`` is the worker entry for ``mfsdp train --nproc-per-node N`` (see
+``launcher.py``) and for ``torchrun -m mfsdp.train``; torch's ``errors.record`` hands an
+uncaught error to the launcher's summary.
 """
 
 from __future__ import annotations
@@ -19,27 +21,59 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.elastic.multiprocessing.errors import record
 
 import mfsdp
 from mfsdp.data import STDLIB, DataError, TokenFile, WindowSampler, prepare_stdlib_corpus
 from mfsdp.data.tokenizer import load_tokenizer
 from mfsdp.models import flops
 from mfsdp.models.llama import Llama, LlamaConfig
+from mfsdp.models.moe import MoELlama, build_model
 from mfsdp.models.parallelize import ParallelizeConfig, build_mesh, mesh_shape_error, parallelize
-from mfsdp.train.checkpoint import (CheckpointError, check_compatible, find_latest,
+from mfsdp.train.checkpoint import (CheckpointError, check_compatible, find_resumable,
                                     load_checkpoint, save_checkpoint)
 from mfsdp.train.config import ConfigError, RunConfig, load_config, usage
-from mfsdp.train.metrics import MetricsLog, StepTimer, peak_memory_gib
+from mfsdp.train.metrics import MetricsLog, StepReadout, TensorBoardLog, peak_memory_gib
 from mfsdp.train.sample import generate_text
 
 USER_ERRORS = (ConfigError, DataError, CheckpointError)
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
+# Set by `mfsdp train --nproc-per-node N` for its workers: each rank's stderr then goes to a
+# log file, so every rank prints its errors and the launcher shows one of them.
+LAUNCHED_ENV = "MFSDP_LAUNCHED"
+
+
 class RunFailed(Exception):
     """Some rank hit a user error; carries that rank's message to every rank."""
 
 
+class CollectiveTimeout(RuntimeError):
+    """A collective waited longer than --parallel.collective_timeout_s for the other ranks."""
+
+
+def timeout_hint(timeout_s: float | None = None) -> str:
+    """What to do when a collective times out: the tools that find the rank and the call."""
+    after = f" after {timeout_s:g} s" if timeout_s else ""
+    return (f"a collective timed out{after}: some rank stopped, hung or issued a different "
+            "collective. Rerun with MFSDP_CHECK_COLLECTIVES=1 (CommunicationPolicy("
+            "check_collectives=True)) to name the mismatched module on each rank, and with "
+            "TORCH_FR_BUFFER_SIZE=20000 TORCH_NCCL_DUMP_ON_TIMEOUT=1 to have torch's flight "
+            "recorder dump every rank's last collectives (read them with `python -m "
+            "torch.distributed.flight_recorder.fr_trace`); raise --parallel.collective_timeout_s "
+            "if a step or a save legitimately takes longer")
+
+
+def is_timeout(text: str) -> bool:
+    """Whether an error text from gloo or NCCL reports a collective timeout."""
+    lowered = text.lower()
+    return any(needle in lowered for needle in (
+        "timed out", "timeout", "watchdog caught collective operation"))
+
+
+@record
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in ("-h", "--help"):
@@ -51,22 +85,41 @@ def main(argv: list[str] | None = None) -> int:
         device = _pick_device(cfg.train.device)
     except USER_ERRORS as err:
         return _report(rank, err)
-    _join_process_group(device)
+    timeout_s = cfg.parallel.collective_timeout_s
+    _join_process_group(device, timeout_s)
     try:
         code = Trainer(cfg, device).run()
         # Tear down together: a rank that leaves while another still talks to it makes
         # gloo abort the latecomer at exit.
         dist.barrier()
         return code
-    except (*USER_ERRORS, RunFailed) as err:
-        return _report(rank, err)
+    except RunFailed as err:
+        code = _report(rank, err)
+        # Every rank got here together (the failure was agreed on): leave together, so that
+        # rank 0's line is out before a launcher stops the others.
+        dist.barrier()
+        return code
+    except USER_ERRORS as err:
+        code = _report(rank, err)
+        if dist.get_world_size() > 1:
+            # Only this rank failed (say, a corrupt window of the token file): the others
+            # may be inside a collective with it, and tearing the group down would wait for
+            # them. Leave at once; the launcher stops the rest.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+        return code
+    except RuntimeError as err:  # torch.distributed's errors (DistBackendError...) included
+        if is_timeout(str(err)):
+            raise CollectiveTimeout(f"rank {rank}: {timeout_hint(timeout_s)}") from err
+        raise
     finally:
         dist.destroy_process_group()
 
 
 def _report(rank: int, err: Exception) -> int:
-    """One line on rank 0, a non-zero exit everywhere."""
-    if rank == 0:
+    """One line (on rank 0, or on every rank under the mfsdp launcher), exit code 2."""
+    if rank == 0 or os.environ.get(LAUNCHED_ENV):
         print(f"mfsdp train: error: {err}", file=sys.stderr, flush=True)
     return 2
 
@@ -89,11 +142,11 @@ def _pick_device(choice: str) -> torch.device:
     return torch.device("cuda", local_rank)
 
 
-def _join_process_group(device: torch.device) -> None:
+def _join_process_group(device: torch.device, timeout_s: float) -> None:
     backend = "nccl" if device.type == "cuda" else "gloo"
     kwargs = {"device_id": device} if device.type == "cuda" else {}
-    if "RANK" in os.environ:  # launched by torchrun
-        dist.init_process_group(backend, timeout=timedelta(minutes=10), **kwargs)
+    if "RANK" in os.environ:  # launched by torchrun or by `mfsdp train --nproc-per-node`
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), **kwargs)
     else:  # a plain single process: a world of one, no rendezvous needed
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
                                 **kwargs)
@@ -109,6 +162,7 @@ class Trainer:
         self.checkpoints = self.out_dir / "checkpoints"
         self.model_cfg: LlamaConfig = cfg.llama_config()
         self.stop_requested = False
+        self.resume_notes: list[str] = []
 
     def log(self, message: str) -> None:
         if self.rank == 0:
@@ -124,20 +178,8 @@ class Trainer:
         """
         problem, data, resume_from = None, None, None
         try:
-            p = self.cfg.parallel
-            mesh_problem = mesh_shape_error(self.world, p.placements, p.replicate)
-            if mesh_problem:
-                raise ConfigError(mesh_problem)
-            data = self._open_data()
-            if data.vocab_size > self.model_cfg.vocab_size:
-                raise DataError(
-                    f"{data.path} was tokenized with a vocabulary of {data.vocab_size} but the "
-                    f"model has {self.model_cfg.vocab_size} embeddings; set --model.vocab_size "
-                    f"{data.vocab_size} or more")
-            if self.cfg.resume:
-                resume_from = find_latest(self.checkpoints)
-                if resume_from is not None:
-                    check_compatible(resume_from, self._model_fingerprint())
+            data, resume_from, self.resume_notes = validate_run(self.cfg, self.world,
+                                                                self._open_data)
         except USER_ERRORS as err:
             problem = str(err)
         problems: list[str | None] = [None] * self.world
@@ -160,10 +202,7 @@ class Trainer:
         return TokenFile(path)
 
     def _model_fingerprint(self) -> dict:
-        """What a checkpoint must match to be loadable into this run's model."""
-        return {k: getattr(self.model_cfg, k) for k in (
-            "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size",
-            "tie_embeddings")}
+        return model_fingerprint(self.model_cfg)
 
     # ------------------------------------------------------------------ setup
 
@@ -181,14 +220,14 @@ class Trainer:
         # Built on the meta device, so no memory or time goes into a first random init
         # that init_weights would overwrite anyway. Every rank draws the same weights.
         with torch.device("meta"):
-            model = Llama(self.model_cfg, dtype=compute)
+            model = build_model(self.model_cfg, dtype=compute)  # Llama, or MoELlama with experts
         model.to_empty(device=self.device)
         torch.manual_seed(self.cfg.train.seed)
         model.init_weights(buffer_device=self.device)
         mesh = build_mesh(self.device.type, self.world, p.placements, p.replicate)
         parallelize(model, mesh, ParallelizeConfig(
             placements=p.placements, mixed_precision=policy,
-            activation_checkpointing=p.activation_checkpointing))
+            activation_checkpointing=p.activation_checkpointing, expert_units=p.expert_units))
         return model, mfsdp.fully_shard_optimizer(model, _adamw(model, self.cfg.train))
 
     def learning_rate(self, step: int) -> float:
@@ -206,9 +245,17 @@ class Trainer:
         data, resume_from = self.preflight()
         model, optimizer = self.build()
         start_step = 0
+        for note in self.resume_notes:
+            self.log(note)
         if resume_from is not None:
-            start_step = load_checkpoint(resume_from, model, optimizer)["step"]
-            self.log(f"resumed from {resume_from} at step {start_step}")
+            try:
+                start_step = load_checkpoint(resume_from, model, optimizer)["step"]
+            except CheckpointException as err:  # a BaseException: DCP's, raised on every rank
+                raise CheckpointError(
+                    f"loading checkpoint {resume_from} failed ({_describe_load(err)}); move "
+                    "it aside to resume from the one before it") from None
+            fallback = " (the newest whole checkpoint)" if self.resume_notes else ""
+            self.log(f"resumed from {resume_from}{fallback} at step {start_step}")
         elif self.cfg.resume:
             self.log(f"no checkpoint in {self.checkpoints}; starting from step 0")
         d = self.cfg.data
@@ -221,9 +268,13 @@ class Trainer:
                  f"{data.path}")
         metrics = MetricsLog(self.out_dir / "metrics.jsonl", enabled=self.rank == 0,
                              keep_until_step=start_step)
+        tensorboard = TensorBoardLog(self.out_dir / "tensorboard",
+                                     enabled=self.rank == 0 and self.cfg.metrics.tensorboard,
+                                     purge_step=start_step + 1 if start_step else None)
         self._install_signal_handlers()
-        last = self.train(model, optimizer, sampler, metrics, start_step)
+        last = self.train(model, optimizer, sampler, (metrics, tensorboard), start_step)
         metrics.close()
+        tensorboard.close()
         if self.rank == 0:
             from mfsdp.train.plotting import plot_loss  # matplotlib is slow to import
             plot = plot_loss(metrics.path, self.out_dir / "loss.png")
@@ -235,25 +286,26 @@ class Trainer:
             self._print_sample(model, data)
         return 0
 
-    def train(self, model, optimizer, sampler, metrics, start_step: int) -> int:
+    def train(self, model, optimizer, sampler, logs, start_step: int) -> int:
         t, d = self.cfg.train, self.cfg.data
-        tokens_per_step = self.world * d.microbatches * d.local_batch * d.seq_len
-        flops_per_token = flops.flops_per_token(self.model_cfg, d.seq_len)
-        peak_flops = flops.peak_flops(self.device)
         params = list(model.parameters())
         progress = _progress_bar(t.steps, start_step, enabled=self.rank == 0 and t.progress)
-        timer = StepTimer(self.device)
-        step = start_step
+        # Loss, stop votes and gradient norm reach the host one step late, through pinned
+        # memory and an event: reading them at once would stall the host until the GPU
+        # drained, so the next step could not be queued meanwhile.
+        readout = StepReadout(self.device)
+        report = _StepReport(self, logs, progress)
+        step, stop = start_step, False
         for step in range(start_step + 1, t.steps + 1):
-            timer.start()
             lr = self.learning_rate(step)
             for group in optimizer.param_groups:
                 group["lr"] = lr
             loss_sum = torch.zeros((), device=self.device)
+            aux_sum = torch.zeros((), device=self.device)
             for micro in range(d.microbatches):
                 batch = sampler.batch(step, micro)
-                inputs = batch.inputs.to(self.device, non_blocking=True)
-                targets = batch.targets.to(self.device, non_blocking=True)
+                inputs = _to_device(batch.inputs, self.device)
+                targets = _to_device(batch.targets, self.device)
                 # Without accumulation there is nothing to defer, so skip the context.
                 accumulate = (mfsdp.microbatch(model, is_last=micro == d.microbatches - 1)
                               if d.microbatches > 1 else nullcontext())
@@ -261,7 +313,12 @@ class Trainer:
                     logits = model(inputs)
                     logits = getattr(logits, "logits", logits)  # HF models return an output object
                     loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
-                    (loss / d.microbatches).backward()
+                    objective = loss
+                    if isinstance(model, MoELlama):  # plus the weighted load-balancing loss
+                        aux = model.aux_loss()
+                        objective = loss + self.model_cfg.moe_aux_loss_coef * aux
+                        aux_sum += aux.detach() / d.microbatches
+                    (objective / d.microbatches).backward()
                 loss_sum += loss.detach() / d.microbatches
             # The norm is logged every step and clips only with grad_clip > 0. Over sharded
             # gradients it is a DTensor: reduce it once, then clip with that plain tensor.
@@ -273,36 +330,23 @@ class Trainer:
                 torch.nn.utils.clip_grads_with_norm_(params, t.grad_clip, grad_norm)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            # One collective carries the loss for logging and every rank's stop request,
-            # so all ranks leave the loop after the same step.
+            # One collective carries the loss for logging and every rank's stop request.
+            # Every rank reads the votes at the same step (one late), so all leave the loop
+            # after the same step.
             shared = torch.stack([loss_sum, torch.full((), float(self.stop_requested),
-                                                       device=self.device)])
+                                                       device=self.device), aux_sum])
             dist.all_reduce(shared)
-            # One host sync reads all three; cat promotes, so no value is rounded.
-            loss_total, stop_votes, grad_norm = torch.cat(
-                [shared, grad_norm.to(self.device).reshape(1)]).tolist()
-            loss_value, stop = loss_total / self.world, stop_votes > 0
-            seconds = timer.stop()
-            tokens_per_s = tokens_per_step / seconds
-            per_gpu = tokens_per_s / self.world
-            record = {
-                "step": step, "loss": loss_value, "lr": lr,
-                "grad_norm": grad_norm, "step_time_s": seconds,
-                "tokens_per_s": tokens_per_s, "tokens_per_s_per_gpu": per_gpu,
-                "tflops_per_gpu": per_gpu * flops_per_token / 1e12,
-                "mfu": per_gpu * flops_per_token / peak_flops if peak_flops else None,
-                "peak_mem_gib": peak_memory_gib(self.device),
-            }
-            metrics.write(record)
-            progress.set_postfix_str(_postfix(record), refresh=False)
-            progress.update(1)
-            self.stop_requested = self.stop_requested or stop
+            values = torch.cat([shared, grad_norm.to(self.device, torch.float32).reshape(1)])
+            stop = report(readout.push(step, values, {"lr": lr})) or stop
             due = t.checkpoint_every and step % t.checkpoint_every == 0
-            if due or step == t.steps or self.stop_requested:
+            if due or step == t.steps or stop:
+                stop = report(readout.flush()) or stop
                 save_checkpoint(self.checkpoints, step, model, optimizer, self._meta(),
                                 keep=t.keep_checkpoints)
-            if self.stop_requested:
+                readout.restart_clock()
+            if stop:
                 break
+        report(readout.flush())
         progress.close()
         return step
 
@@ -333,6 +377,62 @@ class Trainer:
         self.log(f"\n--- sample (temperature 0.8, prompt {prompt!r}) ---\n{text}\n--- end ---")
 
 
+class _StepReport:
+    """Turns a step's values, read off the device one step late, into the metrics record
+    that metrics.jsonl, TensorBoard and the progress bar show; returns the stop vote."""
+
+    def __init__(self, trainer: Trainer, logs, progress):
+        d = trainer.cfg.data
+        self.trainer = trainer
+        self.logs = logs
+        self.progress = progress
+        self.world = trainer.world
+        self.tokens_per_step = self.world * d.microbatches * d.local_batch * d.seq_len
+        self.flops_per_token = flops.flops_per_token(trainer.model_cfg, d.seq_len)
+        self.peak_flops = flops.peak_flops(trainer.device)
+        self.moe = trainer.cfg.model.hf is None and trainer.model_cfg.num_experts > 0
+
+    def __call__(self, done) -> bool:
+        if done is None:
+            return False
+        step, (loss_total, stop_votes, aux_total, grad_norm), seconds, extra = done
+        tokens_per_s = self.tokens_per_step / seconds
+        per_gpu = tokens_per_s / self.world
+        record = {
+            "step": step, "loss": loss_total / self.world, "lr": extra["lr"],
+            "grad_norm": grad_norm, "step_time_s": seconds,
+            "tokens_per_s": tokens_per_s, "tokens_per_s_per_gpu": per_gpu,
+            "tflops_per_gpu": per_gpu * self.flops_per_token / 1e12,
+            "mfu": per_gpu * self.flops_per_token / self.peak_flops if self.peak_flops else None,
+            "peak_mem_gib": peak_memory_gib(self.trainer.device),
+        }
+        if self.moe:  # the load-balancing loss, unweighted; "loss" stays the cross entropy
+            record["aux_loss"] = aux_total / self.world
+        for log in self.logs:
+            log.write(record)
+        self.progress.set_postfix_str(_postfix(record), refresh=False)
+        self.progress.update(1)
+        stop = stop_votes > 0
+        self.trainer.stop_requested = self.trainer.stop_requested or stop
+        return stop
+
+
+def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host-to-device copy of a batch: from pinned memory and non-blocking on CUDA, so it
+    overlaps the work already queued instead of waiting for it."""
+    if device.type != "cuda":
+        return tensor
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
+def _describe_load(err: BaseException) -> str:
+    failures = getattr(err, "failures", None) or {}
+    for rank, wrapped in failures.items():
+        inner = wrapped[0] if isinstance(wrapped, tuple) else wrapped
+        return f"rank {rank}: {type(inner).__name__}: {inner}"
+    return str(err).splitlines()[0]
+
+
 def _postfix(record: dict) -> str:
     parts = [f"loss {record['loss']:.3f}", f"{record['tokens_per_s']:,.0f} tok/s",
              f"{record['tflops_per_gpu']:.2f} TFLOP/s/gpu"]
@@ -349,13 +449,50 @@ def _progress_bar(total: int, initial: int, enabled: bool):
         enabled = False
     if not enabled:
         return _NoProgress()
-    return tqdm(total=total, initial=initial, desc="train", unit="step", dynamic_ncols=True)
+    # stdout: under `mfsdp train --nproc-per-node`, the workers' stderr goes to log files.
+    return tqdm(total=total, initial=initial, desc="train", unit="step", dynamic_ncols=True,
+                file=sys.stdout)
 
 
 class _NoProgress:
     def update(self, n): pass
     def set_postfix_str(self, text, refresh=True): pass
     def close(self): pass
+
+
+def model_fingerprint(model_cfg: LlamaConfig) -> dict:
+    """What a checkpoint must match to be loadable into a model of shape ``model_cfg``."""
+    fingerprint = {k: getattr(model_cfg, k) for k in (
+        "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "tie_embeddings")}
+    if model_cfg.num_experts:  # only then: dense checkpoints written before MoE lack the key
+        fingerprint["num_experts"] = model_cfg.num_experts
+    return fingerprint
+
+
+def validate_run(cfg: RunConfig, world: int, open_data=None):
+    """Check what a user can get wrong before any model is built; raises a USER_ERRORS type.
+
+    ``open_data`` opens the token file (None skips the data checks: the launcher does so
+    for the "stdlib" corpus, which the workers build). Returns the token file (or None),
+    the checkpoint to resume from (or None) and notes on damaged checkpoints skipped.
+    """
+    p = cfg.parallel
+    mesh_problem = mesh_shape_error(world, p.placements, p.replicate)
+    if mesh_problem:
+        raise ConfigError(mesh_problem)
+    model_cfg = cfg.llama_config()
+    data = open_data() if open_data is not None else None
+    if data is not None and data.vocab_size > model_cfg.vocab_size:
+        raise DataError(
+            f"{data.path} was tokenized with a vocabulary of {data.vocab_size} but the "
+            f"model has {model_cfg.vocab_size} embeddings; set --model.vocab_size "
+            f"{data.vocab_size} or more")
+    resume_from, notes = None, []
+    if cfg.resume:
+        resume_from, notes = find_resumable(Path(cfg.train.out_dir) / "checkpoints")
+        if resume_from is not None:
+            check_compatible(resume_from, model_fingerprint(model_cfg))
+    return data, resume_from, notes
 
 
 def _adamw(model, t) -> torch.optim.AdamW:

@@ -1,0 +1,348 @@
+"""``mfsdp train --nproc-per-node N``: check the run, then start its workers through torch's
+elastic launcher, as ``tune run`` and ``accelerate launch`` do.
+
+Before any worker starts, the launching process parses the whole config and checks what it
+can: keys and values, the model preset, the device, the mesh against the world size, the
+token file and its vocabulary, and the checkpoint ``--resume`` would load. A mistake is one
+line on stderr and exit code 2.
+
+The workers run ``python -m mfsdp.train`` (``loop.main``) under
+``torch.distributed.launcher.api.elastic_launch``. Their stdout is the console; each rank's
+stderr goes to ``OUT_DIR/logs/<run>/attempt_<n>/<local rank>/stderr.log``, so warnings and
+tracebacks do not bury the output. When a worker fails, the launcher prints a short summary:
+the rank that failed first (a rank killed by a signal is named as lost), its error, where
+the full traceback is, and how to continue. Ctrl-C or SIGTERM is passed on to every rank,
+which finishes its step and saves; the launcher then exits 0 and says to continue with
+``--resume``. A rank that is lost or hangs gets the others stopped, and after
+``--stop-timeout`` seconds killed, so the job never outlives its workers.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import sys
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from mfsdp.train.config import LAUNCHER_FLAGS, ConfigError, RunConfig, load_config, usage
+
+USER_ERROR_EXIT = 2
+_ERROR_PREFIX = "mfsdp train: error: "
+
+
+@dataclass(frozen=True)
+class LaunchOptions:
+    """How many workers to start here and how the nodes find each other."""
+
+    nproc_per_node: int
+    """Worker processes on this node, normally one per GPU."""
+    nnodes: int = 1
+    """Nodes in the job; every node runs one `mfsdp train` with the same flags."""
+    node_rank: int | None = None
+    """This node's index. Node 0 hosts the rendezvous store; None decides by hostname."""
+    rdzv_endpoint: str | None = None
+    """HOST:PORT of the rendezvous, the same on every node (required when nnodes > 1)."""
+    rdzv_id: str | None = None
+    """Job id shared by the nodes of one job; None uses $SLURM_JOB_ID, else "mfsdp"."""
+    max_restarts: int = 0
+    """How often the workers are restarted after a failure (each restart resumes only if
+    --resume is given)."""
+    stop_timeout_s: float = 50.0
+    """Seconds the workers get to save and exit after Ctrl-C, SIGTERM or a lost rank before
+    they are killed."""
+
+    def __post_init__(self) -> None:
+        if self.nproc_per_node < 1:
+            raise ConfigError("--nproc-per-node must be at least 1")
+        if self.nnodes < 1:
+            raise ConfigError("--nnodes must be at least 1")
+        if self.nnodes > 1 and not self.rdzv_endpoint:
+            raise ConfigError(f"--nnodes {self.nnodes} needs --rdzv-endpoint HOST:PORT, the "
+                              "same on every node (HOST: the first node)")
+        if self.node_rank is not None and not 0 <= self.node_rank < self.nnodes:
+            raise ConfigError(f"--node-rank must lie in [0, {self.nnodes}), got "
+                              f"{self.node_rank}")
+        if self.max_restarts < 0:
+            raise ConfigError("--max-restarts must not be negative")
+        if self.stop_timeout_s <= 0:
+            raise ConfigError("--stop-timeout must be positive")
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.nproc_per_node
+
+
+_OPTION_TYPES = {"--nproc-per-node": ("nproc_per_node", int), "--nnodes": ("nnodes", int),
+                 "--node-rank": ("node_rank", int), "--rdzv-endpoint": ("rdzv_endpoint", str),
+                 "--rdzv-id": ("rdzv_id", str), "--max-restarts": ("max_restarts", int),
+                 "--stop-timeout": ("stop_timeout_s", float)}
+assert set(_OPTION_TYPES) == set(LAUNCHER_FLAGS)
+
+
+def is_launch(argv: list[str]) -> bool:
+    """Whether ``mfsdp train ARGV`` asks for worker processes (any launcher flag)."""
+    return any(arg.partition("=")[0] in LAUNCHER_FLAGS for arg in argv)
+
+
+def split_args(argv: list[str]) -> tuple[LaunchOptions, list[str]]:
+    """The launcher's options, and the arguments left for the workers."""
+    values: dict[str, object] = {}
+    rest: list[str] = []
+    i = 0
+    while i < len(argv):
+        flag, eq, text = argv[i].partition("=")
+        if flag not in _OPTION_TYPES:
+            rest.append(argv[i])
+            i += 1
+            continue
+        if not eq:
+            if i + 1 >= len(argv):
+                raise ConfigError(f"{flag} needs a value")
+            text = argv[i + 1]
+            i += 1
+        i += 1
+        name, kind = _OPTION_TYPES[flag]
+        try:
+            values[name] = kind(text)
+        except ValueError:
+            raise ConfigError(f"{flag} expects {kind.__name__}, got {text!r}") from None
+    if "nproc_per_node" not in values:
+        raise ConfigError("launching workers needs --nproc-per-node N (one per GPU)")
+    return LaunchOptions(**values), rest
+
+
+def main(argv: list[str]) -> int:
+    """``mfsdp train`` with launcher flags; returns the exit code."""
+    if any(arg in ("-h", "--help") for arg in argv):
+        print(usage())
+        return 0
+    try:
+        options, rest = split_args(argv)
+        cfg = check(options, rest)
+    except Exception as err:  # noqa: BLE001: only the user-error types are caught below
+        from mfsdp.train.loop import USER_ERRORS
+        if not isinstance(err, USER_ERRORS):
+            raise
+        return _error(str(err))
+    return run(options, cfg, rest)
+
+
+def check(options: LaunchOptions, rest: list[str]) -> RunConfig:
+    """Everything the workers would refuse, checked here first; raises a user error."""
+    import torch
+
+    from mfsdp.data import STDLIB, TokenFile
+    from mfsdp.train.loop import validate_run
+
+    cfg = load_config(rest)
+    cuda = cfg.train.device == "cuda" or (cfg.train.device == "auto" and
+                                          torch.cuda.is_available())
+    if cuda:
+        if not torch.cuda.is_available():
+            raise ConfigError("train.device is cuda but no CUDA device is visible; use "
+                              "--train.device cpu")
+        if options.nproc_per_node > torch.cuda.device_count():
+            raise ConfigError(f"--nproc-per-node {options.nproc_per_node} but this node has "
+                              f"{torch.cuda.device_count()} GPU(s); start at most one process "
+                              "per GPU")
+    path = cfg.data.path
+    validate_run(cfg, options.world_size,
+                 None if path == STDLIB else (lambda: TokenFile(path)))
+    return cfg
+
+
+def run(options: LaunchOptions, cfg: RunConfig, rest: list[str]) -> int:
+    """Start the workers and wait for them; a summary on failure."""
+    from torch.distributed.elastic.multiprocessing import SignalException, Std
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    from mfsdp.train.loop import LAUNCHED_ENV
+
+    out_dir = Path(cfg.train.out_dir)
+    log_dir = out_dir / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    if options.nnodes == 1 and not options.rdzv_endpoint:  # as torchrun --standalone
+        endpoint, run_id, rdzv_configs = "localhost:0", uuid.uuid4().hex[:12], {}
+    else:
+        endpoint = options.rdzv_endpoint
+        run_id = options.rdzv_id or os.environ.get("SLURM_JOB_ID") or "mfsdp"
+        rdzv_configs = ({} if options.node_rank is None
+                        else {"is_host": options.node_rank == 0})
+    os.environ[LAUNCHED_ENV] = "1"
+    # Several workers share the node's cores: one OpenMP thread each, as torchrun sets.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    _quiet_torch_elastic()
+    config = LaunchConfig(
+        min_nodes=options.nnodes, max_nodes=options.nnodes,
+        nproc_per_node=options.nproc_per_node, run_id=run_id, rdzv_backend="c10d",
+        rdzv_endpoint=endpoint, rdzv_configs=rdzv_configs,
+        max_restarts=options.max_restarts, monitor_interval=0.1,
+        logs_specs=_LogsSpecs(log_dir=str(log_dir), redirects=Std.ERR),
+        shutdown_timeout=max(1, round(options.stop_timeout_s)))
+    try:
+        elastic_launch(config, sys.executable)("-u", "-m", "mfsdp.train", *rest)
+        return 0
+    except ChildFailedError as err:
+        return _summarize(err.failures, cfg, config.logs_specs.stderrs)
+    except SignalException as err:
+        return _after_signal(err.sigval.name, cfg)
+    except Exception as err:  # noqa: BLE001: rendezvous problems, reported in one line
+        name = type(err).__name__
+        if "Rendezvous" in name:
+            return _error(f"rendezvous at {endpoint} failed ({name}: {err}); check that "
+                          "--rdzv-endpoint names the first node, that its port is free and "
+                          "reachable, and that every node uses the same --nnodes and --rdzv-id",
+                          code=1)
+        raise
+
+
+def _logs_specs_class():
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+
+    class LogsSpecs(DefaultLogsSpecs):
+        """torch's layout (OUT_DIR/logs/<run>/attempt_<n>/<local rank>/stderr.log), remembering
+        the paths of the latest attempt for the summary."""
+
+        stderrs: dict[int, str] = {}
+
+        def reify(self, envs):
+            dest = super().reify(envs)
+            self.stderrs = dict(dest.stderrs)
+            return dest
+
+    return LogsSpecs
+
+
+def _LogsSpecs(**kwargs):  # noqa: N802: a class made on demand, torch imported late
+    return _logs_specs_class()(**kwargs)
+
+
+def _error(message: str, code: int = USER_ERROR_EXIT) -> int:
+    print(f"{_ERROR_PREFIX}{message}", file=sys.stderr, flush=True)
+    return code
+
+
+def _quiet_torch_elastic() -> None:
+    """torch's agent logs each step of a shutdown, and the failure, in its own format; the
+    summary says what matters.
+    LOGLEVEL=INFO (torch's own switch) brings them back."""
+    if "LOGLEVEL" in os.environ:
+        return
+    import torch.distributed.elastic.agent.server.api  # noqa: F401: creates the loggers
+    import torch.distributed.launcher.api  # noqa: F401
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith(("torch.distributed.elastic", "torch.distributed.launcher")):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+
+
+def _summarize(failures: dict, cfg: RunConfig, stderrs: dict[int, str]) -> int:
+    """A few lines on the failed ranks: the first one, what it said, where its logs are."""
+    from mfsdp.train.loop import is_timeout, timeout_hint
+
+    for failure in failures.values():  # where _log_tail finds each rank's stderr
+        failure.stderr_log = stderrs.get(failure.local_rank)
+
+    # torch lists failures in the order it saw them, then stops the rest with SIGTERM (and
+    # SIGKILL 30 s later). So the first failure is the cause, except that in one poll a rank
+    # killed by a signal (lost) and a rank whose collective failed because of it show up
+    # together: prefer the signal there. Timestamps are whole seconds.
+    earliest = min(f.timestamp for f in failures.values())
+    index = {rank: i for i, rank in enumerate(failures)}
+
+    def order(item):
+        rank, failure = item
+        return (failure.timestamp > earliest + 2, failure.exitcode == -signal.SIGTERM,
+                failure.exitcode >= 0, index[rank])
+
+    ranked = sorted(failures.items(), key=order)
+    if ranked[0][1].exitcode == USER_ERROR_EXIT and _user_error(ranked[0][1]):
+        # A user error found by the workers (a file missing on one node, a corrupt window of
+        # the token file): show its line once, as the launcher's own; the rest were stopped.
+        return _error(_user_error(ranked[0][1]))
+    host = socket.gethostname()
+    rank, first = ranked[0]
+    if first.exitcode < 0:
+        head = (f"rank {rank} was lost: killed by {first.signal_name()} (pid {first.pid} on "
+                f"{host}); the other ranks were stopped")
+    else:
+        head = f"rank {rank} failed: {_what(first)}"
+    lines = [f"{_ERROR_PREFIX}{head}"]
+    for other_rank, failure in ranked[1:]:
+        lines.append(f"  then rank {other_rank}: {_what(failure)}")
+    texts = [_what(f) + "\n" + _log_tail(f) for _, f in ranked]
+    if any(is_timeout(text) for text in texts) and not any("MFSDP_CHECK_COLLECTIVES" in text
+                                                           for text in texts[:1]):
+        lines.append(f"  {timeout_hint(cfg.parallel.collective_timeout_s)}")
+    logs = sorted({str(Path(f.stderr_log).parent.parent) for _, f in ranked if f.stderr_log})
+    if logs:
+        lines.append(f"  full tracebacks: {', '.join(logs)}/<local rank>/stderr.log")
+    from mfsdp.train.checkpoint import find_latest
+    latest = find_latest(Path(cfg.train.out_dir) / "checkpoints")
+    if latest is not None:
+        lines.append(f"  the newest complete checkpoint is {latest}; continue from it with "
+                     "--resume")
+    print("\n".join(lines), file=sys.stderr, flush=True)
+    return 1
+
+
+def _what(failure) -> str:
+    """A failed worker's error in one line."""
+    if failure.exitcode == -signal.SIGTERM:
+        return "stopped (SIGTERM)"
+    if failure.exitcode < 0:
+        return f"killed by {failure.signal_name()}"
+    user = _user_error(failure)
+    if user:
+        return user
+    message = failure.message
+    if isinstance(message, dict):  # as errors.record writes it
+        message = message.get("message", "")
+    if not message or message.startswith("To enable traceback"):
+        tail = [line for line in _log_tail(failure).splitlines() if line.strip()]
+        message = tail[-1].strip() if tail else ""
+    message = " ".join(str(message).split())
+    return f"{message[:400]} (exit code {failure.exitcode})"
+
+
+def _user_error(failure) -> str | None:
+    """The `mfsdp train: error:` line a worker printed into its stderr log, if any."""
+    for line in reversed(_log_tail(failure).splitlines()):
+        if line.startswith(_ERROR_PREFIX):
+            return line[len(_ERROR_PREFIX):].strip()
+    return None
+
+
+def _log_tail(failure, size: int = 20000) -> str:
+    if not getattr(failure, "stderr_log", None):
+        return ""
+    path = Path(failure.stderr_log)
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, path.stat().st_size - size))
+            return f.read().decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _after_signal(name: str, cfg: RunConfig) -> int:
+    """The launcher got Ctrl-C or SIGTERM and passed it on; did every rank save?"""
+    from mfsdp.train.checkpoint import find_latest
+    from mfsdp.train.metrics import read_metrics
+
+    out_dir = Path(cfg.train.out_dir)
+    latest = find_latest(out_dir / "checkpoints")
+    metrics = out_dir / "metrics.jsonl"
+    last = max((r.get("step", 0) for r in read_metrics(metrics)), default=0) if \
+        metrics.is_file() else 0
+    if latest is not None and int(latest.name.rpartition("_")[2]) >= last:
+        print(f"mfsdp train: stopped by {name}; every rank saved {latest}; continue with "
+              "--resume", flush=True)
+        return 0
+    where = f"the newest complete checkpoint is {latest}" if latest else "no checkpoint exists"
+    return _error(f"stopped by {name} before the ranks could save step {last} (raise "
+                  f"--stop-timeout if saving takes longer); {where}", code=1)
