@@ -160,3 +160,18 @@ def gpu_spin(cycles: int) -> None:
     """Keep the current CUDA stream busy for about ``cycles`` clock cycles (tests delay a stream with
     it, so that a missing wait shows up as wrong numbers)."""
     torch.cuda._sleep(cycles)
+
+
+def fake_tensor_mode():
+    """A ``FakeTensorMode``: tensors carry shape, dtype and device but no data (``mfsdp.memory``
+    runs a block's forward and backward under it to measure activations). Private in torch."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def dispatch_mode_base() -> type:
+    """``TorchDispatchMode``, the base of a mode that sees every op's outputs (private in torch)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    return TorchDispatchMode

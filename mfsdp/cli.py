@@ -1,4 +1,4 @@
-"""The ``mfsdp`` console script: ``mfsdp train ...`` and ``mfsdp prepare-data ...``."""
+"""The ``mfsdp`` console script: ``mfsdp train ...``, ``mfsdp plan ...`` and ``mfsdp prepare-data ...``."""
 
 from __future__ import annotations
 
@@ -9,9 +9,10 @@ import sys
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: mfsdp {train,prepare-data} ...\n\n"
+        print("usage: mfsdp {train,plan,prepare-data} ...\n\n"
               "  train         train a Llama-style model (see `mfsdp train --help`); start\n"
               "                several processes with `mfsdp train --nproc-per-node N ...`\n"
+              "  plan          predict a train config's GPU memory and list the settings that fit\n"
               "  prepare-data  tokenize a .txt/.jsonl file or a directory into a token file")
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
@@ -22,9 +23,12 @@ def main(argv: list[str] | None = None) -> int:
             return launch_main(rest)
         from mfsdp.train.loop import main as train_main  # one process, in this one
         return train_main(rest)
+    if command == "plan":
+        from mfsdp.memory.plan import main as plan_main
+        return plan_main(rest)
     if command == "prepare-data":
         return prepare_data(rest)
-    print(f"mfsdp: unknown command {command!r}; use train or prepare-data", file=sys.stderr)
+    print(f"mfsdp: unknown command {command!r}; use train, plan or prepare-data", file=sys.stderr)
     return 2
 
 

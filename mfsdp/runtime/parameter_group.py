@@ -82,8 +82,7 @@ class FsdpParameterGroup:
         # * replicated (ZeRO-1/2, DDP) or sharded over fewer axes (HFSDP): a persistent copy, refreshed
         #   once per optimizer step, so the per-step gathers stay off the slow axes.
         level_ways = g.ways(g.param_level)
-        self.main_aliases_model = dtypes.main == dtypes.compute and g.num_levels == g.param_level
-        self.model_on_the_fly = not self.main_aliases_model and g.num_levels == g.param_level > 0
+        self.main_aliases_model, self.model_on_the_fly = choose_model_buffer(dtypes, g.num_levels, g.param_level)
         self.main = FlatBuffer(self.layout.numel(g.num_shards), dtypes.main, device)
         self.model: Optional[FlatBuffer] = (
             self.main if self.main_aliases_model
@@ -301,6 +300,14 @@ class FsdpParameterGroup:
             collectives.reduce_scatter(outputs, inputs, process_group, coalesce=self.policy.coalesce)
         else:
             collectives.all_reduce(outputs, process_group, coalesce=self.policy.coalesce)
+
+
+def choose_model_buffer(dtypes: ResolvedDtypes, num_levels: int, param_level: int) -> tuple[bool, bool]:
+    """(main aliases model, model derived on the fly): which compute-weight buffer a group keeps at
+    rest (see the three cases in ``FsdpParameterGroup.__init__``). Pure, so that ``mfsdp.memory``
+    predicts the buffers from the same choice the runtime makes."""
+    main_aliases_model = dtypes.main == dtypes.compute and num_levels == param_level
+    return main_aliases_model, not main_aliases_model and num_levels == param_level > 0
 
 
 def local_tensor(param: torch.Tensor) -> torch.Tensor:

@@ -141,6 +141,9 @@ class TrainSection:
     """Show a progress bar on rank 0."""
     device: str = "auto"
     """"auto" (CUDA when available), "cuda" or "cpu"."""
+    skip_memory_check: bool = False
+    """On CUDA the run first predicts its peak memory (``mfsdp plan``) and stops, before building
+    anything, when it would not fit the GPU; true skips that check."""
 
     def __post_init__(self) -> None:
         _require(self.steps > 0, "train.steps must be positive")

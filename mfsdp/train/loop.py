@@ -190,6 +190,17 @@ class Trainer:
             raise RunFailed(message if rank == 0 else f"(on rank {rank}) {message}")
         return data, resume_from
 
+    def check_memory(self) -> None:
+        """Stop before anything is allocated when the predicted peak does not fit the GPU (every
+        rank predicts the same, so all stop together). CPU runs skip it."""
+        if self.device.type != "cuda" or self.cfg.train.skip_memory_check:
+            return
+        from mfsdp.memory.plan import memory_problem
+
+        problem = memory_problem(self.cfg, self.world, device_memory(self.device))
+        if problem:
+            raise RunFailed(problem)
+
     def _open_data(self) -> TokenFile:
         path = self.cfg.data.path
         if path == STDLIB:
@@ -243,6 +254,7 @@ class Trainer:
 
     def run(self) -> int:
         data, resume_from = self.preflight()
+        self.check_memory()
         model, optimizer = self.build()
         start_step = 0
         for note in self.resume_notes:
@@ -415,6 +427,11 @@ class _StepReport:
         stop = stop_votes > 0
         self.trainer.stop_requested = self.trainer.stop_requested or stop
         return stop
+
+
+def device_memory(device: torch.device) -> int:
+    """Total bytes of the GPU (``torch.cuda.mem_get_info``); a function so tests can replace it."""
+    return torch.cuda.mem_get_info(device)[1]
 
 
 def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:

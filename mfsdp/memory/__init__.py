@@ -1,0 +1,10 @@
+"""Memory planner: predict every rank's peak memory of a training step before launch.
+
+``estimate`` sizes model state with the runtime's own layout code and measures activations on fake
+tensors; ``mfsdp plan`` (``mfsdp.memory.plan``) prints the breakdown and the settings that fit.
+"""
+
+from mfsdp.memory.api import estimate, mesh_for
+from mfsdp.memory.estimate import COMPONENTS, MemoryEstimate, Phase, StepSettings
+
+__all__ = ["COMPONENTS", "MemoryEstimate", "Phase", "StepSettings", "estimate", "mesh_for"]

@@ -1,0 +1,268 @@
+"""Activations, measured: one short model's forward, loss and backward under ``FakeTensorMode``.
+
+The model is the real one cut to two blocks (``num_hidden_layers=2`` for Hugging Face models). Its
+tensors carry shapes and dtypes but no data, so the run takes about a second on CPU even for the
+8B shape. A dispatch mode sees every op's outputs and counts the bytes of each new storage until
+it is freed; hooks on the blocks (the runtime's own signals: a block's forward, the gradient of its
+output, the gradient of its input) cut the run into windows. From the second block, which sits
+between two others as every block but the first does, come the bytes a block leaves saved for
+backward and the peak transient above that inside its forward and its backward.
+
+Trade-off taken: the attention backend is the one the CPU dispatcher picks for fake CPU tensors
+(flash attention for causal SDPA, like CUDA's, saving the output and the log-sum-exp, not the
+score matrix). A model whose GPU kernels save something else (a fused kernel with another
+recompute policy) is measured as its CPU path. Rejected: counting saved tensors by formula (it
+must know every model), and tracing the full-depth model (seconds per setting for the 8B shape,
+and a block's numbers do not depend on depth).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mfsdp import _compat
+
+
+@dataclasses.dataclass(frozen=True)
+class ActivationProfile:
+    """Measured activation bytes of one microbatch, for one rank (batch and sequence given)."""
+
+    embed_bytes: int
+    """Live after the layers before the first block (embedding output and what it saved)."""
+    block_bytes: int
+    """What one block adds to the live bytes in forward: the tensors it saved plus its output,
+    less nothing (its input stays referenced by the previous block)."""
+    block_forward_transient: int
+    """Peak above a block's end-of-forward bytes while its forward runs."""
+    block_backward_peak: int
+    """Peak above the live bytes at the start of a block's backward, while it runs (activation
+    gradients, recompute under checkpointing, and the block's own weight gradients then live)."""
+    block_weight_grad_bytes: int
+    """Weight-gradient bytes of one block counted in ``block_backward_peak`` at its peak."""
+    head_forward_bytes: int
+    """Live bytes the layers after the last block and the loss add by the end of forward (logits,
+    the fp32 copy, the log-softmax saved by the loss)."""
+    head_forward_transient: int
+    """Peak above the end-of-forward bytes while the head and the loss run forward."""
+    loss_backward_peak: int
+    """Peak above the end-of-forward bytes while the loss runs backward (until the model's output
+    has its gradient)."""
+    head_backward_peak: int
+    """Peak above the end-of-forward bytes while the head runs backward, weight gradients
+    excluded."""
+    embed_backward_peak: int
+    """Peak above the block-free bytes while the layers before the first block run backward, weight
+    gradients excluded."""
+    grad_window: dict
+    """Parameter name -> the backward window its gradient arrives in ("head", "blocks", "embed")."""
+
+    def total_saved(self, n_blocks: int) -> int:
+        return self.embed_bytes + n_blocks * self.block_bytes + self.head_forward_bytes
+
+
+class _LiveBytes(_compat.dispatch_mode_base()):
+    """Counts the bytes of every storage an op creates until it is freed; ``mark`` records the
+    counters under a label."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.act = 0  # storages that are not parameter gradients
+        self.grad = 0  # parameter gradients (moved here when accumulated)
+        self._sizes: dict[int, int] = {}
+        self._is_grad: set[int] = set()
+        self.timeline: list[tuple[int, int]] = []
+        self.marks: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        inputs = {id(t.untyped_storage()) for t in _compat.tree_flatten((args, kwargs))[0]
+                  if isinstance(t, torch.Tensor)}
+        out = func(*args, **(kwargs or {}))
+        for t in _compat.tree_flatten(out)[0]:
+            if not isinstance(t, torch.Tensor):
+                continue
+            storage = t.untyped_storage()
+            key = id(storage)
+            if key in self._sizes or key in inputs:
+                continue  # a view or an in-place result: no new bytes
+            self._sizes[key] = storage.nbytes()
+            self.act += storage.nbytes()
+            weakref.finalize(storage, self._free, key)
+        self.timeline.append((self.act, self.grad))
+        return out
+
+    def _free(self, key: int) -> None:
+        size = self._sizes.pop(key, 0)
+        if key in self._is_grad:
+            self._is_grad.discard(key)
+            self.grad -= size
+        else:
+            self.act -= size
+
+    def mark_grad(self, tensor: torch.Tensor) -> None:
+        key = id(tensor.untyped_storage())
+        if key in self._sizes and key not in self._is_grad:
+            self._is_grad.add(key)
+            self.act -= self._sizes[key]
+            self.grad += self._sizes[key]
+
+    def mark(self, label: str) -> None:
+        self.timeline.append((self.act, self.grad))
+        self.marks[label] = len(self.timeline) - 1
+
+    def at(self, label: str) -> tuple[int, int]:
+        return self.timeline[self.marks[label]]
+
+    def peak(self, start: str, stop: str, with_grads: bool = False) -> int:
+        """Highest live bytes between two marks (grads counted from ``start`` when asked)."""
+        i, j = self.marks[start], self.marks[stop]
+        g0 = self.timeline[i][1]
+        return max(a + (g - g0 if with_grads else 0) for a, g in self.timeline[i:j + 1])
+
+
+def measure(model: nn.Module, blocks: list[nn.Module], run: Callable[[nn.Module], torch.Tensor],
+            names: Optional[dict] = None) -> ActivationProfile:
+    """Run ``run(model)`` (forward and loss) and its backward on the fake ``model`` (at least two
+    ``blocks``, in forward order) and cut the live bytes into an ``ActivationProfile``."""
+    if len(blocks) < 2:
+        raise ValueError("activation measurement needs a model of at least two blocks")
+    tracker = _LiveBytes()
+    handles, window = [], {"now": "head"}
+    names = names or {id(p): n for n, p in model.named_parameters()}
+    arrival: dict[str, str] = {}
+
+    def on_grad(param):
+        tracker.mark_grad(param.grad)
+        arrival[names.get(id(param), "?")] = window["now"]
+
+    for p in model.parameters():
+        if p.requires_grad:
+            handles.append(p.register_post_accumulate_grad_hook(on_grad))
+    def root_output(module, args, output):
+        out = getattr(output, "logits", output)
+        if isinstance(out, torch.Tensor) and out.requires_grad:
+            out.register_hook(lambda grad: tracker.mark("loss_backward_end"))
+    handles.append(model.register_forward_hook(root_output))
+    for i, block in enumerate(blocks):
+        handles.append(block.register_forward_pre_hook(_forward_marks(tracker, i, window)))
+        handles.append(block.register_forward_hook(_output_marks(tracker, i, window), with_kwargs=True))
+    try:
+        with tracker:
+            tracker.mark("start")
+            loss = run(model)
+            tracker.mark("forward_end")
+            loss.backward()
+            tracker.mark("backward_end")
+            getattr(run, "kept", []).clear()
+    finally:
+        for h in handles:
+            h.remove()
+    act = lambda label: tracker.at(label)[0]  # noqa: E731
+    grads = lambda label: tracker.at(label)[1]  # noqa: E731
+    last = len(blocks) - 1
+    peak_b = tracker.peak("bwd_enter_1", "bwd_exit_1", with_grads=True)
+    i_peak = max(range(tracker.marks["bwd_enter_1"], tracker.marks["bwd_exit_1"] + 1),
+                 key=lambda k: tracker.timeline[k][0] + tracker.timeline[k][1])
+    return ActivationProfile(
+        embed_bytes=act("fwd_enter_0") - act("start"),
+        block_bytes=act("fwd_exit_1") - act("fwd_enter_1"),
+        block_forward_transient=tracker.peak("fwd_enter_1", "fwd_exit_1") - act("fwd_exit_1"),
+        block_backward_peak=peak_b - act("bwd_enter_1"),
+        block_weight_grad_bytes=tracker.timeline[i_peak][1] - grads("bwd_enter_1"),
+        head_forward_bytes=act("forward_end") - act(f"fwd_exit_{last}"),
+        head_forward_transient=tracker.peak(f"fwd_exit_{last}", "forward_end") - act("forward_end"),
+        loss_backward_peak=tracker.peak("forward_end", "loss_backward_end") - act("forward_end"),
+        head_backward_peak=tracker.peak("loss_backward_end", f"bwd_enter_{last}") - act("forward_end"),
+        embed_backward_peak=tracker.peak("bwd_exit_0", "backward_end") - act("bwd_exit_0"),
+        grad_window=arrival,
+    )
+
+
+def _forward_marks(tracker, i, window):
+    def hook(module, args):
+        if torch.is_grad_enabled() and f"fwd_enter_{i}" not in tracker.marks:
+            tracker.mark(f"fwd_enter_{i}")
+    return hook
+
+
+def _output_marks(tracker, i, window):
+    def hook(module, args, kwargs, output):
+        if f"fwd_exit_{i}" in tracker.marks:
+            return
+        tracker.mark(f"fwd_exit_{i}")
+        out = output[0] if isinstance(output, (tuple, list)) else output
+        inputs = [a for a in _compat.tree_flatten((args, kwargs))[0]
+                  if isinstance(a, torch.Tensor) and a.requires_grad]
+
+        def entered(grad):
+            window["now"] = "blocks"
+            tracker.mark(f"bwd_enter_{i}")
+
+        def exited(grad):
+            tracker.mark(f"bwd_exit_{i}")
+            if i == 0:
+                window["now"] = "embed"
+        if isinstance(out, torch.Tensor) and out.requires_grad:
+            out.register_hook(entered)
+        if inputs:
+            inputs[0].register_hook(exited)
+    return hook
+
+
+# ------------------------------------------------------------------------------ model builders
+def cross_entropy_run(tokens: torch.Tensor) -> Callable[[nn.Module], torch.Tensor]:
+    """What ``mfsdp train`` runs: the model's logits, upcast, against shifted targets. The logits
+    stay referenced through backward, as the training loop's local variable keeps them."""
+    kept = []
+
+    def run(model):
+        kept.clear()
+        logits = model(tokens)
+        logits = getattr(logits, "logits", logits)
+        kept.append(logits)
+        return F.cross_entropy(logits.float().flatten(0, 1), tokens.flatten())
+    run.kept = kept
+    return run
+
+
+def measure_llama(cfg, dtype: torch.dtype, batch: int, seq: int, checkpointing: bool) -> ActivationProfile:
+    """A bundled Llama (or MoE) shape, cut to two blocks, measured on fake tensors."""
+    from mfsdp.models import build_model
+
+    small = dataclasses.replace(cfg, n_layers=2, max_seq_len=max(cfg.max_seq_len, seq))
+    with _compat.fake_tensor_mode():
+        model = build_model(small, dtype=dtype)
+        model.set_activation_checkpointing(checkpointing)
+        tokens = torch.zeros(batch, seq, dtype=torch.long)
+        return measure(model, list(model.layers), cross_entropy_run(tokens))
+
+
+def measure_hf(config, dtype: torch.dtype, batch: int, seq: int, checkpointing: bool,
+               unit_names: Optional[list] = None) -> ActivationProfile:
+    """A Hugging Face causal LM (its ``config``), cut to two decoder layers, on fake tensors;
+    checkpointing wraps each layer as the manager does."""
+    import copy
+
+    import transformers
+
+    from mfsdp.manager.core_options import _checkpoint_forward, resolve_unit_modules
+
+    config = copy.deepcopy(config)
+    config.num_hidden_layers = 2
+    if getattr(config, "layer_types", None):
+        config.layer_types = config.layer_types[:2]
+    config.use_cache = False
+    with _compat.fake_tensor_mode():
+        with torch.device("cpu"):
+            model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+        units = [m for _, m in resolve_unit_modules(model, unit_names)][::-1]  # forward order
+        if checkpointing:
+            for unit in units:
+                _checkpoint_forward(unit)
+        tokens = torch.zeros(batch, seq, dtype=torch.long)
+        return measure(model, units, cross_entropy_run(tokens))

@@ -1,0 +1,354 @@
+"""``estimate``: one rank's memory over the phases of a training step, and its peak.
+
+The step is replayed in the runtime's host order (allocations happen when the host issues them, so
+``torch.cuda.max_memory_allocated`` follows it): the forward walk gathers each unit and prefetches
+``prefetch_depth`` more (the root stays gathered into backward); the backward walk enters units in
+the schedule's order (root, then children last to first), prefetching as it enters, and at each
+unit's exit reshards it, releases pending reductions by the rule of ``in_flight`` (at most two
+pending), packs the gradients in the reduction dtype and reduces them into the main gradient (or
+HFSDP's accumulator); the optimizer step upcasts gradients kept in another dtype and runs AdamW's
+foreach temporary. Model state comes from ``model_state`` (the runtime's layout), activations from
+``activations`` (measured on fake tensors).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from mfsdp.memory.activations import ActivationProfile
+from mfsdp.memory.model_state import UnitBytes, optimizer_state_bytes
+
+COMPONENTS = (
+    "main weights", "optimizer states", "model weights", "gather slots", "main grads", "accumulator",
+    "unsharded (forward)", "unsharded (backward)", "module grads", "reduction staging",
+    "activations (saved)", "activations (transient)", "logits and loss", "optimizer step", "workspace",
+)
+GIB = 1 << 30
+
+
+@dataclasses.dataclass(frozen=True)
+class Phase:
+    """Allocated bytes at the highest point of one phase of the step, by component."""
+
+    name: str
+    """What runs: "forward: layers.3", "backward: reduce output", "optimizer step"..."""
+    components: dict
+    """Component name (one of ``COMPONENTS``) -> bytes."""
+
+    @property
+    def total(self) -> int:
+        return sum(self.components.values())
+
+
+@dataclasses.dataclass(frozen=True)
+class StepSettings:
+    """The step being predicted."""
+
+    placements: str
+    """Name of the placement combination (ZeRO-3, HSDP...)."""
+    world_size: int
+    """Ranks in the mesh."""
+    local_batch: int
+    """Sequences per rank per microbatch."""
+    seq_len: int
+    """Tokens per sequence."""
+    microbatches: int
+    """Microbatches per optimizer step."""
+    activation_checkpointing: bool
+    """Whether blocks recompute their activations in backward."""
+    optimizer: str
+    """"adamw" or "sgd"."""
+    foreach: bool = True
+    """Whether the optimizer runs foreach kernels (AdamW then keeps one shard-sized temporary)."""
+    prefetch_depth: int = 1
+    """Units gathered ahead (0 where ``overlap`` is off)."""
+    double_buffer: bool = False
+    """Whether repeated units gather into persistent slots."""
+    cuda: bool = True
+    """Count the CUDA workspaces (cuBLAS, two handles) that the caching allocator holds."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryEstimate:
+    """The prediction for one rank (rank 0, which holds the largest uneven shards)."""
+
+    settings: StepSettings
+    """What was predicted."""
+    phases: tuple
+    """Every phase of the step, in order (``Phase``)."""
+    peak_bytes: int
+    """Predicted peak of allocated memory (``torch.cuda.max_memory_allocated``)."""
+    peak_phase: str
+    """The phase where the peak occurs."""
+    breakdown: dict
+    """Component -> bytes at the peak."""
+    allocator_reserve: int
+    """What the caching allocator holds beyond allocated bytes (cached blocks, fragmentation)."""
+    outside_allocator: int
+    """Device memory no tensor accounts for: the CUDA context, NCCL's buffers."""
+
+    @property
+    def device_bytes(self) -> int:
+        """What the device must have free: the peak plus the reserve and the context."""
+        return self.peak_bytes + self.allocator_reserve + self.outside_allocator
+
+    def component_max(self, name: str) -> int:
+        return max(p.components.get(name, 0) for p in self.phases)
+
+
+RESERVE_FRACTION = 0.05
+"""Reserve on top of allocated bytes: the caching allocator's cached and split blocks (2-5 % in the
+GPU runs of ``benchmarks/results``)."""
+OUTSIDE_ALLOCATOR = int(1.5 * GIB)
+"""CUDA context and NCCL buffers, outside the caching allocator (about 0.5 + 1 GiB on H200)."""
+CUBLAS_WORKSPACES = 2 * 32 * (1 << 20)
+"""cuBLAS workspaces from the caching allocator: one per handle (forward thread, autograd thread)."""
+
+
+class _Walk:
+    """Mutable state of the replay; ``snap`` records a phase."""
+
+    def __init__(self, units: list[UnitBytes], s: StepSettings, blocks: list[str]) -> None:
+        self.units, self.s = units, s
+        self.by_name = {u.name: u for u in units}
+        self.root = units[0]
+        self.blocks = blocks
+        first = min((i for i, u in enumerate(units) if u.name in blocks), default=len(units))
+        self.kind = {}
+        for i, u in enumerate(units):
+            inside = self._block_of(u)
+            self.kind[u.name] = ("root" if u is self.root else "block" if inside is not None
+                                 else "pre" if i < first else "post")
+        self.slot_bytes, self.in_flight = _gather_slots(units, s)
+        self.gathered: dict[str, int] = {}
+        self.phases: list[Phase] = []
+        self.fixed: dict[str, int] = {}
+
+    def _block_of(self, u: UnitBytes) -> Optional[str]:
+        name = u.name
+        while name is not None:
+            if name in self.blocks:
+                return name
+            name = self.by_name[name].parent if name in self.by_name else None
+        return None
+
+    def gather(self, u: UnitBytes) -> None:
+        self.gathered.setdefault(u.name, self.in_flight[u.name])
+
+    def snap(self, name: str, **parts) -> None:
+        c = dict.fromkeys(COMPONENTS, 0)
+        c.update(self.fixed)
+        for k, v in parts.items():
+            c[k.replace("_", " ").replace("unsharded fwd", "unsharded (forward)")
+              .replace("unsharded bwd", "unsharded (backward)").replace("act saved", "activations (saved)")
+              .replace("act transient", "activations (transient)")] += v
+        self.phases.append(Phase(name, c))
+
+
+def _gather_slots(units: list[UnitBytes], s: StepSettings) -> tuple[int, dict]:
+    """Persistent slot bytes, and each unit's bytes gathered through the allocator (``GatherSlots``)."""
+    slots = {}
+    if s.double_buffer:
+        by_key: dict = {}
+        for u in units[1:]:
+            for g in u.groups:
+                if g.gather_key is not None:
+                    by_key.setdefault(g.gather_key, []).append(g)
+        per = s.prefetch_depth + 1
+        slots = {k: v for k, v in by_key.items() if len(v) > per}
+    bound = {id(g) for v in slots.values() for g in v}
+    slot_bytes = sum(per_group[0].unsharded for per_group in slots.values()) * (s.prefetch_depth + 1)
+    in_flight = {u.name: sum(g.unsharded for g in u.groups if id(g) not in bound) for u in units}
+    return slot_bytes, in_flight
+
+
+def simulate(units: list[UnitBytes], acts: ActivationProfile, s: StepSettings,
+             blocks: list[str]) -> MemoryEstimate:
+    """Replay one step (its first and, with several, its last microbatch) and find the peak."""
+    w = _Walk(units, s, blocks)
+    main = sum(g.main for u in units for g in u.groups)
+    model = sum(g.model for u in units for g in u.groups)
+    accum = sum(g.accumulator for u in units for g in u.groups)
+    w.fixed = {"main weights": main, "optimizer states": optimizer_state_bytes(units, s.optimizer),
+               "model weights": model, "gather slots": w.slot_bytes,
+               "workspace": CUBLAS_WORKSPACES if s.cuda else 0}
+    if accum:
+        w.fixed["accumulator"] = accum  # allocated on the first backward, never released
+    grads_every_backward = any(g.every_backward for u in units for g in u.groups if g.requires_grad)
+    micro = ["first", "last"] if s.microbatches > 1 else ["only"]
+    for which in micro:
+        _microbatch(w, acts, s, which, grads_every_backward)
+    _optimizer(w, units, s)
+    peak = max(w.phases, key=lambda p: p.total)
+    return MemoryEstimate(s, tuple(w.phases), peak.total, peak.name, dict(peak.components),
+                          int(RESERVE_FRACTION * peak.total) if s.cuda else 0,
+                          OUTSIDE_ALLOCATOR if s.cuda else 0)
+
+
+def _microbatch(w: _Walk, acts: ActivationProfile, s: StepSettings, which: str, every: bool) -> None:
+    units, root, n_blocks = w.units, w.root, len(w.blocks)
+    tag = "" if which == "only" else f" [{which} microbatch]"
+    first = which in ("first", "only")
+    last = which in ("last", "only")
+    reduces_now = every or last
+    # Main gradients: freed by zero_grad before the step; with several microbatches the later ones
+    # start with every group's (ZeRO-1/DDP: with every raw gradient in .grad instead).
+    main_grads = 0 if first else (sum(u.total("main_grad") for u in units) if every else 0)
+    raw_grads = 0 if (first or every) else sum(u.total("module_grads") for u in units)
+    depth = s.prefetch_depth
+    embed, block, head = acts.embed_bytes, acts.block_bytes, acts.head_forward_bytes
+    w.gathered = {}
+
+    # ------------------------------------------------------------------ forward
+    issued = 0
+    computed: list[UnitBytes] = []
+    for pos, u in enumerate(units):
+        for q in range(issued, min(pos + depth, len(units) - 1) + 1):
+            w.gather(units[q])
+        issued = max(issued, min(pos + depth, len(units) - 1) + 1)
+        for done in list(computed):  # post_forward of units that are not ancestors of u
+            if done is not root and not _is_ancestor(w, done, u):
+                w.gathered.pop(done.name, None)
+                computed.remove(done)
+        kind = w.kind[u.name]
+        i = w.blocks.index(w._block_of(u)) if kind == "block" else 0
+        saved = {"root": 0, "pre": embed, "block": embed + i * block, "post": embed + n_blocks * block}[kind]
+        transient = acts.block_forward_transient + block if kind == "block" else 0
+        w.snap(f"forward: {u.name or 'root'}{tag}", unsharded_fwd=sum(w.gathered.values()),
+               main_grads=main_grads, module_grads=raw_grads, act_saved=saved, act_transient=transient,
+               logits_and_loss=head if kind == "post" else 0)
+        computed.append(u)
+    for done in computed:
+        if done is not root:
+            w.gathered.pop(done.name, None)
+    saved_all = embed + n_blocks * block
+    w.snap(f"forward: loss{tag}", unsharded_fwd=sum(w.gathered.values()), main_grads=main_grads,
+           module_grads=raw_grads, act_saved=saved_all, logits_and_loss=head + acts.head_forward_transient)
+    w.snap(f"backward: loss{tag}", unsharded_bwd=sum(w.gathered.values()), main_grads=main_grads,
+           module_grads=raw_grads, act_saved=saved_all, logits_and_loss=head + acts.loss_backward_peak)
+
+    # ------------------------------------------------------------------ backward
+    order = _enter_order(units)
+    pending: list[tuple[int, int]] = []  # (bytes held, bytes the release rule counts)
+    root_grads = _root_grads(root, acts)
+    arrived = {"head": root_grads["head"], "blocks": 0, "embed": 0}
+    head_done = False
+    steps = _walk_steps(order, units)
+    for kind_step, u in steps:
+        if kind_step == "enter":
+            w.gather(u)
+            at = order.index(u)
+            for following in order[at + 1:at + 1 + depth]:
+                w.gather(following)
+            kind = w.kind[u.name]
+            own = sum(u.param_grad_bytes) if u is not root else 0
+            if kind == "block":
+                i = w.blocks.index(w._block_of(u))
+                arrived["blocks"] = root_grads["blocks"]
+                parts = dict(act_saved=embed + (i + 1) * block,
+                             act_transient=acts.block_backward_peak - acts.block_weight_grad_bytes,
+                             grads_now=acts.block_weight_grad_bytes if u.name in w.blocks else own)
+            elif kind == "pre":
+                arrived["embed"] = root_grads["embed"]
+                parts = dict(act_saved=embed, act_transient=acts.embed_backward_peak, grads_now=own)
+            elif (kind == "post" or (kind == "root" and not any(w.kind[x.name] == "post" for x in units))) \
+                    and not head_done:
+                head_done = True
+                parts = dict(act_saved=saved_all - head, logits_and_loss=head + acts.head_backward_peak,
+                             grads_now=own)
+            else:
+                continue
+            grads_now = parts.pop("grads_now")
+            w.snap(f"backward: {u.name or 'root'}{tag}", unsharded_bwd=sum(w.gathered.values()),
+                   main_grads=main_grads, accumulator=0,
+                   module_grads=raw_grads + grads_now + sum(arrived.values()),
+                   reduction_staging=sum(b for b, _ in pending), **parts)
+            continue
+        # exit: reshard, then release pending reductions, pack and reduce
+        if u is not root:
+            w.gathered.pop(u.name, None)
+        if not any(g.requires_grad for g in u.groups):
+            continue
+        own = sum(arrived.values()) if u is root else sum(u.param_grad_bytes)
+        if not reduces_now:  # ZeRO-1/DDP before the last microbatch: raw gradients stay in .grad
+            raw_grads += own
+            continue
+        incoming = u.total("reduction_nbytes")
+        while pending and not (len(pending) < 2 and 4 * incoming < sum(r for _, r in pending)):
+            pending.pop(0)
+        scatter = 0 if (first and all(g.direct for g in u.groups)) else u.total("scatter_out")
+        if first or not every:  # the main gradient is allocated by this unit's first reduction
+            main_grads += u.total("main_grad")
+        if raw_grads:
+            raw_grads -= u.total("module_grads")  # now held by the reduction (below)
+        if u is root:
+            arrived = {"head": 0, "blocks": 0, "embed": 0}
+        w.snap(f"backward: reduce {u.name or 'root'}{tag}", unsharded_bwd=sum(w.gathered.values()),
+               main_grads=main_grads, module_grads=raw_grads + sum(arrived.values()),
+               act_saved=_saved_at_exit(w, u, acts),
+               reduction_staging=own + u.total("staging") + scatter + sum(b for b, _ in pending))
+        pending.append((own + u.total("staging"), incoming))
+    w.snap(f"backward: end{tag}", main_grads=main_grads, module_grads=raw_grads)
+
+
+def _saved_at_exit(w: _Walk, u: UnitBytes, acts: ActivationProfile) -> int:
+    kind = w.kind[u.name]
+    if kind == "block":
+        return acts.embed_bytes + w.blocks.index(w._block_of(u)) * acts.block_bytes
+    if kind == "post":
+        return acts.embed_bytes + len(w.blocks) * acts.block_bytes
+    return 0
+
+
+def _root_grads(root: UnitBytes, acts: ActivationProfile) -> dict:
+    out = {"head": 0, "blocks": 0, "embed": 0}
+    for name, nbytes in zip(root.param_names, root.param_grad_bytes):
+        out[acts.grad_window.get(name, "head")] += nbytes
+    return {"head": out["head"], "blocks": out["blocks"], "embed": out["embed"]}
+
+
+def _is_ancestor(w: _Walk, candidate: UnitBytes, u: UnitBytes) -> bool:
+    name = u.parent
+    while name is not None:
+        if name == candidate.name:
+            return True
+        name = w.by_name[name].parent
+    return False
+
+
+def _enter_order(units: list[UnitBytes]) -> list[UnitBytes]:
+    """The schedule's backward enter order: depth first, children last to first."""
+    children: dict = {u.name: [] for u in units}
+    for u in units[1:]:
+        children[u.parent or ""].append(u)
+    out, stack = [], [units[0]]
+    while stack:
+        u = stack.pop()
+        out.append(u)
+        stack.extend(children[u.name])
+    return out
+
+
+def _walk_steps(order: list[UnitBytes], units: list[UnitBytes]) -> list[tuple[str, UnitBytes]]:
+    children: dict = {u.name: [] for u in units}
+    for u in units[1:]:
+        children[u.parent or ""].append(u)
+    steps, stack = [], [("enter", units[0])]
+    while stack:
+        kind, u = stack.pop()
+        steps.append((kind, u))
+        if kind == "enter":
+            stack.append(("exit", u))
+            stack.extend(("enter", c) for c in children[u.name])
+    return steps
+
+
+def _optimizer(w: _Walk, units: list[UnitBytes], s: StepSettings) -> None:
+    main_grads = sum(u.total("main_grad") for u in units)
+    upcast = sum(g.optimizer_numel * g.main_itemsize for u in units for g in u.groups
+                 if g.requires_grad and g.grads_differ)
+    temp = 0
+    if s.optimizer == "adamw" and s.foreach:
+        temp = sum(g.optimizer_numel * g.main_itemsize for u in units for g in u.groups if g.requires_grad)
+    w.snap("optimizer step", main_grads=main_grads, optimizer_step=upcast + temp)

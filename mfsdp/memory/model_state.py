@@ -1,0 +1,213 @@
+"""Model state per rank, from the layout code the runtime allocates with.
+
+Every byte of model state is one of a parameter group's flat buffers (see
+``runtime/parameter_group``). Here each group's buffers are sized by the runtime's own
+``FlatLayout`` and its own choice of compute-weight buffer (``choose_model_buffer``), with the
+levels of sharding derived from ``Placements`` exactly as ``ShardGeometry`` derives them, but from a
+mesh *shape* instead of a live mesh. Units (the modules ``fully_shard`` is applied to) own their
+parameters by the runtime's ownership rule (``collect_owned_parameters``), grouped by
+``group_parameters``. The gradient buffers mirror ``GradientReducer`` (main gradient at the
+optimizer level in the gradient dtype, HFSDP's accumulator at the gradient level); the CPU test
+holds the whole of it to the byte against live buffers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Mapping, Optional
+
+import torch
+from torch import nn
+
+from mfsdp.mixed_precision import MixedPrecisionPolicy, ResolvedDtypes
+from mfsdp.placement import Placements
+from mfsdp.runtime.flat_buffer import FlatLayout
+from mfsdp.runtime.ownership import collect_owned_parameters, group_parameters
+from mfsdp.runtime.parameter_group import choose_model_buffer
+from mfsdp.runtime.tag_check import TAG_COLUMNS
+
+
+@dataclasses.dataclass(frozen=True)
+class Levels:
+    """The sharded axes of a placement, coarse to fine, as sizes (``ShardGeometry`` without a mesh)."""
+
+    sizes: tuple[int, ...]
+    """Size of each sharded axis, in shard order."""
+    param_level: int
+    """Levels that shard the compute weights at rest (0: replicated)."""
+    grad_level: int
+    """Levels reduce-scattered on every backward."""
+
+    @classmethod
+    def of(cls, placements: Placements, mesh_shape: Mapping) -> "Levels":
+        missing = [a for a in placements.dp_axes if a not in mesh_shape]
+        if missing:
+            raise ValueError(f"mesh_shape {dict(mesh_shape)} has no size for the axes {missing} that "
+                             f"{placements.name} names; give every axis of Placements.dp_axes a size")
+        sizes = tuple(int(mesh_shape[placements.dp_axes[i]]) for i in placements.shard_order)
+        return cls(sizes, placements.num_param_sharded, placements.num_grad_sharded)
+
+    @property
+    def num_levels(self) -> int:
+        return len(self.sizes)
+
+    @property
+    def num_shards(self) -> int:
+        return math.prod(self.sizes)
+
+    def ways(self, level: int) -> int:
+        return math.prod(self.sizes[:level])
+
+    @property
+    def into_accumulator(self) -> bool:
+        """HFSDP: every backward reduces into an accumulator, the last one into the main gradient."""
+        return 0 < self.grad_level < self.num_levels
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupBytes:
+    """One parameter group's bytes on one rank."""
+
+    label: str
+    """Owning unit and dtype."""
+    main: int
+    """Main weights (optimizer shard, main dtype)."""
+    model: int
+    """Compute weights at rest, 0 where they alias the main weights or are cast on the fly."""
+    unsharded: int
+    """The gathered compute weights while the module runs; 0 where the model buffer is whole."""
+    main_grad: int
+    """Reduced gradients (optimizer shard, gradient dtype) plus the int64 usage row."""
+    accumulator: int
+    """HFSDP's gradient accumulator (gradient level) plus its usage row; 0 otherwise."""
+    module_grads: int
+    """Autograd's gradients of the unsharded parameters (compute dtype, unpadded)."""
+    staging: int
+    """``pack_gradients``' copy in the reduction dtype (padded members, or a dtype change) plus the
+    usage input."""
+    scatter_out: int
+    """A reduce-scatter output buffer, where it cannot write straight into the main gradient."""
+    reduction_nbytes: int
+    """What the runtime's pending-reduction rule counts for this group (``reduction_nbytes``)."""
+    optimizer_numel: int
+    """Elements of this rank's real (unpadded) optimizer shards."""
+    main_itemsize: int
+    """Bytes per element of the main weights (and optimizer states)."""
+    gather_key: Optional[tuple]
+    """(numel, dtype) of the gathered buffer, or None: which groups may share a gather slot."""
+    requires_grad: bool
+    """Whether the group has gradients at all."""
+    every_backward: bool
+    """Reduced on every backward (False: ZeRO-1 and DDP accumulate raw gradients until the last)."""
+    direct: bool
+    """The first reduction may write straight into the main gradient (gradient dtype = reduction
+    dtype), with no scatter output buffer."""
+    grads_differ: bool
+    """Gradients kept in another dtype than the main weights: the optimizer step upcasts them."""
+
+    @property
+    def resting(self) -> int:
+        return self.main + self.model
+
+
+@dataclasses.dataclass(frozen=True)
+class UnitBytes:
+    """One ``fully_shard`` unit: its groups, and where it sits in the tree."""
+
+    name: str
+    """The module's name under the root ("" for the root)."""
+    groups: tuple[GroupBytes, ...]
+    """Its parameter groups."""
+    parent: Optional[str]
+    """The nearest unit above it (None for the root)."""
+    param_names: tuple[str, ...]
+    """Names of the parameters it owns (for matching measured gradient arrival)."""
+    param_grad_bytes: tuple[int, ...]
+    """Autograd gradient bytes of each of those parameters (0 where frozen)."""
+
+    def total(self, field: str) -> int:
+        return sum(getattr(g, field) for g in self.groups)
+
+
+def group_bytes(label: str, shapes, dtypes: ResolvedDtypes, levels: Levels, requires_grad: bool,
+                rank_shard: int = 0) -> GroupBytes:
+    """The bytes of one group, from the runtime's layout and buffer choice."""
+    layout = FlatLayout(shapes, levels.num_shards)
+    k = levels.num_shards
+    main_aliases_model, on_the_fly = choose_model_buffer(dtypes, levels.num_levels, levels.param_level)
+    isz = lambda d: torch.empty((), dtype=d).element_size()  # noqa: E731
+    main = layout.numel(k) * isz(dtypes.main)
+    model = 0 if (main_aliases_model or on_the_fly) else layout.numel(levels.ways(levels.param_level)) * isz(dtypes.compute)
+    gathered = levels.param_level > 0
+    unsharded = layout.numel(1) * isz(dtypes.compute) if gathered else 0
+    main_grad = accumulator = module_grads = staging = scatter_out = reduction = 0
+    if requires_grad:
+        n = len(shapes)
+        usage = FlatLayout([torch.Size((k, n + TAG_COLUMNS))], k)
+        main_grad = layout.numel(k) * isz(dtypes.grads) + usage.numel(k) * 8
+        if levels.into_accumulator:
+            ways = levels.ways(levels.grad_level)
+            accumulator = layout.numel(ways) * isz(dtypes.grads) + usage.numel(ways) * 8
+        module_grads = sum(m.rows * m.row_numel for m in layout.members) * isz(dtypes.compute)
+        staged = [m for m in layout.members if m.is_padded or dtypes.compute != dtypes.comm]
+        staging = sum(m.padded_rows * m.row_numel for m in staged) * isz(dtypes.comm) + usage.numel(1) * 8
+        out_level = levels.grad_level or levels.num_levels  # ZeRO-1 scatters on the last microbatch
+        scatter_out = layout.numel(levels.ways(out_level)) * isz(dtypes.comm) if out_level else 0
+        reduction = layout.numel(1) * isz(dtypes.comm) + usage.numel(1) * 8  # GradientReducer.reduction_nbytes
+    opt = sum(m.rows_of_shard(rank_shard) * m.row_numel for m in layout.members)
+    key = (layout.numel(1), dtypes.compute) if gathered else None
+    return GroupBytes(label, main, model, unsharded, main_grad, accumulator, module_grads, staging,
+                      scatter_out, reduction, opt, isz(dtypes.main), key, requires_grad,
+                      levels.grad_level > 0, dtypes.grads == dtypes.comm, dtypes.grads != dtypes.main)
+
+
+class _UnitMarker(type):
+    """``isinstance(m, marker)`` is True for the modules in ``marker.ids``: the runtime's ownership
+    walk then stops at them as it stops at FSDP children."""
+
+    def __instancecheck__(cls, obj) -> bool:
+        return id(obj) in cls.ids
+
+
+def describe_units(model: nn.Module, units: list, policy: MixedPrecisionPolicy, levels: Levels,
+                   rank_shard: int = 0) -> list[UnitBytes]:
+    """Units of ``model`` (``units``: the non-root modules ``fully_shard`` is applied to, bottom-up,
+    as ``parallelize`` does), the root last, each with the bytes of its groups."""
+    marker = _UnitMarker("Unit", (), {"ids": set()})
+    names = {id(m): n for n, m in model.named_modules()}
+    param_names = {p: n for n, p in model.named_parameters(remove_duplicate=False)}
+    out, done = [], []
+    for unit in [*units, model]:
+        owned, _ = collect_owned_parameters(unit, marker)
+        marker.ids.add(id(unit))
+        done.append(unit)
+        groups = []
+        for params, _ in group_parameters(owned):
+            dtypes = policy.resolve(params[0].dtype)
+            label = f"{names.get(id(unit)) or 'root'}[{params[0].dtype}]"
+            groups.append(group_bytes(label, [p.shape for p in params], dtypes, levels,
+                                      params[0].requires_grad, rank_shard))
+        out.append((unit, groups, tuple(param_names.get(p, "?") for p in owned),
+                    tuple(p.numel() * p.element_size() if p.requires_grad else 0 for p in owned)))
+    parent_of = {}
+    for unit in done:  # the nearest unit strictly above each unit
+        for other in done:
+            if other is not unit and any(m is unit for m in other.modules()):
+                best = parent_of.get(id(unit))
+                if best is None or any(m is other for m in best.modules()):
+                    parent_of[id(unit)] = other
+    order = {id(m): i for i, m in enumerate(model.modules())}
+    out.sort(key=lambda entry: order[id(entry[0])])  # forward order: registration pre-order, root first
+    return [UnitBytes(names.get(id(u), ""), tuple(g),
+                      names.get(id(parent_of[id(u)])) if id(u) in parent_of else None, pn, gb)
+            for u, g, pn, gb in out]
+
+
+def optimizer_state_bytes(units: list[UnitBytes], optimizer: str) -> int:
+    """AdamW: two moments per element of the main shard; SGD (with momentum): one."""
+    per = {"adamw": 2, "sgd": 1}
+    if optimizer not in per:
+        raise ValueError(f"optimizer {optimizer!r} is not modelled; use 'adamw' or 'sgd'")
+    return per[optimizer] * sum(g.optimizer_numel * g.main_itemsize for u in units for g in u.groups
+                                if g.requires_grad)

@@ -1,0 +1,233 @@
+"""``mfsdp plan``: the memory of a ``mfsdp train`` config per GPU, and the settings that fit.
+
+Reads the same config as ``mfsdp train`` (``--config FILE.yaml`` and ``--section.key value``
+flags, ``--model.hf DIR`` included), plus ``--nproc-per-node`` / ``--nnodes`` for the world size
+and ``--gpu-memory`` for the device (default: this machine's GPU, else an H200's 141 GiB).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import sys
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from mfsdp.memory.api import estimate
+from mfsdp.memory.estimate import COMPONENTS, GIB, MemoryEstimate
+
+PLACEMENT_SPEED = ("zero1", "zero2", "zero3")
+"""Faster first: ZeRO-1 and ZeRO-2 gather weights once per step, ZeRO-3 in every pass."""
+DEFAULT_GPU = 141 * GIB
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """One candidate: what ``mfsdp train`` flags would change."""
+
+    placements: str
+    """zero1, zero2, zero3 (or the config's hsdp / hfsdp)."""
+    activation_checkpointing: bool
+    """Recompute blocks in backward."""
+    local_batch: int
+    """Sequences per microbatch; microbatches keep the tokens per step."""
+    microbatches: int
+    """Microbatches per step."""
+
+    def flags(self) -> str:
+        return (f"--parallel.placements {self.placements} --parallel.activation_checkpointing "
+                f"{str(self.activation_checkpointing).lower()} --data.local_batch {self.local_batch} "
+                f"--data.microbatches {self.microbatches}")
+
+    def speed_key(self) -> tuple:
+        rank = PLACEMENT_SPEED.index(self.placements) if self.placements in PLACEMENT_SPEED else len(PLACEMENT_SPEED)
+        return (self.activation_checkpointing, -self.local_batch, rank)
+
+
+def parse_bytes(text: str) -> int:
+    """"141GiB", "80GB", "75.5 GiB", or a plain number of bytes."""
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([KMGT]i?B?)?\s*", text, re.IGNORECASE)
+    if not m:
+        raise ValueError(f"--gpu-memory {text!r}: give a size such as 141GiB or 80GB")
+    unit = (m.group(2) or "").upper().rstrip("B")
+    scale = {"": 1, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}[unit]
+    return int(float(m.group(1)) * scale)
+
+
+def estimate_run(cfg, world: int, setting: Optional[Setting] = None) -> MemoryEstimate:
+    """The estimate of a ``RunConfig`` (``mfsdp train``'s) on ``world`` GPUs, optionally changed."""
+    import mfsdp
+
+    p, d = cfg.parallel, cfg.data
+    s = setting or Setting(p.placements, p.activation_checkpointing, d.local_batch, d.microbatches)
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
+    compute = dtypes.get(p.compute_dtype, torch.bfloat16)
+    policy = mfsdp.MixedPrecisionPolicy(main_params_dtype=torch.float32,
+                                        main_grads_dtype=dtypes.get(p.main_grads_dtype),
+                                        grad_comm_dtype=dtypes.get(p.grad_comm_dtype))
+    if cfg.model.hf is not None:
+        model = cfg.model.hf
+        if s.placements not in ("zero3", "zero2", "zero1", "ddp") and p.replicate == 1:
+            raise ValueError("--model.hf: hsdp/hfsdp need --parallel.replicate > 1")
+        policy = mfsdp.MixedPrecisionPolicy(main_params_dtype=torch.float32,
+                                            main_grads_dtype=None if p.main_grads_dtype == "bf16" else torch.float32)
+    else:
+        model = cfg.llama_config()
+    return estimate(model, world_size=world, placements=s.placements, replicate=p.replicate,
+                    mixed_precision_policy=policy, local_batch=s.local_batch, seq_len=d.seq_len,
+                    microbatches=s.microbatches, activation_checkpointing=s.activation_checkpointing,
+                    compute_dtype=compute, expert_units=p.expert_units)
+
+
+def candidates(cfg) -> list[Setting]:
+    """Settings to try, fastest first; the tokens per step stay those of the config."""
+    p, d = cfg.parallel, cfg.data
+    tokens = d.local_batch * d.microbatches
+    batches = [b for b in range(tokens, 0, -1) if tokens % b == 0 and (b & (b - 1) == 0 or b == d.local_batch)]
+    placements = [p.placements] if p.placements in ("hsdp", "hfsdp") else list(PLACEMENT_SPEED)
+    out = [Setting(pl, ac, b, tokens // b) for pl in placements for ac in (False, True) for b in batches]
+    return sorted(out, key=Setting.speed_key)
+
+
+def fitting(cfg, world: int, gpu_bytes: int) -> list[tuple[Setting, MemoryEstimate]]:
+    """Every candidate that fits, fastest first."""
+    out = []
+    for s in candidates(cfg):
+        e = estimate_run(cfg, world, s)
+        if e.device_bytes <= gpu_bytes:
+            out.append((s, e))
+    return out
+
+
+def nearest(cfg, world: int, gpu_bytes: int) -> Optional[tuple[Setting, MemoryEstimate]]:
+    """The fitting setting that changes the fewest of the config's knobs (then the fastest)."""
+    p, d = cfg.parallel, cfg.data
+    now = (p.placements, p.activation_checkpointing, d.local_batch)
+    fits = fitting(cfg, world, gpu_bytes)
+    if not fits:
+        return None
+    changes = lambda s: sum(a != b for a, b in zip((s.placements, s.activation_checkpointing, s.local_batch), now))  # noqa: E731
+    return min(fits, key=lambda pair: (changes(pair[0]), pair[0].speed_key()))
+
+
+def gib(n: int) -> str:
+    return f"{n / GIB:.2f}"
+
+
+def breakdown_table(e: MemoryEstimate) -> str:
+    rows = [f"{'component':<26} {'at peak GiB':>11} {'max GiB':>9}"]
+    for name in COMPONENTS:
+        at, top = e.breakdown.get(name, 0), e.component_max(name)
+        if at or top:
+            rows.append(f"{name:<26} {gib(at):>11} {gib(top):>9}")
+    rows.append(f"{'peak allocated':<26} {gib(e.peak_bytes):>11}   ({e.peak_phase})")
+    rows.append(f"{'+ allocator reserve':<26} {gib(e.allocator_reserve):>11}")
+    rows.append(f"{'+ CUDA context, NCCL':<26} {gib(e.outside_allocator):>11}")
+    rows.append(f"{'= device memory needed':<26} {gib(e.device_bytes):>11}")
+    return "\n".join(rows)
+
+
+def plot_phases(e: MemoryEstimate, path: Path) -> Path:
+    """One PNG: allocated memory over the phases of a step, stacked by component."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [c for c in COMPONENTS if any(p.components.get(c) for p in e.phases)]
+    xs = range(len(e.phases))
+    fig, ax = plt.subplots(figsize=(max(8, len(e.phases) * 0.12), 5))
+    ax.stackplot(xs, [[p.components.get(c, 0) / GIB for p in e.phases] for c in names], labels=names, step="mid")
+    ticks = [i for i, p in enumerate(e.phases) if i == 0 or p.name.split(":")[0] != e.phases[i - 1].name.split(":")[0]
+             or "loss" in p.name or p.name == e.peak_phase]
+    ax.set_xticks(ticks, [e.phases[i].name for i in ticks], rotation=30, ha="right", fontsize=7)
+    ax.axhline(e.peak_bytes / GIB, color="k", lw=0.8, ls="--")
+    ax.set_ylabel("allocated GiB per GPU")
+    s = e.settings
+    ax.set_title(f"{s.placements}, {s.world_size} GPUs, batch {s.local_batch}x{s.seq_len}, "
+                 f"{'AC' if s.activation_checkpointing else 'no AC'}: peak {gib(e.peak_bytes)} GiB at {e.peak_phase}",
+                 fontsize=9)
+    ax.legend(fontsize=7, loc="upper left", ncol=2)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+USAGE = """usage: mfsdp plan [--config FILE.yaml] [--nproc-per-node N] [--nnodes N] [--gpu-memory 141GiB]
+                  [--out plan.png] [--SECTION.KEY VALUE ...]
+
+Predicts one GPU's memory for a `mfsdp train` run (peak of allocated memory, the phase where it
+occurs, every component), lists the settings that fit, fastest first, and draws the step's memory.
+"""
+
+
+def main(argv: list[str]) -> int:
+    if argv and argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0
+    from mfsdp.train.config import ConfigError, load_config
+
+    own = {"--nproc-per-node": "1", "--nnodes": "1", "--gpu-memory": None, "--out": "mfsdp-plan.png"}
+    rest, i = [], 0
+    while i < len(argv):
+        key, eq, value = argv[i].partition("=")
+        if key in own:
+            if not eq:
+                if i + 1 >= len(argv):
+                    return _error(f"{key} needs a value")
+                value, i = argv[i + 1], i + 1
+            own[key] = value
+        else:
+            rest.append(argv[i])
+        i += 1
+    try:
+        cfg = load_config(rest)
+        world = int(own["--nproc-per-node"]) * int(own["--nnodes"])
+        if own["--gpu-memory"]:
+            gpu, source = parse_bytes(own["--gpu-memory"]), "--gpu-memory"
+        elif torch.cuda.is_available():
+            gpu, source = torch.cuda.mem_get_info()[1], torch.cuda.get_device_name()
+        else:
+            gpu, source = DEFAULT_GPU, "assumed (an H200; set --gpu-memory)"
+        e = estimate_run(cfg, world)
+    except (ConfigError, ValueError) as err:
+        return _error(str(err))
+    s = e.settings
+    model = cfg.model.hf or cfg.model.preset
+    print(f"mfsdp plan: {model}, {s.placements} on {world} GPU(s), local batch {s.local_batch} x {s.seq_len} "
+          f"tokens, {s.microbatches} microbatch(es), activation checkpointing {'on' if s.activation_checkpointing else 'off'}\n")
+    print(breakdown_table(e))
+    verdict = "fits" if e.device_bytes <= gpu else "does NOT fit"
+    print(f"\nthis setting {verdict} in {gib(gpu)} GiB per GPU ({source})\n")
+    fits = fitting(cfg, world, gpu)
+    if fits:
+        print(f"settings that fit, fastest first (tokens per step kept):\n{'':2}{'peak GiB':>8} {'needs GiB':>9}  flags")
+        for setting, est in fits[:12]:
+            print(f"  {gib(est.peak_bytes):>8} {gib(est.device_bytes):>9}  {setting.flags()}")
+    else:
+        print("no setting of placements, checkpointing and local batch fits; use more GPUs")
+    plot = plot_phases(e, Path(own["--out"]))
+    print(f"\nmemory over the step: {plot}")
+    return 0
+
+
+def _error(message: str) -> int:
+    print(f"mfsdp plan: error: {message}", file=sys.stderr)
+    return 2
+
+
+def memory_problem(cfg, world: int, gpu_bytes: int) -> Optional[str]:
+    """One line when the run's predicted memory does not fit ``gpu_bytes`` per GPU, else None."""
+    e = estimate_run(cfg, world)
+    if e.device_bytes <= gpu_bytes:
+        return None
+    near = nearest(cfg, world, gpu_bytes)
+    fix = (f"nearest setting that fits ({gib(near[1].device_bytes)} GiB): {near[0].flags()}" if near
+           else "no placement, checkpointing or local batch fits: use more GPUs")
+    return (f"predicted peak memory {gib(e.peak_bytes)} GiB per GPU ({gib(e.device_bytes)} GiB with the "
+            f"allocator reserve and CUDA context, at {e.peak_phase}) does not fit this GPU's "
+            f"{gib(gpu_bytes)} GiB; {fix}; or override with --train.skip_memory_check true")
