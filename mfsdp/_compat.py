@@ -175,3 +175,12 @@ def dispatch_mode_base() -> type:
     from torch.utils._python_dispatch import TorchDispatchMode
 
     return TorchDispatchMode
+
+
+def launch_config(config_cls, **kwargs):
+    """torch's elastic ``LaunchConfig(**kwargs)``, leaving out the fields this torch lacks: 2.11 has
+    no ``shutdown_timeout`` (the agent's own default then applies to a SIGTERM'd run)."""
+    import dataclasses
+
+    known = {f.name for f in dataclasses.fields(config_cls)}
+    return config_cls(**{k: v for k, v in kwargs.items() if k in known})

@@ -177,3 +177,23 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def test_launch_config_leaves_out_fields_this_torch_lacks():
+    """torch 2.11's LaunchConfig has no shutdown_timeout (found on the GPU machines: the launcher
+    died with a TypeError there); the launcher must build it all the same."""
+    import dataclasses
+
+    from mfsdp import _compat
+
+    @dataclasses.dataclass
+    class OldLaunchConfig:  # the 2.11 shape: no shutdown_timeout
+        min_nodes: int
+        max_nodes: int
+
+    config = _compat.launch_config(OldLaunchConfig, min_nodes=1, max_nodes=1, shutdown_timeout=5)
+    assert config == OldLaunchConfig(1, 1)
+    from torch.distributed.launcher.api import LaunchConfig
+
+    current = _compat.launch_config(LaunchConfig, min_nodes=1, max_nodes=1, nproc_per_node=2)
+    assert current.nproc_per_node == 2

@@ -28,6 +28,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from mfsdp import _compat
 from mfsdp.train.config import LAUNCHER_FLAGS, ConfigError, RunConfig, load_config, usage
 
 USER_ERROR_EXIT = 2
@@ -177,8 +178,8 @@ def run(options: LaunchOptions, cfg: RunConfig, rest: list[str]) -> int:
     # Several workers share the node's cores: one OpenMP thread each, as torchrun sets.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     _quiet_torch_elastic()
-    config = LaunchConfig(
-        min_nodes=options.nnodes, max_nodes=options.nnodes,
+    config = _compat.launch_config(
+        LaunchConfig, min_nodes=options.nnodes, max_nodes=options.nnodes,
         nproc_per_node=options.nproc_per_node, run_id=run_id, rdzv_backend="c10d",
         rdzv_endpoint=endpoint, rdzv_configs=rdzv_configs,
         max_restarts=options.max_restarts, monitor_interval=0.1,
