@@ -132,6 +132,18 @@ def measure(model: nn.Module, blocks: list[nn.Module], run: Callable[[nn.Module]
     if len(blocks) < 2:
         raise ValueError("activation measurement needs a model of at least two blocks")
     tracker = _LiveBytes()
+    try:
+        return _measure(model, blocks, run, names, tracker)
+    except Exception as err:  # torch's DynamicOutputShapeException / DataDependentOutputException
+        if "DynamicOutputShape" in type(err).__name__ or "DataDependent" in type(err).__name__:
+            raise NotImplementedError(
+                f"cannot measure this model's activations on fake tensors: its forward has data-dependent "
+                f"shapes ({err}), as token routing in a mixture of experts does; estimate a dense model, "
+                "or skip the check (mfsdp train --train.skip_memory_check true)") from None
+        raise
+
+
+def _measure(model, blocks, run, names, tracker) -> ActivationProfile:
     handles, window = [], {"now": "head"}
     names = names or {id(p): n for n, p in model.named_parameters()}
     arrival: dict[str, str] = {}

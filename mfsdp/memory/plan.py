@@ -194,7 +194,7 @@ def main(argv: list[str]) -> int:
         else:
             gpu, source = DEFAULT_GPU, "assumed (an H200; set --gpu-memory)"
         e = estimate_run(cfg, world)
-    except (ConfigError, ValueError) as err:
+    except (ConfigError, ValueError, NotImplementedError) as err:
         return _error(str(err))
     s = e.settings
     model = cfg.model.hf or cfg.model.preset
