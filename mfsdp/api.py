@@ -36,7 +36,11 @@ def fully_shard(
     weights as a DTensor with the optimizer placements.
 
     Args:
-        module: the module to shard; its parameters must be materialized on the mesh's device type.
+        module: the module to shard; its parameters are on the mesh's device type, or on the meta
+            device: then each rank allocates only its shards (zeros), to be filled in place by the
+            model's own init (``model.to_empty(device=...)`` keeps the shards and materialises
+            the buffers, then ``init_weights()`` writes through the DTensor parameters) or by
+            ``set_model_state_dict``.
         mesh: device mesh whose data-parallel axes ``placements.dp_axes`` name.
         placements: per-axis placements; None shards fully (``Shard(0)``) over every mesh axis.
         mixed_precision_policy: dtypes of main weights, gradients and reductions; None is the
@@ -93,7 +97,9 @@ def fully_shard(
     policy = mixed_precision_policy or MixedPrecisionPolicy()
     if not isinstance(policy, MixedPrecisionPolicy):
         raise TypeError(f"mixed_precision_policy must be an mfsdp.MixedPrecisionPolicy, got {type(policy).__name__}")
+    built_on_meta = False
     for name, param in module.named_parameters():
+        built_on_meta = built_on_meta or param.is_meta
         if param.device.type not in (mesh.device_type, "meta"):
             raise ValueError(
                 f"parameter {name!r} is on {param.device} but the mesh is on {mesh.device_type}; move "
@@ -109,4 +115,10 @@ def fully_shard(
     except BaseException:
         module.__class__ = cls
         raise
+    if built_on_meta:
+        # The shards start as zeros and are filled in place next (an init_weights writing through
+        # the DTensors, or a state-dict load): derive the compute weights from them at the first
+        # unshard, not from the zeros they hold now.
+        for group in module.parameter_groups:
+            group.needs_refresh = True
     return module

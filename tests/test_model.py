@@ -122,8 +122,8 @@ def test_peak_flops_and_mfu():
 
 
 def test_bad_configs_are_rejected():
-    with pytest.raises(ValueError, match="known presets: 1b, 8b, tiny"):
-        get_config("70b")
+    with pytest.raises(ValueError, match="known presets: tiny, 1b, 8b, 70b"):
+        get_config("13b")
     with pytest.raises(ValueError, match="must divide dim"):
         LlamaConfig(dim=100, n_layers=1, n_heads=3, n_kv_heads=1, ffn_dim=8, vocab_size=8)
     with pytest.raises(ValueError, match="must divide n_heads"):

@@ -31,7 +31,7 @@ def test_the_shipped_configs_load():
 @pytest.mark.parametrize("argv, message", [
     (["--train.stepz", "3"], "unknown config key train.stepz; known keys of train: steps"),
     (["--optim.lr", "3"], "unknown flag --optim.lr"),
-    (["--model.preset", "70b"], "unknown model preset '70b'; known presets: 1b, 8b, tiny"),
+    (["--model.preset", "13b"], "unknown model preset '13b'; known presets: tiny, 1b, 8b, 70b"),
     (["--train.steps", "many"], "--train.steps expects int"),
     (["--parallel.placements", "zero4"], "parallel.placements must be one of"),
     (["--parallel.replicate", "2"], "needs --parallel.placements hsdp or hfsdp"),

@@ -173,7 +173,7 @@ def test_missing_and_corrupt_data_files(tmp_path):
 
 def test_unknown_key_and_unknown_preset():
     _one_error_line(single("--train.stepz", "3"), "unknown config key train.stepz")
-    _one_error_line(single("--model.preset", "70b"), "known presets: 1b, 8b, tiny")
+    _one_error_line(single("--model.preset", "13b"), "known presets: tiny, 1b, 8b, 70b")
 
 
 def test_checkpoint_of_another_shape_is_refused(baseline, corpus):

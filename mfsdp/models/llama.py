@@ -17,19 +17,26 @@ Two choices exist for the sake of sharding wrappers such as ``mfsdp.fully_shard`
 
 The rotary tables are non-persistent buffers, so they are not in the state dict
 and ``init_weights`` rebuilds them; that is what makes meta-device construction
-followed by ``to_empty`` + ``init_weights`` work.
+followed by ``to_empty`` + ``init_weights`` work. ``init_weights`` draws each weight from
+a generator keyed by the parameter's name (``normal_by_rows_``), so it gives the same
+values on sharded DTensor parameters as on the whole model, and never needs a whole
+matrix on one process.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor, Partial
 from torch.utils.checkpoint import checkpoint
+
+from mfsdp import _compat
 
 
 @dataclass(frozen=True)
@@ -125,6 +132,10 @@ PRESETS: dict[str, LlamaConfig] = {
     # The Llama-3-8B shape: about 8.03B parameters.
     "8b": LlamaConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336,
                       vocab_size=128256),
+    # The Llama-3-70B shape: about 70.55B parameters (140 GB in bf16, so it is only ever built
+    # on the meta device and materialised shard by shard; see Llama.init_weights).
+    "70b": LlamaConfig(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672,
+                       vocab_size=128256, rope_theta=500000.0),
     # Mixtures of experts (mfsdp.models.moe.MoELlama; build_model picks it from num_experts).
     # About 1.9M parameters, 1.1M of them used per token: trains on two CPU processes in a minute.
     "moe-tiny": LlamaConfig(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=256,
@@ -138,7 +149,7 @@ PRESETS: dict[str, LlamaConfig] = {
 def get_config(preset: str, **overrides) -> LlamaConfig:
     """The named preset, with any field replaced by ``overrides``."""
     if preset not in PRESETS:
-        dense = sorted(k for k, v in PRESETS.items() if not v.num_experts)
+        dense = [k for k, v in PRESETS.items() if not v.num_experts]  # smallest first
         moe = sorted(k for k, v in PRESETS.items() if v.num_experts)
         raise ValueError(f"unknown model preset {preset!r}; known presets: {', '.join(dense)}; "
                          f"mixtures of experts: {', '.join(moe)}")
@@ -147,6 +158,77 @@ def get_config(preset: str, **overrides) -> LlamaConfig:
     if unknown:
         raise ValueError(f"unknown LlamaConfig field(s) {unknown}; known: {sorted(fields)}")
     return dataclasses.replace(PRESETS[preset], **overrides)
+
+
+INIT_CHUNK_NUMEL = 1 << 22
+"""Elements per chunk of the shard-invariant initialisation (``normal_by_rows_``): 16 MiB in fp32.
+Part of the init's definition (the chunk is the unit of the random stream), so changing it changes
+the initial weights; it bounds the transient memory of initialising any parameter, however large."""
+
+
+def init_chunk_seed(seed: int, key: str, chunk: int) -> int:
+    """The generator seed of chunk ``chunk`` of the tensor named ``key``: a stable hash, the same
+    in every process (Python's ``hash`` of a string is not)."""
+    digest = hashlib.blake2b(f"{seed}:{key}:{chunk}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+@torch.no_grad()
+def normal_by_rows_(tensor: torch.Tensor, std: float, *, seed: int, key: str,
+                    chunk_numel: int | None = None) -> torch.Tensor:
+    """Fill ``tensor`` with N(0, std) values that depend only on ``(seed, key)`` and position.
+
+    The rows (dim 0) of the whole tensor are cut into chunks of ``chunk_numel // row_numel`` rows
+    (at least one); chunk ``c`` is drawn in fp32 from a generator on the tensor's device seeded by
+    ``init_chunk_seed(seed, key, c)``, then cast into the tensor. A DTensor (sharded by mfsdp,
+    FSDP2 or tensor parallelism) fills only its local block: each rank draws just the chunks its
+    block's rows fall in and keeps its part. So a sharded tensor holds exactly the values of the
+    unsharded one, at every world size and placement, and no rank ever holds the whole tensor:
+    the transient memory is one chunk (``INIT_CHUNK_NUMEL`` elements by default). The values
+    depend on the device type's generator (CPU and CUDA draw different numbers), as any torch
+    initialisation does. A meta tensor is left alone.
+    """
+    chunk_numel = INIT_CHUNK_NUMEL if chunk_numel is None else chunk_numel
+    local, offset, local_shape = _local_block(tensor)
+    if local.is_meta or local.numel() == 0:
+        return tensor
+    shape = tuple(tensor.shape) or (1,)
+    local = local.view(local_shape)
+    row_numel = math.prod(shape[1:])
+    rows_per_chunk = max(1, chunk_numel // max(1, row_numel))
+    lo, hi = offset[0], offset[0] + local_shape[0]
+    for chunk in range(lo // rows_per_chunk, (hi - 1) // rows_per_chunk + 1):
+        first, last = chunk * rows_per_chunk, min((chunk + 1) * rows_per_chunk, shape[0])
+        generator = torch.Generator(device=local.device)
+        generator.manual_seed(init_chunk_seed(seed, key, chunk))
+        values = torch.empty((last - first, *shape[1:]), dtype=torch.float32, device=local.device)
+        values.normal_(0.0, std, generator=generator)
+        a, b = max(lo, first), min(hi, last)
+        src = values[a - first:b - first]
+        for dim in range(1, len(shape)):
+            src = src.narrow(dim, offset[dim], local_shape[dim])
+        local[a - lo:b - lo].copy_(src)
+        del values, src  # one chunk alive at a time
+    return tensor
+
+
+def _local_block(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]:
+    """(this process's tensor, its global offset, its shape), 0-dim tensors read as shape (1,)."""
+    if not isinstance(tensor, DTensor):
+        shape = tuple(tensor.shape) or (1,)
+        return tensor, (0,) * len(shape), shape
+    if any(isinstance(p, Partial) for p in tensor.placements):
+        raise ValueError(f"cannot initialise a DTensor with placements {tensor.placements} in place: a "
+                         "Partial placement holds summands, not values; redistribute it to Shard or "
+                         "Replicate first")
+    local = tensor.to_local()  # under no_grad: the DTensor's own local tensor, written in place
+    shape, offset = _compat.local_shape_and_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+    if tuple(local.shape) != shape:
+        raise NotImplementedError(
+            f"a DTensor of shape {tuple(tensor.shape)} with placements {tensor.placements} holds a local "
+            f"tensor of shape {tuple(local.shape)} but torch describes its block as {shape}; it cannot be "
+            "initialised shard by shard (initialise it before sharding, or load its values)")
+    return local, (tuple(offset) or (0,)), (tuple(shape) or (1,))
 
 
 class RMSNorm(nn.Module):
@@ -304,30 +386,45 @@ class Llama(nn.Module):
             block.checkpoint_reentrant = reentrant
 
     @torch.no_grad()
-    def init_weights(self, buffer_device: torch.device | str | None = None) -> None:
+    def init_weights(self, buffer_device: torch.device | str | None = None,
+                     seed: int | None = None) -> None:
         """Initialise every parameter in place and rebuild the rotary tables.
 
         Matrices are drawn from N(0, init_std); the two projections that write into the
         residual stream (``wo`` and ``w2``) use init_std / sqrt(2 * n_layers) so the
         stream's variance does not grow with depth (a feed-forward layer names its own two
-        sets through ``init_matrices``). Norm scales start at one. The draw
-        order is fixed, so the result depends only on the RNG state. In-place init works
-        on sharded DTensor parameters too.
+        sets through ``init_matrices``). Norm scales start at one.
+
+        Each matrix's values are a function of ``seed``, its parameter name and the position
+        only (``normal_by_rows_``), so the result is the same whether the parameters are plain
+        tensors or DTensor shards (built on the meta device and sharded first, as ``mfsdp
+        train`` does), at any world size and placement, and no rank draws or holds more than
+        its own shard plus one chunk. ``seed`` None draws one from torch's global (CPU)
+        generator, so ``torch.manual_seed(s)`` then ``init_weights()`` is deterministic; seed
+        every rank alike. Matrices are drawn in fp32 and cast, so a bf16 model holds the bf16
+        rounding of an fp32 one's values.
         """
+        if seed is None:
+            seed = int(torch.randint(0, 2**62, (1,), device="cpu").item())
+        names = {id(p): name for name, p in self.named_parameters()}
+
+        def normal(linear: nn.Module, std: float) -> None:
+            normal_by_rows_(linear.weight, std, seed=seed, key=names[id(linear.weight)])
+
         std = self.cfg.init_std
         residual_std = std / math.sqrt(2 * self.cfg.n_layers)
-        nn.init.normal_(self.tok_embeddings.weight, std=std)
+        normal(self.tok_embeddings, std)
         for block in self.layers:
             ffn_in, ffn_out = block.feed_forward.init_matrices()
             for linear in (block.attention.wq, block.attention.wk, block.attention.wv, *ffn_in):
-                nn.init.normal_(linear.weight, std=std)
+                normal(linear, std)
             for linear in (block.attention.wo, *ffn_out):
-                nn.init.normal_(linear.weight, std=residual_std)
+                normal(linear, residual_std)
             block.attention_norm.reset_parameters()
             block.ffn_norm.reset_parameters()
         self.norm.reset_parameters()
         if not self.cfg.tie_embeddings:
-            nn.init.normal_(self.output.weight, std=std)
+            normal(self.output, std)
         device = buffer_device if buffer_device is not None else self.rope_cos.device
         self.rope_cos, self.rope_sin = rotary_tables(
             self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta, device=device)

@@ -87,8 +87,11 @@ def build_mesh(device_type: str, world_size: int, placements: str = "zero3",
 def parallelize(model: Llama, mesh: DeviceMesh, config: ParallelizeConfig) -> Llama:
     """Shard ``model`` in place over ``mesh`` and return it.
 
-    The model arrives with its weights already initialised in its compute dtype; every
-    rank must hold the same values, since each keeps only its own shard.
+    The model arrives either with its weights initialised in its compute dtype (every rank
+    must hold the same values, since each keeps only its own shard), or built on the meta
+    device: each rank then allocates only its shards, and ``model.to_empty(device=...)``
+    followed by ``model.init_weights(seed=...)`` materialises the buffers and fills the
+    shards with the values an unsharded init would give (``mfsdp train`` does this).
     """
     placements = resolve_placements(config.placements)
     if config.expert_units and not _moe_layers(model):

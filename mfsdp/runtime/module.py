@@ -151,6 +151,64 @@ class FsdpModule:
             group.refresh_model_weights()
             group.needs_refresh = False
 
+    def _apply(self, fn, recurse: bool = True):
+        """``to_empty``, ``to``, ``cuda``, ``float``... on a sharded module: buffers convert as usual;
+        mfsdp's parameters keep their shards.
+
+        The shards live in flat buffers that ``fully_shard`` allocated on the mesh's device (from
+        the meta device too), and every exposed DTensor is a view of them. ``nn.Module._apply``
+        would swap each parameter for a new tensor (``torch.utils.swap_tensors``, always for
+        DTensors), cutting it off from the buffers that the gathers, reductions and optimizer
+        steps use, so the parameters are kept out of its reach. That makes the FSDP2 recipe work:
+        build on meta, ``fully_shard``, ``to_empty(device=...)`` (materialises the buffers and
+        keeps the already allocated shards), then the model's ``init_weights()``, which writes
+        through the DTensors into the shards. A conversion that would change the shards' device or
+        dtype raises instead. The compute weights are re-derived at the next unshard, after
+        whatever the caller writes into the shards next.
+        """
+        modules = self.modules() if recurse else (self,)
+        groups = [g for m in modules if isinstance(m, FsdpModule) for g in m._parameter_groups]
+        self._check_conversion(fn, groups)
+        # Take mfsdp's parameters out of every dict that holds them (this module's subtree and
+        # aliases), keeping each dict's order so that named_parameters() is unchanged afterwards.
+        saved: dict[int, tuple[dict, list]] = {}
+        for group in groups:
+            for sharded, unsharded, aliases in zip(group.sharded_params, group.params, group.aliases):
+                for parameters, name in aliases:
+                    if parameters.get(name) is sharded or parameters.get(name) is unsharded:
+                        saved.setdefault(id(parameters), (parameters, list(parameters.items())))
+                        del parameters[name]
+        try:
+            result = super()._apply(fn, recurse)
+        finally:
+            for parameters, items in saved.values():
+                current = dict(parameters)
+                parameters.clear()
+                parameters.update((key, current.get(key, value)) for key, value in items)
+                parameters.update((key, value) for key, value in current.items() if key not in parameters)
+            for group in groups:
+                group.needs_refresh = True  # the caller initialises or loads the shards next
+        return result
+
+    def _check_conversion(self, fn, groups) -> None:
+        """Raise where ``fn`` (an ``_apply`` conversion) would move or cast mfsdp's shards."""
+        seen = set()
+        for group in groups:
+            shard = group.main.tensor
+            if (shard.dtype, shard.device) in seen:
+                continue
+            seen.add((shard.dtype, shard.device))
+            with torch.no_grad():
+                probe = fn(torch.empty(0, dtype=shard.dtype, device=shard.device))
+            if probe.device != shard.device or probe.dtype != shard.dtype:
+                raise RuntimeError(
+                    f"mfsdp: {type(self).__name__} is sharded and its {group.label} shards live on "
+                    f"{shard.device} in {shard.dtype}; this conversion (to_empty/to/cuda/half/...) would "
+                    f"make them {probe.dtype} on {probe.device}, which mfsdp cannot do in place. The shards "
+                    f"stay on the mesh's device: build the model on the meta device (or on that device) "
+                    f"before fully_shard and call to_empty(device={str(shard.device)!r}); set dtypes "
+                    f"through MixedPrecisionPolicy (main_params_dtype) and the model's dtype, not .to()")
+
     def _set_phase(self, phase: ModulePhase) -> None:
         if phase not in _TRANSITIONS[self._phase]:
             raise RuntimeError(f"mfsdp: illegal phase transition {self._phase.name} -> {phase.name} in {self.name}")

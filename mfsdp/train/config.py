@@ -32,7 +32,7 @@ def _require(condition: bool, message: str) -> None:
 @dataclass(frozen=True)
 class ModelSection:
     preset: str = "tiny"
-    """One of mfsdp.models.llama.PRESETS: tiny, 1b, 8b, or the mixtures of experts moe-tiny, moe-1b."""
+    """One of mfsdp.models.llama.PRESETS: tiny, 1b, 8b, 70b, or the mixtures of experts moe-tiny, moe-1b."""
     dim: int | None = None
     """Overrides the preset's width when set."""
     n_layers: int | None = None

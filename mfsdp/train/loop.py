@@ -232,17 +232,18 @@ class Trainer:
             main_params_dtype=torch.float32,
             main_grads_dtype=_DTYPES.get(p.main_grads_dtype),
             grad_comm_dtype=_DTYPES.get(p.grad_comm_dtype))
-        # Built on the meta device, so no memory or time goes into a first random init
-        # that init_weights would overwrite anyway. Every rank draws the same weights.
+        # Built on the meta device and sharded there: each rank allocates only its shards,
+        # and the whole model never exists on any rank (a 70b one would not fit a GPU).
         with torch.device("meta"):
             model = build_model(self.model_cfg, dtype=compute)  # Llama, or MoELlama with experts
-        model.to_empty(device=self.device)
-        torch.manual_seed(self.cfg.train.seed)
-        model.init_weights(buffer_device=self.device)
         mesh = build_mesh(self.device.type, self.world, p.placements, p.replicate)
         parallelize(model, mesh, ParallelizeConfig(
             placements=p.placements, mixed_precision=policy,
             activation_checkpointing=p.activation_checkpointing, expert_units=p.expert_units))
+        materialize_and_init(model, self.device, self.cfg.train.seed)
+        self.log(f"model built and initialised shard by shard: "
+                 f"{_shard_numel(model) / 1e6:,.1f}M parameters on this rank, peak memory "
+                 f"{peak_memory_gib(self.device):.2f} GiB")
         return model, mfsdp.fully_shard_optimizer(model, _adamw(model, self.cfg.train))
 
     def learning_rate(self, step: int) -> float:
@@ -514,6 +515,26 @@ def validate_run(cfg: RunConfig, world: int, open_data=None):
         if resume_from is not None:
             check_compatible(resume_from, model_fingerprint(model_cfg))
     return data, resume_from, notes
+
+
+def materialize_and_init(model: Llama, device: torch.device, seed: int) -> Llama:
+    """Give a meta-built, sharded model its buffers on ``device`` and initialise its shards.
+
+    ``to_empty`` materialises the buffers (the rotary tables) and keeps the shards that
+    ``fully_shard`` allocated; ``init_weights`` then writes through each rank's DTensor shards,
+    drawing only the rows this rank holds (``normal_by_rows_``), so every world size and
+    placement gives the weights of an unsharded ``init_weights(seed=seed)``. The compute
+    weights are derived from the initialised shards at the first forward.
+    """
+    torch.manual_seed(seed)  # anything else that draws from the global generator
+    model.to_empty(device=device)
+    model.init_weights(buffer_device=device, seed=seed)
+    return model
+
+
+def _shard_numel(model) -> int:
+    return sum(q.to_local().numel() if hasattr(q, "to_local") else q.numel()
+               for q in model.parameters())
 
 
 def _adamw(model, t) -> torch.optim.AdamW:
