@@ -185,3 +185,32 @@ def test_reduction_plans_per_placement(cworld):
         "hfsdp": (("raw", [rs], 2), "accumulator", ("accumulator", [rs], 2)),
         "zero3_2d": (("raw", [rs, rs], 4), "main", None),
     }, got
+
+
+def freed_without_gc(rank, ws):
+    """A trained model and its optimizer free every buffer by reference counting alone: no cycle
+    (a recursive closure over the ownership walk, a group and its reducer, a hook holding its group)
+    may keep them until the garbage collector runs. On the GPU such cycles held a whole model's
+    memory into the next measurement."""
+    import gc
+    import weakref
+
+    gc.collect()
+    gc.disable()
+    try:
+        model = shard_cond(CondNet("nested"), make_mesh("zero3", ws), make_placements("zero3"))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        x, y = global_batch(0, 2 * ws, 5, 13)
+        loss_fn(model(x.chunk(ws)[rank], True), y.chunk(ws)[rank]).backward()
+        opt.step()
+        groups = [weakref.ref(g) for m in model.modules() if isinstance(m, mfsdp.FsdpModule)
+                  for g in m.parameter_groups]
+        context = weakref.ref(model.context)
+        del model, opt
+        return sum(g() is not None for g in groups), context() is not None
+    finally:
+        gc.enable()
+
+
+def test_a_deleted_model_frees_its_memory_without_gc(cworld):
+    assert cworld(2).run(freed_without_gc, timeout=60) == [(0, False), (0, False)]

@@ -158,6 +158,15 @@ def test_hfsdp_uneven_error_without_ordered_groups(world):
 
 
 # ------------------------------------------------------------------------------ tensor parallel
+def _tensor_parallel(model, tp_mesh) -> dict:
+    """w1/w2 of every block and the head split over ``tp_mesh``; returns the full initial weights."""
+    for block in model.blocks:
+        parallelize_module(block, tp_mesh, {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
+    parallelize_module(model, tp_mesh, {"head": ColwiseParallel(output_layouts=Replicate())})
+    return {n: p.detach().full_tensor().clone() if isinstance(p, DTensor) else p.detach().clone()
+            for n, p in model.named_parameters()}
+
+
 def tp_uneven(rank, ws, kind="zero3", opt="sgd", mb=1, path=None):
     """(dp, tp) mesh; w1 and the head split dim 0 over tp, then mfsdp splits it over dp, unevenly:
     w1 has 10 rows (5 per tp rank: 3 + 2 over dp), the head 13 (7 and 6: 4 + 3 and 3 + 3)."""
@@ -165,11 +174,7 @@ def tp_uneven(rank, ws, kind="zero3", opt="sgd", mb=1, path=None):
     model = Net(vocab=13, dim=6, hidden=10)
     ref = reference_copy(model)
     mesh = init_device_mesh("cpu", (ws // 2, 2), mesh_dim_names=("dp", "tp"))
-    for block in model.blocks:
-        parallelize_module(block, mesh["tp"], {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
-    parallelize_module(model, mesh["tp"], {"head": ColwiseParallel(output_layouts=Replicate())})
-    initial = {n: p.detach().full_tensor().clone() if isinstance(p, DTensor) else p.detach().clone()
-               for n, p in model.named_parameters()}
+    initial = _tensor_parallel(model, mesh["tp"])
     shard_net(model, mesh, make_placements(kind))
     placements = {n: [str(pl) for pl in p.placements] for n, p in model.named_parameters()}
     not_chunks = _shards_are_chunks(model, initial)
@@ -203,11 +208,7 @@ def tp_two_dp_axes(rank, ws, kind="hfsdp", opt="adamw", mb=1, path=None):
     model = Net(vocab=13, dim=6, hidden=10)
     ref = reference_copy(model)
     mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("replicate", "shard", "tp"))
-    for block in model.blocks:
-        parallelize_module(block, mesh["tp"], {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
-    parallelize_module(model, mesh["tp"], {"head": ColwiseParallel(output_layouts=Replicate())})
-    initial = {n: p.detach().full_tensor().clone() if isinstance(p, DTensor) else p.detach().clone()
-               for n, p in model.named_parameters()}
+    initial = _tensor_parallel(model, mesh["tp"])
     shard_net(model, mesh, make_placements(kind))
     exposed = {n: (p.device_mesh.mesh_dim_names, [str(pl) for pl in p.placements])
                for n, p in model.named_parameters()}

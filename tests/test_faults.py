@@ -21,6 +21,9 @@ from mfsdp.train import checkpoint as ckpt
 from mfsdp.train.checkpoint import (CheckpointError, find_latest, find_resumable,
                                     load_checkpoint, save_checkpoint)
 
+from test_train_checkpoint import make as _make  # a stepped Linear and its AdamW
+from test_train_e2e import _env  # the same subprocess environment
+
 pytestmark = [pytest.mark.timeout(240), pytest.mark.filterwarnings("ignore::UserWarning"),
               pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
 
@@ -30,12 +33,6 @@ SMALL = ["--model.n_layers", "2", "--model.dim", "64", "--model.n_heads", "4",
          "--model.n_kv_heads", "2", "--model.ffn_dim", "128", "--data.seq_len", "64",
          "--data.local_batch", "8", "--train.lr", "1e-2", "--train.warmup_steps", "2",
          "--train.sample_tokens", "0", "--train.progress", "false", "--train.device", "cpu"]
-
-
-def _env() -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
-    return env
 
 
 def launch(*args) -> subprocess.Popen:
@@ -144,15 +141,6 @@ def test_a_signal_to_the_launcher_saves_on_every_rank_and_exits_0(corpus, tmp_pa
     assert f"stopped by {sig.name}; every rank saved" in out and "continue with --resume" in out
     assert find_latest(tmp_path / "checkpoints").name == f"step_{last}"
     assert "Traceback" not in err and not any(alive(pid) for pid in pids.values())
-
-
-def _make(seed):
-    torch.manual_seed(seed)
-    model = torch.nn.Linear(8, 8)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
-    model(torch.ones(2, 8)).sum().backward()
-    optimizer.step()
-    return model, optimizer
 
 
 @pytest.mark.parametrize("damage", ["missing", "truncated"])

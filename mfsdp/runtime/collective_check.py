@@ -18,10 +18,32 @@ import torch
 import torch.distributed as dist
 
 from mfsdp import _compat
+from mfsdp.runtime import collectives
 from mfsdp.runtime.tag_check import MISMATCH_HELP, CollectiveMismatchError
 
 _KINDS = {"all_gather": 1, "reduce_scatter": 2, "all_reduce": 3}
 _FIELDS = 5
+
+
+class CollectiveIssuer:
+    """Issues one parameter group's coalesced collectives; in debug mode (``check``), first checks
+    that every rank of the group is about to issue the same one. A small object of its own, so the
+    group's reducer can hold it without a reference cycle through the group."""
+
+    def __init__(self, name: str, coalesce: bool, check: bool) -> None:
+        self.name = name  # the owning module's name once its context is built
+        self.coalesce = coalesce
+        self.check = check
+
+    def __call__(self, kind: str, outputs, inputs, process_group, stream=None) -> None:
+        if self.check:
+            verify(process_group, kind, self.name, outputs if inputs is None else inputs)
+        if kind == "all_gather":
+            collectives.all_gather(outputs, inputs, process_group, stream, self.coalesce)
+        elif kind == "reduce_scatter":
+            collectives.reduce_scatter(outputs, inputs, process_group, coalesce=self.coalesce)
+        else:
+            collectives.all_reduce(outputs, process_group, coalesce=self.coalesce)
 
 
 def fingerprint(kind: str, name: str, tensors: Sequence[torch.Tensor]) -> list[int]:

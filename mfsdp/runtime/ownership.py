@@ -18,13 +18,17 @@ def collect_owned_parameters(root: nn.Module, fsdp_cls: type):
     owned: dict[nn.Parameter, list] = {}
     children: list = []
     seen: set[tuple[int, str]] = set()
-
-    def visit(module: nn.Module, prefix: str) -> None:
+    # Iterative pre-order walk: a recursive closure would be a reference cycle holding ``owned`` (and
+    # with it every module) until the garbage collector runs.
+    stack: list[tuple[nn.Module, str]] = [(root, "")]
+    while stack:
+        module, prefix = stack.pop()
         for attr, param in module._parameters.items():
             if param is None or (id(module), attr) in seen:
                 continue
             seen.add((id(module), attr))
             owned.setdefault(param, []).append((module, attr, prefix + attr))
+        below = []
         for name, child in module._modules.items():
             if child is None:
                 continue
@@ -32,9 +36,8 @@ def collect_owned_parameters(root: nn.Module, fsdp_cls: type):
                 if child not in children:
                     children.append(child)
                 continue
-            visit(child, f"{prefix}{name}.")
-
-    visit(root, "")
+            below.append((child, f"{prefix}{name}."))
+        stack.extend(reversed(below))  # the first child is visited next
     for param, places in owned.items():
         fqn = places[0][2]
         if param in OWNER_OF_PARAMETER:

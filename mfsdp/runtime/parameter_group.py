@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor
 from mfsdp import _compat
 from mfsdp.communication import CommunicationPolicy
 from mfsdp.mixed_precision import ResolvedDtypes
-from mfsdp.runtime import collective_check, collectives
+from mfsdp.runtime.collective_check import CollectiveIssuer
 from mfsdp.runtime.collectives import stream_context
 from mfsdp.runtime.flat_buffer import FlatBuffer, FlatLayout
 from mfsdp.runtime.geometry import ShardGeometry, contiguous_stride, fill_region
@@ -62,8 +62,8 @@ class FsdpParameterGroup:
         self.requires_grad = params[0].requires_grad
         self.state = GroupState.SHARDED
         self.needs_refresh = False  # main weights changed since the compute weights were derived
-        self.module_name: Optional[str] = None  # the owning module's name, once its context is built
-        self.check_collectives = policy.check_collectives or os.environ.get("MFSDP_CHECK_COLLECTIVES", "0") not in ("", "0")
+        self.issue = CollectiveIssuer(label, policy.coalesce, policy.check_collectives
+                                      or os.environ.get("MFSDP_CHECK_COLLECTIVES", "0") not in ("", "0"))
         device = params[0].device
         if device.type == "meta":  # built without storage: shards are allocated here, then initialised
             device = geometry.device
@@ -220,14 +220,14 @@ class FsdpParameterGroup:
             else:
                 outs = self.layout.regions(torch.empty(self.layout.numel(g.ways(j)), dtype=out_regions[0].dtype,
                                                        device=regions[0].device), g.ways(j))
-            self._collective("all_gather", outs, regions, g.groups[j], stream)
+            self.issue("all_gather", outs, regions, g.groups[j], stream)
             regions = outs
 
     # -------------------------------------------------------------------------- gradients
     def _init_gradient_state(self, device: torch.device) -> None:
         d = self.dtypes
         self.reducer = GradientReducer(self.params, self.sharded_params, self._specs, self.layout, self.geometry,
-                                       d, self.policy.gradient_divide_factor, self._collective, device)
+                                       d, self.policy.gradient_divide_factor, self.issue, device)
         if d.grads != d.main:
             if not _compat.supports_grad_dtype():
                 raise NotImplementedError(
@@ -287,19 +287,14 @@ class FsdpParameterGroup:
         with torch.no_grad(), stream_context(stream):
             return self.reducer.reduce(grads, is_last, record_tag)
 
-    # -------------------------------------------------------------------------- collectives
-    def _collective(self, kind: str, outputs, inputs, process_group, stream=None) -> None:
-        """Issue one coalesced collective of this group; in debug mode, first check that every rank
-        of ``process_group`` is about to issue the same one (see ``collective_check``)."""
-        if self.check_collectives:
-            collective_check.verify(process_group, kind, self.module_name or self.label,
-                                    outputs if inputs is None else inputs)
-        if kind == "all_gather":
-            collectives.all_gather(outputs, inputs, process_group, stream, self.policy.coalesce)
-        elif kind == "reduce_scatter":
-            collectives.reduce_scatter(outputs, inputs, process_group, coalesce=self.policy.coalesce)
-        else:
-            collectives.all_reduce(outputs, process_group, coalesce=self.policy.coalesce)
+    @property
+    def module_name(self) -> str:
+        """The owning module's name once its context is built (the debug mode names it)."""
+        return self.issue.name
+
+    @module_name.setter
+    def module_name(self, name: str) -> None:
+        self.issue.name = name
 
 
 def choose_model_buffer(dtypes: ResolvedDtypes, num_levels: int, param_level: int) -> tuple[bool, bool]:

@@ -95,6 +95,7 @@ class GradientReducer:
 
     def __init__(self, params, sharded_params, specs, layout: FlatLayout, geometry: ShardGeometry,
                  dtypes: ResolvedDtypes, divide_factor: float, collective: Callable, device: torch.device) -> None:
+        # ``collective``: the group's CollectiveIssuer (kind, outputs, inputs, process group).
         self.params, self.sharded_params, self._specs = params, sharded_params, specs
         self.layout, self.geometry, self.dtypes = layout, geometry, dtypes
         self._divide_factor, self._collective, self._device = divide_factor, collective, device
