@@ -39,6 +39,11 @@ import torch
 from torch import nn
 
 from mfsdp.models.llama import Block, Llama, LlamaConfig
+from mfsdp.models.moe import build_model
+
+# Every implementation draws the same initial weights (init_weights keys its draws by this seed and
+# the parameter names, whether the model was built on the device or on meta and sharded first).
+INIT_SEED = 1234
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -104,8 +109,8 @@ def _prepare(model: Llama, ctx: Ctx) -> None:
 
 
 def _model_on_device(ctx: Ctx, dtype: torch.dtype) -> Llama:
-    model = Llama(ctx.cfg, dtype=dtype, device=ctx.device)
-    model.init_weights(buffer_device=ctx.device)
+    model = build_model(ctx.cfg, dtype=dtype, device=ctx.device)
+    model.init_weights(buffer_device=ctx.device, seed=INIT_SEED)
     _prepare(model, ctx)
     return model
 
@@ -125,13 +130,17 @@ def build_fsdp2(ctx: Ctx) -> Built:
     # Meta init, then shard, then materialise only the local shards: the fp32 full model is
     # never allocated, as in the anchor run.
     with torch.device("meta"):
-        model = Llama(ctx.cfg, dtype=torch.float32)
+        model = build_model(ctx.cfg, dtype=torch.float32)
     _prepare(model, ctx)
     for block in model.layers:
         fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=True)
     fully_shard(model, mesh=mesh, mp_policy=policy)
+    if ctx.cfg.num_experts:
+        # Ranks route tokens to different experts: without zeros for the unused expert weights,
+        # FSDP2's reduce-scatters would differ in size across ranks and hang.
+        model.set_reduce_scatter_unused_params(True)
     model.to_empty(device=ctx.device)
-    model.init_weights(buffer_device=ctx.device)
+    model.init_weights(buffer_device=ctx.device, seed=INIT_SEED)
     return Built(model, make_adamw(model.parameters(), ctx), dtype_name(ctx.grad_reduce_dtype),
                  f"torch fully_shard(block) x n_layers + root, {ctx.layout()}; fp32 sharded params, "
                  f"param_dtype={dtype_name(ctx.compute_dtype)}, "
@@ -165,7 +174,9 @@ def build_mfsdp(ctx: Ctx, double_buffer: bool = False, use_symm_mem: bool = Fals
                  {"mfsdp_version": getattr(mfsdp, "__version__", None)})
 
 
-def _import_megatron():
+def _import_megatron(ctx=None):
+    if ctx is not None and ctx.cfg.num_experts:
+        raise Skip("MoE presets are not wired to megatron-fsdp here")
     try:
         import megatron_fsdp
     except ImportError as exc:
@@ -176,7 +187,7 @@ def _import_megatron():
 
 
 def build_megatron_fsdp(ctx: Ctx) -> Built:
-    megatron_fsdp = _import_megatron()
+    megatron_fsdp = _import_megatron(ctx)
     if ctx.hsdp:
         raise Skip("HSDP with megatron-fsdp v1 needs Megatron-Core process groups; use megatron-fsdp-exp")
     model = _model_on_device(ctx, ctx.compute_dtype)
@@ -194,7 +205,7 @@ def build_megatron_fsdp(ctx: Ctx) -> Built:
 
 
 def build_megatron_fsdp_exp(ctx: Ctx) -> Built:
-    megatron_fsdp = _import_megatron()
+    megatron_fsdp = _import_megatron(ctx)
     from megatron_fsdp import experimental as mx
 
     if ctx.hsdp:  # replicated across groups; gradients averaged over the replicas as well

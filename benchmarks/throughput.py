@@ -116,6 +116,8 @@ def train_step(built, batch, phase_mark=lambda name: None):
     logits = built.model(inp)
     # Loss in fp32 over the full vocabulary, as in the anchors.
     loss = F.cross_entropy(logits.flatten(0, 1).float(), tgt.flatten())
+    if hasattr(built.model, "aux_loss"):  # MoE: the load-balancing loss, as mfsdp train adds it
+        loss = loss + built.model.cfg.moe_aux_loss_coef * built.model.aux_loss()
     phase_mark("forward")
     loss.backward()
     phase_mark("backward")
