@@ -135,9 +135,9 @@ def build_fsdp2(ctx: Ctx) -> Built:
     for block in model.layers:
         fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=True)
     fully_shard(model, mesh=mesh, mp_policy=policy)
-    if ctx.cfg.num_experts:
-        # Ranks route tokens to different experts: without zeros for the unused expert weights,
-        # FSDP2's reduce-scatters would differ in size across ranks and hang.
+    if ctx.cfg.num_experts and hasattr(model, "set_reduce_scatter_unused_params"):
+        # Ranks route tokens to different experts: zeros for the unused expert weights keep FSDP2's
+        # reduce-scatters the same size on every rank (torch 2.11 has no such switch).
         model.set_reduce_scatter_unused_params(True)
     model.to_empty(device=ctx.device)
     model.init_weights(buffer_device=ctx.device, seed=INIT_SEED)
