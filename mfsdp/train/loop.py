@@ -35,6 +35,7 @@ from mfsdp.train.checkpoint import (CheckpointError, check_compatible, find_resu
                                     load_checkpoint, save_checkpoint)
 from mfsdp.train.config import ConfigError, RunConfig, load_config, usage
 from mfsdp.train.metrics import MetricsLog, StepReadout, TensorBoardLog, peak_memory_gib
+from mfsdp.train.report import StepReport, progress_bar
 from mfsdp.train.sample import generate_text
 
 USER_ERRORS = (ConfigError, DataError, CheckpointError)
@@ -306,12 +307,12 @@ class Trainer:
     def train(self, model, optimizer, sampler, logs, start_step: int) -> int:
         t, d = self.cfg.train, self.cfg.data
         params = list(model.parameters())
-        progress = _progress_bar(t.steps, start_step, enabled=self.rank == 0 and t.progress)
+        progress = progress_bar(t.steps, start_step, enabled=self.rank == 0 and t.progress)
         # Loss, stop votes and gradient norm reach the host one step late, through pinned
         # memory and an event: reading them at once would stall the host until the GPU
         # drained, so the next step could not be queued meanwhile.
         readout = StepReadout(self.device)
-        report = _StepReport(self, logs, progress)
+        report = StepReport(self, logs, progress)
         step, stop = start_step, False
         for step in range(start_step + 1, t.steps + 1):
             lr = self.learning_rate(step)
@@ -394,46 +395,6 @@ class Trainer:
         self.log(f"\n--- sample (temperature 0.8, prompt {prompt!r}) ---\n{text}\n--- end ---")
 
 
-class _StepReport:
-    """Turns a step's values, read off the device one step late, into the metrics record
-    that metrics.jsonl, TensorBoard and the progress bar show; returns the stop vote."""
-
-    def __init__(self, trainer: Trainer, logs, progress):
-        d = trainer.cfg.data
-        self.trainer = trainer
-        self.logs = logs
-        self.progress = progress
-        self.world = trainer.world
-        self.tokens_per_step = self.world * d.microbatches * d.local_batch * d.seq_len
-        self.flops_per_token = flops.flops_per_token(trainer.model_cfg, d.seq_len)
-        self.peak_flops = flops.peak_flops(trainer.device)
-        self.moe = trainer.cfg.model.hf is None and trainer.model_cfg.num_experts > 0
-
-    def __call__(self, done) -> bool:
-        if done is None:
-            return False
-        step, (loss_total, stop_votes, aux_total, grad_norm), seconds, extra = done
-        tokens_per_s = self.tokens_per_step / seconds
-        per_gpu = tokens_per_s / self.world
-        record = {
-            "step": step, "loss": loss_total / self.world, "lr": extra["lr"],
-            "grad_norm": grad_norm, "step_time_s": seconds,
-            "tokens_per_s": tokens_per_s, "tokens_per_s_per_gpu": per_gpu,
-            "tflops_per_gpu": per_gpu * self.flops_per_token / 1e12,
-            "mfu": per_gpu * self.flops_per_token / self.peak_flops if self.peak_flops else None,
-            "peak_mem_gib": peak_memory_gib(self.trainer.device),
-        }
-        if self.moe:  # the load-balancing loss, unweighted; "loss" stays the cross entropy
-            record["aux_loss"] = aux_total / self.world
-        for log in self.logs:
-            log.write(record)
-        self.progress.set_postfix_str(_postfix(record), refresh=False)
-        self.progress.update(1)
-        stop = stop_votes > 0
-        self.trainer.stop_requested = self.trainer.stop_requested or stop
-        return stop
-
-
 def device_memory(device: torch.device) -> int:
     """Total bytes of the GPU (``torch.cuda.mem_get_info``); a function so tests can replace it."""
     return torch.cuda.mem_get_info(device)[1]
@@ -453,33 +414,6 @@ def _describe_load(err: BaseException) -> str:
         inner = wrapped[0] if isinstance(wrapped, tuple) else wrapped
         return f"rank {rank}: {type(inner).__name__}: {inner}"
     return str(err).splitlines()[0]
-
-
-def _postfix(record: dict) -> str:
-    parts = [f"loss {record['loss']:.3f}", f"{record['tokens_per_s']:,.0f} tok/s",
-             f"{record['tflops_per_gpu']:.2f} TFLOP/s/gpu"]
-    if record["mfu"] is not None:
-        parts.append(f"MFU {100 * record['mfu']:.1f}%")
-    parts.append(f"peak {record['peak_mem_gib']:.2f} GiB")
-    return ", ".join(parts)
-
-
-def _progress_bar(total: int, initial: int, enabled: bool):
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        enabled = False
-    if not enabled:
-        return _NoProgress()
-    # stdout: under `mfsdp train --nproc-per-node`, the workers' stderr goes to log files.
-    return tqdm(total=total, initial=initial, desc="train", unit="step", dynamic_ncols=True,
-                file=sys.stdout)
-
-
-class _NoProgress:
-    def update(self, n): pass
-    def set_postfix_str(self, text, refresh=True): pass
-    def close(self): pass
 
 
 def model_fingerprint(model_cfg: LlamaConfig) -> dict:
