@@ -38,8 +38,15 @@ def _events(path: str) -> list[dict]:
 
 
 def comm_streams(events: list[dict]) -> set:
-    """Streams that run any NCCL kernel; every other stream counts as a compute stream."""
-    return {e["stream"] for e in events if e["nccl"]}
+    """Streams that run any NCCL kernel, except the compute stream; every other stream counts as a
+    compute stream. The compute stream is the one with the most non-NCCL kernel time: tensor
+    parallelism issues its collectives on it, and it must not count as communication for that."""
+    work: collections.Counter = collections.Counter()
+    for e in events:
+        if not e["nccl"]:
+            work[e["stream"]] += e["end"] - e["start"]
+    compute = work.most_common(1)[0][0] if work else None
+    return {e["stream"] for e in events if e["nccl"] and e["stream"] != compute}
 
 
 def busy_time(intervals) -> float:
@@ -54,15 +61,16 @@ def busy_time(intervals) -> float:
 def kernel_summary(trace_path: str) -> dict:
     """Exposed communication from the GPU activity of a chrome trace, in ms.
 
-    Streams that run any NCCL kernel are communication streams; the rest are compute streams.
-    Exposed communication is the time an NCCL kernel runs while no compute stream does anything:
+    Streams that run any NCCL kernel are communication streams, except the compute stream (see
+    ``comm_streams``); compute is every non-NCCL kernel elsewhere. Exposed communication is the time
+    an NCCL kernel runs while no compute kernel does, NCCL kernels on the compute stream included:
     |NCCL u compute| - |compute|. The hidden rest may still slow compute (SM and HBM contention).
     """
     events = _events(trace_path)
     comm = comm_streams(events)
     spans = [(e["start"], e["end"]) for e in events]
     nccl = [(e["start"], e["end"]) for e in events if e["nccl"]]
-    compute = [(e["start"], e["end"]) for e in events if e["stream"] not in comm]
+    compute = [(e["start"], e["end"]) for e in events if e["stream"] not in comm and not e["nccl"]]
     wall = max(b for _, b in spans) - min(a for a, _ in spans) if spans else 0.0
     us = {"gpu_span_ms": wall, "compute_busy_ms": busy_time(compute), "nccl_busy_ms": busy_time(nccl),
           "exposed_comm_ms": busy_time(nccl + compute) - busy_time(compute),
