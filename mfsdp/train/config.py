@@ -268,6 +268,17 @@ def usage() -> str:
     return "\n".join(lines)
 
 
+def flag_value(argv: list[str], i: int) -> tuple[str, str, int]:
+    """The flag at ``argv[i]``, its value (``--flag value`` or ``--flag=value``) and the index after
+    them; the launcher's flags and the config's are spelt alike."""
+    flag, eq, value = argv[i].partition("=")
+    if eq:
+        return flag, value, i + 1
+    if i + 1 >= len(argv):
+        raise ConfigError(f"{flag} needs a value")
+    return flag, argv[i + 1], i + 2
+
+
 def load_config(argv: list[str]) -> RunConfig:
     """Parse ``argv`` (without the program name) into a validated RunConfig."""
     values: dict[str, dict[str, object]] = {name: {} for name in _SECTION_TYPES}
@@ -285,13 +296,8 @@ def load_config(argv: list[str]) -> RunConfig:
         if arg.partition("=")[0] in LAUNCHER_FLAGS:
             raise ConfigError(f"{arg.partition('=')[0]} is a flag of the `mfsdp train` launcher; "
                               "under torchrun give the launcher's flags to torchrun, before -m")
-        key, eq, value = arg[2:].partition("=")
-        if not eq:
-            if i + 1 >= len(argv):
-                raise ConfigError(f"--{key} needs a value")
-            value = argv[i + 1]
-            i += 1
-        i += 1
+        flag, value, i = flag_value(argv, i)
+        key = flag[2:]
         if key == "config":
             _merge_yaml(values, Path(value))
         else:

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mfsdp import _compat
-from mfsdp.train.config import LAUNCHER_FLAGS, ConfigError, RunConfig, load_config, usage
+from mfsdp.train.config import LAUNCHER_FLAGS, ConfigError, RunConfig, flag_value, load_config, usage
 
 USER_ERROR_EXIT = 2
 _ERROR_PREFIX = "mfsdp train: error: "
@@ -95,17 +95,11 @@ def split_args(argv: list[str]) -> tuple[LaunchOptions, list[str]]:
     rest: list[str] = []
     i = 0
     while i < len(argv):
-        flag, eq, text = argv[i].partition("=")
-        if flag not in _OPTION_TYPES:
+        if argv[i].partition("=")[0] not in _OPTION_TYPES:
             rest.append(argv[i])
             i += 1
             continue
-        if not eq:
-            if i + 1 >= len(argv):
-                raise ConfigError(f"{flag} needs a value")
-            text = argv[i + 1]
-            i += 1
-        i += 1
+        flag, text, i = flag_value(argv, i)
         name, kind = _OPTION_TYPES[flag]
         try:
             values[name] = kind(text)
