@@ -21,3 +21,13 @@ def world():
     yield get
     for w in cache.values():
         w.close()
+
+
+@pytest.fixture(scope="module")
+def cuda_world():
+    """A NCCL world over up to two GPUs, one per test module (GPU tests only)."""
+    import torch
+
+    w = World(min(2, torch.cuda.device_count()), backend="nccl")
+    yield w
+    w.close()

@@ -14,14 +14,6 @@ pytestmark = pytest.mark.gpu
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-@pytest.fixture(scope="module")
-def cuda_world():
-    ws = min(2, torch.cuda.device_count())
-    w = World(ws, backend="nccl")
-    yield w
-    w.close()
-
-
 @requires_cuda
 @pytest.mark.parametrize("kind", ["zero3", "zero2", "zero1", "ddp"])
 @pytest.mark.parametrize("delay", [False, True])

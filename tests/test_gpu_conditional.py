@@ -5,19 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _dist import World
 from conditional_models import VARIANTS, cond_parity
 from test_conditional import _check
 
 pytestmark = pytest.mark.gpu
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-
-
-@pytest.fixture(scope="module")
-def cuda_world():
-    w = World(min(2, torch.cuda.device_count()), backend="nccl", pg_timeout_s=60)
-    yield w
-    w.close()
 
 
 @requires_cuda
