@@ -22,6 +22,7 @@ from mfsdp.train.checkpoint import (CheckpointError, find_latest, find_resumable
                                     load_checkpoint, save_checkpoint)
 
 from test_train_checkpoint import make as _make  # a stepped Linear and its AdamW
+from test_train_e2e import SMALL as E2E_SMALL  # the same small model; later flags win
 from test_train_e2e import _env  # the same subprocess environment
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.filterwarnings("ignore::UserWarning"),
@@ -29,10 +30,7 @@ pytestmark = [pytest.mark.timeout(240), pytest.mark.filterwarnings("ignore::User
 
 REPO = Path(__file__).resolve().parents[1]
 # Steps of a few tens of milliseconds, so a test can act between them.
-SMALL = ["--model.n_layers", "2", "--model.dim", "64", "--model.n_heads", "4",
-         "--model.n_kv_heads", "2", "--model.ffn_dim", "128", "--data.seq_len", "64",
-         "--data.local_batch", "8", "--train.lr", "1e-2", "--train.warmup_steps", "2",
-         "--train.sample_tokens", "0", "--train.progress", "false", "--train.device", "cpu"]
+SMALL = [*E2E_SMALL, "--data.seq_len", "64", "--data.local_batch", "8", "--train.sample_tokens", "0"]
 
 
 def launch(*args) -> subprocess.Popen:
