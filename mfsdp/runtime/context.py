@@ -64,6 +64,7 @@ class FsdpContext:
         self.pending_reductions = PendingReductions()
         self.gather_slots: Optional[GatherSlots] = None  # persistent gather buffers (double_buffer)
         self.tag_check = TagCheck(schedule, device)
+        self.trainable_groups: list = []  # every trainable parameter group, in backward order
 
     @classmethod
     def ensure(cls, root: "FsdpModule") -> "FsdpContext":
@@ -110,6 +111,9 @@ class FsdpContext:
                 group.module_name = name or "<root>"
                 if group.requires_grad:
                     group.set_reduction_tag(*ctx.schedule.reduction_tags(module, name))
+        # Fixed by the tree: built once, not per step.
+        ctx.trainable_groups = [g for m in ctx.schedule.backward_modules() for g in m.parameter_groups
+                                if g.requires_grad]
         check_parameter_locations(root, FsdpModule)
         if root._communication_policy.double_buffer:
             # The root keeps its weights from forward into backward, so it never shares a slot.
@@ -140,10 +144,8 @@ class FsdpContext:
         self.tag_check.raise_if_mismatched(wait=False)
         self._forward_issued = self._forward_swept = 0
         self._backward_active = False
-        for module in self.schedule.forward_modules():
-            for group in module.parameter_groups:
-                if group.requires_grad:
-                    group.release_unused_gradient_memory()
+        for group in self.trainable_groups:
+            group.release_unused_gradient_memory()
 
     def forward_reached(self, module: "FsdpModule") -> None:
         """``module`` is about to run forward: issue the unshards up to it, in schedule order
@@ -226,7 +228,7 @@ class FsdpContext:
                 current.wait_stream(self.reduce_scatter_stream)
                 current.wait_stream(self.allgather_stream)
             self.backward_count += 1
-            groups = [g for m in self.schedule.backward_modules() for g in m.parameter_groups if g.requires_grad]
+            groups = self.trainable_groups
             for group in groups:
                 group.finalize_gradients()
             self.tag_check.end_backward(self.backward_count, current)

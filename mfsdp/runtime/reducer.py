@@ -62,6 +62,16 @@ class ReductionPath:
     divide: bool
     """Whether ``gradient_divide_factor`` applies (raw gradients not divided yet)."""
 
+    @property
+    def reduces_in_place(self) -> bool:
+        """Whether the first collective overwrites the path's inputs (an all-reduce, as DDP's)."""
+        return not self.stages or self.stages[0].kind == "all_reduce"
+
+    @property
+    def last_scatter(self) -> int:
+        """Index of the last reduce-scatter (-1: none), which may write straight into the target."""
+        return max((i for i, s in enumerate(self.stages) if s.kind == "reduce_scatter"), default=-1)
+
 
 @dataclasses.dataclass(frozen=True)
 class ReductionPlan:
@@ -124,12 +134,15 @@ class GradientReducer:
         self._tag_values = torch.tensor([position_tag, position_tag ** 2, name_tag, name_tag ** 2],
                                         dtype=torch.int64, device=self._device)
         self._usage_inputs: dict[int, torch.Tensor] = {}
+        # What each path's reduced tag columns must read, made once, not per reduction.
+        paths = [p for p in (self.plan.every_backward, self.plan.last_microbatch) if p is not None]
+        self._expected_tags = {p.scale: self._tag_values * p.scale for p in paths}
 
-    def _usage_input(self, scale: int, missing: list[int]) -> torch.Tensor:
+    def _usage_input(self, scale: int, missing: list[int], in_place: bool) -> torch.Tensor:
         """Level-0 usage rows: ``scale`` per parameter that has a gradient, then the scaled tags."""
         cached = self._usage_inputs.get(scale) if not missing else None
-        if cached is not None:  # a copy: paths without a scatter (DDP) reduce their inputs in place
-            return cached.clone()
+        if cached is not None:  # a copy where the path reduces its inputs in place (DDP)
+            return cached.clone() if in_place else cached
         n, rows = len(self.params), self.geometry.num_shards
         usage = torch.full((rows, n + TAG_COLUMNS), scale, dtype=torch.int64)
         usage[:, missing] = 0
@@ -213,7 +226,7 @@ class GradientReducer:
         keep, inputs = pack_gradients(grads, self.layout.members, self.dtypes.comm, self._device)
         missing = [i for i, gr in enumerate(grads) if gr is None]
         self._missing_seen = self._missing_seen or bool(missing)  # rare: a parameter had no gradient
-        inputs.append(self._usage_input(first.scale, missing))
+        inputs.append(self._usage_input(first.scale, missing, first.reduces_in_place))
         keep.append(inputs)
         if plan.every_backward is None:
             self._run(inputs, plan.last_microbatch, *self._claim_main_grad(), record_tag)
@@ -241,18 +254,17 @@ class GradientReducer:
             regions = self._regions_at(g.num_shards, flat, self._usage_main)
             for stage in path.stages:
                 self._collective(stage.kind, regions, None, stage.group)
-            record_tag(self._tag_columns(regions[-1]), self._tag_values * path.scale)
+            record_tag(self._tag_columns(regions[-1]), self._expected_tags[path.scale])
             if flat is not self.main_grad.tensor:
                 self.main_grad.tensor.copy_(flat)
         self._expose()
 
     def _run(self, inputs, path: ReductionPath, target: list, overwrite: bool, record_tag: Callable) -> None:
         """``target (+)= path(inputs)``. The last reduce-scatter writes straight into ``target`` when
-        nothing there must be kept and the dtypes agree; the tag columns are then set, not summed,
-        to what the next path reading ``target`` must contribute."""
+        nothing there must be kept and the dtypes agree; where a later path reads ``target``, its tag
+        columns are then set, not summed, to what that path must contribute."""
         direct = overwrite and target[0].dtype == self.dtypes.comm
-        regions = inputs
-        last_scatter = max((i for i, s in enumerate(path.stages) if s.kind == "reduce_scatter"), default=-1)
+        regions, last_scatter = inputs, path.last_scatter
         for i, stage in enumerate(path.stages):
             if stage.kind == "all_reduce":
                 self._collective("all_reduce", regions, None, stage.group)
@@ -267,11 +279,12 @@ class GradientReducer:
             regions = outs
         if path.divide and self._divide_factor != 1.0:
             _compat.foreach_div_(regions[:-1], self._divide_factor)  # not the usage counts
-        record_tag(self._tag_columns(regions[-1]), self._tag_values * path.scale)
+        record_tag(self._tag_columns(regions[-1]), self._expected_tags[path.scale])
         if regions is not target:
             (_compat.foreach_copy_ if overwrite else _compat.foreach_add_)(target, regions)
         following = self.plan.last_microbatch if path is self.plan.every_backward else None
-        self._tag_columns(target[-1]).copy_(self._tag_values * (following.scale if following else 0))
+        if following is not None:  # only a later path reads the target's tag columns
+            self._tag_columns(target[-1]).copy_(self._expected_tags[following.scale])
 
     def _in_comm_dtype(self, flat: torch.Tensor) -> torch.Tensor:
         """``flat`` itself, or one cast of it to the reduction dtype (one kernel, not one per member)."""
