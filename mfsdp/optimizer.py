@@ -5,9 +5,8 @@ parameters. What mfsdp adds around ``step()``:
 
 * before: gradients kept in another dtype than the main weights (``main_grads_dtype``) are
   upcast, one fused cast per group, because torch's optimizers want matching dtypes. The sharded
-  parameters of such groups accept a ``.grad`` of any dtype (``grad_dtype = None``), so torch's
-  state-dict helpers can attach main-dtype zeros to a fresh optimizer (see
-  ``_accept_any_grad_dtype``);
+  parameters of such groups accept a ``.grad`` of any dtype (``grad_dtype = None``, set by the
+  parameter group), so torch's state-dict helpers can attach main-dtype zeros to a fresh optimizer;
 * after: the compute weights are re-derived from the main weights once per group (one fused cast,
   plus the all-gather that rebuilds replicated weights for ZeRO-1/2).
 
@@ -24,7 +23,6 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from mfsdp import _compat
 from mfsdp.runtime.registry import GROUP_OF_SHARDED
 
 _BOUND_OPTIMIZERS: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
@@ -70,25 +68,6 @@ def _free_gradients_on_zero_grad(optimizer: torch.optim.Optimizer, groups: list)
     optimizer.zero_grad = zero_grad_and_free
 
 
-def _accept_any_grad_dtype(params: list) -> None:
-    """Let ``params`` hold a ``.grad`` of any dtype (``grad_dtype = None``).
-
-    Autograd never produces a gradient for a sharded parameter (it produces them for the
-    unsharded ones, which the runtime reduces), so ``grad_dtype`` on a sharded parameter only
-    validates assignments to ``.grad``. Pinned to the main-gradient dtype it rejects the
-    assignments of torch's own helpers: ``get_optimizer_state_dict`` / ``set_optimizer_state_dict``
-    initialise a fresh optimizer by attaching ``torch.zeros_like(param)`` (the main dtype) and
-    stepping. None accepts both those and the runtime's main gradients; the pre-step hook below
-    gives the optimizer main-dtype gradients either way.
-    """
-    for p in params:
-        if p.grad_dtype is None:
-            continue
-        attached, p.grad = p.grad, None  # older torch refuses to change grad_dtype under a grad
-        _compat.set_grad_dtype(p, None)
-        p.grad = attached
-
-
 def fully_shard_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """Register an already-built optimizer with a sharded model; returns the same optimizer.
 
@@ -104,8 +83,6 @@ def fully_shard_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) ->
     if optimizer in _BOUND_OPTIMIZERS:
         return optimizer
     upcast_groups = [g for g in groups if g.requires_grad and g.dtypes.grads != g.dtypes.main]
-    for group in upcast_groups:
-        _accept_any_grad_dtype(group.sharded_params)
     swapped: list[tuple[nn.Parameter, torch.Tensor]] = []
 
     def pre_step(opt, args, kwargs):
@@ -148,7 +125,7 @@ def _upcast_main_grad(group) -> list:
     if group.main_grad is None or not group.main_grad.is_allocated:
         return []
     upcast = group.main_grad.tensor.to(group.dtypes.main)
-    layout, geometry = group.grad_layout, group.geometry
+    layout, geometry = group.layout, group.geometry
     return layout.shards(layout.regions(upcast, geometry.num_shards), geometry.shard_index)
 
 

@@ -246,10 +246,6 @@ class FsdpParameterGroup:
         return self.reducer.main_grad
 
     @property
-    def grad_layout(self) -> FlatLayout:
-        return self.layout
-
-    @property
     def reduction_nbytes(self) -> int:
         return self.reducer.reduction_nbytes
 
