@@ -59,6 +59,14 @@ def wait_for_steps(proc, out_dir: Path, n: int, limit: float = 90) -> None:
     raise AssertionError(f"no {n} steps in {limit} s: {proc.poll()} {proc.stderr.read()}")
 
 
+def alive(pid: int) -> bool:
+    """Whether a process still runs (a zombie waiting for its parent does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
 def workers(launcher_pid: int) -> dict[int, int]:
     """{global rank: pid} of a launcher's worker processes (Linux /proc)."""
     found = {}
@@ -230,6 +238,9 @@ def test_a_collective_timeout_names_the_debugging_tools(corpus, tmp_path):
         if rank0 and "CollectiveTimeout" in rank0[0].read_text():
             break
         time.sleep(0.1)
+    deadline = time.time() + 30
+    while time.time() < deadline and alive(pids[0]):
+        time.sleep(0.05)  # rank 0 has left: only then may rank 1 notice its closed socket
     os.kill(pids[1], signal.SIGCONT)  # let torch's agent stop it without waiting 30 s
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 1

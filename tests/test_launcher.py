@@ -197,3 +197,28 @@ def test_launch_config_leaves_out_fields_this_torch_lacks():
 
     current = _compat.launch_config(LaunchConfig, min_nodes=1, max_nodes=1, nproc_per_node=2)
     assert current.nproc_per_node == 2
+
+
+def test_the_summary_names_the_cause_before_the_ranks_that_lost_their_peer(tmp_path, capsys):
+    """Rank 0 timed out and left; rank 1, resumed, failed on the closed connection and was
+    seen first in the same poll. The summary must still lead with rank 0's timeout."""
+    import signal
+    from types import SimpleNamespace
+
+    from mfsdp.train.config import load_config
+    from mfsdp.train.launcher import _summarize
+
+    def failure(local_rank, exitcode, message):
+        return SimpleNamespace(local_rank=local_rank, exitcode=exitcode, timestamp=100,
+                               message={"message": message}, pid=10 + local_rank,
+                               signal_name=lambda: signal.Signals(-exitcode).name
+                               if exitcode < 0 else "")
+
+    failures = {1: failure(1, 1, "RuntimeError: [pair.cc:553] Connection closed by peer "
+                                 "[127.0.0.1]:54482."),
+                0: failure(0, 1, "CollectiveTimeout: rank 0: a collective timed out after 3 s")}
+    cfg = load_config(["--train.out_dir", str(tmp_path)])
+    assert _summarize(failures, cfg, {}) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith("mfsdp train: error: rank 0 failed: CollectiveTimeout"), err
+    assert err[1].startswith("  then rank 1: RuntimeError: [pair.cc:553] Connection closed"), err

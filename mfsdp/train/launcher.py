@@ -246,13 +246,15 @@ def _summarize(failures: dict, cfg: RunConfig, stderrs: dict[int, str]) -> int:
     # SIGKILL 30 s later). So the first failure is the cause, except that in one poll a rank
     # killed by a signal (lost) and a rank whose collective failed because of it show up
     # together: prefer the signal there. Timestamps are whole seconds.
+    # A rank that failed only because a peer left ("connection closed by peer") is an
+    # effect as well, so it ranks after the rank whose own error explains it.
     earliest = min(f.timestamp for f in failures.values())
     index = {rank: i for i, rank in enumerate(failures)}
 
     def order(item):
         rank, failure = item
         return (failure.timestamp > earliest + 2, failure.exitcode == -signal.SIGTERM,
-                failure.exitcode >= 0, index[rank])
+                _peer_left(failure), failure.exitcode >= 0, index[rank])
 
     ranked = sorted(failures.items(), key=order)
     if ranked[0][1].exitcode == USER_ERROR_EXIT and _user_error(ranked[0][1]):
@@ -302,6 +304,18 @@ def _what(failure) -> str:
         message = tail[-1].strip() if tail else ""
     message = " ".join(str(message).split())
     return f"{message[:400]} (exit code {failure.exitcode})"
+
+
+_PEER_LEFT = ("closed by peer", "reset by peer", "broken pipe", "remote process exited",
+              "connection refused")
+
+
+def _peer_left(failure) -> bool:
+    """Whether a rank failed only because another rank's process went away."""
+    if failure.exitcode < 0:
+        return False
+    text = _what(failure).lower()
+    return any(needle in text for needle in _PEER_LEFT)
 
 
 def _user_error(failure) -> str | None:
