@@ -76,3 +76,26 @@ def test_a_checkpoint_for_another_model_shape_is_refused(tmp_path):
     check_compatible(path, {"dim": 8, "n_layers": 2})
     with pytest.raises(CheckpointError, match="different model .*n_layers: checkpoint 2, now 3"):
         check_compatible(path, {"dim": 8, "n_layers": 3})
+
+
+def test_random_generators_resume_where_the_checkpoint_left_them(tmp_path):
+    model, optimizer = make(0)
+    path = save_checkpoint(tmp_path, 1, model, optimizer, META)
+    expected = torch.rand(4)  # what the run draws next (dropout, say)
+    torch.manual_seed(99)  # a resumed process starts from elsewhere
+    load_checkpoint(path, *make(1))
+    assert torch.equal(torch.rand(4), expected)
+
+
+def test_a_checkpoint_without_generator_states_loads_and_leaves_them(tmp_path, monkeypatch):
+    model, optimizer = make(0)
+    monkeypatch.setattr(ckpt, "_rng_state", lambda: {})  # as written before they were saved
+    path = save_checkpoint(tmp_path, 1, model, optimizer, META)
+    monkeypatch.undo()
+    torch.manual_seed(7)
+    expected = torch.get_rng_state()
+    other, other_optimizer = make(1)
+    torch.set_rng_state(expected)
+    load_checkpoint(path, other, other_optimizer)
+    torch.testing.assert_close(other.weight, model.weight, rtol=0, atol=0)
+    assert torch.equal(torch.get_rng_state(), expected)

@@ -11,7 +11,9 @@ Every rank writes its shards with ``torch.distributed.checkpoint`` into a hidden
 rename it to ``step_N`` and then rewrite ``latest`` (itself through a temp file and a
 rename). A crash at any point before the rename leaves ``latest`` and the previous
 checkpoint untouched, so resuming always finds a whole one. The data sampler is a pure
-function of the step, so ``meta.json``'s step counter is the entire data state.
+function of the step, so ``meta.json``'s step counter is the entire data state. Each rank's
+random generators (CPU, and CUDA when in use) are saved under a key of that rank and restored on
+resume, so whatever draws from them (dropout in Hugging Face models) continues where it stopped.
 
 ``meta.json`` is written last and lists every file of the checkpoint with its size, so it
 marks the checkpoint complete. Resuming checks that list: a checkpoint with a missing or
@@ -39,6 +41,7 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
 
 LATEST = "latest"
 META = "meta.json"
+RNG = "rng"  # the state-dict key of the ranks' random generator states
 _PREFIX = "step_"
 _TEMP_PREFIX = ".tmp-"
 
@@ -155,7 +158,7 @@ def save_checkpoint(root: str | os.PathLike, step: int, model: torch.nn.Module,
             problem = _describe(err)
     _raise_if_any(problem, root, final, temp)
     state = {"model": get_model_state_dict(model),
-             "optimizer": get_optimizer_state_dict(model, optimizer)}
+             "optimizer": get_optimizer_state_dict(model, optimizer), RNG: _rng_state()}
     try:
         # DCP gathers every rank's write errors and raises them on all ranks alike.
         dcp.save(state, checkpoint_id=temp)
@@ -239,7 +242,37 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module,
     meta = read_meta(path)
     state = {"model": get_model_state_dict(model),
              "optimizer": get_optimizer_state_dict(model, optimizer)}
+    rng = _saved_rng_state(path)
+    if rng:
+        state[RNG] = rng
     dcp.load(state, checkpoint_id=path)
     set_model_state_dict(model, state["model"])
     set_optimizer_state_dict(model, optimizer, state["optimizer"])
+    generators = rng.get(_rng_key(), {})
+    if "cpu" in generators:
+        torch.set_rng_state(generators["cpu"])
+    if "cuda" in generators:
+        torch.cuda.set_rng_state(generators["cuda"])
     return meta
+
+
+def _rng_key() -> str:
+    # One key per rank: DCP writes a key that several ranks hold only once, as replicated.
+    return f"rank_{_rank()}"
+
+
+def _rng_state() -> dict:
+    """This rank's generator states: the CPU one, and the current GPU's once CUDA is in use."""
+    generators = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        generators["cuda"] = torch.cuda.get_rng_state()
+    return {_rng_key(): generators}
+
+
+def _saved_rng_state(path: Path) -> dict:
+    """The part of ``_rng_state()`` that checkpoint ``path`` holds for this rank, to load into:
+    nothing for checkpoints written before the states were saved or by fewer ranks."""
+    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    mine = {key: value for key, value in _rng_state()[_rng_key()].items()
+            if f"{RNG}.{_rng_key()}.{key}" in saved}
+    return {_rng_key(): mine} if mine else {}
