@@ -29,6 +29,12 @@ SMALL = ["--model.n_layers", "2", "--model.dim", "64", "--model.n_heads", "4",
          "--train.sample_tokens", "16", "--train.progress", "false", "--train.device", "cpu"]
 
 
+# Deterministic mode in bf16 (the GPU default; the CPU computes bf16 too): reruns and resumes must
+# agree bit for bit, not merely closely.
+DETERMINISTIC = [*SMALL, "--parallel.compute_dtype", "bf16", "--parallel.deterministic", "true",
+                 "--train.sample_tokens", "0"]
+
+
 def _env() -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
@@ -91,11 +97,18 @@ def test_two_process_run_writes_metrics_checkpoints_plot_and_sample(baseline):
     assert "--- sample" in run.stdout and "2 process(es)" in run.stdout
 
 
+def stopped_copy(out_dir: Path, step: int, into: Path) -> Path:
+    """A run directory holding only ``out_dir``'s checkpoint of ``step``: that run as if it had
+    stopped there, for ``--resume``."""
+    name = f"step_{step}"
+    shutil.copytree(out_dir / "checkpoints" / name, into / "checkpoints" / name)
+    (into / "checkpoints" / "latest").write_text(name + "\n")
+    return into
+
+
 def test_resume_reproduces_the_uninterrupted_losses_exactly(baseline, corpus, tmp_path):
     out, _ = baseline
-    resumed = tmp_path / "resumed"
-    shutil.copytree(out / "checkpoints" / "step_4", resumed / "checkpoints" / "step_4")
-    (resumed / "checkpoints" / "latest").write_text("step_4\n")
+    resumed = stopped_copy(out, 4, tmp_path / "resumed")
     run = torchrun(*SMALL, "--data.path", str(corpus), "--train.steps", "8",
                    "--train.checkpoint_every", "4", "--train.out_dir", str(resumed),
                    "--resume")
@@ -105,6 +118,71 @@ def test_resume_reproduces_the_uninterrupted_losses_exactly(baseline, corpus, tm
     assert sorted(got) == [5, 6, 7, 8]
     for step in got:
         assert got[step] == pytest.approx(expected[step], abs=1e-6, rel=0)
+
+
+def loss_and_grad_norm(out_dir: Path) -> dict[int, tuple[float, float]]:
+    lines = (out_dir / "metrics.jsonl").read_text().splitlines()
+    return {r["step"]: (r["loss"], r["grad_norm"]) for r in map(json.loads, lines)}
+
+
+def deterministic_run(corpus: Path, out_dir: Path, *extra: str) -> str:
+    """8 deterministic bf16 steps with a checkpoint at step 4; returns rank 0's output."""
+    run = torchrun(*DETERMINISTIC, "--data.path", str(corpus), "--train.steps", "8",
+                   "--train.checkpoint_every", "4", "--train.out_dir", str(out_dir), *extra)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "deterministic mode: deterministic torch algorithms" in run.stdout
+    return run.stdout
+
+
+@pytest.fixture(scope="module")
+def deterministic_runs(corpus, tmp_path_factory):
+    """Two uninterrupted deterministic runs, shared by the tests below."""
+    outs = [tmp_path_factory.mktemp(name) for name in ("first", "second")]
+    for out in outs:
+        deterministic_run(corpus, out)
+    return outs
+
+
+def test_deterministic_bf16_runs_agree_bit_for_bit(deterministic_runs):
+    first, second = map(loss_and_grad_norm, deterministic_runs)
+    assert sorted(first) == list(range(1, 9))
+    assert first == second  # exact float equality of every loss and gradient norm
+
+
+def test_deterministic_bf16_resume_matches_the_uninterrupted_run_bit_for_bit(
+        deterministic_runs, corpus, tmp_path):
+    uninterrupted = deterministic_runs[0]
+    resumed = stopped_copy(uninterrupted, 4, tmp_path / "resumed")
+    assert "at step 4" in deterministic_run(corpus, resumed, "--resume")
+    expected = {step: v for step, v in loss_and_grad_norm(uninterrupted).items() if step > 4}
+    assert loss_and_grad_norm(resumed) == expected
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"CUBLAS_WORKSPACE_CONFIG": ":0:0"},
+     "needs CUBLAS_WORKSPACE_CONFIG unset, :4096:8 or :16:8 (torch refuses cuBLAS calls"),
+    ({"NCCL_NVLS_ENABLE": "1"}, "unset NCCL_NVLS_ENABLE=1"),
+])
+def test_the_deterministic_flag_is_checked_against_the_environment(env, message, monkeypatch):
+    from mfsdp.train.config import ConfigError, load_config
+
+    for name in ("CUBLAS_WORKSPACE_CONFIG", "NCCL_NVLS_ENABLE"):
+        monkeypatch.delenv(name, raising=False)
+    assert load_config(["--parallel.deterministic", "true"]).parallel.deterministic
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ConfigError) as raised:
+        load_config(["--parallel.deterministic", "true"])
+    assert message in str(raised.value)
+    assert not load_config([]).parallel.deterministic  # off by default: the variables are free
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")  # torch's other accepted value
+    monkeypatch.setenv("NCCL_NVLS_ENABLE", "0")
+    assert load_config(["--parallel.deterministic", "true"]).parallel.deterministic
+
+
+def test_a_bad_deterministic_value_is_one_line():
+    _one_error_line(single("--parallel.deterministic", "maybe"),
+                    "--parallel.deterministic expects bool, got 'maybe'")
 
 
 def test_ctrl_c_saves_and_exits_cleanly_on_every_rank(corpus, tmp_path):

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from mfsdp.models.llama import LlamaConfig, get_config
 from mfsdp.models.parallelize import PLACEMENT_NAMES as PLACEMENTS, TWO_AXIS
+from mfsdp.train import determinism
 DTYPES = ("auto", "fp32", "bf16")
 
 
@@ -178,9 +179,18 @@ class ParallelSection:
     """Seconds a collective may wait for the other ranks before the run stops with an error
     (torch's default is 10 minutes). Raise it when a step or a checkpoint save legitimately
     takes longer."""
+    deterministic: bool = False
+    """Bit-identical losses across reruns and resumes with the same seeds, world size and
+    software: deterministic torch kernels (flash attention's deterministic backward, sort-based
+    index ops, NaN-filled torch.empty), no cuDNN attention, CUBLAS_WORKSPACE_CONFIG=:4096:8 and
+    NCCL_NVLS_ENABLE=0 (see mfsdp/train/determinism.py). Costs speed: slower attention backward
+    and index ops, memory fills, and less all-reduce bandwidth on NVSwitch systems; a model op
+    with no deterministic kernel stops the run with torch's error naming it."""
 
     def __post_init__(self) -> None:
         _require(self.collective_timeout_s > 0, "parallel.collective_timeout_s must be positive")
+        if self.deterministic and (problem := determinism.environment_problem()):
+            raise ConfigError(problem)
         _require(self.placements in PLACEMENTS,
                  f"parallel.placements must be one of {', '.join(PLACEMENTS)}, "
                  f"got {self.placements!r}")

@@ -31,6 +31,7 @@ from mfsdp.models import flops
 from mfsdp.models.llama import Llama, LlamaConfig
 from mfsdp.models.moe import MoELlama, build_model
 from mfsdp.models.parallelize import ParallelizeConfig, build_mesh, mesh_shape_error, parallelize
+from mfsdp.train import determinism
 from mfsdp.train.checkpoint import (CheckpointError, check_compatible, find_resumable,
                                     load_checkpoint, save_checkpoint)
 from mfsdp.train.config import ConfigError, RunConfig, load_config, usage
@@ -83,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     rank = int(os.environ.get("RANK", "0"))
     try:
         cfg = load_config(argv)
+        determinism.apply(cfg)  # before anything touches the GPU (see determinism.py)
         device = _pick_device(cfg.train.device)
     except USER_ERRORS as err:
         return _report(rank, err)
