@@ -184,3 +184,10 @@ def launch_config(config_cls, **kwargs):
 
     known = {f.name for f in dataclasses.fields(config_cls)}
     return config_cls(**{k: v for k, v in kwargs.items() if k in known})
+
+
+def foreach_amax(tensors):
+    """max(|t|) of every (non-empty) tensor in one fused launch, as 0-d tensors (private in torch)."""
+    import math
+
+    return torch._foreach_norm(list(tensors), ord=math.inf)

@@ -61,13 +61,22 @@ def all_gather(
             _compat.foreach_copy_(list(outputs), list(inputs))
             return
         if inputs[0].dtype != outputs[0].dtype:
-            rank = dist.get_rank(group)
-            blocks = [out.narrow(0, rank * inp.numel(), inp.numel()) for out, inp in zip(outputs, inputs)]
+            blocks = own_blocks(outputs, [inp.numel() for inp in inputs], group)
             _compat.foreach_copy_(blocks, list(inputs))
             inputs = blocks
+        if outputs[0].dtype.is_floating_point and outputs[0].dtype.itemsize == 1:
+            # float8: a gather only moves bytes, and gloo has no float8 type (nor older NCCL)
+            outputs, inputs = [t.view(torch.uint8) for t in outputs], [t.view(torch.uint8) for t in inputs]
         with _coalesced(group, len(inputs), coalesce):
             for out, inp in zip(outputs, inputs):
                 _compat.all_gather_into_tensor(out, inp, group)
+
+
+def own_blocks(outputs: Sequence[torch.Tensor], numels: Sequence[int], group) -> list[torch.Tensor]:
+    """This rank's block of each all-gather output (``numels[i]`` elements of ``outputs[i]``): an
+    input written there is gathered in place."""
+    rank = dist.get_rank(group) if dist.get_world_size(group) > 1 else 0
+    return [out.narrow(0, rank * n, n) for out, n in zip(outputs, numels)]
 
 
 def reduce_scatter(
@@ -130,12 +139,17 @@ def _divide(tensors: Sequence[torch.Tensor], size: int) -> None:
 def any_rank(flags: torch.Tensor, groups: Sequence = (None,)) -> list[bool]:
     """Per-entry logical OR of ``flags`` over the ranks of ``groups`` (each in turn; None is the
     default group): a MAX all-reduce per group, then one host read for all entries."""
-    flags = flags.to(torch.int32)
+    return [bool(f) for f in all_reduce_max(flags.to(torch.int32), groups).tolist()]
+
+
+def all_reduce_max(tensor: torch.Tensor, groups: Sequence = (None,)) -> torch.Tensor:
+    """Elementwise MAX of ``tensor`` over the ranks of ``groups`` (each in turn; None is the default
+    group), in place; returns ``tensor``."""
     if dist.is_initialized():
         for group in groups:
             if dist.get_world_size(group) > 1:
-                dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
-    return [bool(f) for f in flags.tolist()]
+                dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+    return tensor
 
 
 def all_reduce(

@@ -12,6 +12,11 @@ buffer             level              role
 ``main_grad``      optimizer shard    reduced gradients in ``grads`` dtype; the exposed ``.grad``
 =================  =================  ===========================================================
 
+A group whose parameters were tagged with a gather codec (``gather_codec``; FP8 weights in
+``mfsdp.float8``) keeps ``unsharded`` in the codec's wire dtype: the first gather encodes the
+shard into its block of the output, and the compute parameters are the codec's wrappers over the
+gathered views.
+
 The group only moves bytes; *when* it does so (streams, events, prefetch) is the module's and the
 context's business, so every method takes the stream it runs on.
 """
@@ -29,8 +34,9 @@ from torch.distributed.tensor import DTensor
 from mfsdp import _compat
 from mfsdp.communication import CommunicationPolicy
 from mfsdp.mixed_precision import ResolvedDtypes
+from mfsdp.runtime import gather_codec
 from mfsdp.runtime.collective_check import CollectiveIssuer
-from mfsdp.runtime.collectives import stream_context
+from mfsdp.runtime.collectives import own_blocks, stream_context
 from mfsdp.runtime.flat_buffer import FlatBuffer, FlatLayout
 from mfsdp.runtime.geometry import ShardGeometry, contiguous_stride, fill_region
 from mfsdp.runtime.reducer import GradientReducer
@@ -73,6 +79,14 @@ class FsdpParameterGroup:
         specs = [g.parameter_spec(p) for p in params]
         self.layout = FlatLayout([t.shape for t in locals_], g.num_shards)
         g.check_exposed(params, self.layout.members, specs, label)  # the DTensors describe these shards
+        self.codec = gather_codec.codec_for(params, dtypes, label)
+        if self.codec is not None and (g.param_level == 0 or any(isinstance(p, DTensor) for p in params)):
+            raise NotImplementedError(
+                f"mfsdp: parameter group {label} asks for an encoded all-gather ({type(self.codec).__name__}), "
+                "which needs parameters that are sharded at rest and gathered for compute (ZeRO-3, HSDP, "
+                "HFSDP) and are not tensor-parallel DTensors; these placements keep them "
+                f"{'replicated' if g.param_level == 0 else 'as DTensors'}. Use such a placement or leave "
+                "the parameters untagged")
 
         # Compute weights at rest. Three cases, cheapest memory first:
         # * main dtype == compute dtype at the same level: the main weights *are* the compute weights;
@@ -90,7 +104,8 @@ class FsdpParameterGroup:
             else FlatBuffer(self.layout.numel(level_ways), dtypes.compute, device)
         )
         self.unsharded = (
-            self.model if g.param_level == 0 else FlatBuffer(self.layout.numel(1), dtypes.compute, device)
+            self.model if g.param_level == 0 else FlatBuffer(
+                self.layout.numel(1), self.codec.wire_dtype if self.codec else dtypes.compute, device)
         )
         self._model_regions = self.layout.regions(self.model.tensor, level_ways) if self.model else None
         self._unsharded_regions = self.layout.regions(self.unsharded.tensor, 1)
@@ -103,7 +118,9 @@ class FsdpParameterGroup:
                 if self.model is not None and self.model is not self.main:
                     fill_region(self._model_regions[i], t.detach(), m, level_ways, g.index(g.param_level))
         for i, (p, view) in enumerate(zip(params, self.layout.unpadded(self._unsharded_regions))):
-            if isinstance(p, DTensor):  # a new Parameter: a DTensor over the unsharded view
+            if self.codec is not None:  # a new Parameter: the codec's wrapper over the gathered bytes
+                self.params[i] = self.codec.wrap(i, p, view)
+            elif isinstance(p, DTensor):  # a new Parameter: a DTensor over the unsharded view
                 self.params[i] = nn.Parameter(
                     DTensor.from_local(view, p.device_mesh, p.placements, run_check=False,
                                        shape=p.shape, stride=p.stride()),
@@ -160,7 +177,9 @@ class FsdpParameterGroup:
         self.unsharded = FlatBuffer.over(slot.tensor)
         self._unsharded_regions = self.layout.regions(slot.tensor, 1)
         for p, view in zip(self.params, self.layout.unpadded(self._unsharded_regions)):
-            if isinstance(p, DTensor):
+            if self.codec is not None:
+                self.codec.repoint(p, view)
+            elif isinstance(p, DTensor):
                 _compat.set_dtensor_local(p, view)
             else:
                 p.data = view
@@ -182,10 +201,12 @@ class FsdpParameterGroup:
                 self.unsharded.allocate()  # allocated on the all-gather stream, freed there too
                 if not self.model_on_the_fly:
                     self._gather(self._model_regions, g.param_level, self._unsharded_regions, stream)
-                elif g.num_shards == 1:
+                elif g.num_shards == 1 and self.codec is None:
                     self.unsharded.tensor.copy_(self.main.tensor)  # one rank: cast straight into place
                 else:  # the first gather casts the main shard into its own block of the output
                     self._gather(self._main_regions, g.param_level, self._unsharded_regions, stream)
+                if self.codec is not None:
+                    self.codec.decode(self.params)
         self.state = GroupState.UNSHARDED
 
     def reshard(self, stream: Optional[torch.Stream]) -> None:
@@ -212,14 +233,20 @@ class FsdpParameterGroup:
 
     def _gather(self, regions, level, out_regions, stream, stop: int = 0) -> None:
         """All-gather ``regions`` (at ``level``) up to level ``stop``, ending in ``out_regions``
-        (cast to their dtype by the first gather)."""
+        (cast to their dtype by the first gather, or encoded by the codec: only into the unsharded
+        buffer, whose dtype is the codec's)."""
         g = self.geometry
+        encode = self.codec is not None and out_regions is self._unsharded_regions
         for j in range(level - 1, stop - 1, -1):
             if j == stop:
                 outs = out_regions
             else:
                 outs = self.layout.regions(torch.empty(self.layout.numel(g.ways(j)), dtype=out_regions[0].dtype,
                                                        device=regions[0].device), g.ways(j))
+            if encode and j == level - 1:  # this rank's shard, encoded in place: gathered as is
+                blocks = own_blocks(outs, [r.numel() for r in regions], g.groups[j])
+                self.codec.encode(regions, blocks, g.groups[:level], self.main.tensor._version)
+                regions = blocks
             self.issue("all_gather", outs, regions, g.groups[j], stream)
             regions = outs
 
