@@ -7,8 +7,10 @@ Public API::
     fully_shard_optimizer(model, optimizer)
     microbatch(module, is_last)
     FsdpModule, FsdpContext
+    mfsdp.float8: enable_fp8_all_gather(model), precompute_fp8_scales(model)  (torchao float8 linears)
 """
 
+from mfsdp import float8
 from mfsdp.api import fully_shard
 from mfsdp.communication import CommunicationPolicy
 from mfsdp.microbatch import microbatch
@@ -24,6 +26,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "fully_shard",
+    "float8",
     "fully_shard_optimizer",
     "microbatch",
     "MixedPrecisionPolicy",
