@@ -52,9 +52,8 @@ def _level(value: Any, names: Mapping[str, int], field: str, top: int) -> int:
 class MegatronFSDPConfig:
     """How :class:`~mfsdp.manager.MegatronFSDPManager` parallelizes a model.
 
-    ``keep_fp8_transpose_cache`` is *not available* (mfsdp has no FP8 parameters): True raises
-    ``NotImplementedError`` from the manager, with the reason; the field exists so configs written
-    for Megatron-FSDP load.
+    ``keep_fp8_transpose_cache`` is *not available*: True raises ``NotImplementedError`` from the
+    manager; the field exists so configs written for Megatron-FSDP load (see the field for why).
     """
 
     megatron_fsdp_unit_modules: Optional[Sequence[Union[str, type]]] = None
@@ -131,8 +130,13 @@ class MegatronFSDPConfig:
     count. Done inside the reduction, with ``CommunicationPolicy(gradient_divide_factor=1/dp)``."""
 
     keep_fp8_transpose_cache: bool = False
-    """Default False. Keep Transformer Engine's FP8 transpose cache. True: *not available*, mfsdp has
-    no FP8 parameter support."""
+    """Default False. Megatron-FSDP: keep Transformer Engine's column-wise (transposed) FP8 copy of
+    each weight from forward to backward, +1 byte per parameter, instead of re-deriving it. True:
+    *not available*. mfsdp's FP8 path is torchao's float8 linears (``mfsdp.float8``), not Transformer
+    Engine: there is no transpose cache to keep. The weights of a unit are re-gathered for backward
+    (in FP8 with ``mfsdp.float8.enable_fp8_all_gather``: half the bf16 bytes) and torchao lays out
+    the transposed operand inside the grad-input GEMM; keeping the gathered FP8 weights from forward
+    to backward would need a reshard-after-forward switch, which the core does not have."""
 
     nccl_ub: bool = False
     """Default False. Allocate the persistent gather buffers from NCCL's allocator and register them
