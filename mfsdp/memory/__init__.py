@@ -6,5 +6,6 @@ tensors; ``mfsdp plan`` (``mfsdp.memory.plan``) prints the breakdown and the set
 
 from mfsdp.memory.api import estimate, mesh_for
 from mfsdp.memory.estimate import COMPONENTS, MemoryEstimate, Phase, StepSettings
+from mfsdp.memory.tensor_parallel import TensorParallel
 
-__all__ = ["COMPONENTS", "MemoryEstimate", "Phase", "StepSettings", "estimate", "mesh_for"]
+__all__ = ["COMPONENTS", "MemoryEstimate", "Phase", "StepSettings", "TensorParallel", "estimate", "mesh_for"]

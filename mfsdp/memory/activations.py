@@ -18,6 +18,7 @@ and a block's numbers do not depend on depth).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import weakref
 from typing import Callable, Optional
@@ -66,12 +67,27 @@ class ActivationProfile:
         return self.embed_bytes + n_blocks * self.block_bytes + self.head_forward_bytes
 
 
+def _storages(t: torch.Tensor) -> list:
+    """The storages holding a tensor's bytes. A wrapper subclass (a tensor-parallel DTensor, the
+    ``AsyncCollectiveTensor`` a functional collective returns) has none of its own: its inner
+    tensors (``__tensor_flatten__``, the subclass protocol) hold them."""
+    if getattr(type(t), "__tensor_flatten__", None) is None:
+        return [t.untyped_storage()]
+    inner = [getattr(t, name) for name in t.__tensor_flatten__()[0]]
+    return [s for x in inner if isinstance(x, torch.Tensor) for s in _storages(x)]
+
+
+_ROUTING_OPS = (torch.ops.aten.bincount.default, torch.ops.aten._local_scalar_dense.default)
+
+
 class _LiveBytes(_compat.dispatch_mode_base()):
     """Counts the bytes of every storage an op creates until it is freed; ``mark`` records the
     counters under a label."""
 
-    def __init__(self) -> None:
+    def __init__(self, uniform_routing: bool = False) -> None:
         super().__init__()
+        self.uniform_routing = uniform_routing
+        self._counts: dict[int, list[int]] = {}  # storage -> the assumed routing counts
         self.act = 0  # storages that are not parameter gradients
         self.grad = 0  # parameter gradients (moved here when accumulated)
         self._sizes: dict[int, int] = {}
@@ -80,21 +96,40 @@ class _LiveBytes(_compat.dispatch_mode_base()):
         self.marks: dict[str, int] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        inputs = {id(t.untyped_storage()) for t in _compat.tree_flatten((args, kwargs))[0]
-                  if isinstance(t, torch.Tensor)}
+        if self.uniform_routing and func in _ROUTING_OPS:
+            routed = self._route(func, args, kwargs or {})
+            if routed is not None:
+                return routed
+        inputs = {id(st) for t in _compat.tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)
+                  for st in _storages(t)}
         out = func(*args, **(kwargs or {}))
         for t in _compat.tree_flatten(out)[0]:
             if not isinstance(t, torch.Tensor):
                 continue
-            storage = t.untyped_storage()
-            key = id(storage)
-            if key in self._sizes or key in inputs:
-                continue  # a view or an in-place result: no new bytes
-            self._sizes[key] = storage.nbytes()
-            self.act += storage.nbytes()
-            weakref.finalize(storage, self._free, key)
+            for storage in _storages(t):
+                key = id(storage)
+                if key in self._sizes or key in inputs:
+                    continue  # a view or an in-place result: no new bytes
+                self._sizes[key] = storage.nbytes()
+                self.act += storage.nbytes()
+                weakref.finalize(storage, self._free, key)
         self.timeline.append((self.act, self.grad))
         return out
+
+    def _route(self, func, args, kwargs):
+        """Token routing is data: ``bincount`` of the (token, slot) -> expert assignments returns
+        the uniform counts (``assignments / bins`` each, the remainder to the first bins), and
+        reading them (``tolist``, ``item``) gives those values."""
+        if func is torch.ops.aten.bincount.default:
+            flat = args[0]
+            bins = max(kwargs.get("minlength", args[2] if len(args) > 2 else 0), 1)
+            n = flat.numel()
+            out = torch.empty(bins, dtype=torch.long, device=flat.device)
+            self._counts[id(out.untyped_storage())] = [n // bins + (i < n % bins) for i in range(bins)]
+            return out
+        t = args[0]
+        counts = self._counts.get(id(t.untyped_storage()))
+        return None if counts is None else counts[t.storage_offset()]  # None: not the counts
 
     def _free(self, key: int) -> None:
         size = self._sizes.pop(key, 0)
@@ -105,11 +140,12 @@ class _LiveBytes(_compat.dispatch_mode_base()):
             self.act -= size
 
     def mark_grad(self, tensor: torch.Tensor) -> None:
-        key = id(tensor.untyped_storage())
-        if key in self._sizes and key not in self._is_grad:
-            self._is_grad.add(key)
-            self.act -= self._sizes[key]
-            self.grad += self._sizes[key]
+        for storage in _storages(tensor):
+            key = id(storage)
+            if key in self._sizes and key not in self._is_grad:
+                self._is_grad.add(key)
+                self.act -= self._sizes[key]
+                self.grad += self._sizes[key]
 
     def mark(self, label: str) -> None:
         self.timeline.append((self.act, self.grad))
@@ -126,20 +162,24 @@ class _LiveBytes(_compat.dispatch_mode_base()):
 
 
 def measure(model: nn.Module, blocks: list[nn.Module], run: Callable[[nn.Module], torch.Tensor],
-            names: Optional[dict] = None) -> ActivationProfile:
+            names: Optional[dict] = None, uniform_routing: bool = False) -> ActivationProfile:
     """Run ``run(model)`` (forward and loss) and its backward on the fake ``model`` (at least two
-    ``blocks``, in forward order) and cut the live bytes into an ``ActivationProfile``."""
+    ``blocks``, in forward order) and cut the live bytes into an ``ActivationProfile``.
+
+    ``uniform_routing``: the model routes tokens by ``torch.bincount`` of its expert choices, read
+    on the host (``mfsdp.models.moe``); every expert then gets an equal share (see ``_route``)."""
     if len(blocks) < 2:
         raise ValueError("activation measurement needs a model of at least two blocks")
-    tracker = _LiveBytes()
+    tracker = _LiveBytes(uniform_routing)
     try:
         return _measure(model, blocks, run, names, tracker)
     except Exception as err:  # torch's DynamicOutputShapeException / DataDependentOutputException
         if "DynamicOutputShape" in type(err).__name__ or "DataDependent" in type(err).__name__:
             raise NotImplementedError(
                 f"cannot measure this model's activations on fake tensors: its forward has data-dependent "
-                f"shapes ({err}), as token routing in a mixture of experts does; estimate a dense model, "
-                "or skip the check (mfsdp train --train.skip_memory_check true)") from None
+                f"shapes ({err}), as token routing in a mixture of experts does (the bundled MoE is "
+                "measured with uniform routing); estimate a dense model, or skip the check "
+                "(mfsdp train --train.skip_memory_check true)") from None
         raise
 
 
@@ -251,18 +291,23 @@ def measure_llama(cfg, dtype: torch.dtype, batch: int, seq: int, checkpointing: 
         model = build_model(small, dtype=dtype)
         model.set_activation_checkpointing(checkpointing)
         tokens = torch.zeros(batch, seq, dtype=torch.long)
-        return measure(model, list(model.layers), cross_entropy_run(tokens))
+        return measure(model, list(model.layers), cross_entropy_run(tokens), uniform_routing=cfg.num_experts > 0)
 
 
 def measure_hf(config, dtype: torch.dtype, batch: int, seq: int, checkpointing: bool,
-               unit_names: Optional[list] = None) -> ActivationProfile:
+               unit_names: Optional[list] = None, tp=None, tp_mesh=None) -> ActivationProfile:
     """A Hugging Face causal LM (its ``config``), cut to two decoder layers, on fake tensors;
-    checkpointing wraps each layer as the manager does."""
+    checkpointing wraps each layer as the manager does. With ``tp`` (a ``TensorParallel`` of size
+    > 1) the manager's plan is applied first over ``tp_mesh`` (a fake ``tp`` mesh, see
+    ``tensor_parallel``), so every block runs with its TP-local weights and, under sequence
+    parallel, seq / tp tokens between sub-layers; the loss runs in ``loss_parallel()`` when asked."""
     import copy
 
     import transformers
 
     from mfsdp.manager.core_options import _checkpoint_forward, resolve_unit_modules
+    from mfsdp.manager.tp_plans import loss_context
+    from mfsdp.memory.tensor_parallel import apply_tp
 
     config = copy.deepcopy(config)
     config.num_hidden_layers = 2
@@ -272,9 +317,33 @@ def measure_hf(config, dtype: torch.dtype, batch: int, seq: int, checkpointing: 
     with _compat.fake_tensor_mode():
         with torch.device("cpu"):
             model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+        tp_on = tp is not None and tp.enabled
+        if tp_on:
+            apply_tp(model, tp, tp_mesh)
         units = [m for _, m in resolve_unit_modules(model, unit_names)][::-1]  # forward order
         if checkpointing:
             for unit in units:
                 _checkpoint_forward(unit)
         tokens = torch.zeros(batch, seq, dtype=torch.long)
-        return measure(model, units, cross_entropy_run(tokens))
+        with loss_context(tp_on and tp.loss_parallel), _unpacked_sequences():
+            return measure(model, units, cross_entropy_run(tokens))
+
+
+@contextlib.contextmanager
+def _unpacked_sequences():
+    """Hugging Face's masks take fake position ids for packed sequences (they cannot read them) and
+    build a seq x seq mask that every layer then saves; the training loop's rows are single
+    sequences, for which a real run finds no packing and lets SDPA run causal without a mask. Say
+    so to the mask code while measuring (transformers >= 5; older versions lack the function)."""
+    from unittest import mock
+
+    try:
+        from transformers import masking_utils
+    except ImportError:
+        yield
+        return
+    if not hasattr(masking_utils, "find_packed_sequence_indices"):
+        yield
+        return
+    with mock.patch.object(masking_utils, "find_packed_sequence_indices", lambda position_ids: None):
+        yield

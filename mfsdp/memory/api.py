@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
 import json
 import os
@@ -14,6 +16,8 @@ from mfsdp.communication import CommunicationPolicy
 from mfsdp.memory.activations import ActivationProfile, measure_hf, measure_llama
 from mfsdp.memory.estimate import MemoryEstimate, StepSettings, simulate
 from mfsdp.memory.model_state import Levels, describe_units
+from mfsdp.memory.tensor_parallel import (TensorParallel, apply_tp, default_group_exists, fake_tp_mesh, in_child,
+                                          tp_meta_copy)
 from mfsdp.mixed_precision import MixedPrecisionPolicy
 from mfsdp.placement import Placements
 
@@ -39,57 +43,79 @@ def estimate(model_or_config, *, world_size: Optional[int] = None, mesh_shape: O
              local_batch: int = 1, seq_len: int = 4096, microbatches: int = 1,
              activation_checkpointing: bool = False, optimizer: str = "adamw", foreach: bool = True,
              compute_dtype: torch.dtype = torch.bfloat16, expert_units: bool = False,
+             tensor_parallel: Union[int, TensorParallel] = 1, tp_in_process: bool = False,
              device: str = "cuda") -> MemoryEstimate:
     """Predict one rank's memory over a training step and its peak.
 
-    ``model_or_config``: a bundled preset name ("8b"), a ``LlamaConfig``, a model built on the meta
-    device (the bundled Llama, or a Hugging Face causal LM), a Hugging Face config, or a local Hugging
-    Face directory (its config.json; data-parallel only). ``placements``: a name with ``world_size``
-    (and ``replicate`` for hsdp/hfsdp), or a ``Placements`` with ``mesh_shape`` ({axis: size}).
-    ``device``: "cuda" counts the cuBLAS workspaces, the allocator reserve and the CUDA context.
+    ``model_or_config``: a bundled preset name ("8b", "moe-1b"), a ``LlamaConfig``, a model built on
+    the meta device (the bundled Llama, or a Hugging Face causal LM), a Hugging Face config, or a
+    local Hugging Face directory (its config.json). ``placements``: a name with ``world_size`` (and
+    ``replicate`` for hsdp/hfsdp), or a ``Placements`` with ``mesh_shape`` ({axis: size}, the
+    data-parallel axes only). ``tensor_parallel``: the manager's tp size (an int: with sequence
+    parallel and the parallel loss) or a ``TensorParallel``; Hugging Face models only.
+    ``world_size`` counts every rank (data-parallel ranks x tp). A tensor-parallel estimate runs in a
+    spawned child process (a few seconds) unless ``tp_in_process``: then over a fake process group in
+    this process, which must have none and must not create a real one later (``mfsdp plan``), see
+    ``tensor_parallel``. ``expert_units``: each expert of a
+    bundled MoE is its own unit (``ParallelizeConfig.expert_units``). ``device``: "cuda" counts the
+    cuBLAS workspaces, the allocator reserve and the CUDA context.
     """
+    tp = TensorParallel.of(tensor_parallel)
+    if tp.enabled and (default_group_exists() or not tp_in_process):
+        args = dict(locals())
+        args.pop("tp")
+        return in_child(estimate, {**args, "tp_in_process": True})
     if isinstance(placements, str):
         if world_size is None:
             raise ValueError("estimate: give world_size with a placement name (or a Placements and mesh_shape)")
-        placements, mesh_shape = mesh_for(placements, world_size, replicate)
+        if world_size % tp.size:
+            raise ValueError(f"estimate: world_size {world_size} does not divide by the tensor-parallel size {tp.size}")
+        placements, mesh_shape = mesh_for(placements, world_size // tp.size, replicate)
     elif mesh_shape is None:
         raise ValueError("estimate: a Placements object needs mesh_shape={axis: size}")
     policy = mixed_precision_policy or MixedPrecisionPolicy()
     comm = communication_policy or CommunicationPolicy()
     if optimizer not in ("adamw", "sgd"):
         raise ValueError(f"optimizer {optimizer!r} is not modelled; use 'adamw' or 'sgd'")
+    if tp.enabled and tp.sequence_parallel and seq_len % tp.size:
+        raise ValueError(f"sequence parallel: seq_len {seq_len} does not divide by the tensor-parallel size {tp.size}")
     levels = Levels.of(placements, mesh_shape)
-    model, units, blocks, measure = _resolve(model_or_config, compute_dtype, seq_len, expert_units)
-    unit_bytes = describe_units(model, units, policy, levels)
-    acts = measure(local_batch, seq_len, activation_checkpointing)
-    world = 1
+    with fake_tp_mesh(tp.size) if tp.enabled else contextlib.nullcontext() as tp_mesh:
+        model, units, blocks, measure, notes = _resolve(model_or_config, compute_dtype, seq_len, expert_units,
+                                                        tp, tp_mesh)
+        unit_bytes = describe_units(model, units, policy, levels)
+        acts = measure(local_batch, seq_len, activation_checkpointing)
+    world = tp.size
     for size in mesh_shape.values():
         world *= size
     settings = StepSettings(placements.name, world, local_batch, seq_len, microbatches, activation_checkpointing,
                             optimizer, foreach, comm.prefetch_depth if comm.overlap else 0, comm.double_buffer,
-                            device == "cuda")
-    return simulate(unit_bytes, acts, settings, blocks)
+                            device == "cuda", tp.size)
+    return dataclasses.replace(simulate(unit_bytes, acts, settings, blocks), notes=tuple(notes))
 
 
-def _resolve(obj, dtype, seq_len, expert_units):
-    """(meta model, non-root units bottom-up, block names, activation measurement)."""
+def _resolve(obj, dtype, seq_len, expert_units, tp: TensorParallel, tp_mesh):
+    """(meta model, non-root units bottom-up, block names, activation measurement, notes)."""
     from mfsdp.models import LlamaConfig, get_config
 
     if isinstance(obj, str) and not os.path.isdir(obj):
         obj = get_config(obj)
+    llama = isinstance(obj, LlamaConfig) or (isinstance(obj, nn.Module) and hasattr(obj, "cfg")
+                                             and hasattr(obj, "layers"))
+    if llama and tp.enabled:
+        raise ValueError("tensor parallel is the manager's (mfsdp.manager, Hugging Face models); the bundled "
+                         "Llama has no tensor-parallel plan: estimate it with tensor_parallel=1")
     if isinstance(obj, LlamaConfig):
         return _llama(obj, dtype, seq_len, expert_units)
-    if isinstance(obj, nn.Module) and hasattr(obj, "cfg") and hasattr(obj, "layers"):
+    if llama:
         return _llama(obj.cfg, dtype, seq_len, expert_units, model=obj)
     if isinstance(obj, (str, os.PathLike)) or hasattr(obj, "to_json_string") or isinstance(obj, nn.Module):
-        return _hf(obj, dtype)
+        return _hf(obj, dtype, tp, tp_mesh)
     raise TypeError(f"estimate: cannot size a {type(obj).__name__}; pass a preset name, a LlamaConfig, a "
                     "meta-device model, a Hugging Face config or a local Hugging Face directory")
 
 
 def _llama(cfg, dtype, seq_len, expert_units, model=None):
-    import dataclasses
-
     from mfsdp.models import build_model
     from mfsdp.models.parallelize import sharding_units
 
@@ -100,7 +126,15 @@ def _llama(cfg, dtype, seq_len, expert_units, model=None):
     units = sharding_units(model, expert_units=expert_units)
     blocks = [f"layers.{i}" for i in range(len(model.layers))]
     dtype = next(model.parameters()).dtype
-    return model, units, blocks, lambda b, s, ac: _llama_acts(cfg, dtype, b, s, ac)
+    notes = []
+    if cfg.num_experts:
+        notes.append(
+            f"MoE: activations measured with uniform routing, each of the {cfg.num_experts} experts of a block "
+            f"gets tokens x top_k / num_experts = tokens x {cfg.top_k}/{cfg.num_experts} of a microbatch "
+            "(saved bytes depend only on that total; the peak inside an expert on its share); "
+            + ("every expert unit is gathered in turn, forward and backward (a skipped expert gathers nothing)"
+               if expert_units else "each block gathers all its experts with it"))
+    return model, units, blocks, lambda b, s, ac: _llama_acts(cfg, dtype, b, s, ac), notes
 
 
 @functools.lru_cache(maxsize=64)
@@ -108,23 +142,39 @@ def _llama_acts(cfg, dtype, batch, seq, ac) -> ActivationProfile:
     return measure_llama(cfg, dtype, batch, seq, ac)
 
 
-def _hf(obj, dtype):
+def _hf(obj, dtype, tp: TensorParallel, tp_mesh):
     from mfsdp.manager.core_options import resolve_unit_modules
     from mfsdp.manager.hf_checkpoint import meta_model_from_config
 
-    model = obj if isinstance(obj, nn.Module) else meta_model_from_config(obj, dtype=dtype)
+    given = isinstance(obj, nn.Module)
+    model = obj if given else meta_model_from_config(obj, dtype=dtype)
+    notes = []
+    if tp.enabled:  # the manager's first step, on a copy: parameters become TP DTensors
+        model = tp_meta_copy(model, tp, tp_mesh) if given else apply_tp(model, tp, tp_mesh)
+        notes.append(f"{tp.describe()}: model state from the TP-local shards of the manager's plan (tp rank 0), "
+                     "activations measured on a two-layer copy with the plan applied over a fake process group")
     units = [m for _, m in resolve_unit_modules(model)]
     names = {id(m): n for n, m in model.named_modules()}
     blocks = [names[id(m)] for m in units[::-1]]
     config_json = model.config.to_json_string()
     dtype = next(model.parameters()).dtype
-    return model, units, blocks, lambda b, s, ac: _hf_acts(config_json, dtype, b, s, ac)
+    return model, units, blocks, lambda b, s, ac: _hf_acts(config_json, dtype, b, s, ac, tp, tp_mesh), notes
 
 
-@functools.lru_cache(maxsize=64)
-def _hf_acts(config_json, dtype, batch, seq, ac) -> ActivationProfile:
+_HF_ACTS: dict = {}
+
+
+def _hf_acts(config_json, dtype, batch, seq, ac, tp: TensorParallel, tp_mesh) -> ActivationProfile:
     import transformers
 
+    key = (config_json, dtype, batch, seq, ac, tp.size, tp.sequence_parallel, tp.loss_parallel)
+    if tp.plan is None and key in _HF_ACTS:
+        return _HF_ACTS[key]
     data = json.loads(config_json)
     config = transformers.AutoConfig.for_model(**data)
-    return measure_hf(config, dtype, batch, seq, ac)
+    acts = measure_hf(config, dtype, batch, seq, ac, tp=tp, tp_mesh=tp_mesh)
+    if tp.plan is None:
+        if len(_HF_ACTS) >= 64:
+            _HF_ACTS.pop(next(iter(_HF_ACTS)))
+        _HF_ACTS[key] = acts
+    return acts

@@ -67,6 +67,8 @@ class StepSettings:
     """Whether repeated units gather into persistent slots."""
     cuda: bool = True
     """Count the CUDA workspaces (cuBLAS, two handles) that the caching allocator holds."""
+    tp: int = 1
+    """Tensor-parallel ranks (``world_size`` counts them: data-parallel ranks x tp)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +89,8 @@ class MemoryEstimate:
     """What the caching allocator holds beyond allocated bytes (cached blocks, fragmentation)."""
     outside_allocator: int
     """Device memory no tensor accounts for: the CUDA context, NCCL's buffers."""
+    notes: tuple = ()
+    """Assumptions behind the numbers (tensor parallel, MoE routing), one line each."""
 
     @property
     def device_bytes(self) -> int:

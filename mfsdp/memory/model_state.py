@@ -8,7 +8,9 @@ mesh *shape* instead of a live mesh. Units (the modules ``fully_shard`` is appli
 parameters by the runtime's ownership rule (``collect_owned_parameters``), grouped by
 ``group_parameters``. The gradient buffers mirror ``GradientReducer`` (main gradient at the
 optimizer level in the gradient dtype, HFSDP's accumulator at the gradient level); the CPU test
-holds the whole of it to the byte against live buffers.
+holds the whole of it to the byte against live buffers. Tensor-parallel parameters (DTensors from
+the manager's plan, see ``tensor_parallel``) are sized by their local shard, the tensor the runtime
+flattens (``local_tensor``).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from mfsdp.mixed_precision import MixedPrecisionPolicy, ResolvedDtypes
 from mfsdp.placement import Placements
 from mfsdp.runtime.flat_buffer import FlatLayout
 from mfsdp.runtime.ownership import collect_owned_parameters, group_parameters
-from mfsdp.runtime.parameter_group import choose_model_buffer
+from mfsdp.runtime.parameter_group import choose_model_buffer, local_tensor
 from mfsdp.runtime.tag_check import TAG_COLUMNS
 
 
@@ -186,10 +188,10 @@ def describe_units(model: nn.Module, units: list, policy: MixedPrecisionPolicy, 
         for params, _ in group_parameters(owned):
             dtypes = policy.resolve(params[0].dtype)
             label = f"{names.get(id(unit)) or 'root'}[{params[0].dtype}]"
-            groups.append(group_bytes(label, [p.shape for p in params], dtypes, levels,
+            groups.append(group_bytes(label, [local_tensor(p).shape for p in params], dtypes, levels,
                                       params[0].requires_grad, rank_shard))
         out.append((unit, groups, tuple(param_names.get(p, "?") for p in owned),
-                    tuple(p.numel() * p.element_size() if p.requires_grad else 0 for p in owned)))
+                    tuple(local_tensor(p).numel() * p.element_size() if p.requires_grad else 0 for p in owned)))
     parent_of = {}
     for unit in done:  # the nearest unit strictly above each unit
         for other in done:

@@ -17,6 +17,7 @@ import torch
 
 from mfsdp.memory.api import estimate
 from mfsdp.memory.estimate import COMPONENTS, GIB, MemoryEstimate
+from mfsdp.memory.tensor_parallel import TensorParallel
 
 PLACEMENT_SPEED = ("zero1", "zero2", "zero3")
 """Faster first: ZeRO-1 and ZeRO-2 gather weights once per step, ZeRO-3 in every pass."""
@@ -56,8 +57,11 @@ def parse_bytes(text: str) -> int:
     return int(float(m.group(1)) * scale)
 
 
-def estimate_run(cfg, world: int, setting: Optional[Setting] = None) -> MemoryEstimate:
-    """The estimate of a ``RunConfig`` (``mfsdp train``'s) on ``world`` GPUs, optionally changed."""
+def estimate_run(cfg, world: int, setting: Optional[Setting] = None,
+                 tp: TensorParallel = TensorParallel(), tp_in_process: bool = False) -> MemoryEstimate:
+    """The estimate of a ``RunConfig`` (``mfsdp train``'s) on ``world`` GPUs, optionally changed;
+    ``tp``: the manager's tensor parallel (``--model.hf`` only), ``world`` counting tp ranks too;
+    ``tp_in_process``: see ``estimate`` (``mfsdp plan``'s process never holds a real group)."""
     import mfsdp
 
     p, d = cfg.parallel, cfg.data
@@ -74,11 +78,14 @@ def estimate_run(cfg, world: int, setting: Optional[Setting] = None) -> MemoryEs
         policy = mfsdp.MixedPrecisionPolicy(main_params_dtype=torch.float32,
                                             main_grads_dtype=None if p.main_grads_dtype == "bf16" else torch.float32)
     else:
+        if tp.enabled:
+            raise ValueError("--tp: tensor parallel is the manager's; plan a Hugging Face model (--model.hf DIR)")
         model = cfg.llama_config()
     return estimate(model, world_size=world, placements=s.placements, replicate=p.replicate,
                     mixed_precision_policy=policy, local_batch=s.local_batch, seq_len=d.seq_len,
                     microbatches=s.microbatches, activation_checkpointing=s.activation_checkpointing,
-                    compute_dtype=compute, expert_units=p.expert_units)
+                    compute_dtype=compute, expert_units=p.expert_units, tensor_parallel=tp,
+                    tp_in_process=tp_in_process)
 
 
 def candidates(cfg) -> list[Setting]:
@@ -91,11 +98,12 @@ def candidates(cfg) -> list[Setting]:
     return sorted(out, key=Setting.speed_key)
 
 
-def fitting(cfg, world: int, gpu_bytes: int) -> list[tuple[Setting, MemoryEstimate]]:
+def fitting(cfg, world: int, gpu_bytes: int,
+            tp: TensorParallel = TensorParallel()) -> list[tuple[Setting, MemoryEstimate]]:
     """Every candidate that fits, fastest first."""
     out = []
     for s in candidates(cfg):
-        e = estimate_run(cfg, world, s)
+        e = estimate_run(cfg, world, s, tp, tp_in_process=True)
         if e.device_bytes <= gpu_bytes:
             out.append((s, e))
     return out
@@ -126,6 +134,7 @@ def breakdown_table(e: MemoryEstimate) -> str:
     rows.append(f"{'+ allocator reserve':<26} {gib(e.allocator_reserve):>11}")
     rows.append(f"{'+ CUDA context, NCCL':<26} {gib(e.outside_allocator):>11}")
     rows.append(f"{'= device memory needed':<26} {gib(e.device_bytes):>11}")
+    rows.extend(f"note: {note}" for note in e.notes)
     return "\n".join(rows)
 
 
@@ -158,10 +167,13 @@ def plot_phases(e: MemoryEstimate, path: Path) -> Path:
 
 
 USAGE = """usage: mfsdp plan [--config FILE.yaml] [--nproc-per-node N] [--nnodes N] [--gpu-memory 141GiB]
+                  [--tp N [--sequence-parallel true|false] [--loss-parallel true|false]]
                   [--out plan.png] [--SECTION.KEY VALUE ...]
 
 Predicts one GPU's memory for a `mfsdp train` run (peak of allocated memory, the phase where it
 occurs, every component), lists the settings that fit, fastest first, and draws the step's memory.
+--tp N plans a Hugging Face model (--model.hf DIR) through the manager with tensor parallel over N
+of the GPUs (sequence parallel and the vocabulary-parallel loss on unless turned off).
 """
 
 
@@ -171,7 +183,8 @@ def main(argv: list[str]) -> int:
         return 0
     from mfsdp.train.config import ConfigError, load_config
 
-    own = {"--nproc-per-node": "1", "--nnodes": "1", "--gpu-memory": None, "--out": "mfsdp-plan.png"}
+    own = {"--nproc-per-node": "1", "--nnodes": "1", "--gpu-memory": None, "--out": "mfsdp-plan.png", "--tp": "1",
+           "--sequence-parallel": "true", "--loss-parallel": "true"}
     rest, i = [], 0
     while i < len(argv):
         key, eq, value = argv[i].partition("=")
@@ -187,23 +200,25 @@ def main(argv: list[str]) -> int:
     try:
         cfg = load_config(rest)
         world = int(own["--nproc-per-node"]) * int(own["--nnodes"])
+        tp = _tensor_parallel(own)
         if own["--gpu-memory"]:
             gpu, source = parse_bytes(own["--gpu-memory"]), "--gpu-memory"
         elif torch.cuda.is_available():
             gpu, source = torch.cuda.mem_get_info()[1], torch.cuda.get_device_name()
         else:
             gpu, source = DEFAULT_GPU, "assumed (an H200; set --gpu-memory)"
-        e = estimate_run(cfg, world)
+        e = estimate_run(cfg, world, tp=tp, tp_in_process=True)
     except (ConfigError, ValueError, NotImplementedError) as err:
         return _error(str(err))
     s = e.settings
     model = cfg.model.hf or cfg.model.preset
-    print(f"mfsdp plan: {model}, {s.placements} on {world} GPU(s), local batch {s.local_batch} x {s.seq_len} "
+    parallel = f" x {tp.describe()}" if tp.enabled else ""
+    print(f"mfsdp plan: {model}, {s.placements}{parallel} on {world} GPU(s), local batch {s.local_batch} x {s.seq_len} "
           f"tokens, {s.microbatches} microbatch(es), activation checkpointing {'on' if s.activation_checkpointing else 'off'}\n")
     print(breakdown_table(e))
     verdict = "fits" if e.device_bytes <= gpu else "does NOT fit"
     print(f"\nthis setting {verdict} in {gib(gpu)} GiB per GPU ({source})\n")
-    fits = fitting(cfg, world, gpu)
+    fits = fitting(cfg, world, gpu, tp)
     if fits:
         print(f"settings that fit, fastest first (tokens per step kept):\n{'':2}{'peak GiB':>8} {'needs GiB':>9}  flags")
         for setting, est in fits[:12]:
@@ -213,6 +228,17 @@ def main(argv: list[str]) -> int:
     plot = plot_phases(e, Path(own["--out"]))
     print(f"\nmemory over the step: {plot}")
     return 0
+
+
+def _tensor_parallel(own: dict) -> TensorParallel:
+    flags = {}
+    for key in ("--sequence-parallel", "--loss-parallel"):
+        value = own[key].lower()
+        if value not in ("true", "false"):
+            raise ValueError(f"{key} {own[key]!r}: give true or false")
+        flags[key] = value == "true"
+    size = int(own["--tp"])
+    return TensorParallel(size, flags["--sequence-parallel"], flags["--loss-parallel"]) if size > 1 else TensorParallel()
 
 
 def _error(message: str) -> int:
