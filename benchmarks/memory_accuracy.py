@@ -1,18 +1,27 @@
 """Predicted against measured peak memory: ``mfsdp.memory.estimate`` vs ``torch.cuda.max_memory_allocated``.
 
 For each grid point that the planner says fits, every rank builds the model as ``mfsdp train``
-does (bundled Llama on the meta device, ``parallelize``; or a Hugging Face Llama-3.2-1B shape through
-the manager), runs ``--warmup`` steps of the training loop's step (logits kept, fp32 cross entropy,
-gradient clipping, foreach AdamW, ``zero_grad(set_to_none=True)``), resets the peak and measures one
-more step. Rank 0 prints and writes a Markdown table: predicted and measured peak (GiB), the error,
-and the phase the planner names.
+does (a bundled preset, dense or mixture of experts, on the meta device, ``parallelize``; or a
+Hugging Face Llama-3.2-1B shape through the manager, at tp=1 or, with ``--tp``, tensor parallel
+with sequence parallel and the vocabulary-parallel loss), runs ``--warmup`` steps of the training
+loop's step (logits kept, fp32 cross entropy plus the MoE load-balancing loss, gradient clipping,
+foreach AdamW, ``zero_grad(set_to_none=True)``), resets the peak and measures one more step. Rank 0
+prints and writes a Markdown table: predicted and measured peak (GiB), the error, and the phase
+the planner names. A tensor-parallel estimate runs in a spawned child process (over a fake
+process group of its own), so it leaves nothing behind in the measured run's process.
 
     torchrun --nproc-per-node 2 benchmarks/memory_accuracy.py --models 1b 8b --out benchmarks/results/memory_accuracy_ws2.md
+    torchrun --nproc-per-node 2 benchmarks/memory_accuracy.py --models hf-1b --tp 2 --placements zero3 zero1
+    torchrun --nproc-per-node 2 benchmarks/memory_accuracy.py --models moe-1b --expert-units on off
+
+``--device cpu`` is a smoke mode (gloo, no peak to measure: the measured column stays empty), e.g.
+``--device cpu --models hf-tiny moe-tiny --tp 2 --seq-len 32`` on two processes.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import itertools
 import os
@@ -26,9 +35,12 @@ GIB = 1 << 30
 HF_1B = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
              num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=True, use_cache=False,
              max_position_embeddings=8192, rope_theta=500000.0)
+HF_SHAPES = {"hf-1b": HF_1B, "hf-tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                                             num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+                                             use_cache=False, max_position_embeddings=256)}
 
 
-def build_bundled(preset, placements, ac, world, policy, device):
+def build_bundled(preset, placements, ac, world, policy, device, expert_units=False):
     from mfsdp.models import build_model, get_config
     from mfsdp.models.parallelize import ParallelizeConfig, build_mesh, parallelize
 
@@ -38,13 +50,13 @@ def build_bundled(preset, placements, ac, world, policy, device):
     model.to_empty(device=device)
     torch.manual_seed(0)
     model.init_weights(buffer_device=device)
-    mesh = build_mesh("cuda", world, placements)
+    mesh = build_mesh(device.type, world, placements)
     parallelize(model, mesh, ParallelizeConfig(placements=placements, mixed_precision=policy,
-                                               activation_checkpointing=ac))
+                                               activation_checkpointing=ac, expert_units=expert_units))
     return model, cfg.vocab_size
 
 
-def build_hf(placements, ac, world, grad_fp32, device):
+def build_hf(name, placements, ac, world, grad_fp32, device, tp=1):
     import transformers
 
     from mfsdp.manager import MegatronFSDPConfig, MegatronFSDPManager, build_device_mesh
@@ -52,17 +64,22 @@ def build_hf(placements, ac, world, grad_fp32, device):
 
     strategy = {"zero3": 3, "zero2": 2, "zero1": 1}[placements]
     config = MegatronFSDPConfig(zero_dp_strategy=strategy, grad_reduce_in_fp32=grad_fp32,
-                                activation_checkpointing=ac, init_fsdp_with_meta_device=True)
-    model = meta_model_from_config(transformers.LlamaConfig(**HF_1B), dtype=torch.bfloat16)
-    model, _ = MegatronFSDPManager(config, build_device_mesh("cuda", world_size=world)).parallelize(model)
-    return model, HF_1B["vocab_size"]
+                                activation_checkpointing=ac, init_fsdp_with_meta_device=True,
+                                sequence_parallel=tp > 1, loss_parallel=tp > 1)
+    model = meta_model_from_config(transformers.LlamaConfig(**HF_SHAPES[name]), dtype=torch.bfloat16)
+    mesh = build_device_mesh(device.type, tp_size=tp, world_size=world)
+    model, _ = MegatronFSDPManager(config, mesh).parallelize(model)
+    return model, HF_SHAPES[name]["vocab_size"]
 
 
 def step(model, opt, x, y):
-    logits = model(x)
-    logits = getattr(logits, "logits", logits)
-    loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
-    loss.backward()
+    with getattr(model, "loss_context", contextlib.nullcontext)():  # the manager's loss_parallel()
+        logits = model(x)
+        logits = getattr(logits, "logits", logits)
+        loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+        if hasattr(model, "aux_loss") and model.moe_layers():  # what mfsdp train adds for a MoE
+            loss = loss + model.cfg.moe_aux_loss_coef * model.aux_loss()
+        loss.backward()
     params = [p for p in model.parameters() if p.grad is not None]
     norm = torch.nn.utils.get_total_norm([p.grad for p in params])
     norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
@@ -74,14 +91,21 @@ def step(model, opt, x, y):
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--models", nargs="+", default=["1b", "8b"], help="1b, 8b (bundled) and/or hf-1b")
+    ap.add_argument("--models", nargs="+", default=["1b", "8b"],
+                    help="bundled presets (1b, 8b, moe-1b, tiny, moe-tiny) and/or hf-1b, hf-tiny")
     ap.add_argument("--placements", nargs="+", default=["zero3", "zero2", "zero1"])
     ap.add_argument("--ac", nargs="+", default=["off", "on"])
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 2])
+    ap.add_argument("--tp", type=int, default=1,
+                    help="tensor-parallel size of the hf-* models (the manager, with sequence parallel and the "
+                         "parallel loss); bundled presets always run tp=1")
+    ap.add_argument("--expert-units", nargs="+", default=["off"], choices=["off", "on"],
+                    help="MoE presets: experts sharded with their block (off) or as units of their own (on)")
     ap.add_argument("--seq-len", type=int, default=4096)
     ap.add_argument("--grad-dtype", default="bf16", choices=["bf16", "fp32"],
                     help="main gradients and reduction dtype (mfsdp train's default is bf16)")
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a gloo smoke run, nothing measured")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
@@ -89,56 +113,42 @@ def main() -> None:
     from mfsdp.memory import estimate
     from mfsdp.memory.estimate import CUBLAS_WORKSPACES
 
+    cuda = args.device == "cuda"
+    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     local = int(os.environ.get("LOCAL_RANK", "0"))
-    torch.cuda.set_device(local)
-    device = torch.device("cuda", local)
-    dist.init_process_group("nccl", device_id=device)
-    world, rank = dist.get_world_size(), dist.get_rank()
-    gpu = torch.cuda.mem_get_info(device)[1]
+    if cuda:
+        torch.cuda.set_device(local)
+    device = torch.device("cuda", local) if cuda else torch.device("cpu")
+    gpu = torch.cuda.mem_get_info(device)[1] if cuda else float("inf")
     grads = torch.float32 if args.grad_dtype == "fp32" else None
     policy = mfsdp.MixedPrecisionPolicy(main_params_dtype=torch.float32, main_grads_dtype=grads)
-    rows = []
-    for name, placements, ac, batch in itertools.product(args.models, args.placements, args.ac, args.batches):
-        ac = ac == "on"
-        target = estimate_target(name)
+    points = []
+    for name, placements, ac, batch, experts in itertools.product(args.models, args.placements, args.ac,
+                                                                  args.batches, args.expert_units):
+        moe = name.startswith("moe-")
+        if experts == "on" and not moe:
+            continue
+        tp = args.tp if name.startswith("hf-") else 1
         t0 = time.perf_counter()
-        e = estimate(target, world_size=world, placements=placements, mixed_precision_policy=policy,
-                     local_batch=batch, seq_len=args.seq_len, activation_checkpointing=ac)
-        plan_s = time.perf_counter() - t0
-        label = f"{name} {placements} ac={'on' if ac else 'off'} b={batch}"
+        e = estimate(estimate_target(name), world_size=world, placements=placements, mixed_precision_policy=policy,
+                     local_batch=batch, seq_len=args.seq_len, activation_checkpointing=ac == "on",
+                     expert_units=experts == "on", tensor_parallel=tp, device=args.device)
+        label = (f"{name}{f' tp={tp}' if tp > 1 else ''}{' expert units' if experts == 'on' else ''} {placements} "
+                 f"ac={ac} b={batch}")
+        points.append((name, placements, ac == "on", batch, experts == "on", tp, label, e, time.perf_counter() - t0))
+    dist.init_process_group("nccl" if cuda else "gloo", **({"device_id": device} if cuda else {}))
+    rows = []
+    for name, placements, ac, batch, experts, tp, label, e, plan_s in points:
         if e.device_bytes > gpu:
             rows.append((label, e.peak_bytes, None, None, f"skipped: needs {e.device_bytes / GIB:.1f} GiB", plan_s))
             continue
-        gc.collect()
-        torch.cuda.empty_cache()
-        base = torch.cuda.memory_allocated(device)
-        if name == "hf-1b":
-            model, vocab = build_hf(placements, ac, world, args.grad_dtype == "fp32", device)
-        else:
-            model, vocab = build_bundled(name, placements, ac, world, policy, device)
-        opt = mfsdp.fully_shard_optimizer(model, torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True))
-        g = torch.Generator().manual_seed(rank)
-        x = torch.randint(0, vocab, (batch, args.seq_len), generator=g).to(device)
-        y = torch.randint(0, vocab, (batch, args.seq_len), generator=g).to(device)
-        for _ in range(args.warmup):
-            step(model, opt, x, y)
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats(device)
-        step(model, opt, x, y)
-        torch.cuda.synchronize()
-        measured = torch.cuda.max_memory_allocated(device) - base
-        # Workspaces the process already holds (from an earlier grid point) are in ``base``.
-        predicted = e.peak_bytes - (CUBLAS_WORKSPACES if base >= CUBLAS_WORKSPACES // 2 else 0)
-        peaks = [torch.tensor([measured], device=device) for _ in range(world)]
-        dist.all_gather(peaks, torch.tensor([measured], device=device))
-        measured = max(int(p) for p in peaks)
-        rows.append((label, predicted, measured, (predicted - measured) / measured, e.peak_phase, plan_s))
+        measured, predicted = measure_point(args, name, placements, ac, batch, experts, tp, world, policy, device, e,
+                                            CUBLAS_WORKSPACES)
+        err = (predicted - measured) / measured if measured else None
+        rows.append((label, predicted, measured, err, e.peak_phase, plan_s))
         if rank == 0:
-            print(f"{label}: predicted {predicted / GIB:.2f} GiB, measured {measured / GIB:.2f} GiB "
-                  f"({100 * (predicted - measured) / measured:+.1f} %) at {e.peak_phase}", flush=True)
-        del model, opt, x, y
-        gc.collect()
-        torch.cuda.empty_cache()
+            got = f"measured {measured / GIB:.2f} GiB ({100 * err:+.1f} %)" if measured else "ran (cpu: not measured)"
+            print(f"{label}: predicted {predicted / GIB:.2f} GiB, {got} at {e.peak_phase}", flush=True)
     if rank == 0:
         table = render(rows, world, args)
         print(table)
@@ -148,21 +158,65 @@ def main() -> None:
     dist.destroy_process_group()
 
 
+def measure_point(args, name, placements, ac, batch, experts, tp, world, policy, device, e, workspaces):
+    """Build the point's model, run warmup steps and one measured step; (measured peak over the ranks
+    or None on CPU, the prediction less the workspaces an earlier point already allocated)."""
+    import mfsdp
+
+    cuda = device.type == "cuda"
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated(device) if cuda else 0
+    if name.startswith("hf-"):
+        model, vocab = build_hf(name, placements, ac, world, args.grad_dtype == "fp32", device, tp)
+    else:
+        model, vocab = build_bundled(name, placements, ac, world, policy, device, experts)
+    opt = mfsdp.fully_shard_optimizer(model, torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True))
+    g = torch.Generator().manual_seed(dist.get_rank() // tp)  # the ranks of one tp group read the same batch
+    x = torch.randint(0, vocab, (batch, args.seq_len), generator=g).to(device)
+    y = torch.randint(0, vocab, (batch, args.seq_len), generator=g).to(device)
+    for _ in range(args.warmup):
+        step(model, opt, x, y)
+    measured = None
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats(device)
+    step(model, opt, x, y)
+    if cuda:
+        torch.cuda.synchronize()
+        peak = torch.tensor([torch.cuda.max_memory_allocated(device) - base], device=device)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        measured = int(peak)
+    # Workspaces the process already holds (from an earlier grid point) are in ``base``.
+    predicted = e.peak_bytes - (workspaces if base >= workspaces // 2 else 0)
+    del model, opt, x, y
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+    return measured, predicted
+
+
 def estimate_target(name: str):
-    if name == "hf-1b":
+    if name in HF_SHAPES:
         import transformers
 
-        return transformers.LlamaConfig(**HF_1B)
+        return transformers.LlamaConfig(**HF_SHAPES[name])
     return name
 
 
 def render(rows, world, args) -> str:
-    lines = [f"# Memory planner accuracy, {world} x {torch.cuda.get_device_name()}, torch {torch.__version__}",
+    device = torch.cuda.get_device_name() if args.device == "cuda" else "CPU (smoke run, nothing measured)"
+    flags = (f"--models {' '.join(args.models)} --placements {' '.join(args.placements)} --ac {' '.join(args.ac)} "
+             f"--batches {' '.join(map(str, args.batches))} --seq-len {args.seq_len} --grad-dtype {args.grad_dtype}"
+             + (f" --tp {args.tp}" if args.tp > 1 else "")
+             + (f" --expert-units {' '.join(args.expert_units)}" if args.expert_units != ["off"] else "")
+             + (" --device cpu" if args.device == "cpu" else ""))
+    lines = [f"# Memory planner accuracy, {world} x {device}, torch {torch.__version__}",
              "", f"seq {args.seq_len}, bf16 compute, fp32 main weights, {args.grad_dtype} gradients, foreach AdamW. "
              "Measured: the highest rank's `max_memory_allocated` over one steady-state step, less what was "
-             "allocated before the model was built.", "",
-             f"Command: `torchrun --nproc-per-node {world} benchmarks/memory_accuracy.py "
-             f"--models {' '.join(args.models)} --grad-dtype {args.grad_dtype}`", "",
+             "allocated before the model was built. MoE: the planner assumes uniform routing.", "",
+             f"Command: `torchrun --nproc-per-node {world} benchmarks/memory_accuracy.py {flags}`", "",
              "| point | predicted GiB | measured GiB | error | peak phase (predicted) | plan s |",
              "|---|---|---|---|---|---|"]
     for label, pred, meas, err, phase, plan_s in rows:
