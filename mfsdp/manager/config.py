@@ -186,6 +186,14 @@ class MegatronFSDPConfig:
     (``float(loss)`` or ``loss.full_tensor()`` read it). False: the logits are all-gathered into a
     plain tensor. The built-in plans implement it; a user ``tp_plan`` is used as given."""
 
+    tp_activation_path: str = "local"
+    """Default ``"local"``. How the built-in tensor-parallel plans run the activations. ``"local"``
+    (Megatron's way, :mod:`mfsdp.manager.tp_local`): inside each block the activations are plain
+    local tensors and the sequence all-gathers / reduce-scatters are explicit autograd Functions,
+    so no op pays DTensor dispatch; the parameters are the same DTensors (same placements, same
+    gradients) either way. ``"dtensor"``: torch's ``ParallelStyle`` hooks, every activation a
+    DTensor. A user ``tp_plan``, or cp > 1, always runs the ``"dtensor"`` way."""
+
     tp_plan: Optional[Mapping[str, Any]] = None
     """Default None (built-in plan for Llama, Qwen2/3 and Mistral, else the model's ``_tp_plan``). A
     dict of module-name patterns to ``torch.distributed.tensor.parallel`` styles."""
@@ -223,6 +231,9 @@ class MegatronFSDPConfig:
         for name in ("sequence_parallel", "loss_parallel"):
             if getattr(self, name) and self.tp_size is not None and self.tp_size == 1:
                 raise ValueError(f"MegatronFSDPConfig.{name}=True needs tp_size > 1 (it shards over tp)")
+        if self.tp_activation_path not in ("local", "dtensor"):
+            raise ValueError(f"MegatronFSDPConfig.tp_activation_path must be 'local' or 'dtensor', "
+                             f"got {self.tp_activation_path!r}")
         if self.tp_plan is not None and not isinstance(self.tp_plan, Mapping):
             raise TypeError(f"MegatronFSDPConfig.tp_plan must be a dict of module patterns to styles, "
                             f"got {type(self.tp_plan).__name__}")

@@ -41,7 +41,7 @@ from mfsdp.manager.context_parallel import CAUSAL_SDPA, DP_SHARD_CP, use_causal_
 from mfsdp.manager.core_options import (_checkpoint_forward, communication_policy, dp_placements,
                                         precision_policy, resolve_unit_modules)
 from mfsdp.manager.mesh import check_config_against_mesh, mesh_sizes
-from mfsdp.manager.tp_plans import apply_tp_plan, loss_context, select_tp_plan, sequence_length_check, validate_tp
+from mfsdp.manager.tp_plans import apply_tensor_parallel, loss_context, sequence_length_check
 
 logger = logging.getLogger("mfsdp.manager")
 
@@ -335,11 +335,11 @@ class MegatronFSDPManager:
             logger.warning("model parameters have several dtypes %s; model.dtype reports %s", dtypes, compute_dtype)
         old_names = _param_names(model)
 
-        if sizes.tp > 1:
-            validate_tp(model, sizes.tp)
-            plan = select_tp_plan(model, c.tp_plan, sequence_parallel=c.sequence_parallel,
-                                  loss_parallel=c.loss_parallel)
-            apply_tp_plan(model, mesh["tp"], plan)
+        if sizes.tp > 1:  # cp > 1: torch's context-parallel attention expects the DTensor path
+            path = apply_tensor_parallel(model, mesh["tp"], user_plan=c.tp_plan, sequence_parallel=c.sequence_parallel,
+                                         loss_parallel=c.loss_parallel,
+                                         activation_path=c.tp_activation_path if sizes.cp == 1 else "dtensor")
+            logger.info("tensor parallel over tp=%d: %s activations", sizes.tp, path)
             if c.sequence_parallel:
                 model.register_forward_pre_hook(sequence_length_check(sizes.tp), prepend=True, with_kwargs=True)
 

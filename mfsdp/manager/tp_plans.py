@@ -27,6 +27,11 @@ same local input itself, and autograd all-reduces each projection's input gradie
 add up as one DTensor and are reduced once. With sequence parallel the same single wrapping
 turns three all-gathers into one.
 
+These plans are the ``"dtensor"`` activation path. The manager's default, ``"local"``
+(:func:`apply_tensor_parallel`, :mod:`mfsdp.manager.tp_local`), gives the parameters the same
+placements but runs the activations inside each block as local tensors with explicit collectives
+(the same ones, counted in the tests), so no op pays DTensor dispatch on the host.
+
 Hugging Face attention in transformers >= 5 reshapes with ``-1`` heads, so the local head count
 follows the sharded projections and no per-module head attribute needs rewriting; the head counts
 only have to divide by tp, which :func:`validate_tp` checks.
@@ -114,6 +119,28 @@ def select_tp_plan(model: nn.Module, user_plan: Optional[Mapping[str, Any]] = No
         f"no built-in tensor-parallel plan for {type(model).__name__} (config.model_type={family!r}); built-in "
         f"plans cover {LLAMA_STYLE_FAMILIES}. Pass MegatronFSDPConfig(tp_plan={{pattern: ParallelStyle}})."
     )
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh, *, user_plan: Optional[Mapping[str, Any]] = None,
+                          sequence_parallel: bool = False, loss_parallel: bool = False,
+                          activation_path: str = "local") -> str:
+    """Validate and shard ``model`` over ``tp_mesh``; returns the activation path taken.
+
+    ``"local"`` (:mod:`mfsdp.manager.tp_local`: local tensors, explicit collectives) for the
+    built-in plan's families; ``"dtensor"`` (this module's plan through ``parallelize_module``) when
+    asked, for a user plan, or for another family (whose error names the missing plan).
+    """
+    validate_tp(model, tp_mesh.size())
+    family = model_type(model)
+    if activation_path == "local" and user_plan is None and family in LLAMA_STYLE_FAMILIES:
+        from mfsdp.manager.tp_local import apply_local_tp
+
+        apply_local_tp(model, tp_mesh, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel,
+                       head_norms=family in HEAD_NORM_FAMILIES)
+        return "local"
+    apply_tp_plan(model, tp_mesh, select_tp_plan(model, user_plan, sequence_parallel=sequence_parallel,
+                                                 loss_parallel=loss_parallel))
+    return "dtensor"
 
 
 def validate_tp(model: nn.Module, tp_size: int) -> None:
