@@ -1,13 +1,15 @@
 """The manager on GPUs: a 1B Llama-shaped HF model, tensor parallel against data parallel and FSDP2 + torch TP.
 
     torchrun --nproc-per-node 2 benchmarks/hf_manager.py --tp 2 [--impl mfsdp,fsdp2,mfsdp-dp]
-        [--no-sp] [--no-loss-parallel] [--profile DIR] [--out FILE]
+        [--no-sp] [--no-loss-parallel] [--tp-path local|dtensor] [--profile DIR] [--out FILE]
 
 Implementations, one after the other in one job, on the same HF model and the same tokens per
 data-parallel rank:
 
 - ``mfsdp``: ``MegatronFSDPManager`` over (dp, tp) with the built-in TP plan, sequence parallel
   and the vocabulary-parallel loss (when tp > 1; ``--no-sp`` / ``--no-loss-parallel`` turn them off);
+  ``--tp-path`` picks ``MegatronFSDPConfig.tp_activation_path`` (default ``local``: local tensors
+  and explicit collectives inside the blocks; ``dtensor``: torch's ParallelStyles, as FSDP2 + TP);
 - ``fsdp2``: the same plan (``mfsdp.manager.tp_plans``, so SP and the parallel loss too) applied
   with torch's ``parallelize_module``, then ``torch.distributed.fsdp.fully_shard`` per decoder
   layer and on the root over the dp axis, bf16 params and fp32 reduction: FSDP2 + torch TP as
@@ -66,6 +68,8 @@ def parse(argv=None):
     p.add_argument("--no-sp", dest="sp", action="store_false", help="no sequence parallel")
     p.add_argument("--no-loss-parallel", dest="loss_parallel", action="store_false",
                    help="all-gather the logits instead of the vocabulary-parallel loss")
+    p.add_argument("--tp-path", default="local", choices=("local", "dtensor"),
+                   help="mfsdp: MegatronFSDPConfig.tp_activation_path (fsdp2 always runs torch's DTensor styles)")
     p.add_argument("--layers", type=int, default=SHAPE["num_hidden_layers"])
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--local-batch", type=int, default=2)
@@ -133,11 +137,12 @@ def build_mfsdp(impl, args, ws, model, *, meta: bool) -> Built:
     flags = tp_flags(args, tp)
     config = MegatronFSDPConfig(fsdp_double_buffer=args.double_buffer, nccl_ub=args.nccl_ub,
                                 activation_checkpointing=args.ac, check_for_nan_in_grad=args.nan_check,
-                                init_fsdp_with_meta_device=meta, **flags)
+                                init_fsdp_with_meta_device=meta, tp_activation_path=args.tp_path, **flags)
     model, _ = MegatronFSDPManager(config, build_device_mesh(args.device, tp_size=tp, world_size=ws)).parallelize(model)
     opt = fully_shard_optimizer(model, adamw(model.parameters()))
     setup = (f"MegatronFSDPManager ZeRO-3 over dp={ws // tp} x tp={tp}, "
-             + ", ".join(f"{k}={v}" for k, v in flags.items()) + f", check_for_nan_in_grad={args.nan_check}")
+             + ", ".join(f"{k}={v}" for k, v in flags.items()) + f", check_for_nan_in_grad={args.nan_check}"
+             + (f", tp_activation_path={args.tp_path}" if tp > 1 else ""))
     return Built(model, opt, tp, model.loss_context, setup)
 
 
@@ -358,6 +363,7 @@ def main(argv=None) -> None:
         record = {"bench": "hf_manager", "impl": impl, "model": f"Llama-shaped HF config: {args.layers} layers, "
                                                                 f"hidden {args.hidden}, vocab {args.vocab}",
                   "world_size": ws, "tp": tp, "dp": ws // tp, **tp_flags(args, tp), "seq": args.seq,
+                  "tp_activation_path": args.tp_path if impl == "mfsdp" and tp > 1 else None,
                   "local_batch": args.local_batch, "double_buffer": args.double_buffer, "nccl_ub": args.nccl_ub,
                   "activation_checkpointing": args.ac, "torch": torch.__version__,
                   "gpu": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
