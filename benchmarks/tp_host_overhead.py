@@ -131,6 +131,16 @@ def timed(args, path: str, layers: int, ws: int, ids) -> dict:
     return {"host_ms": 1e3 * statistics.median(host), "step_ms": 1e3 * statistics.median(wall)}
 
 
+def release(device: str) -> None:
+    """Free the last model (the local path's forwards hold their module: a reference cycle)."""
+    import gc
+
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
 def per_layer(full: dict, one: dict, layers: int) -> dict:
     keys = set(full) | set(one)
     return {k: (full.get(k, 0) - one.get(k, 0)) / (layers - 1) for k in sorted(keys)}
@@ -139,8 +149,12 @@ def per_layer(full: dict, one: dict, layers: int) -> dict:
 def measure(args, path: str, rank: int, ws: int) -> dict:
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g).to(args.device)
-    counts = {n: count(args, path, n, ws, ids) for n in (args.layers, 1)}
-    times = {n: timed(args, path, n, ws, ids) for n in (args.layers, 1)}
+    counts, times = {}, {}
+    for n in (args.layers, 1):  # one model at a time: free each before the next is built
+        counts[n] = count(args, path, n, ws, ids)
+        release(args.device)
+        times[n] = timed(args, path, n, ws, ids)
+        release(args.device)
     L = args.layers
     record = {"path": path, "layers": L}
     for phase in ("forward", "backward"):
