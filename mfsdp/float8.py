@@ -5,25 +5,30 @@ Recipe (torchao >= 0.17)::
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name("tensorwise"))
     mfsdp.float8.enable_fp8_all_gather(model)          # after the conversion, before fully_shard
-    for block in model.blocks:                         # groups of float8 weights only (see below)
-        mfsdp.fully_shard(block.attention, mesh); mfsdp.fully_shard(block.mlp, mesh)
+    for block in model.layers:                         # as for bf16: one unit, one gather per block
         mfsdp.fully_shard(block, mesh)
     mfsdp.fully_shard(model, mesh)
     ...
     loss.backward(); optim.step()
     mfsdp.float8.precompute_fp8_scales(model)          # optional: one all-reduce for all weights
 
+(``convert_to_float8`` does the first two lines with torchtitan's choice of linears, and
+``precompute_fp8_scales_after(optimizer, model)`` the last one after every step.)
+
 Without ``enable_fp8_all_gather`` a float8 linear works under mfsdp as any linear does: its
 weight is gathered in the compute dtype and torchao casts it (every recipe, rowwise included).
 
-With it, each float8 weight's group gathers FP8 bytes: before the gather every rank casts its shard
-with the scale torchao's tensorwise recipe computes for the *whole* weight, and the forward gets a
+With it, each float8 weight travels as FP8 bytes in its group's gather (beside the group's other
+parameters, e.g. the block's norms, in the compute dtype, all in one coalesced launch): before the
+gather every rank casts its shard with the scale torchao's tensorwise recipe computes for the
+*whole* weight, and the forward gets a
 ``Float8TrainingTensor`` over the gathered bytes, which ``Float8Linear`` uses as is (forward and
 grad-input GEMMs) instead of casting again. Gradients are untouched (compute dtype, usual
 reduction). Compared with torchao's FSDP2 integration (``WeightWithDynamicFloat8CastTensor``,
-whose ``fsdp_pre_all_gather`` reduces one amax per weight): a group reduces the amaxes of all its
-weights in one fused kernel and one all-reduce(MAX), and moves them in its one coalesced
-all-gather. Scales computed after the optimizer step (``precompute_fp8_scales``) replace that
+whose ``fsdp_pre_all_gather`` reduces one amax and casts once per weight): a group reduces the
+amaxes of all its float8 weights in one fused kernel and one all-reduce(MAX), casts them all with a
+fixed number of kernels (fused multi-tensor copies and one scale pass over a staging buffer of at
+most ``ENCODE_STAGING_NUMEL`` elements at a time), and moves them in its one coalesced all-gather. Scales computed after the optimizer step (``precompute_fp8_scales``) replace that
 all-reduce too; they are used only while the main weights are unchanged since (their version
 counter), so a forgotten call costs speed, never correctness.
 
@@ -32,9 +37,8 @@ fp32 main weights, the fp32 amax rounded to the compute dtype: rounding is monot
 amax of the rounded weight), torchao's ``amax_to_scale``, then the compute-dtype weight upcast to
 fp32, times the scale, saturated to the float8 range.
 
-Limits: a parameter group is gathered in one encoding, so float8 weights must not share a
-``fully_shard`` with other parameters of their dtype (norms, embeddings): ``fully_shard`` raises
-and names them. Tensorwise dynamic weight scaling only (torchao's FSDP2 FP8 all-gather has the
+Limits: one group gathers one float8 dtype and scale setting (``fully_shard`` raises otherwise).
+Tensorwise dynamic weight scaling only (torchao's FSDP2 FP8 all-gather has the
 same limit; rowwise recipes keep bf16 gathers). No tensor parallelism for tagged weights, and only
 placements that gather parameters (ZeRO-3, HSDP, HFSDP).
 """
@@ -52,7 +56,15 @@ from torch.distributed.tensor import DTensor
 from mfsdp import _compat
 from mfsdp.runtime import collectives, gather_codec
 
-__all__ = ["enable_fp8_all_gather", "precompute_fp8_scales", "Float8GatherCodec"]
+__all__ = ["convert_to_float8", "enable_fp8_all_gather", "precompute_fp8_scales", "precompute_fp8_scales_after",
+           "Float8GatherCodec", "RECIPES"]
+
+RECIPES = ("tensorwise", "rowwise")
+"""torchao's float8 recipes offered by ``convert_to_float8`` (FP8 all-gather needs tensorwise)."""
+
+ENCODE_STAGING_NUMEL = 1 << 25
+"""Elements of a group's float8 weights cast per pass (8 bytes each of transient memory: the fp32
+staging and its per-element scales); a group of fewer elements casts in one pass."""
 
 
 def _torchao():
@@ -106,6 +118,7 @@ class Float8GatherCodec(gather_codec.GatherCodec):
         self.precomputed = None  # (scales, main-weights version they were computed for)
         self.amax_reductions = 0  # scale all-reduces issued at gather time (precomputed scales skip them)
         self._scales = None  # of the last encode, attached by decode
+        self._repeat_counts: dict = {}
 
     def wrap(self, index: int, param: nn.Parameter, view: torch.Tensor) -> nn.Parameter:
         ao = _torchao()
@@ -130,12 +143,40 @@ class Float8GatherCodec(gather_codec.GatherCodec):
         else:
             scales = self.scales(sources, groups)
             self.amax_reductions += 1
-        limit = torch.finfo(self.wire_dtype).max
         with torch.no_grad():
-            for source, block, scale in zip(sources, blocks, scales.unbind()):
-                scaled = source.to(self.compute_dtype).to(torch.float32) * scale
-                block.copy_(scaled.clamp_(-limit, limit))  # saturated, as torchao casts
+            start = 0
+            for stop in _passes([s.numel() for s in sources], ENCODE_STAGING_NUMEL):
+                self._cast(sources[start:stop], blocks[start:stop], scales[start:stop])
+                start = stop
         self._scales = scales
+
+    def _cast(self, sources, blocks, scales) -> None:
+        """torchao's saturated cast ``(w.to(compute).float() * scale).clamp(-max, max).to(float8)``
+        of every source into its block, with a fixed number of kernels: the weights are staged end
+        to end in fp32 (one fused copy, two when the compute dtype rounds them first), multiplied by
+        their scales repeated per element, clamped, and cast out in one fused copy."""
+        sizes = [s.numel() for s in sources]
+        total, device = sum(sizes), sources[0].device
+        staged = torch.empty(total, dtype=torch.float32, device=device)
+        if self.compute_dtype not in (sources[0].dtype, torch.float32):  # fp32 main weights of a bf16
+            # model: rounded to bf16 first, as torchao sees them
+            rounded = torch.empty(total, dtype=self.compute_dtype, device=device)
+            _compat.foreach_copy_(list(rounded.split(sizes)), list(sources))
+            staged.copy_(rounded)
+            del rounded
+        else:
+            _compat.foreach_copy_(list(staged.split(sizes)), list(sources))
+        staged.mul_(scales.repeat_interleave(self._repeats(sizes, device), output_size=total))
+        limit = torch.finfo(self.wire_dtype).max
+        staged.clamp_(-limit, limit)
+        _compat.foreach_copy_(list(blocks), list(staged.split(sizes)))
+
+    def _repeats(self, sizes: list, device) -> torch.Tensor:
+        """The element counts as a device tensor, made once per shape (no host copy per gather)."""
+        key = (tuple(sizes), device)
+        if key not in self._repeat_counts:
+            self._repeat_counts[key] = torch.tensor(sizes, dtype=torch.int64, device=device)
+        return self._repeat_counts[key]
 
     def decode(self, params) -> None:
         for param, scale in zip(params, self._scales.unbind()):
@@ -176,12 +217,60 @@ def enable_fp8_all_gather(module: nn.Module) -> int:
     return count
 
 
-@torch.no_grad()
-def precompute_fp8_scales(module: nn.Module) -> int:
-    """Compute the scales of every FP8-gathered weight under ``module`` from the main weights, with one
-    all-reduce(MAX) per set of data-parallel groups, so the gathers skip theirs (torchao's
-    ``precompute_float8_dynamic_scale_for_fsdp``). Call after the optimizer step; returns the number
-    of parameter groups updated."""
+def _passes(sizes: Sequence[int], budget: int) -> list[int]:
+    """End indices of consecutive runs of ``sizes`` summing to at most ``budget`` (a larger size
+    gets a run of its own)."""
+    ends, total = [], 0
+    for i, size in enumerate(sizes):
+        if total and total + size > budget:
+            ends.append(i)
+            total = 0
+        total += size
+    return ends + [len(sizes)]
+
+
+def float8_filter(module: nn.Module, fqn: str) -> bool:
+    """torchtitan's choice of linears to train in float8: every ``nn.Linear`` whose dimensions are
+    multiples of 16 (``torch._scaled_mm``'s requirement), except the output head."""
+    return (isinstance(module, nn.Linear) and fqn.rsplit(".", 1)[-1] not in ("output", "lm_head")
+            and module.in_features % 16 == 0 and module.out_features % 16 == 0)
+
+
+def convert_to_float8(model: nn.Module, recipe: str = "tensorwise", fp8_all_gather: bool = True,
+                      for_fsdp2: bool = False, module_filter_fn=float8_filter) -> int:
+    """Convert ``model``'s linears (``module_filter_fn``) to torchao float8 training with one of
+    ``RECIPES``, and with ``fp8_all_gather`` (tensorwise only) tag their weights for mfsdp's FP8
+    all-gather (``enable_fp8_all_gather``), or with ``for_fsdp2`` set torchao's own
+    ``enable_fsdp_float8_all_gather`` for ``torch.distributed.fsdp.fully_shard`` instead. Call
+    before sharding (and before ``torch.compile``); returns the number of float8 linears."""
+    if recipe not in RECIPES:
+        raise ValueError(f"mfsdp.float8: unknown recipe {recipe!r}; choose from {', '.join(RECIPES)}")
+    if fp8_all_gather and recipe != "tensorwise":
+        raise ValueError(f"mfsdp.float8: FP8 all-gather needs the tensorwise recipe, not {recipe!r} "
+                         "(rowwise weights are gathered in the compute dtype)")
+    _torchao()
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    config = Float8LinearConfig.from_recipe_name(recipe)
+    if fp8_all_gather and for_fsdp2:
+        config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
+    convert_to_float8_training(model, config=config, module_filter_fn=module_filter_fn)
+    count = sum(isinstance(m, _torchao()["Float8Linear"]) for m in model.modules())
+    if fp8_all_gather and not for_fsdp2:
+        enable_fp8_all_gather(model)
+    return count
+
+
+def precompute_fp8_scales_after(optimizer: torch.optim.Optimizer, module: nn.Module):
+    """Run ``precompute_fp8_scales(module)`` after every ``optimizer.step()``; returns the hook's
+    handle, or None (and registers nothing) where no group under ``module`` gathers in FP8."""
+    if not _fp8_groups(module):
+        return None
+    return optimizer.register_step_post_hook(lambda *_: precompute_fp8_scales(module))
+
+
+def _fp8_groups(module: nn.Module) -> dict[tuple, list]:
+    """The parameter groups under ``module`` that gather FP8 weights, by their data-parallel groups."""
     from mfsdp.runtime.module import FsdpModule
 
     batches: dict[tuple, list] = {}
@@ -189,13 +278,25 @@ def precompute_fp8_scales(module: nn.Module) -> int:
         if isinstance(m, FsdpModule):
             for group in m.parameter_groups:
                 if isinstance(group.codec, Float8GatherCodec):
-                    key = tuple(id(pg) for pg in group.geometry.groups)
-                    batches.setdefault(key, []).append(group)
+                    batches.setdefault(tuple(id(pg) for pg in group.geometry.groups), []).append(group)
+    return batches
+
+
+@torch.no_grad()
+def precompute_fp8_scales(module: nn.Module) -> int:
+    """Compute the scales of every FP8-gathered weight under ``module`` from the main weights, with one
+    all-reduce(MAX) per set of data-parallel groups, so the gathers skip theirs (torchao's
+    ``precompute_float8_dynamic_scale_for_fsdp``). Call after the optimizer step; returns the number
+    of parameter groups updated."""
+    batches = _fp8_groups(module)
     for groups in batches.values():
         g = groups[0].geometry
-        sources = [group.layout.regions(group.main.tensor, g.num_shards) for group in groups]
-        amax = torch.cat([torch.stack(_compat.foreach_amax(s)).to(group.codec.compute_dtype).float()
-                          for s, group in zip(sources, groups)])
+        sources = [[regions[i] for i in group.encoded.tagged]
+                   for group in groups for regions in [group.layout.regions(group.main.tensor, g.num_shards)]]
+        amax = torch.stack(_compat.foreach_amax([t for s in sources for t in s]))  # one fused kernel
+        dtypes = [group.codec.compute_dtype for group in groups]
+        amax = (amax.to(dtypes[0]).float() if len(set(dtypes)) == 1 else torch.cat(
+            [part.to(dtype).float() for part, dtype in zip(amax.split([len(s) for s in sources]), dtypes)]))
         collectives.all_reduce_max(amax, g.groups)
         for group, part in zip(groups, amax.split([len(s) for s in sources])):
             codec = group.codec

@@ -10,6 +10,10 @@ Mixture-of-experts blocks (``mfsdp.models.moe``) are cut the same way by default
 ``expert_units=True`` each expert becomes a unit of its own inside its block's unit: an
 expert that no token of a rank reached then runs neither forward nor backward on that rank
 while other ranks do, the hardest case of conditional computation for the runtime.
+
+With ``float8`` the linears train in float8 (torchao, ``mfsdp.float8``), converted before
+anything else; tensorwise also gathers their weights in FP8, in the block's one gather beside its
+norms.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ DP_REPLICATE = "dp_replicate"
 DP_SHARD = "dp_shard"
 TWO_AXIS = ("hsdp", "hfsdp")
 PLACEMENT_NAMES = ("zero3", "zero2", "zero1", "ddp", *TWO_AXIS)
+FLOAT8_CHOICES = ("none", "tensorwise", "rowwise")
 
 
 @dataclass(frozen=True)
@@ -44,11 +49,16 @@ class ParallelizeConfig:
     expert_units: bool = False
     """Shard each expert of a mixture-of-experts block as its own unit (inside the block's unit)
     instead of with the rest of the block; needs a model with experts."""
+    float8: str = "none"
+    """"none", or a torchao float8 recipe for the linears (``mfsdp.float8.RECIPES``: tensorwise,
+    with FP8 all-gather, or rowwise, gathered in the compute dtype); needs torchao."""
 
     def __post_init__(self) -> None:
         if isinstance(self.placements, str) and self.placements not in PLACEMENT_NAMES:
             raise ValueError(f"unknown placements {self.placements!r}; use zero3, zero2, "
                              "zero1, ddp, hsdp or hfsdp, or pass a mfsdp.Placements")
+        if self.float8 not in FLOAT8_CHOICES:
+            raise ValueError(f"unknown float8 {self.float8!r}; use {', '.join(FLOAT8_CHOICES)}")
 
 
 def resolve_placements(placements: "str | mfsdp.Placements") -> "mfsdp.Placements":
@@ -98,6 +108,10 @@ def parallelize(model: Llama, mesh: DeviceMesh, config: ParallelizeConfig) -> Ll
         raise ValueError("ParallelizeConfig.expert_units=True needs a model with experts "
                          "(LlamaConfig.num_experts > 0, built by mfsdp.models.build_model); "
                          "set expert_units=False for a dense model")
+    if config.float8 != "none":
+        from mfsdp.float8 import convert_to_float8
+
+        convert_to_float8(model, config.float8, fp8_all_gather=config.float8 == "tensorwise")
     if config.activation_checkpointing:
         model.set_activation_checkpointing(True)
     # Bottom-up: each unit before the root claims the rest (the final norm).

@@ -102,6 +102,48 @@ class FlatLayout:
         return out
 
 
+class ByteLayout:
+    """A ``FlatLayout`` whose members have dtypes of their own, in one byte (uint8) buffer: the
+    unsharded buffer of a group with a gather codec (float8 weights beside bf16 norms).
+
+    Same member geometry as ``layout``; regions are views in each member's dtype, and every member's
+    region starts at a multiple of ``ALIGN`` bytes, so each typed view is aligned for vectorised
+    kernels and collectives. The gaps are never gathered: each member has its own collective in the
+    group's one coalesced launch.
+    """
+
+    ALIGN = 16
+    dtype = torch.uint8
+
+    def __init__(self, layout: FlatLayout, dtypes: Sequence[torch.dtype]) -> None:
+        assert len(dtypes) == len(layout.members), (len(dtypes), len(layout.members))
+        self.layout = layout
+        self.members = layout.members
+        self.dtypes = tuple(dtypes)
+
+    def _spans(self, ways: int) -> list[tuple[int, int, torch.dtype]]:
+        """(byte offset, elements, dtype) of every member at a level split ``ways`` ways."""
+        spans, offset = [], 0
+        for member, dtype in zip(self.members, self.dtypes):
+            numel = self.layout._member_numel(member, ways)
+            spans.append((offset, numel, dtype))
+            offset += -(-numel * dtype.itemsize // self.ALIGN) * self.ALIGN
+        return spans
+
+    def numel(self, ways: int) -> int:
+        """Bytes of the whole group at a level split ``ways`` ways (alignment gaps included)."""
+        offset, numel, dtype = self._spans(ways)[-1]
+        return offset + numel * dtype.itemsize
+
+    def regions(self, flat: torch.Tensor, ways: int) -> list[torch.Tensor]:
+        """1-D views, each in its member's dtype, of every member's region in the bytes ``flat``."""
+        return [flat[offset : offset + numel * dtype.itemsize].view(dtype)
+                for offset, numel, dtype in self._spans(ways)]
+
+    def unpadded(self, regions: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        return self.layout.unpadded(regions)
+
+
 class FlatBuffer:
     """A 1-D tensor whose storage can be released and re-allocated in place.
 

@@ -1,19 +1,25 @@
-"""Gather codecs: a parameter group that all-gathers its weights in another encoding than the
-compute dtype (FP8 weights with their scales, see ``mfsdp.float8``).
+"""Gather codecs: a parameter group that all-gathers some of its weights in another encoding than
+the compute dtype (FP8 weights with their scales, see ``mfsdp.float8``).
 
 The runtime stays ignorant of the encoding. Before ``fully_shard``, a caller tags parameters with
 a *spec* (``tag``); the group that ends up owning them asks the spec's class for a codec
-(``codec_for``), and from then on:
+(``encoded_gather``), and from then on its gathers go through an ``EncodedGather``:
 
-* the unsharded buffer has the codec's ``wire_dtype``, and the compute parameters are what
-  ``wrap`` builds over their gathered views (once; ``repoint`` moves them to another buffer);
-* before the first gather, ``encode`` writes this rank's encoded shard straight into its block of
-  the gather output (and may issue small collectives over the groups the shard is split over, e.g.
-  an amax all-reduce);
-* after the gather, ``decode`` finishes the compute parameters (e.g. attaches the scales).
+* the unsharded buffer is bytes (uint8, ``flat_buffer.ByteLayout``): a tagged member's region is a
+  view in the codec's ``wire_dtype``, an untagged member's (a norm's scale beside float8 linears) a
+  view in the compute dtype; the compute parameters of tagged members are what ``wrap`` builds over
+  their gathered views (once; ``repoint`` moves them to another buffer), the others are plain views;
+* before the first gather, ``encode`` writes this rank's encoded shards of the tagged members
+  straight into their blocks of the gather output (and may issue small collectives over the groups
+  the shard is split over, e.g. an amax all-reduce); untagged members are cast there in one fused
+  copy (or gathered from their source as they are, when no cast is needed);
+* every member then travels as bytes in the group's one coalesced all-gather;
+* after the gather, ``decode`` finishes the tagged compute parameters (e.g. attaches the scales).
 
-Gradients are untouched: they arrive in the compute dtype as usual. A group gathers in one
-encoding, so every parameter of a tagged group must carry a spec of the same class.
+Gradients are untouched: they arrive in the compute dtype as usual. A group gathers through at most
+one codec, so every tagged parameter of a group must carry a spec of the same class. A group with no
+tagged parameter has no ``EncodedGather`` and gathers exactly as before (no extra kernels, views or
+allocations).
 """
 
 from __future__ import annotations
@@ -23,7 +29,10 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
+from mfsdp import _compat
 from mfsdp.mixed_precision import ResolvedDtypes
+from mfsdp.runtime.collectives import own_blocks
+from mfsdp.runtime.flat_buffer import ByteLayout, FlatLayout
 from mfsdp.runtime.registry import IdentityWeakMap
 
 
@@ -33,7 +42,9 @@ class GatherCodec:
     wire_dtype: torch.dtype
 
     def wrap(self, index: int, param: nn.Parameter, view: torch.Tensor) -> nn.Parameter:
-        """The compute parameter for member ``index`` over ``view`` (its gathered bytes)."""
+        """The compute parameter for tagged member ``index`` (its position among the group's tagged
+        parameters, the order of the specs given to ``CodecSpec.build``) over ``view`` (its
+        gathered bytes)."""
         raise NotImplementedError
 
     def repoint(self, param: nn.Parameter, view: torch.Tensor) -> None:
@@ -42,13 +53,13 @@ class GatherCodec:
 
     def encode(self, sources: Sequence[torch.Tensor], blocks: Sequence[torch.Tensor], groups: Sequence,
                version: int) -> None:
-        """Write the encoding of ``sources`` (this rank's 1-D member regions, split over ``groups``)
-        into ``blocks`` (this rank's blocks of the gather output). ``version`` changes whenever
+        """Write the encoding of ``sources`` (this rank's 1-D regions of the tagged members, split over
+        ``groups``) into ``blocks`` (this rank's blocks of the gather output). ``version`` changes whenever
         the main weights change (their version counter)."""
         raise NotImplementedError
 
     def decode(self, params: Sequence[nn.Parameter]) -> None:
-        """After the gather: finish the compute parameters."""
+        """After the gather: finish the compute parameters of the tagged members."""
         raise NotImplementedError
 
 
@@ -73,18 +84,73 @@ def spec_of(param: nn.Parameter) -> Optional[CodecSpec]:
     return _SPEC_OF_PARAMETER.get(param)
 
 
-def codec_for(params: Sequence[nn.Parameter], dtypes: ResolvedDtypes, label: str) -> Optional[GatherCodec]:
-    """The codec of a group made of ``params``: None where no parameter is tagged."""
+def encoded_gather(params: Sequence[nn.Parameter], dtypes: ResolvedDtypes, layout: FlatLayout,
+                   label: str) -> Optional["EncodedGather"]:
+    """How a group made of ``params`` gathers through a codec: None where no parameter is tagged."""
     specs = [spec_of(p) for p in params]
-    tagged = [s for s in specs if s is not None]
+    tagged = [i for i, s in enumerate(specs) if s is not None]
     if not tagged:
         return None
-    kinds = {type(s) for s in tagged}
-    untagged = [tuple(p.shape) for p, s in zip(params, specs) if s is None]
-    if untagged or len(kinds) > 1:
+    kinds = {type(specs[i]) for i in tagged}
+    if len(kinds) > 1:
         raise ValueError(
-            f"mfsdp: parameter group {label} mixes parameters gathered through {sorted(k.__name__ for k in kinds)} "
-            f"with {len(untagged)} parameter(s) gathered as they are (shapes {untagged}); a group is gathered "
-            "in one encoding. Give those parameters their own fully_shard (e.g. shard the modules holding "
-            "the float8 linears separately from norms and embeddings), or do not tag them")
-    return tagged[0].build(tagged, dtypes, label)
+            f"mfsdp: parameter group {label} mixes parameters gathered through {sorted(k.__name__ for k in kinds)}; "
+            "a group gathers through one codec. Give them separate fully_shard calls")
+    codec = specs[tagged[0]].build([specs[i] for i in tagged], dtypes, label)
+    return EncodedGather(codec, tagged, layout, dtypes.compute)
+
+
+class EncodedGather:
+    """The gather path of a group with tagged parameters (see the module docstring): a byte buffer
+    whose tagged members travel encoded and the others in the compute dtype, in one launch."""
+
+    def __init__(self, codec: GatherCodec, tagged: Sequence[int], layout: FlatLayout,
+                 compute_dtype: torch.dtype) -> None:
+        self.codec = codec
+        self.tagged = tuple(tagged)  # member indices gathered through the codec
+        self._position = {i: k for k, i in enumerate(self.tagged)}
+        self.plain = tuple(i for i in range(len(layout.members)) if i not in self._position)
+        self.layout = ByteLayout(layout, [codec.wire_dtype if i in self._position else compute_dtype
+                                          for i in range(len(layout.members))])
+        # (outputs, sources, blocks, byte views of the gather's outputs and inputs, cast members) of
+        # the last gather: the unsharded buffer's are made once per binding, not at every gather
+        self._blocks = None
+
+    def wraps(self, index: int) -> bool:
+        return index in self._position
+
+    def wrap(self, index: int, param: nn.Parameter, view: torch.Tensor) -> nn.Parameter:
+        return self.codec.wrap(self._position[index], param, view)
+
+    def repoint(self, param: nn.Parameter, view: torch.Tensor) -> None:
+        self.codec.repoint(param, view)
+
+    def encode(self, sources: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], group, groups: Sequence,
+               version: int, persistent: bool) -> tuple[list, list]:
+        """Write this rank's shard of every member into its block of ``outputs`` (the tagged ones
+        encoded, the others cast), ready for the gather over ``group``; ``groups`` and ``version``
+        as in ``GatherCodec.encode``. Returns the (outputs, inputs) of that gather, as bytes, and
+        keeps them for the next call when ``persistent`` (``outputs`` are the unsharded buffer's,
+        not a temporary of a multi-level gather)."""
+        cached = self._blocks
+        if cached is not None and cached[0] is outputs and cached[1] is sources:
+            blocks, out_bytes, in_bytes, cast = cached[2:]
+        else:
+            blocks = own_blocks(outputs, [s.numel() for s in sources], group)
+            cast = [i for i in self.plain if sources[i].dtype != outputs[i].dtype]
+            ins = [blocks[i] if i in self._position or i in cast else sources[i] for i in range(len(sources))]
+            out_bytes, in_bytes = as_bytes(outputs), as_bytes(ins)
+            self._blocks = (outputs, sources, blocks, out_bytes, in_bytes, cast) if persistent else None
+        self.codec.encode([sources[i] for i in self.tagged], [blocks[i] for i in self.tagged], groups, version)
+        if cast:
+            _compat.foreach_copy_([blocks[i] for i in cast], [sources[i] for i in cast])
+        return out_bytes, in_bytes
+
+    def decode(self, params: Sequence[nn.Parameter]) -> None:
+        self.codec.decode([params[i] for i in self.tagged])
+
+
+def as_bytes(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Each (contiguous, 1-D) tensor's bytes: a gather only moves bytes, and one dtype lets members
+    of several dtypes share a coalesced launch on every backend (gloo has no float8 type)."""
+    return [t.view(torch.uint8) for t in tensors]

@@ -12,10 +12,11 @@ buffer             level              role
 ``main_grad``      optimizer shard    reduced gradients in ``grads`` dtype; the exposed ``.grad``
 =================  =================  ===========================================================
 
-A group whose parameters were tagged with a gather codec (``gather_codec``; FP8 weights in
-``mfsdp.float8``) keeps ``unsharded`` in the codec's wire dtype: the first gather encodes the
-shard into its block of the output, and the compute parameters are the codec's wrappers over the
-gathered views.
+A group some of whose parameters were tagged with a gather codec (``gather_codec``; FP8 weights
+in ``mfsdp.float8``) keeps ``unsharded`` as bytes: tagged members in the codec's wire dtype, the
+others (norms) in the compute dtype. The first gather encodes the shard into its block of the
+output, every member travels in the one coalesced all-gather, and the tagged compute parameters
+are the codec's wrappers over the gathered views.
 
 The group only moves bytes; *when* it does so (streams, events, prefetch) is the module's and the
 context's business, so every method takes the stream it runs on.
@@ -36,7 +37,7 @@ from mfsdp.communication import CommunicationPolicy
 from mfsdp.mixed_precision import ResolvedDtypes
 from mfsdp.runtime import gather_codec
 from mfsdp.runtime.collective_check import CollectiveIssuer
-from mfsdp.runtime.collectives import own_blocks, stream_context
+from mfsdp.runtime.collectives import stream_context
 from mfsdp.runtime.flat_buffer import FlatBuffer, FlatLayout
 from mfsdp.runtime.geometry import ShardGeometry, contiguous_stride, fill_region
 from mfsdp.runtime.reducer import GradientReducer
@@ -79,7 +80,9 @@ class FsdpParameterGroup:
         specs = [g.parameter_spec(p) for p in params]
         self.layout = FlatLayout([t.shape for t in locals_], g.num_shards)
         g.check_exposed(params, self.layout.members, specs, label)  # the DTensors describe these shards
-        self.codec = gather_codec.codec_for(params, dtypes, label)
+        # Tagged parameters (gather_codec): None, and the untouched path below, when none is.
+        self.encoded = gather_codec.encoded_gather(params, dtypes, self.layout, label)
+        self.codec = self.encoded.codec if self.encoded is not None else None
         if self.codec is not None and (g.param_level == 0 or any(isinstance(p, DTensor) for p in params)):
             raise NotImplementedError(
                 f"mfsdp: parameter group {label} asks for an encoded all-gather ({type(self.codec).__name__}), "
@@ -103,12 +106,14 @@ class FsdpParameterGroup:
             else None if self.model_on_the_fly
             else FlatBuffer(self.layout.numel(level_ways), dtypes.compute, device)
         )
+        # The unsharded buffer's layout: bytes with a view per member's dtype when encoded.
+        self._gather_layout = self.layout if self.encoded is None else self.encoded.layout
         self.unsharded = (
             self.model if g.param_level == 0 else FlatBuffer(
-                self.layout.numel(1), self.codec.wire_dtype if self.codec else dtypes.compute, device)
+                self._gather_layout.numel(1), dtypes.compute if self.encoded is None else torch.uint8, device)
         )
         self._model_regions = self.layout.regions(self.model.tensor, level_ways) if self.model else None
-        self._unsharded_regions = self.layout.regions(self.unsharded.tensor, 1)
+        self._unsharded_regions = self._gather_layout.regions(self.unsharded.tensor, 1)
         self._main_regions = self.layout.regions(self.main.tensor, g.num_shards)
         with torch.no_grad():
             for i, (t, m) in enumerate(zip(locals_, self.layout.members)):
@@ -118,8 +123,8 @@ class FsdpParameterGroup:
                 if self.model is not None and self.model is not self.main:
                     fill_region(self._model_regions[i], t.detach(), m, level_ways, g.index(g.param_level))
         for i, (p, view) in enumerate(zip(params, self.layout.unpadded(self._unsharded_regions))):
-            if self.codec is not None:  # a new Parameter: the codec's wrapper over the gathered bytes
-                self.params[i] = self.codec.wrap(i, p, view)
+            if self.encoded is not None and self.encoded.wraps(i):  # a new Parameter: the codec's
+                self.params[i] = self.encoded.wrap(i, p, view)  # wrapper over the gathered bytes
             elif isinstance(p, DTensor):  # a new Parameter: a DTensor over the unsharded view
                 self.params[i] = nn.Parameter(
                     DTensor.from_local(view, p.device_mesh, p.placements, run_check=False,
@@ -175,10 +180,10 @@ class FsdpParameterGroup:
             slot.tensor.numel(), slot.tensor.dtype, slot.tensor.device), (self.label, slot.label)
         self.unsharded.release()
         self.unsharded = FlatBuffer.over(slot.tensor)
-        self._unsharded_regions = self.layout.regions(slot.tensor, 1)
-        for p, view in zip(self.params, self.layout.unpadded(self._unsharded_regions)):
-            if self.codec is not None:
-                self.codec.repoint(p, view)
+        self._unsharded_regions = self._gather_layout.regions(slot.tensor, 1)
+        for i, (p, view) in enumerate(zip(self.params, self.layout.unpadded(self._unsharded_regions))):
+            if self.encoded is not None and self.encoded.wraps(i):
+                self.encoded.repoint(p, view)
             elif isinstance(p, DTensor):
                 _compat.set_dtensor_local(p, view)
             else:
@@ -205,8 +210,8 @@ class FsdpParameterGroup:
                     self.unsharded.tensor.copy_(self.main.tensor)  # one rank: cast straight into place
                 else:  # the first gather casts the main shard into its own block of the output
                     self._gather(self._main_regions, g.param_level, self._unsharded_regions, stream)
-                if self.codec is not None:
-                    self.codec.decode(self.params)
+                if self.encoded is not None:
+                    self.encoded.decode(self.params)
         self.state = GroupState.UNSHARDED
 
     def reshard(self, stream: Optional[torch.Stream]) -> None:
@@ -233,21 +238,26 @@ class FsdpParameterGroup:
 
     def _gather(self, regions, level, out_regions, stream, stop: int = 0) -> None:
         """All-gather ``regions`` (at ``level``) up to level ``stop``, ending in ``out_regions``
-        (cast to their dtype by the first gather, or encoded by the codec: only into the unsharded
-        buffer, whose dtype is the codec's)."""
+        (cast to their dtype by the first gather, or encoded: only into the unsharded buffer, whose
+        members are in their wire dtypes and gathered as bytes)."""
         g = self.geometry
-        encode = self.codec is not None and out_regions is self._unsharded_regions
+        encoded = self.encoded if self.encoded is not None and out_regions is self._unsharded_regions else None
+        layout = self.layout if encoded is None else encoded.layout
         for j in range(level - 1, stop - 1, -1):
             if j == stop:
                 outs = out_regions
             else:
-                outs = self.layout.regions(torch.empty(self.layout.numel(g.ways(j)), dtype=out_regions[0].dtype,
-                                                       device=regions[0].device), g.ways(j))
-            if encode and j == level - 1:  # this rank's shard, encoded in place: gathered as is
-                blocks = own_blocks(outs, [r.numel() for r in regions], g.groups[j])
-                self.codec.encode(regions, blocks, g.groups[:level], self.main.tensor._version)
-                regions = blocks
-            self.issue("all_gather", outs, regions, g.groups[j], stream)
+                outs = layout.regions(torch.empty(layout.numel(g.ways(j)), device=regions[0].device,
+                                                  dtype=out_regions[0].dtype if encoded is None else layout.dtype),
+                                      g.ways(j))
+            if encoded is None:
+                self.issue("all_gather", outs, regions, g.groups[j], stream)
+            elif j == level - 1:  # this rank's shard, encoded in place: gathered as bytes
+                self.issue("all_gather", *encoded.encode(regions, outs, g.groups[j], g.groups[:level],
+                                                         self.main.tensor._version, j == stop), g.groups[j], stream)
+            else:
+                self.issue("all_gather", gather_codec.as_bytes(outs), gather_codec.as_bytes(regions),
+                           g.groups[j], stream)
             regions = outs
 
     # -------------------------------------------------------------------------- gradients

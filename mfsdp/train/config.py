@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mfsdp.models.llama import LlamaConfig, get_config
-from mfsdp.models.parallelize import PLACEMENT_NAMES as PLACEMENTS, TWO_AXIS
+from mfsdp.models.parallelize import FLOAT8_CHOICES, PLACEMENT_NAMES as PLACEMENTS, TWO_AXIS
 from mfsdp.train import determinism
 DTYPES = ("auto", "fp32", "bf16")
 
@@ -59,12 +59,21 @@ class ModelSection:
     """A local Hugging Face model directory (config.json, plus safetensors weights if present) to
     train instead of the built-in Llama, through mfsdp.manager; the shape fields above must then
     be unset."""
+    float8: str = "none"
+    """Train the blocks' linears in float8 (torchao, mfsdp.float8): none, tensorwise (weights
+    also all-gathered in FP8) or rowwise; built-in models only."""
+
+    def __post_init__(self) -> None:
+        _require(self.float8 in FLOAT8_CHOICES,
+                 f"model.float8 must be one of {', '.join(FLOAT8_CHOICES)}, got {self.float8!r}")
+        _require(self.float8 == "none" or self.hf is None, "--model.float8 applies to the built-in "
+                 "models only; unset it with --model.hf")
 
     def llama_config(self, max_seq_len: int) -> LlamaConfig:
         if self.hf is not None:
             return _hf_shape(self, max_seq_len)
         overrides = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                     if f.name != "preset" and getattr(self, f.name) is not None}
+                     if f.name not in ("preset", "float8") and getattr(self, f.name) is not None}
         try:
             return get_config(self.preset, max_seq_len=max_seq_len, **overrides)
         except ValueError as err:
@@ -76,7 +85,7 @@ def _hf_shape(model: ModelSection, max_seq_len: int) -> LlamaConfig:
     import json
 
     set_fields = [f.name for f in dataclasses.fields(model)
-                  if f.name not in ("preset", "hf") and getattr(model, f.name) is not None]
+                  if f.name not in ("preset", "hf", "float8") and getattr(model, f.name) is not None]
     _require(not set_fields, f"--model.hf takes the shape from {model.hf}/config.json; unset "
              f"{', '.join('--model.' + n for n in set_fields)}")
     path = Path(model.hf) / "config.json"

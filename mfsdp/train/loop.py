@@ -241,13 +241,15 @@ class Trainer:
             model = build_model(self.model_cfg, dtype=compute)  # Llama, or MoELlama with experts
         mesh = build_mesh(self.device.type, self.world, p.placements, p.replicate)
         parallelize(model, mesh, ParallelizeConfig(
-            placements=p.placements, mixed_precision=policy,
+            placements=p.placements, mixed_precision=policy, float8=self.cfg.model.float8,
             activation_checkpointing=p.activation_checkpointing, expert_units=p.expert_units))
         materialize_and_init(model, self.device, self.cfg.train.seed)
         self.log(f"model built and initialised shard by shard: "
                  f"{_shard_numel(model) / 1e6:,.1f}M parameters on this rank, peak memory "
                  f"{peak_memory_gib(self.device):.2f} GiB")
-        return model, mfsdp.fully_shard_optimizer(model, _adamw(model, self.cfg.train))
+        optimizer = mfsdp.fully_shard_optimizer(model, _adamw(model, self.cfg.train))
+        mfsdp.float8.precompute_fp8_scales_after(optimizer, model)  # FP8 all-gather's scales, if any
+        return model, optimizer
 
     def learning_rate(self, step: int) -> float:
         """Linear warm-up, then cosine decay to ``min_lr_ratio * lr`` at the last step."""
