@@ -9,6 +9,12 @@ NCCL communicator, compile cache or library monkey-patch leaks from one implemen
 and a crash or hang (``--impl-timeout``) costs only that implementation. ``--in-process`` runs them
 all in the torchrun processes instead (faster to start, less isolated). The references ``none`` and
 ``fsdp2`` run first, so every JSON line can carry its speed ratios when it is written.
+
+``--float8 tensorwise|rowwise`` trains the linears in float8 (torchao), ``--fp8-all-gather`` gathers
+their weights in FP8 (see ``_float8.py``). The issue-16 rows:
+
+    torchrun --standalone --nproc-per-node 2 benchmarks/throughput.py --preset 8b --local-batch 1 \
+        --seq 4096 --compile --float8 tensorwise --fp8-all-gather --impl mfsdp,fsdp2,none
 See benchmarks/README.md for the columns and the FLOP convention.
 """
 
@@ -43,6 +49,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from _float8 import float8_models, precompute_scales_after_step  # noqa: E402
 from _impls import BUILDERS, DTYPES, Ctx, Skip  # noqa: E402
 from mfsdp.models.flops import flops_per_token, param_counts, peak_flops  # noqa: E402
 from mfsdp.models.llama import PRESETS, get_config  # noqa: E402
@@ -70,6 +77,10 @@ def parse_args(argv=None):
                    help="HSDP: R replica groups, each sharding over world/R ranks (default 1: ZeRO-3)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16",
                    help="compute dtype (fp32 only to keep CPU smoke runs fast)")
+    p.add_argument("--float8", choices=("none", "tensorwise", "rowwise"), default="none",
+                   help="train the blocks' linears in float8 (torchao recipe)")
+    p.add_argument("--fp8-all-gather", action="store_true",
+                   help="with --float8 tensorwise: all-gather the float8 weights in FP8")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate (anchors: 1e-4)")
     p.add_argument("--out", help="append one JSON line per implementation here (rank 0)")
@@ -90,6 +101,8 @@ def parse_args(argv=None):
         p.error(f"--replicate {args.replicate} does not divide the world size {world}")
     if args.preset not in PRESETS:
         p.error(f"unknown --preset {args.preset!r}; choose from {sorted(PRESETS)}")
+    if args.fp8_all_gather and args.float8 != "tensorwise":
+        p.error("--fp8-all-gather needs --float8 tensorwise")
     return args
 
 
@@ -241,7 +254,7 @@ def run_one(args, impl, device) -> dict:
     cfg = get_config(args.preset, max_seq_len=args.seq)
     rec = {"impl": impl, "preset": args.preset, "world_size": dist.get_world_size(),
            "local_batch": args.local_batch, "seq": args.seq, "ac": args.ac, "compile": args.compile,
-           "replicate": args.replicate,
+           "replicate": args.replicate, "float8": args.float8, "fp8_all_gather": args.fp8_all_gather,
            **dict.fromkeys(METRICS), "status": "failed",
            "compute_dtype": args.dtype, "grad_reduce_dtype": args.grad_reduce_dtype,
            "warmup_steps": args.warmup, "timed_steps": args.steps,
@@ -257,8 +270,12 @@ def run_one(args, impl, device) -> dict:
     t0 = time.perf_counter()
     built = None
     try:
-        built = BUILDERS[impl](ctx)
-        rec.update(grad_reduce_dtype=built.grad_reduce_dtype, setup=built.setup, **built.extra)
+        with float8_models(args, impl) as float8:
+            built = BUILDERS[impl](ctx)
+        setup = "; ".join(x for x in (built.setup, float8 and f"torchao float8 {args.float8} "
+                                      f"({float8['float8_linears']} linears)",
+                                      precompute_scales_after_step(args, impl, built)) if x)
+        rec.update(grad_reduce_dtype=built.grad_reduce_dtype, setup=setup, **built.extra)
         sync(device)
         rec["setup_s"] = round(time.perf_counter() - t0, 1)
         rec.update(measure(args, impl, built, cfg, device))
@@ -437,7 +454,8 @@ def write_report(args, records, text, identity):
     gpu = "".join(c if c.isalnum() else "-" for c in first.get("gpu", "unknown").lower()
                   .replace("nvidia", "").strip())
     config = (f"{args.preset}-b{args.local_batch}-s{args.seq}{'-ac' * args.ac}"
-              f"{'-compile' * args.compile}-w{first.get('world_size', '?')}"
+              f"{'-compile' * args.compile}{f'-fp8{args.float8}' if args.float8 != 'none' else ''}"
+              f"{'-ag' * args.fp8_all_gather}-w{first.get('world_size', '?')}"
               f"{f'-hsdp{args.replicate}' if args.replicate > 1 else ''}")
     day = identity["date_utc"][:10]
     path = Path(args.report_dir) / f"{day}_{gpu}_{config}.md"
