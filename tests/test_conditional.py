@@ -48,6 +48,15 @@ def test_every_variant_four_ranks(cworld, kind):
     _check(cworld(4).run(cond_parity, timeout=180, variants=VARIANTS, kind=kind, mb=2, pattern="even_ranks")[0])
 
 
+@pytest.mark.parametrize("ws,mb", [(2, 1), (2, 2), (4, 2)])
+@pytest.mark.parametrize("kind", ["hsdp", "hsdp_deferred", "hfsdp"])
+def test_two_axis_placements_with_a_single_user(cworld, kind, ws, mb):
+    """One rank alone uses a module: its usage count passes two averages (shard axis, then
+    replicate axis) and must not floor to zero there. On 2 ranks the mesh is (2, 1)."""
+    _check(cworld(ws).run(cond_parity, timeout=180, variants=["nested", "skip_block", "vlm"], kind=kind,
+                          mb=mb, pattern="sometimes")[0])
+
+
 @pytest.mark.parametrize("kind", ["zero3", "zero1"])
 def test_used_in_some_steps_and_microbatches_only(cworld, kind):
     _check(cworld(2).run(cond_parity, timeout=120, variants=["nested", "expert_module", "skip_block", "vlm"],

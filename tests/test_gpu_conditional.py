@@ -21,6 +21,15 @@ def test_cuda_every_variant(cuda_world, kind, delay):
 
 
 @requires_cuda
+@pytest.mark.parametrize("kind", ["hsdp", "hsdp_deferred", "hfsdp"])
+def test_cuda_two_axis_placements(cuda_world, kind):
+    """HSDP and HFSDP on a (replicate, shard) mesh of the GPUs at hand: on 2 GPUs that is (2, 1), so
+    the replicate axis's collectives run over NCCL; the (2, 2) mesh needs 4 GPUs."""
+    _check(cuda_world.run(cond_parity, timeout=300, variants=VARIANTS, kind=kind, mb=2, pattern="sometimes",
+                          device="cuda", delay=True)[0])
+
+
+@requires_cuda
 @pytest.mark.parametrize("comm", [dict(double_buffer=True), dict(unify_streams=True), dict(prefetch_depth=2)])
 def test_cuda_communication_options(cuda_world, comm):
     _check(cuda_world.run(cond_parity, timeout=300, variants=["nested", "skip_block", "vlm"], kind="zero3", mb=2,

@@ -81,6 +81,13 @@ class ReductionPlan:
     """Whether ``every_backward`` lands in the accumulator (HFSDP) rather than the main gradient."""
     last_microbatch: Optional[ReductionPath]
 
+    @property
+    def count_scale(self) -> int:
+        """What each rank's usage count starts at: the product of every path's scale, so that the
+        count stays an exact integer through *all* the averages it passes (a count of 1 averaged
+        over 2 ranks, then over 2 more, would floor to 0 and drop a gradient one rank made)."""
+        return math.prod(p.scale for p in (self.every_backward, self.last_microbatch) if p is not None)
+
     @classmethod
     def compile(cls, g: ShardGeometry) -> "ReductionPlan":
         def path(source, start, stop, all_reduce_groups, divide):
@@ -139,12 +146,13 @@ class GradientReducer:
         self._expected_tags = {p.scale: self._tag_values * p.scale for p in paths}
 
     def _usage_input(self, scale: int, missing: list[int], in_place: bool) -> torch.Tensor:
-        """Level-0 usage rows: ``scale`` per parameter that has a gradient, then the scaled tags."""
+        """Level-0 usage rows: the plan's count scale per parameter that has a gradient, then the
+        tags scaled for the first path (``scale``; later paths get theirs set in between)."""
         cached = self._usage_inputs.get(scale) if not missing else None
         if cached is not None:  # a copy where the path reduces its inputs in place (DDP)
             return cached.clone() if in_place else cached
         n, rows = len(self.params), self.geometry.num_shards
-        usage = torch.full((rows, n + TAG_COLUMNS), scale, dtype=torch.int64)
+        usage = torch.full((rows, n + TAG_COLUMNS), self.plan.count_scale, dtype=torch.int64)
         usage[:, missing] = 0
         usage[:, n:] = self._tag_values.cpu() * scale
         usage = usage.view(-1).to(self._device)
