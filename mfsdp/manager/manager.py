@@ -259,8 +259,11 @@ class MegatronFSDPManager:
     def _check_supported(self) -> None:
         c, device = self.config, self.device_mesh.device_type
         if c.keep_fp8_transpose_cache:
-            raise NotImplementedError("MegatronFSDPConfig.keep_fp8_transpose_cache=True: mfsdp has no FP8 "
-                                      "(Transformer Engine) parameter support")
+            raise NotImplementedError(
+                "MegatronFSDPConfig.keep_fp8_transpose_cache=True: mfsdp's FP8 is torchao's float8 linears "
+                "(mfsdp.float8), which keep no Transformer Engine transpose cache; the weights are re-gathered "
+                "for backward, in FP8 with mfsdp.float8.enable_fp8_all_gather (half the bf16 bytes). Leave it "
+                "False")
         if c.nccl_ub:
             if device != "cuda":
                 raise ValueError(f"MegatronFSDPConfig.nccl_ub=True needs CUDA (NCCL user buffers); this mesh is on "
