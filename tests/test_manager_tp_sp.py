@@ -284,11 +284,12 @@ def step_collectives(rank, ws, path, sp=True, loss_parallel=True):
 @pytest.mark.parametrize("sp,loss_parallel,expected", [
     # Per layer, the minimum: forward one all-gather before attention and one before the MLP, one
     # reduce-scatter after each; backward their adjoints, and the two norm weights' partial
-    # gradients summed over tp (one all-reduce each, by mfsdp). Outside the layers: the embedding
+    # gradients summed over tp (one coalesced all-reduce for the block's group, by mfsdp). Outside
+    # the layers: the embedding
     # (RS / AG), the head (AG / RS), the parallel loss (3 scalar-sized AR), the final norm's
     # gradient and the NaN check (AR each).
     (True, True, {"forward": {"all_gather": 2, "reduce_scatter": 2},
-                  "backward": {"all_gather": 2, "reduce_scatter": 2, "all_reduce": 2},
+                  "backward": {"all_gather": 2, "reduce_scatter": 2, "all_reduce": 1},
                   "forward_outside": {"all_gather": 1, "reduce_scatter": 1, "all_reduce": 3},
                   "backward_outside": {"all_gather": 1, "reduce_scatter": 1, "all_reduce": 2}}),
     # Plain TP: one all-reduce per sub-layer output (forward) and input gradient (backward); the

@@ -174,6 +174,16 @@ def all_reduce(
             _divide(tensors, size)
 
 
+def sum_in_place(tensors: Sequence[torch.Tensor], group, coalesce: bool = True) -> None:
+    """Sum each tensor in place over ``group`` (one coalesced launch per dtype), on the current stream."""
+    if not tensors or dist.get_world_size(group) == 1:
+        return
+    for batch in _by_dtype(tensors):
+        with _coalesced(group, len(batch), coalesce):
+            for t in batch:
+                dist.all_reduce(t, group=group)
+
+
 def _by_dtype(tensors: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
     batches: dict[torch.dtype, list[torch.Tensor]] = {}
     for t in tensors:

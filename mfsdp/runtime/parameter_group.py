@@ -30,14 +30,14 @@ from typing import Callable, Optional
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from mfsdp import _compat
 from mfsdp.communication import CommunicationPolicy
 from mfsdp.mixed_precision import ResolvedDtypes
 from mfsdp.runtime import gather_codec
 from mfsdp.runtime.collective_check import CollectiveIssuer
-from mfsdp.runtime.collectives import stream_context
+from mfsdp.runtime.collectives import stream_context, sum_in_place
 from mfsdp.runtime.flat_buffer import FlatBuffer, FlatLayout
 from mfsdp.runtime.geometry import ShardGeometry, contiguous_stride, fill_region
 from mfsdp.runtime.reducer import GradientReducer
@@ -312,7 +312,7 @@ class FsdpParameterGroup:
         """
         if self.reducer.plan.every_backward is None and not is_last:
             return []  # ZeRO-1 / DDP: autograd keeps accumulating full gradients in .grad
-        grads = [_local_grad(p) for p in self.params]  # a TP Partial -> Shard runs on compute
+        grads = _local_grads(self.params)  # a TP Partial -> Replicate runs on compute
         for p in self.params:
             p.grad = None
         if stream is not None:
@@ -346,10 +346,32 @@ def local_tensor(param: torch.Tensor) -> torch.Tensor:
     return param
 
 
-def _local_grad(param: torch.Tensor) -> Optional[torch.Tensor]:
-    grad = param.grad
-    if grad is None or not isinstance(grad, DTensor):
-        return grad
-    if tuple(grad.placements) != tuple(param.placements):  # e.g. Partial over the TP axis
-        grad = grad.redistribute(placements=param.placements)
-    return grad.to_local()
+def _local_grads(params) -> list[Optional[torch.Tensor]]:
+    """The local tensors of the parameters' gradients, in the parameters' own placements.
+
+    Under sequence parallelism a norm's weight gradient is ``Partial`` (summed) over the TP axis
+    while the weight is replicated there: those are summed in place, one coalesced all-reduce per
+    (mesh, axes) for the whole group instead of one DTensor redistribution per parameter. Any
+    other mismatch goes through ``redistribute``.
+    """
+    out: list[Optional[torch.Tensor]] = []
+    partial_sums: dict[tuple, list[torch.Tensor]] = {}
+    for param in params:
+        grad = param.grad
+        if grad is None or not isinstance(grad, DTensor):
+            out.append(grad)
+            continue
+        differ = [d for d, (g, q) in enumerate(zip(grad.placements, param.placements)) if g != q]
+        if not differ:
+            out.append(grad.to_local())
+        elif all(isinstance(grad.placements[d], Partial) and grad.placements[d].reduce_op == "sum"
+                 and isinstance(param.placements[d], Replicate) for d in differ):
+            local = grad.to_local()  # summed in place below; the gradient DTensor is dropped next
+            partial_sums.setdefault((grad.device_mesh, tuple(differ)), []).append(local)
+            out.append(local)
+        else:
+            out.append(grad.redistribute(placements=param.placements).to_local())
+    for (mesh, dims), tensors in partial_sums.items():
+        for d in dims:
+            sum_in_place(tensors, mesh.get_group(d))
+    return out
