@@ -131,7 +131,7 @@ def check(options: LaunchOptions, rest: list[str]) -> RunConfig:
     import torch
 
     from mfsdp.data import STDLIB, TokenFile
-    from mfsdp.train.loop import validate_run
+    from mfsdp.train.build import validate_run
 
     cfg = load_config(rest)
     cuda = cfg.train.device == "cuda" or (cfg.train.device == "auto" and

@@ -30,10 +30,11 @@ from mfsdp.data.tokenizer import load_tokenizer
 from mfsdp.models import flops
 from mfsdp.models.llama import Llama, LlamaConfig
 from mfsdp.models.moe import MoELlama, build_model
-from mfsdp.models.parallelize import ParallelizeConfig, build_mesh, mesh_shape_error, parallelize
+from mfsdp.models.parallelize import ParallelizeConfig, build_mesh, parallelize
 from mfsdp.train import determinism
-from mfsdp.train.checkpoint import (CheckpointError, check_compatible, find_resumable,
-                                    load_checkpoint, save_checkpoint)
+from mfsdp.train.build import (adamw, build_hf, shard_numel, materialize_and_init, model_fingerprint,
+                               validate_run)
+from mfsdp.train.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from mfsdp.train.config import ConfigError, RunConfig, load_config, usage
 from mfsdp.train.metrics import MetricsLog, StepReadout, TensorBoardLog, peak_memory_gib
 from mfsdp.train.report import StepReport, progress_bar
@@ -229,8 +230,8 @@ class Trainer:
         compute = _DTYPES.get(p.compute_dtype) or (
             torch.bfloat16 if self.device.type == "cuda" else torch.float32)
         if self.cfg.model.hf is not None:  # a Hugging Face model, through mfsdp.manager
-            model = _build_hf(self.cfg, self.device, compute, self.world)
-            return model, mfsdp.fully_shard_optimizer(model, _adamw(model, self.cfg.train))
+            model = build_hf(self.cfg, self.device, compute, self.world)
+            return model, mfsdp.fully_shard_optimizer(model, adamw(model, self.cfg.train))
         policy = mfsdp.MixedPrecisionPolicy(
             main_params_dtype=torch.float32,
             main_grads_dtype=_DTYPES.get(p.main_grads_dtype),
@@ -245,9 +246,9 @@ class Trainer:
             activation_checkpointing=p.activation_checkpointing, expert_units=p.expert_units))
         materialize_and_init(model, self.device, self.cfg.train.seed)
         self.log(f"model built and initialised shard by shard: "
-                 f"{_shard_numel(model) / 1e6:,.1f}M parameters on this rank, peak memory "
+                 f"{shard_numel(model) / 1e6:,.1f}M parameters on this rank, peak memory "
                  f"{peak_memory_gib(self.device):.2f} GiB")
-        optimizer = mfsdp.fully_shard_optimizer(model, _adamw(model, self.cfg.train))
+        optimizer = mfsdp.fully_shard_optimizer(model, adamw(model, self.cfg.train))
         mfsdp.float8.precompute_fp8_scales_after(optimizer, model)  # FP8 all-gather's scales, if any
         return model, optimizer
 
@@ -418,97 +419,3 @@ def _describe_load(err: BaseException) -> str:
         inner = wrapped[0] if isinstance(wrapped, tuple) else wrapped
         return f"rank {rank}: {type(inner).__name__}: {inner}"
     return str(err).splitlines()[0]
-
-
-def model_fingerprint(model_cfg: LlamaConfig) -> dict:
-    """What a checkpoint must match to be loadable into a model of shape ``model_cfg``."""
-    fingerprint = {k: getattr(model_cfg, k) for k in (
-        "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "tie_embeddings")}
-    if model_cfg.num_experts:  # only then: dense checkpoints written before MoE lack the key
-        fingerprint["num_experts"] = model_cfg.num_experts
-    return fingerprint
-
-
-def validate_run(cfg: RunConfig, world: int, open_data=None):
-    """Check what a user can get wrong before any model is built; raises a USER_ERRORS type.
-
-    ``open_data`` opens the token file (None skips the data checks: the launcher does so
-    for the "stdlib" corpus, which the workers build). Returns the token file (or None),
-    the checkpoint to resume from (or None) and notes on damaged checkpoints skipped.
-    """
-    p = cfg.parallel
-    mesh_problem = mesh_shape_error(world, p.placements, p.replicate)
-    if mesh_problem:
-        raise ConfigError(mesh_problem)
-    model_cfg = cfg.llama_config()
-    data = open_data() if open_data is not None else None
-    if data is not None and data.vocab_size > model_cfg.vocab_size:
-        raise DataError(
-            f"{data.path} was tokenized with a vocabulary of {data.vocab_size} but the "
-            f"model has {model_cfg.vocab_size} embeddings; set --model.vocab_size "
-            f"{data.vocab_size} or more")
-    resume_from, notes = None, []
-    if cfg.resume:
-        resume_from, notes = find_resumable(Path(cfg.train.out_dir) / "checkpoints")
-        if resume_from is not None:
-            check_compatible(resume_from, model_fingerprint(model_cfg))
-    return data, resume_from, notes
-
-
-def materialize_and_init(model: Llama, device: torch.device, seed: int) -> Llama:
-    """Give a meta-built, sharded model its buffers on ``device`` and initialise its shards.
-
-    ``to_empty`` materialises the buffers (the rotary tables) and keeps the shards that
-    ``fully_shard`` allocated; ``init_weights`` then writes through each rank's DTensor shards,
-    drawing only the rows this rank holds (``normal_by_rows_``), so every world size and
-    placement gives the weights of an unsharded ``init_weights(seed=seed)``. The compute
-    weights are derived from the initialised shards at the first forward.
-    """
-    torch.manual_seed(seed)  # anything else that draws from the global generator
-    model.to_empty(device=device)
-    model.init_weights(buffer_device=device, seed=seed)
-    return model
-
-
-def _shard_numel(model) -> int:
-    return sum(q.to_local().numel() if hasattr(q, "to_local") else q.numel()
-               for q in model.parameters())
-
-
-def _adamw(model, t) -> torch.optim.AdamW:
-    """AdamW on the sharded parameters; 1-D ones (norm scales, biases) are not decayed: shrinking
-    them towards zero only hurts."""
-    decay = [q for q in model.parameters() if q.ndim >= 2]
-    no_decay = [q for q in model.parameters() if q.ndim < 2]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay},
-                              {"params": no_decay, "weight_decay": 0.0}],
-                             lr=t.lr, betas=(t.beta1, t.beta2), foreach=True)
-
-
-_HF_STRATEGIES = {"zero3": 3, "zero2": 2, "zero1": 1, "ddp": 0, "hsdp": 3, "hfsdp": 3}
-
-
-def _build_hf(cfg, device: torch.device, compute_dtype: torch.dtype, world: int):
-    """``--model.hf DIR``: the Hugging Face model sharded by the manager.
-
-    Built on the meta device from ``DIR/config.json`` in the compute dtype, parallelized by the
-    manager (``--parallel.placements`` mapped to ``zero_dp_strategy``, hsdp/hfsdp to
-    ``dp_replicate_size``), then loaded slice by slice from ``DIR``'s safetensors if it has any,
-    else initialised shard-locally with ``--train.seed``.
-    """
-    from mfsdp.manager import MegatronFSDPConfig, MegatronFSDPManager, build_device_mesh
-    from mfsdp.manager.hf_checkpoint import has_weights, meta_model_from_config
-
-    p, path = cfg.parallel, cfg.model.hf
-    config = MegatronFSDPConfig(
-        zero_dp_strategy=_HF_STRATEGIES[p.placements],
-        outer_dp_sharding_strategy=1 if p.placements == "hfsdp" else 0,
-        grad_reduce_in_fp32=p.main_grads_dtype != "bf16",
-        activation_checkpointing=p.activation_checkpointing,
-        init_fsdp_with_meta_device=True)
-    mesh = build_device_mesh(device.type, dp_replicate_size=p.replicate, world_size=world)
-    model = meta_model_from_config(path, dtype=compute_dtype)
-    model.config.use_cache = False
-    model, _ = MegatronFSDPManager(config, mesh).parallelize(
-        model, hf_path=path if has_weights(path) else None, init_seed=cfg.train.seed)
-    return model
