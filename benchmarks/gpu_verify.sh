@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# The GPU checks the open issues wait for, in sections that each fit one device call (<= 10 min).
+#
+#   bash benchmarks/gpu_verify.sh SECTION...     # SECTION: tests ab fp8 tp resume memory
+#
+# Run from the repository root on the device, with $OUT set (the device tool sets it) and, carried:
+#   .whl/          pytest, pluggy, iniconfig and torchao 0.17.0 wheels (the device has no registry)
+#   .carry/base/   a worktree of the commit to compare against (`git worktree add --detach
+#                  .carry/base <commit>`), for the `ab` section only
+# Sections:
+#   tests   every GPU test (conditional computation incl. HSDP/HFSDP on the GPUs at hand, streams,
+#           float8, deterministic resume)                                             issues 12 13 16
+#   ab      1b and 8b+AC: mfsdp at HEAD and at .carry/base beside FSDP2, one job each       issue 12
+#   fp8     8B compiled, FP8 tensorwise with FP8 all-gather: mfsdp, FSDP2+torchao; and the
+#           bf16 compiled rows in the same call                                             issue 16
+#   tp      HF 1B at tp=2 (local and DTensor activation paths) beside dp=2 and FSDP2+TP     issue 15
+#   resume  the 2-GPU 1b resume with identical losses (deterministic mode)                  issue 13
+#   memory  planner accuracy at the new grid points (hf-1b dp=2 and tp=2, moe-1b)           issue 14
+set -uo pipefail
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+OUT=${OUT:-$ROOT/runs/gpu_verify}
+mkdir -p "$OUT"
+NGPU=$(python3 -c "import torch; print(torch.cuda.device_count())")
+if ! python3 -c "import pytest, torchao" 2>/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
+RUN="python3 -m torch.distributed.run --standalone --nproc-per-node $NGPU"
+python3 -c "import torch, torchao; print('torch', torch.__version__, 'torchao', torchao.__version__, \
+'gpus', torch.cuda.device_count(), 'nccl', torch.cuda.nccl.version())" | tee "$OUT/versions.txt"
+git rev-parse HEAD 2>/dev/null | tee -a "$OUT/versions.txt"
+
+section_tests() {
+  timeout 560 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_conditional.py tests/test_gpu.py \
+    tests/test_float8.py tests/test_gpu_train_resume.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
+}
+
+bench() {  # TREE IMPLS ARGS... -> one JSON line per implementation in $OUT/bench_TREE.jsonl
+  local tree=$1 impls=$2; shift 2
+  (cd "$tree" && PYTHONPATH=$PWD:$PYTHONPATH timeout 280 $RUN benchmarks/throughput.py --impl "$impls" \
+     --impl-timeout 130 --out "$OUT/bench_$(basename "$tree").jsonl" "$@" >> "$OUT/bench.log" 2>&1
+   echo "bench $tree $impls $* rc=$?")
+}
+
+section_ab() {
+  bench "$ROOT" fsdp2,mfsdp --preset 1b --local-batch 2 --seq 4096
+  bench "$ROOT/.carry/base" mfsdp --preset 1b --local-batch 2 --seq 4096
+  bench "$ROOT" mfsdp --preset 8b --local-batch 1 --seq 4096 --ac
+  bench "$ROOT/.carry/base" mfsdp --preset 8b --local-batch 1 --seq 4096 --ac
+}
+
+section_fp8() {
+  bench "$ROOT" mfsdp,fsdp2 --preset 8b --local-batch 1 --seq 4096 --compile --float8 tensorwise --fp8-all-gather
+  bench "$ROOT" mfsdp,fsdp2 --preset 8b --local-batch 1 --seq 4096 --compile
+}
+
+section_tp() {
+  timeout 200 $RUN benchmarks/tp_host_overhead.py --device cuda --layers 16 --hidden 2048 --heads 32 \
+    --kv-heads 8 --vocab 128256 --seq 4096 --batch 2 --dtype bf16 --steps 10 --out "$OUT/tp_host.jsonl" \
+    > "$OUT/tp_host.log" 2>&1; echo "tp_host rc=$?"
+  timeout 300 $RUN benchmarks/hf_manager.py --tp 2 --impl mfsdp,fsdp2,mfsdp-dp --tp-path local \
+    --out "$OUT/hf_tp.jsonl" > "$OUT/hf_tp_local.log" 2>&1; echo "hf tp local rc=$?"
+  timeout 150 $RUN benchmarks/hf_manager.py --tp 2 --impl mfsdp --tp-path dtensor \
+    --out "$OUT/hf_tp.jsonl" > "$OUT/hf_tp_dtensor.log" 2>&1; echo "hf tp dtensor rc=$?"
+}
+
+section_resume() {
+  timeout 560 bash benchmarks/results/deterministic_resume.sh /tmp/det1b 2>&1 | tee "$OUT/resume.log" | tail -15
+}
+
+section_memory() {
+  for args in "--models hf-1b" "--models hf-1b --tp 2" "--models moe-1b --expert-units off on"; do
+    timeout 280 $RUN benchmarks/memory_accuracy.py $args --out "$OUT/memory_$(echo $args | tr -c 'a-z0-9' _).md" \
+      >> "$OUT/memory.log" 2>&1; echo "memory $args rc=$?"
+  done
+}
+
+for section in "$@"; do
+  echo "== $section $(date +%T)"
+  "section_$section"
+done
