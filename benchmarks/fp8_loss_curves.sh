@@ -11,11 +11,8 @@
 # 3. exits 1 unless the final FP8 loss is within 1% of the bf16 one (the issue's target).
 # Needs torchao==0.17.0 and matplotlib. Only the final checkpoint of each run is kept, then deleted.
 set -euo pipefail
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.."
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # mfsdp straight from this tree
-PY=${PY:-python3}
+source benchmarks/gpu_env.sh
 OUT=${1:-runs/fp8_loss_curves}
 STEPS=${STEPS:-200}
 rm -rf "$OUT" && mkdir -p "$OUT"

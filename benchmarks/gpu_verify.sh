@@ -17,8 +17,8 @@
 #   resume  the 2-GPU 1b resume with identical losses (deterministic mode)                  issue 13
 #   memory  planner accuracy at the new grid points (hf-1b dp=2 and tp=2, moe-1b)           issue 14
 set -uo pipefail
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.."
+source benchmarks/gpu_env.sh
 ROOT=$PWD
 OUT=${OUT:-$ROOT/runs/gpu_verify}
 mkdir -p "$OUT"
@@ -27,7 +27,6 @@ if ! python3 -c "import pytest, torchao" 2>/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
-export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
 RUN="python3 -m torch.distributed.run --standalone --nproc-per-node $NGPU"
 python3 -c "import torch, torchao; print('torch', torch.__version__, 'torchao', torchao.__version__, \
 'gpus', torch.cuda.device_count(), 'nccl', torch.cuda.nccl.version())" | tee "$OUT/versions.txt"

@@ -14,12 +14,8 @@
 # A 1b checkpoint is about 18 GB (fp32 main weights and Adam moments); the script keeps at most
 # two at a time.
 set -euo pipefail
-# Never NVLink multicast / NVLS on the shared machines (deterministic mode wants it off anyway).
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/../.."
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # mfsdp straight from this tree
-PY=${PY:-python3}
+source benchmarks/gpu_env.sh
 OUT=${1:-runs/deterministic_resume}
 rm -rf "$OUT" && mkdir -p "$OUT"
 
