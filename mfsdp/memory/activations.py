@@ -282,16 +282,48 @@ def cross_entropy_run(tokens: torch.Tensor) -> Callable[[nn.Module], torch.Tenso
     return run
 
 
-def measure_llama(cfg, dtype: torch.dtype, batch: int, seq: int, checkpointing: bool) -> ActivationProfile:
-    """A bundled Llama (or MoE) shape, cut to two blocks, measured on fake tensors."""
+def measure_llama(cfg, dtype: torch.dtype, batch: int, seq: int, checkpointing: bool,
+                  float8: str = "none") -> ActivationProfile:
+    """A bundled Llama (or MoE) shape, cut to two blocks, measured on fake tensors; ``float8`` (a
+    recipe of ``mfsdp.float8``) converts its linears first, as ``parallelize`` does (``float8_blocks``)."""
     from mfsdp.models import build_model
 
     small = dataclasses.replace(cfg, n_layers=2, max_seq_len=max(cfg.max_seq_len, seq))
     with _compat.fake_tensor_mode():
         model = build_model(small, dtype=dtype)
+        if float8 != "none":
+            float8_blocks(model, list(model.layers), float8)
         model.set_activation_checkpointing(checkpointing)
         tokens = torch.zeros(batch, seq, dtype=torch.long)
         return measure(model, list(model.layers), cross_entropy_run(tokens), uniform_routing=cfg.num_experts > 0)
+
+
+def float8_blocks(model: nn.Module, blocks: list, recipe: str) -> None:
+    """Convert ``model``'s linears to torchao float8 as ``parallelize(float8=recipe)`` does
+    (``mfsdp.float8.convert_to_float8``). With FP8 all-gather (tensorwise) each block's float8 linears
+    then get the weights the gather hands them: the runtime's codec (``gather_codec.encoded_gather``
+    of the block's one group, ``wrap``) builds a ``Float8TrainingTensor`` over a float8 tensor of the
+    weight's shape, so torchao casts no weight in forward or backward, and what it saves for backward
+    is the gathered weight (counted as model state), as in a sharded run. The float8 tensors exist
+    before the measurement starts; under fake tensors they hold no data."""
+    from mfsdp.float8 import convert_to_float8
+    from mfsdp.mixed_precision import MixedPrecisionPolicy
+    from mfsdp.runtime import gather_codec
+    from mfsdp.runtime.flat_buffer import FlatLayout
+
+    convert_to_float8(model, recipe, fp8_all_gather=recipe == "tensorwise")
+    if recipe != "tensorwise":
+        return
+    for block in blocks:
+        named = list(block.named_parameters())
+        params = [p for _, p in named]
+        encoded = gather_codec.encoded_gather(params, MixedPrecisionPolicy().resolve(params[0].dtype),
+                                              FlatLayout([p.shape for p in params], 1), "measured block")
+        for i, (name, param) in enumerate(named):
+            if encoded is not None and encoded.wraps(i):
+                owner, _, attr = name.rpartition(".")
+                view = torch.zeros(param.shape, dtype=encoded.codec.wire_dtype, device=param.device)
+                setattr(block.get_submodule(owner), attr, encoded.wrap(i, param, view))
 
 
 def measure_hf(config, dtype: torch.dtype, batch: int, seq: int, checkpointing: bool,

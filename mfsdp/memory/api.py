@@ -44,7 +44,7 @@ def estimate(model_or_config, *, world_size: Optional[int] = None, mesh_shape: O
              activation_checkpointing: bool = False, optimizer: str = "adamw", foreach: bool = True,
              compute_dtype: torch.dtype = torch.bfloat16, expert_units: bool = False,
              tensor_parallel: Union[int, TensorParallel] = 1, tp_in_process: bool = False,
-             device: str = "cuda") -> MemoryEstimate:
+             float8: str = "none", device: str = "cuda") -> MemoryEstimate:
     """Predict one rank's memory over a training step and its peak.
 
     ``model_or_config``: a bundled preset name ("8b", "moe-1b"), a ``LlamaConfig``, a model built on
@@ -57,7 +57,12 @@ def estimate(model_or_config, *, world_size: Optional[int] = None, mesh_shape: O
     spawned child process (a few seconds) unless ``tp_in_process``: then over a fake process group in
     this process, which must have none and must not create a real one later (``mfsdp plan``), see
     ``tensor_parallel``. ``expert_units``: each expert of a
-    bundled MoE is its own unit (``ParallelizeConfig.expert_units``). ``device``: "cuda" counts the
+    bundled MoE is its own unit (``ParallelizeConfig.expert_units``). ``float8``: the linears'
+    torchao float8 recipe (``ParallelizeConfig.float8``, bundled Llama only): "tensorwise" gathers
+    their weights as float8 bytes (the runtime's ``ByteLayout``, plus the encode's staging while a
+    gather is issued), and the activations are measured on the converted blocks. A given model
+    whose linears are already ``Float8Linear`` is sized as it is (its tags decide the gathers); pass
+    its recipe as ``float8`` for the activations. ``device``: "cuda" counts the
     cuBLAS workspaces, the allocator reserve and the CUDA context.
     """
     tp = TensorParallel.of(tensor_parallel)
@@ -82,7 +87,7 @@ def estimate(model_or_config, *, world_size: Optional[int] = None, mesh_shape: O
     levels = Levels.of(placements, mesh_shape)
     with fake_tp_mesh(tp.size) if tp.enabled else contextlib.nullcontext() as tp_mesh:
         model, units, blocks, measure, notes = _resolve(model_or_config, compute_dtype, seq_len, expert_units,
-                                                        tp, tp_mesh)
+                                                        tp, tp_mesh, float8)
         unit_bytes = describe_units(model, units, policy, levels)
         acts = measure(local_batch, seq_len, activation_checkpointing)
     world = tp.size
@@ -90,43 +95,53 @@ def estimate(model_or_config, *, world_size: Optional[int] = None, mesh_shape: O
         world *= size
     settings = StepSettings(placements.name, world, local_batch, seq_len, microbatches, activation_checkpointing,
                             optimizer, foreach, comm.prefetch_depth if comm.overlap else 0, comm.double_buffer,
-                            device == "cuda", tp.size)
+                            device == "cuda", tp.size, float8)
     return dataclasses.replace(simulate(unit_bytes, acts, settings, blocks), notes=tuple(notes))
 
 
-def _resolve(obj, dtype, seq_len, expert_units, tp: TensorParallel, tp_mesh):
+def _resolve(obj, dtype, seq_len, expert_units, tp: TensorParallel, tp_mesh, float8: str = "none"):
     """(meta model, non-root units bottom-up, block names, activation measurement, notes)."""
     from mfsdp.models import LlamaConfig, get_config
+    from mfsdp.models.parallelize import FLOAT8_CHOICES
 
     if isinstance(obj, str) and not os.path.isdir(obj):
         obj = get_config(obj)
     llama = isinstance(obj, LlamaConfig) or (isinstance(obj, nn.Module) and hasattr(obj, "cfg")
                                              and hasattr(obj, "layers"))
+    if float8 not in FLOAT8_CHOICES:
+        raise ValueError(f"estimate: unknown float8 {float8!r}; use {', '.join(FLOAT8_CHOICES)}")
+    if float8 != "none" and not llama:
+        raise ValueError("estimate: float8 applies to the bundled Llama (as --model.float8 does), not to a "
+                         "Hugging Face model")
     if llama and tp.enabled:
         raise ValueError("tensor parallel is the manager's (mfsdp.manager, Hugging Face models); the bundled "
                          "Llama has no tensor-parallel plan: estimate it with tensor_parallel=1")
     if isinstance(obj, LlamaConfig):
-        return _llama(obj, dtype, seq_len, expert_units)
+        return _llama(obj, dtype, seq_len, expert_units, float8=float8)
     if llama:
-        return _llama(obj.cfg, dtype, seq_len, expert_units, model=obj)
+        return _llama(obj.cfg, dtype, seq_len, expert_units, model=obj, float8=float8)
     if isinstance(obj, (str, os.PathLike)) or hasattr(obj, "to_json_string") or isinstance(obj, nn.Module):
         return _hf(obj, dtype, tp, tp_mesh)
     raise TypeError(f"estimate: cannot size a {type(obj).__name__}; pass a preset name, a LlamaConfig, a "
                     "meta-device model, a Hugging Face config or a local Hugging Face directory")
 
 
-def _llama(cfg, dtype, seq_len, expert_units, model=None):
+def _llama(cfg, dtype, seq_len, expert_units, model=None, float8="none"):
     from mfsdp.models import build_model
     from mfsdp.models.parallelize import sharding_units
 
     cfg = dataclasses.replace(cfg, max_seq_len=max(cfg.max_seq_len, seq_len))
+    given = model is not None
     if model is None:
         with torch.device("meta"):
             model = build_model(cfg, dtype=dtype)
-    units = sharding_units(model, expert_units=expert_units)
-    blocks = [f"layers.{i}" for i in range(len(model.layers))]
     dtype = next(model.parameters()).dtype
     notes = []
+    if float8 != "none":
+        model = _float8_model(model, float8, copy_first=given)
+        notes.append(_float8_note(model, float8))
+    units = sharding_units(model, expert_units=expert_units)
+    blocks = [f"layers.{i}" for i in range(len(model.layers))]
     if cfg.num_experts:
         notes.append(
             f"MoE: activations measured with uniform routing, each of the {cfg.num_experts} experts of a block "
@@ -134,12 +149,40 @@ def _llama(cfg, dtype, seq_len, expert_units, model=None):
             "(saved bytes depend only on that total; the peak inside an expert on its share); "
             + ("every expert unit is gathered in turn, forward and backward (a skipped expert gathers nothing)"
                if expert_units else "each block gathers all its experts with it"))
-    return model, units, blocks, lambda b, s, ac: _llama_acts(cfg, dtype, b, s, ac), notes
+    return model, units, blocks, lambda b, s, ac: _llama_acts(cfg, dtype, b, s, ac, float8), notes
 
 
 @functools.lru_cache(maxsize=64)
-def _llama_acts(cfg, dtype, batch, seq, ac) -> ActivationProfile:
-    return measure_llama(cfg, dtype, batch, seq, ac)
+def _llama_acts(cfg, dtype, batch, seq, ac, float8="none") -> ActivationProfile:
+    return measure_llama(cfg, dtype, batch, seq, ac, float8)
+
+
+def _float8_model(model: nn.Module, recipe: str, copy_first: bool) -> nn.Module:
+    """The meta model with its linears converted as ``parallelize(float8=recipe)`` converts them
+    (``convert_to_float8``: tensorwise tags the weights for FP8 all-gather); ``copy_first`` (the
+    caller's model) converts a copy. A model already converted is used as it is."""
+    import copy
+
+    from mfsdp.float8 import _torchao, convert_to_float8
+
+    if any(isinstance(m, _torchao()["Float8Linear"]) for m in model.modules()):
+        return model
+    model = copy.deepcopy(model) if copy_first else model
+    convert_to_float8(model, recipe, fp8_all_gather=recipe == "tensorwise")
+    return model
+
+
+def _float8_note(model: nn.Module, recipe: str) -> str:
+    from mfsdp.float8 import _torchao
+
+    count = sum(isinstance(m, _torchao()["Float8Linear"]) for m in model.modules())
+    gathers = ("their weights gathered as float8 bytes beside the norms (the runtime's ByteLayout), and "
+               "each gather's encode stages up to 2^25 elements at 8 bytes (the 'FP8 encode staging' line, "
+               "in the phases that issue gathers)" if recipe == "tensorwise" else
+               "their weights gathered in the compute dtype (torchao casts them in each GEMM)")
+    return (f"float8 {recipe}: {count} torchao Float8Linear layers, {gathers}; activations measured with "
+            "torchao's Float8Linear on fake tensors" + (", weights pre-cast as the FP8 gather hands them"
+                                                         if recipe == "tensorwise" else ""))
 
 
 def _hf(obj, dtype, tp: TensorParallel, tp_mesh):

@@ -9,6 +9,13 @@ pending), packs the gradients in the reduction dtype and reduces them into the m
 HFSDP's accumulator); the optimizer step upcasts gradients kept in another dtype and runs AdamW's
 foreach temporary. Model state comes from ``model_state`` (the runtime's layout), activations from
 ``activations`` (measured on fake tensors).
+
+FP8 all-gather: a step that gathers a unit with an encoded group records a phase of its own just
+before the compute phase it is issued in ("..., gather (FP8 encode)"): the encode's transient
+staging (``GroupBytes.encode_staging``, the largest of the groups gathered then: each group's is freed
+before the next group encodes) on top of that phase's state less what its compute adds (the
+activation transient, in backward the unit's own weight gradients), which comes only after the
+gathers are issued (host order). The compute phase itself has no staging.
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ from mfsdp.memory.model_state import UnitBytes, optimizer_state_bytes
 
 COMPONENTS = (
     "main weights", "optimizer states", "model weights", "gather slots", "main grads", "accumulator",
-    "unsharded (forward)", "unsharded (backward)", "module grads", "reduction staging",
+    "unsharded (forward)", "unsharded (backward)", "FP8 encode staging", "module grads", "reduction staging",
     "activations (saved)", "activations (transient)", "logits and loss", "optimizer step", "workspace",
 )
 GIB = 1 << 30
@@ -69,6 +76,8 @@ class StepSettings:
     """Count the CUDA workspaces (cuBLAS, two handles) that the caching allocator holds."""
     tp: int = 1
     """Tensor-parallel ranks (``world_size`` counts them: data-parallel ranks x tp)."""
+    float8: str = "none"
+    """torchao float8 recipe of the linears ("none", "tensorwise" with FP8 all-gather, "rowwise")."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,6 +135,7 @@ class _Walk:
                                  else "pre" if i < first else "post")
         self.slot_bytes, self.in_flight = _gather_slots(units, s)
         self.gathered: dict[str, int] = {}
+        self.staging_due = 0  # FP8 encode staging of the gathers issued since the last phase
         self.phases: list[Phase] = []
         self.fixed: dict[str, int] = {}
 
@@ -138,9 +148,17 @@ class _Walk:
         return None
 
     def gather(self, u: UnitBytes) -> None:
-        self.gathered.setdefault(u.name, self.in_flight[u.name])
+        if u.name not in self.gathered:
+            self.gathered[u.name] = self.in_flight[u.name]
+            self.staging_due = max([self.staging_due, *(g.encode_staging for g in u.groups)])
 
-    def snap(self, name: str, **parts) -> None:
+    def snap(self, name: str, at_gather: Optional[dict] = None, **parts) -> None:
+        """Record a phase; where the gathers issued for it encoded, first their own phase: ``parts``
+        without the activation transient (``at_gather`` overrides more), plus the staging."""
+        if self.staging_due:
+            staging, self.staging_due = self.staging_due, 0
+            self.snap(f"{name}, gather (FP8 encode)", **{**parts, "act_transient": 0, **(at_gather or {})},
+                      FP8_encode_staging=staging)
         c = dict.fromkeys(COMPONENTS, 0)
         c.update(self.fixed)
         for k, v in parts.items():
@@ -264,7 +282,8 @@ def _microbatch(w: _Walk, acts: ActivationProfile, s: StepSettings, which: str, 
             else:
                 continue
             grads_now = parts.pop("grads_now")
-            w.snap(f"backward: {u.name or 'root'}{tag}", unsharded_bwd=sum(w.gathered.values()),
+            w.snap(f"backward: {u.name or 'root'}{tag}", dict(module_grads=raw_grads + sum(arrived.values())),
+                   unsharded_bwd=sum(w.gathered.values()),
                    main_grads=main_grads, accumulator=0,
                    module_grads=raw_grads + grads_now + sum(arrived.values()),
                    reduction_staging=sum(b for b, _ in pending), **parts)

@@ -11,6 +11,13 @@ optimizer level in the gradient dtype, HFSDP's accumulator at the gradient level
 holds the whole of it to the byte against live buffers. Tensor-parallel parameters (DTensors from
 the manager's plan, see ``tensor_parallel``) are sized by their local shard, the tensor the runtime
 flattens (``local_tensor``).
+
+FP8 all-gather (``mfsdp.float8``): a group whose parameters carry a gather-codec tag gets the
+runtime's own ``gather_codec.encoded_gather``, and its unsharded buffer is sized by that object's
+``ByteLayout`` (float8 members 1 byte per element, the others the compute dtype, each at a 16-byte
+aligned offset) in uint8, as ``FsdpParameterGroup`` allocates it. The encode's transient staging
+(``Float8GatherCodec._cast``: fp32 staging plus the per-element scales, 8 bytes per element of the
+largest pass of ``mfsdp.float8._passes``) is ``GroupBytes.encode_staging``.
 """
 
 from __future__ import annotations
@@ -21,9 +28,11 @@ from typing import Mapping, Optional
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from mfsdp.mixed_precision import MixedPrecisionPolicy, ResolvedDtypes
 from mfsdp.placement import Placements
+from mfsdp.runtime import gather_codec
 from mfsdp.runtime.flat_buffer import FlatLayout
 from mfsdp.runtime.ownership import collect_owned_parameters, group_parameters
 from mfsdp.runtime.parameter_group import choose_model_buffer, local_tensor
@@ -107,6 +116,9 @@ class GroupBytes:
     dtype), with no scatter output buffer."""
     grads_differ: bool
     """Gradients kept in another dtype than the main weights: the optimizer step upcasts them."""
+    encode_staging: int = 0
+    """Transient bytes of an encoded gather's encode (FP8 all-gather's staging), held while the
+    group's gather is issued; 0 for a plain gather."""
 
     @property
     def resting(self) -> int:
@@ -133,8 +145,9 @@ class UnitBytes:
 
 
 def group_bytes(label: str, shapes, dtypes: ResolvedDtypes, levels: Levels, requires_grad: bool,
-                rank_shard: int = 0) -> GroupBytes:
-    """The bytes of one group, from the runtime's layout and buffer choice."""
+                rank_shard: int = 0, params: Optional[list] = None) -> GroupBytes:
+    """The bytes of one group, from the runtime's layout and buffer choice; ``params`` (the group's
+    parameters) lets tagged ones (FP8 all-gather) size the gather as the runtime does."""
     layout = FlatLayout(shapes, levels.num_shards)
     k = levels.num_shards
     main_aliases_model, on_the_fly = choose_model_buffer(dtypes, levels.num_levels, levels.param_level)
@@ -142,7 +155,16 @@ def group_bytes(label: str, shapes, dtypes: ResolvedDtypes, levels: Levels, requ
     main = layout.numel(k) * isz(dtypes.main)
     model = 0 if (main_aliases_model or on_the_fly) else layout.numel(levels.ways(levels.param_level)) * isz(dtypes.compute)
     gathered = levels.param_level > 0
-    unsharded = layout.numel(1) * isz(dtypes.compute) if gathered else 0
+    encoded = None if params is None else gather_codec.encoded_gather(params, dtypes, layout, label)
+    if encoded is not None and (not gathered or any(isinstance(p, DTensor) for p in params)):
+        raise NotImplementedError(
+            f"parameter group {label} gathers through {type(encoded.codec).__name__} (FP8 all-gather), which "
+            "the runtime refuses for parameters that are not sharded at rest and gathered (ZeRO-3, HSDP, "
+            "HFSDP) or that are tensor-parallel DTensors; plan zero3/hsdp/hfsdp, or without FP8 all-gather")
+    gather_layout, gather_dtype = ((layout, dtypes.compute) if encoded is None
+                                   else (encoded.layout, encoded.layout.dtype))  # the runtime's ByteLayout
+    unsharded = gather_layout.numel(1) * isz(gather_dtype) if gathered else 0
+    encode_staging = _encode_staging(encoded, layout, levels) if encoded is not None else 0
     main_grad = accumulator = module_grads = staging = scatter_out = reduction = 0
     if requires_grad:
         n = len(shapes)
@@ -158,10 +180,34 @@ def group_bytes(label: str, shapes, dtypes: ResolvedDtypes, levels: Levels, requ
         scatter_out = layout.numel(levels.ways(out_level)) * isz(dtypes.comm) if out_level else 0
         reduction = layout.numel(1) * isz(dtypes.comm) + usage.numel(1) * 8  # GradientReducer.reduction_nbytes
     opt = sum(m.rows_of_shard(rank_shard) * m.row_numel for m in layout.members)
-    key = (layout.numel(1), dtypes.compute) if gathered else None
+    key = (gather_layout.numel(1), gather_dtype) if gathered else None
     return GroupBytes(label, main, model, unsharded, main_grad, accumulator, module_grads, staging,
                       scatter_out, reduction, opt, isz(dtypes.main), key, requires_grad,
-                      levels.grad_level > 0, dtypes.grads == dtypes.comm, dtypes.grads != dtypes.main)
+                      levels.grad_level > 0, dtypes.grads == dtypes.comm, dtypes.grads != dtypes.main,
+                      encode_staging)
+
+
+ENCODE_STAGING_BYTES_PER_ELEMENT = 8
+"""``Float8GatherCodec._cast`` per staged element: the fp32 staging and the fp32 scales repeated per
+element (``repeat_interleave``) live together; the bf16 rounding copy (2 bytes) is freed before the
+scales are made, so 4 + 4 is the high point (``mfsdp.float8.ENCODE_STAGING_NUMEL``'s docstring)."""
+
+
+def _encode_staging(encoded, layout: FlatLayout, levels: Levels) -> int:
+    """Bytes of the largest encode pass of a group's gather: its tagged members' sources are this
+    rank's regions at the level it gathers from (the runtime's ``FlatLayout.regions``, on meta),
+    split into passes by ``mfsdp.float8._passes`` as ``Float8GatherCodec.encode`` splits them."""
+    from mfsdp.float8 import ENCODE_STAGING_NUMEL, Float8GatherCodec, _passes
+
+    if not isinstance(encoded.codec, Float8GatherCodec):
+        return 0
+    ways = levels.ways(levels.param_level)
+    regions = layout.regions(torch.empty(layout.numel(ways), device="meta"), ways)
+    sizes = [regions[i].numel() for i in encoded.tagged]
+    start, largest = 0, 0
+    for stop in _passes(sizes, ENCODE_STAGING_NUMEL):
+        largest, start = max(largest, sum(sizes[start:stop])), stop
+    return largest * ENCODE_STAGING_BYTES_PER_ELEMENT
 
 
 class _UnitMarker(type):
@@ -189,7 +235,7 @@ def describe_units(model: nn.Module, units: list, policy: MixedPrecisionPolicy, 
             dtypes = policy.resolve(params[0].dtype)
             label = f"{names.get(id(unit)) or 'root'}[{params[0].dtype}]"
             groups.append(group_bytes(label, [local_tensor(p).shape for p in params], dtypes, levels,
-                                      params[0].requires_grad, rank_shard))
+                                      params[0].requires_grad, rank_shard, params=list(params)))
         out.append((unit, groups, tuple(param_names.get(p, "?") for p in owned),
                     tuple(local_tensor(p).numel() * p.element_size() if p.requires_grad else 0 for p in owned)))
     parent_of = {}

@@ -85,7 +85,7 @@ def estimate_run(cfg, world: int, setting: Optional[Setting] = None,
                     mixed_precision_policy=policy, local_batch=s.local_batch, seq_len=d.seq_len,
                     microbatches=s.microbatches, activation_checkpointing=s.activation_checkpointing,
                     compute_dtype=compute, expert_units=p.expert_units, tensor_parallel=tp,
-                    tp_in_process=tp_in_process)
+                    tp_in_process=tp_in_process, float8=cfg.model.float8)
 
 
 def candidates(cfg) -> list[Setting]:
@@ -94,6 +94,8 @@ def candidates(cfg) -> list[Setting]:
     tokens = d.local_batch * d.microbatches
     batches = [b for b in range(tokens, 0, -1) if tokens % b == 0 and (b & (b - 1) == 0 or b == d.local_batch)]
     placements = [p.placements] if p.placements in ("hsdp", "hfsdp") else list(PLACEMENT_SPEED)
+    if cfg.model.float8 == "tensorwise":  # FP8 all-gather needs weights sharded at rest (fully_shard refuses)
+        placements = [pl for pl in placements if pl not in ("zero1", "zero2")]
     out = [Setting(pl, ac, b, tokens // b) for pl in placements for ac in (False, True) for b in batches]
     return sorted(out, key=Setting.speed_key)
 
@@ -213,6 +215,8 @@ def main(argv: list[str]) -> int:
     s = e.settings
     model = cfg.model.hf or cfg.model.preset
     parallel = f" x {tp.describe()}" if tp.enabled else ""
+    if s.float8 != "none":
+        model = f"{model} (float8 {s.float8})"
     print(f"mfsdp plan: {model}, {s.placements}{parallel} on {world} GPU(s), local batch {s.local_batch} x {s.seq_len} "
           f"tokens, {s.microbatches} microbatch(es), activation checkpointing {'on' if s.activation_checkpointing else 'off'}\n")
     print(breakdown_table(e))
