@@ -137,6 +137,9 @@ class Float8GatherCodec(gather_codec.GatherCodec):
         collectives.all_reduce_max(amax, groups)
         return _torchao()["amax_to_scale"](amax, self.wire_dtype, self.round_pow2)
 
+    def main_weights_changed(self) -> None:
+        self.precomputed = None  # scales of the weights before a load or init: computed afresh at the gather
+
     def encode(self, sources, blocks, groups, version: int) -> None:
         if self.precomputed is not None and self.precomputed[1] == version:
             scales = self.precomputed[0]

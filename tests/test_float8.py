@@ -428,19 +428,24 @@ def test_torchao_missing_is_named(monkeypatch):
 def test_train_float8_tensorwise(tmp_path, corpus):
     """``mfsdp train --model.float8 tensorwise`` on two CPU ranks: every block one unit gathering
     float8 weights, scales precomputed after each step; the loss falls, close to the same run
-    without float8 but not equal to it (the linears did run in float8)."""
-    from test_train_e2e import SMALL, losses, torchrun
+    without float8 but not equal to it (the linears did run in float8). A resume from step 3
+    reproduces steps 4-6 bit for bit: scales precomputed from the weights before a checkpoint load
+    (torch's optimizer-state init steps the optimizer) must not survive the load."""
+    from test_train_e2e import SMALL, losses, stopped_copy, torchrun
 
-    got = {}
-    for float8 in ("tensorwise", "none"):
-        run = torchrun(*SMALL, "--model.float8", float8, "--data.path", str(corpus), "--train.steps", "6",
-                       "--train.checkpoint_every", "0", "--train.sample_tokens", "0",
-                       "--train.out_dir", str(tmp_path / float8))
+    def train(out, *extra):
+        run = torchrun(*SMALL, "--data.path", str(corpus), "--train.steps", "6", "--train.sample_tokens", "0",
+                       "--train.out_dir", str(out), *extra)
         assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-        got[float8] = losses(tmp_path / float8)
-    fp8, plain = got["tensorwise"], got["none"]
+        return losses(out)
+
+    fp8 = train(tmp_path / "tensorwise", "--model.float8", "tensorwise", "--train.checkpoint_every", "3")
+    plain = train(tmp_path / "none", "--train.checkpoint_every", "0")
     assert sorted(fp8) == list(range(1, 7)) and fp8[6] < fp8[1] - 0.3, fp8
     assert fp8 != plain and abs(fp8[6] - plain[6]) < 0.01 * plain[6], (fp8, plain)
+    resumed = train(stopped_copy(tmp_path / "tensorwise", 3, tmp_path / "resumed"), "--model.float8", "tensorwise",
+                    "--resume")
+    assert resumed == {step: loss for step, loss in fp8.items() if step > 3}, (resumed, fp8)
 
 
 # ------------------------------------------------------------------------------------- GPU

@@ -62,6 +62,11 @@ class GatherCodec:
         """After the gather: finish the compute parameters of the tagged members."""
         raise NotImplementedError
 
+    def main_weights_changed(self) -> None:
+        """The main weights were written outside an optimizer step (a state-dict load, an init):
+        drop whatever was derived from them. Version counters alone do not tell: a checkpoint load
+        can write the shards without bumping them."""
+
 
 class CodecSpec:
     """Per-parameter request for a codec; the class decides how a group's specs become one."""

@@ -187,7 +187,7 @@ class FsdpModule:
                 parameters.update((key, current.get(key, value)) for key, value in items)
                 parameters.update((key, value) for key, value in current.items() if key not in parameters)
             for group in groups:
-                group.needs_refresh = True  # the caller initialises or loads the shards next
+                group.main_weights_replaced()  # the caller initialises or loads the shards next
         return result
 
     def _check_conversion(self, fn, groups) -> None:
@@ -268,7 +268,7 @@ class FsdpModule:
                             f"load_state_dict replaced mfsdp's sharded parameter {name!r} of {self.name}"
                             " (assign=True?); load with assign=False so values are copied into the shards"
                         )
-            group.needs_refresh = True
+            group.main_weights_replaced()
 
     # -------------------------------------------------------------------------------- forward
     def pre_forward(self, args=(), kwargs=None):

@@ -225,6 +225,13 @@ class FsdpParameterGroup:
             self._slot.release(self)  # the next holder gathers on ``stream``, after this compute
         self.state = GroupState.SHARDED
 
+    def main_weights_replaced(self) -> None:
+        """The main weights were written outside an optimizer step (a state-dict load, an init):
+        derive the compute weights afresh at the next unshard, and drop what a codec derived."""
+        self.needs_refresh = True
+        if self.encoded is not None:
+            self.encoded.codec.main_weights_changed()
+
     def refresh_model_weights(self, stream: Optional[torch.Stream] = None) -> None:
         """Cast the main weights into the compute weights (one kernel), re-gathering if needed."""
         if self.main_aliases_model or self.model_on_the_fly:
