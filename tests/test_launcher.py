@@ -72,6 +72,8 @@ def test_a_bad_flag_is_one_line_and_exit_code_2_before_any_worker_starts(tmp_pat
     (["--nnodes", "2"], "--nnodes 2 needs --rdzv-endpoint HOST:PORT"),
     (["--stop-timeout", "soon"], "--stop-timeout expects float, got 'soon'"),
     (["--parallel.collective_timeout_s", "0"], "collective_timeout_s must be positive"),
+    (["--model.float8", "tensorwise", "--parallel.placements", "zero2"],
+     "--parallel.placements zero2 keeps them whole. Use --model.float8 rowwise"),
 ])
 def test_user_errors_are_named_by_the_launcher(args, message, tmp_path, capsys):
     code = cli_main(["train", "--nproc-per-node", "2", "--train.device", "cpu",

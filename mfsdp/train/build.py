@@ -10,7 +10,7 @@ import torch
 
 from mfsdp.data import DataError
 from mfsdp.models.llama import Llama, LlamaConfig
-from mfsdp.models.parallelize import mesh_shape_error
+from mfsdp.models.parallelize import mesh_shape_error, resolve_placements
 from mfsdp.train.checkpoint import check_compatible, find_resumable
 from mfsdp.train.config import ConfigError, RunConfig
 
@@ -35,6 +35,11 @@ def validate_run(cfg: RunConfig, world: int, open_data=None):
     mesh_problem = mesh_shape_error(world, p.placements, p.replicate)
     if mesh_problem:
         raise ConfigError(mesh_problem)
+    if cfg.model.float8 == "tensorwise" and resolve_placements(p.placements).num_param_sharded == 0:
+        raise ConfigError(
+            f"--model.float8 tensorwise all-gathers the weights in FP8, which needs placements that shard "
+            f"them at rest (zero3, hsdp, hfsdp); --parallel.placements {p.placements} keeps them whole. Use "
+            "--model.float8 rowwise (float8 compute, bf16 gathers) or --parallel.placements zero3")
     model_cfg = cfg.llama_config()
     data = open_data() if open_data is not None else None
     if data is not None and data.vocab_size > model_cfg.vocab_size:
