@@ -76,15 +76,21 @@ def make_net(recipe: str = "tensorwise", dtype=torch.float32, seed: int = 0) -> 
     return net
 
 
-def shard(net: Net, ws: int, fp8_gather: bool, policy=None, device="cpu", comm=None, mlp_units=False) -> Net:
+def shard(net: Net, ws: int, fp8_gather: bool, policy=None, device="cpu", comm=None, mlp_units=False,
+          kind="zero3") -> Net:
     """The recipe of ``mfsdp.float8``: each block one unit (float8 weights and the norm in one group);
-    with ``mlp_units`` each MLP (float8 weights only) is a unit of its own inside its block."""
+    with ``mlp_units`` each MLP (float8 weights only) is a unit of its own inside its block. ``kind``:
+    zero3 over all ranks, or hsdp / hfsdp over a (2, ws / 2) mesh."""
     from torch.distributed.device_mesh import init_device_mesh
 
     if fp8_gather:
         mf8.enable_fp8_all_gather(net)
-    mesh = init_device_mesh(device, (ws,), mesh_dim_names=("dp",))
-    placements = mfsdp.Placements.zero3("dp")
+    if kind == "zero3":
+        mesh = init_device_mesh(device, (ws,), mesh_dim_names=("dp",))
+        placements = mfsdp.Placements.zero3("dp")
+    else:
+        mesh = init_device_mesh(device, (2, ws // 2), mesh_dim_names=("replicate", "shard"))
+        placements = getattr(mfsdp.Placements, kind)("replicate", "shard")
     for block in net.blocks:
         if mlp_units:
             mfsdp.fully_shard(block.mlp, mesh, placements, mixed_precision_policy=policy, communication_policy=comm)
@@ -138,17 +144,19 @@ def parallelize_llama(net, ws, float8="tensorwise", policy=None, comm=None):
 
 # ------------------------------------------------------------------------------------ parity
 def train_parity(rank, ws, recipe="tensorwise", fp8_gather=True, precompute=False, steps=4, device="cpu",
-                 double_buffer=False, delay=False, mlp_units=False):
+                 double_buffer=False, delay=False, mlp_units=False, kind="zero3"):
     from test_core_parity import _injected_delays
 
     with _injected_delays(delay):  # GPU: stalls every collective's stream, so a missing wait shows
-        return _train_parity(rank, ws, recipe, fp8_gather, precompute, steps, device, double_buffer, mlp_units)
+        return _train_parity(rank, ws, recipe, fp8_gather, precompute, steps, device, double_buffer, mlp_units,
+                             kind)
 
 
-def _train_parity(rank, ws, recipe, fp8_gather, precompute, steps, device, double_buffer, mlp_units=False):
+def _train_parity(rank, ws, recipe, fp8_gather, precompute, steps, device, double_buffer, mlp_units=False,
+                  kind="zero3"):
     net = make_net(recipe).to(device)
     ref = copy.deepcopy(net)
-    shard(net, ws, fp8_gather, device=device, mlp_units=mlp_units,
+    shard(net, ws, fp8_gather, device=device, mlp_units=mlp_units, kind=kind,
           comm=mfsdp.CommunicationPolicy(double_buffer=True) if double_buffer else None)
     reductions = train_and_compare(rank, ws, net, ref, precompute, steps, device)
     units = [b.mlp if mlp_units else b for b in net.blocks]
@@ -209,6 +217,17 @@ def test_parity_world2(world, recipe, fp8_gather, precompute, double_buffer, mlp
     if fp8_gather:
         # forward and backward gather every block: an amax all-reduce each, unless precomputed
         assert reductions == ([2 * BLOCKS] + [0] * 3 if precompute else [2 * BLOCKS] * 4), reductions
+
+
+@pytest.mark.parametrize("kind", ["hsdp", "hfsdp"])
+@pytest.mark.parametrize("precompute", [False, True])
+def test_parity_two_axis_placements(world, kind, precompute):
+    """HSDP and HFSDP on a (2, 2) mesh: the scales' amax is reduced over the axes the gathered
+    shard is split over (HFSDP gathers its compute weights from a level the replicate axis
+    already covers), and precomputed scales over every axis of the main shard."""
+    reductions, n_codecs = world(4).run(train_parity, precompute=precompute, kind=kind)[0]
+    assert n_codecs == BLOCKS
+    assert reductions == ([2 * BLOCKS] + [0] * 3 if precompute else [2 * BLOCKS] * 4), reductions
 
 
 def llama_parity(rank, ws, precompute):
