@@ -64,9 +64,6 @@ def all_gather(
             blocks = own_blocks(outputs, [inp.numel() for inp in inputs], group)
             _compat.foreach_copy_(blocks, list(inputs))
             inputs = blocks
-        if outputs[0].dtype.is_floating_point and outputs[0].dtype.itemsize == 1:
-            # float8: a gather only moves bytes, and gloo has no float8 type (nor older NCCL)
-            outputs, inputs = [t.view(torch.uint8) for t in outputs], [t.view(torch.uint8) for t in inputs]
         with _coalesced(group, len(inputs), coalesce):
             for out, inp in zip(outputs, inputs):
                 _compat.all_gather_into_tensor(out, inp, group)
