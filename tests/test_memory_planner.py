@@ -299,7 +299,8 @@ def tp_activation_case(rank, ws, sequence_parallel, seq):
     apply_tp(model, tp, init_device_mesh("cpu", (ws // 2, 2), mesh_dim_names=("dp", "tp"))["tp"])
     tokens = torch.randint(0, TP_SHAPE["vocab_size"], (2, seq), generator=torch.Generator().manual_seed(0))
     with loss_context(tp.loss_parallel):
-        return dataclasses.asdict(measure(model, list(model.model.layers), cross_entropy_run(tokens)))
+        return dataclasses.asdict(measure(model, list(model.model.layers), cross_entropy_run(tokens),
+                                          real_collectives=True))
 
 
 def fake_tp_activations(sp: bool, seq: int) -> dict:

@@ -77,16 +77,27 @@ def _storages(t: torch.Tensor) -> list:
     return [s for x in inner if isinstance(x, torch.Tensor) for s in _storages(x)]
 
 
+_WAIT = torch.ops._c10d_functional.wait_tensor.default
 _ROUTING_OPS = (torch.ops.aten.bincount.default, torch.ops.aten._local_scalar_dense.default)
+
+
+def _detached_collective(func, args, kwargs):
+    """``func`` on copies of its tensors, waited, its outputs copied: gloo's work then holds only
+    tensors outside the count (see ``measure``'s ``real_collectives``)."""
+    leaves, spec = _compat.tree_flatten((args, kwargs))
+    args, kwargs = _compat.tree_unflatten([x.clone() if isinstance(x, torch.Tensor) else x for x in leaves], spec)
+    leaves, spec = _compat.tree_flatten(func(*args, **kwargs))
+    return _compat.tree_unflatten([_WAIT(x).clone() if isinstance(x, torch.Tensor) else x for x in leaves], spec)
 
 
 class _LiveBytes(_compat.dispatch_mode_base()):
     """Counts the bytes of every storage an op creates until it is freed; ``mark`` records the
     counters under a label."""
 
-    def __init__(self, uniform_routing: bool = False) -> None:
+    def __init__(self, uniform_routing: bool = False, real_collectives: bool = False) -> None:
         super().__init__()
         self.uniform_routing = uniform_routing
+        self.real_collectives = real_collectives
         self._counts: dict[int, list[int]] = {}  # storage -> the assumed routing counts
         self.act = 0  # storages that are not parameter gradients
         self.grad = 0  # parameter gradients (moved here when accumulated)
@@ -102,7 +113,10 @@ class _LiveBytes(_compat.dispatch_mode_base()):
                 return routed
         inputs = {id(st) for t in _compat.tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)
                   for st in _storages(t)}
-        out = func(*args, **(kwargs or {}))
+        if self.real_collectives and func.namespace == "_c10d_functional" and func is not _WAIT:
+            out = _detached_collective(func, args, kwargs or {})
+        else:
+            out = func(*args, **(kwargs or {}))
         for t in _compat.tree_flatten(out)[0]:
             if not isinstance(t, torch.Tensor):
                 continue
@@ -162,15 +176,23 @@ class _LiveBytes(_compat.dispatch_mode_base()):
 
 
 def measure(model: nn.Module, blocks: list[nn.Module], run: Callable[[nn.Module], torch.Tensor],
-            names: Optional[dict] = None, uniform_routing: bool = False) -> ActivationProfile:
+            names: Optional[dict] = None, uniform_routing: bool = False,
+            real_collectives: bool = False) -> ActivationProfile:
     """Run ``run(model)`` (forward and loss) and its backward on the fake ``model`` (at least two
     ``blocks``, in forward order) and cut the live bytes into an ``ActivationProfile``.
 
     ``uniform_routing``: the model routes tokens by ``torch.bincount`` of its expert choices, read
-    on the host (``mfsdp.models.moe``); every expert then gets an equal share (see ``_route``)."""
+    on the host (``mfsdp.models.moe``); every expert then gets an equal share (see ``_route``).
+
+    ``real_collectives``: the model runs real tensors over a real process group (a check of the
+    fake measurement). A gloo collective's output is then also held by the finished work on gloo's
+    worker thread, which drops it a moment after the wait returns, or, on a loaded machine, after
+    the next mark: its free would land in a window decided by the scheduler. Each collective is
+    therefore run on copies of its inputs, waited at once and its outputs copied, all outside the
+    count, so the bytes counted die where the model drops them, as on the fake group."""
     if len(blocks) < 2:
         raise ValueError("activation measurement needs a model of at least two blocks")
-    tracker = _LiveBytes(uniform_routing)
+    tracker = _LiveBytes(uniform_routing, real_collectives)
     try:
         return _measure(model, blocks, run, names, tracker)
     except Exception as err:  # torch's DynamicOutputShapeException / DataDependentOutputException
