@@ -15,7 +15,8 @@ something when the model code, data, optimizer and precision are the same for ev
 - ``mfsdp``: a compute-dtype model built on the device, ``mfsdp.fully_shard`` on the embedding,
   each block and the head, then the root, with ZeRO-3 placements, fp32 main weights, main grads in ``--grad-reduce-dtype``.
   ``mfsdp-db`` adds persistent gather buffers (``double_buffer``); ``mfsdp-ub`` also registers
-  them with NCCL (``use_symm_mem``).
+  them with NCCL (``use_symm_mem``); ``mfsdp-step1`` steps the optimizer in one call, without the
+  next forward's first gathers during the step (``prefetch_across_step=False``: that lever alone).
 - ``megatron-fsdp``: ``megatron_fsdp.fully_shard`` (v1) with ``fsdp_unit_modules=[Block]``, ZeRO-3,
   package defaults otherwise; its reduce-scatter runs in the main-grad dtype.
 - ``megatron-fsdp-exp``: ``megatron_fsdp.experimental.fully_shard`` bottom-up with all-Flat
@@ -147,7 +148,8 @@ def build_fsdp2(ctx: Ctx) -> Built:
                  f"reduce_dtype={dtype_name(ctx.grad_reduce_dtype)}")
 
 
-def build_mfsdp(ctx: Ctx, double_buffer: bool = False, use_symm_mem: bool = False) -> Built:
+def build_mfsdp(ctx: Ctx, double_buffer: bool = False, use_symm_mem: bool = False,
+                prefetch_across_step: bool = True) -> Built:
     import mfsdp
 
     placements = (mfsdp.Placements.hsdp("dp_replicate", "dp_shard") if ctx.hsdp
@@ -158,7 +160,7 @@ def build_mfsdp(ctx: Ctx, double_buffer: bool = False, use_symm_mem: bool = Fals
     from mfsdp.models.parallelize import sharding_units
 
     model = _model_on_device(ctx, ctx.compute_dtype)
-    comm = mfsdp.CommunicationPolicy(double_buffer=double_buffer)
+    comm = mfsdp.CommunicationPolicy(double_buffer=double_buffer, prefetch_across_step=prefetch_across_step)
     options = dict(placements=placements, mixed_precision_policy=policy, use_symm_mem=use_symm_mem,
                    communication_policy=comm)
     for unit in sharding_units(model):  # embedding, blocks, head: mfsdp's recommended wrapping
@@ -170,7 +172,8 @@ def build_mfsdp(ctx: Ctx, double_buffer: bool = False, use_symm_mem: bool = Fals
                  f"{'Placements.hsdp' if ctx.hsdp else 'Placements.zero3'}; "
                  f"{dtype_name(ctx.compute_dtype)} model, fp32 main params, "
                  f"main grads {dtype_name(ctx.grad_reduce_dtype)}; fully_shard_optimizer"
-                 + ("; double_buffer" if double_buffer else "") + ("; use_symm_mem" if use_symm_mem else ""),
+                 + ("; double_buffer" if double_buffer else "") + ("; use_symm_mem" if use_symm_mem else "")
+                 + ("" if prefetch_across_step else "; prefetch_across_step=False"),
                  {"mfsdp_version": getattr(mfsdp, "__version__", None)})
 
 
@@ -238,6 +241,7 @@ BUILDERS: dict[str, Callable[[Ctx], Built]] = {
     "mfsdp": build_mfsdp,
     "mfsdp-db": lambda ctx: build_mfsdp(ctx, double_buffer=True),  # persistent gather buffers
     "mfsdp-ub": lambda ctx: build_mfsdp(ctx, double_buffer=True, use_symm_mem=True),  # NCCL-registered
+    "mfsdp-step1": lambda ctx: build_mfsdp(ctx, prefetch_across_step=False),  # one-call step, no early gathers
     "fsdp2": build_fsdp2,
     "megatron-fsdp": build_megatron_fsdp,
     "megatron-fsdp-exp": build_megatron_fsdp_exp,

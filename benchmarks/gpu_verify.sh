@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks the open issues wait for, in sections that each fit one device call (<= 10 min).
 #
-#   bash benchmarks/gpu_verify.sh SECTION...     # SECTION: tests ab fp8 tp resume memory
+#   bash benchmarks/gpu_verify.sh SECTION...     # SECTION: tests ab step fp8 tp resume memory
 #
 # Run from the repository root on the device, with $OUT set (the device tool sets it) and, carried:
 #   .whl/          pytest, pluggy, iniconfig and torchao 0.17.0 wheels (the device has no registry)
@@ -11,6 +11,7 @@
 #   tests   every GPU test (conditional computation incl. HSDP/HFSDP on the GPUs at hand, streams,
 #           float8, deterministic resume)                                             issues 12 13 16
 #   ab      1b and 8b+AC: mfsdp at HEAD and at .carry/base beside FSDP2, one job each       issue 12
+#   step    1b and 8b+AC: the early gathers during the optimizer step, on and off (one lever) issue 16
 #   fp8     8B compiled, FP8 tensorwise with FP8 all-gather: mfsdp, FSDP2+torchao; and the
 #           bf16 compiled rows in the same call                                             issue 16
 #   tp      HF 1B at tp=2 (local and DTensor activation paths) beside dp=2 and FSDP2+TP     issue 15
@@ -34,7 +35,7 @@ git rev-parse HEAD 2>/dev/null | tee -a "$OUT/versions.txt"
 
 section_tests() {
   timeout 560 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_conditional.py tests/test_gpu.py \
-    tests/test_float8.py tests/test_gpu_train_resume.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
+    tests/test_float8.py tests/test_gpu_train_resume.py tests/test_gpu_step_overlap.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
 }
 
 bench() {  # TREE IMPLS ARGS... -> one JSON line per implementation in $OUT/bench_TREE.jsonl
@@ -51,6 +52,11 @@ section_ab() {
   bench "$ROOT/.carry/base" mfsdp --preset 1b --local-batch 2 --seq 4096
   bench "$ROOT" mfsdp --preset 8b --local-batch 1 --seq 4096 --ac
   bench "$ROOT/.carry/base" mfsdp --preset 8b --local-batch 1 --seq 4096 --ac
+}
+
+section_step() {
+  bench "$ROOT" mfsdp,mfsdp-step1,fsdp2 --preset 1b --local-batch 2 --seq 4096 --profile
+  bench "$ROOT" mfsdp,mfsdp-step1 --preset 8b --local-batch 1 --seq 4096 --ac
 }
 
 section_fp8() {  # compiled 8B: ~2-3 min per implementation; the bf16 rows fit a second call if need be

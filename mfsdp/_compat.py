@@ -186,6 +186,23 @@ def launch_config(config_cls, **kwargs):
     return config_cls(**{k: v for k, v in kwargs.items() if k in known})
 
 
+def optimizer_step_body(optimizer):
+    """The function ``type(optimizer).step`` runs between its hooks (called as ``body(optimizer,
+    ...)``), or None where it cannot be found.
+
+    torch wraps each Optimizer subclass's ``step`` once (``profile_hook_step``, marked ``hooked``,
+    through ``functools.wraps``) in a function that runs the pre hooks, the body, the post hooks."""
+    step = type(optimizer).step
+    return getattr(step, "__wrapped__", None) if getattr(step, "hooked", False) else None
+
+
+def is_last_step_pre_hook(optimizer, handle) -> bool:
+    """Whether ``handle``'s step pre hook runs last (torch keeps an instance's hooks in insertion
+    order, after the global ones)."""
+    hooks = getattr(optimizer, "_optimizer_step_pre_hooks", None)
+    return hooks is not None and next(reversed(hooks), None) == handle.id
+
+
 def foreach_amax(tensors):
     """max(|t|) of every (non-empty) tensor in one fused launch, as 0-d tensors (private in torch)."""
     import math

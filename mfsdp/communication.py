@@ -31,6 +31,13 @@ class CommunicationPolicy:
     allocating and freeing a buffer per unshard: no allocation on the hot path and a fixed memory
     layout, at the cost of keeping those buffers at rest. Needed by ``use_symm_mem``. A schedule
     that would overwrite a slot still in use raises. Read from the root."""
+    prefetch_across_step: bool = True
+    """A bound optimizer (``fully_shard_optimizer``) first updates the modules the next forward
+    gathers first (the root and ``prefetch_depth`` more), starts their gathers, and updates the rest
+    while those run, instead of leaving them exposed at the start of the next forward. Needs an
+    optimizer whose update of a parameter reads only that parameter's gradient and state (torch's
+    SGD, Adam, AdamW and kin); others, a closure, or a step pre hook registered after binding step
+    in one call. Read from the root; off with ``overlap=False``."""
     coalesce: bool = True
     """False issues one collective launch per parameter instead of one coalesced launch per group:
     only for debugging or backends without coalescing."""

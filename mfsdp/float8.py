@@ -115,7 +115,7 @@ class Float8GatherCodec(gather_codec.GatherCodec):
         self.wire_dtype = specs[0].float8_dtype
         self.round_pow2 = specs[0].round_scales_to_power_of_2
         self.compute_dtype = compute_dtype
-        self.precomputed = None  # (scales, main-weights version they were computed for)
+        self.precomputed = None  # (scales, the group's weights_epoch they were computed for)
         self.amax_reductions = 0  # scale all-reduces issued at gather time (precomputed scales skip them)
         self._scales = None  # of the last encode, attached by decode
         self._repeat_counts: dict = {}
@@ -304,5 +304,5 @@ def precompute_fp8_scales(module: nn.Module) -> int:
         for group, part in zip(groups, amax.split([len(s) for s in sources])):
             codec = group.codec
             codec.precomputed = (_torchao()["amax_to_scale"](part, codec.wire_dtype, codec.round_pow2),
-                                 group.main.tensor._version)
+                                 group.weights_epoch)
     return sum(len(groups) for groups in batches.values())

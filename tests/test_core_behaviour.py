@@ -339,7 +339,12 @@ def bf16_resting_memory(rank, ws):
     with_grads = resting_bytes()
     optim.step()
     optim.zero_grad(set_to_none=True)
-    after_zero_grad = resting_bytes()  # freed by the bound optimizer's zero_grad
+    # The step gathered the next forward's first two modules early (prefetch_across_step), nothing else.
+    early = [m for m in net.modules() if isinstance(m, mfsdp.FsdpModule)
+             for g in m.parameter_groups if g.unsharded.is_allocated and g.unsharded is not g.main]
+    assert early == [net, net.blocks[0]], early
+    held = sum(g.unsharded.tensor.untyped_storage().size() for m in early for g in m.parameter_groups)
+    after_zero_grad = resting_bytes() - held  # gradients freed by the bound optimizer's zero_grad
     loss_fn(net(x), y).backward()
     net.zero_grad(set_to_none=True)  # a plain zero_grad: freed by the next root forward
     with torch.no_grad():

@@ -171,6 +171,9 @@ def train_and_compare(rank, ws, net, ref, precompute, steps, device="cpu"):
     of each step."""
     optim = torch.optim.AdamW(net.parameters(), lr=1e-2, weight_decay=0.1, foreach=True)
     ref_optim = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, foreach=True)
+    if precompute == "bound":  # mfsdp's binding: the first block is gathered inside the step, then
+        optim = mfsdp.fully_shard_optimizer(net, optim)  # the hook precomputes the others' scales
+        mf8.precompute_fp8_scales_after(optim, net)
     losses, reductions = [], []
     for step in range(steps):
         x, y = batch(step, device=device)
@@ -189,7 +192,7 @@ def train_and_compare(rank, ws, net, ref, precompute, steps, device="cpu"):
         reductions.append(sum(c.amax_reductions for c in codecs(net)) - before)
         optim.step()
         optim.zero_grad(set_to_none=step % 2 == 0)
-        if precompute:
+        if precompute is True or (precompute == "once" and step == 0):
             mf8.precompute_fp8_scales(net)
         mean = torch.tensor([loss.item()], device=device)
         torch.distributed.all_reduce(mean)
@@ -217,6 +220,18 @@ def test_parity_world2(world, recipe, fp8_gather, precompute, double_buffer, mlp
     if fp8_gather:
         # forward and backward gather every block: an amax all-reduce each, unless precomputed
         assert reductions == ([2 * BLOCKS] + [0] * 3 if precompute else [2 * BLOCKS] * 4), reductions
+
+
+@pytest.mark.parametrize("precompute", ["once", "bound"])
+def test_precomputed_scales_are_never_stale(world, precompute):
+    """Scales precomputed once and then not again: every later step's weights are new, so the gathers
+    compute their scales afresh (a step bumps the groups' weights epoch; tensor versions could not
+    tell: a fused step bumps none, nor do DTensor's in-place ops on the local shards). With the
+    bound optimizer, the block gathered during the step (``prefetch_across_step``) computes its
+    scale from its updated weights, and the hook precomputes the others'. Parity with torchao."""
+    reductions, _ = world(2).run(train_parity, precompute=precompute)[0]
+    assert reductions == ([2 * BLOCKS, 0] + [2 * BLOCKS] * 2 if precompute == "once" else [2 * BLOCKS] + [0] * 3), \
+        reductions
 
 
 @pytest.mark.parametrize("kind", ["hsdp", "hfsdp"])

@@ -94,8 +94,9 @@ def estimate(model_or_config, *, world_size: Optional[int] = None, mesh_shape: O
     for size in mesh_shape.values():
         world *= size
     settings = StepSettings(placements.name, world, local_batch, seq_len, microbatches, activation_checkpointing,
-                            optimizer, foreach, comm.prefetch_depth if comm.overlap else 0, comm.double_buffer,
-                            device == "cuda", tp.size, float8)
+                            optimizer, foreach, prefetch_depth=comm.prefetch_depth if comm.overlap else 0,
+                            prefetch_across_step=comm.prefetch_across_step and comm.overlap,
+                            double_buffer=comm.double_buffer, cuda=device == "cuda", tp=tp.size, float8=float8)
     return dataclasses.replace(simulate(unit_bytes, acts, settings, blocks), notes=tuple(notes))
 
 

@@ -70,6 +70,9 @@ class StepSettings:
     """Whether the optimizer runs foreach kernels (AdamW then keeps one shard-sized temporary)."""
     prefetch_depth: int = 1
     """Units gathered ahead (0 where ``overlap`` is off)."""
+    prefetch_across_step: bool = True
+    """Whether the optimizer step gathers the next forward's first units while it updates the rest
+    (``CommunicationPolicy.prefetch_across_step``; torch's elementwise optimizers)."""
     double_buffer: bool = False
     """Whether repeated units gather into persistent slots."""
     cuda: bool = True
@@ -371,7 +374,21 @@ def _optimizer(w: _Walk, units: list[UnitBytes], s: StepSettings) -> None:
     main_grads = sum(u.total("main_grad") for u in units)
     upcast = sum(g.optimizer_numel * g.main_itemsize for u in units for g in u.groups
                  if g.requires_grad and g.grads_differ)
-    temp = 0
-    if s.optimizer == "adamw" and s.foreach:
-        temp = sum(g.optimizer_numel * g.main_itemsize for u in units for g in u.groups if g.requires_grad)
-    w.snap("optimizer step", main_grads=main_grads, optimizer_step=upcast + temp)
+
+    def temp(groups) -> int:
+        if s.optimizer == "adamw" and s.foreach:
+            return sum(g.optimizer_numel * g.main_itemsize for g in groups if g.requires_grad)
+        return 0
+
+    if not s.prefetch_across_step:
+        w.snap("optimizer step", main_grads=main_grads, optimizer_step=upcast + temp(g for u in units for g in u.groups))
+        return
+    # The first units update, then gather while the rest update (``mfsdp.optimizer``).
+    early = units[:1 + s.prefetch_depth]
+    w.snap("optimizer step: first units", main_grads=main_grads,
+           optimizer_step=upcast + temp(g for u in early for g in u.groups))
+    w.gathered = {}
+    for u in early:
+        w.gather(u)
+    w.snap("optimizer step: the rest", unsharded_fwd=sum(w.gathered.values()), main_grads=main_grads,
+           optimizer_step=upcast + temp(g for u in units[len(early):] for g in u.groups))

@@ -53,6 +53,7 @@ class FsdpContext:
             self.allgather_stream if policy.unify_streams else torch.cuda.Stream(device) if has_streams else None
         )
         self.prefetch_depth = policy.prefetch_depth if policy.overlap else 0
+        self.prefetch_across_step = policy.prefetch_across_step and policy.overlap
         self.backward_count = 0
         self.is_last_microbatch = True
         self._root = weakref.ref(root_module)
@@ -65,6 +66,7 @@ class FsdpContext:
         self.gather_slots: Optional[GatherSlots] = None  # persistent gather buffers (double_buffer)
         self.tag_check = TagCheck(schedule, device)
         self.trainable_groups: list = []  # every trainable parameter group, in backward order
+        self._gathered_early: list = []  # (module, source versions) gathered during the optimizer step
 
     @classmethod
     def ensure(cls, root: "FsdpModule") -> "FsdpContext":
@@ -142,6 +144,7 @@ class FsdpContext:
         if current is not None:
             self.allgather_stream.wait_stream(current)
         self.tag_check.raise_if_mismatched(wait=False)
+        self._drop_stale_early_gathers()
         self._forward_issued = self._forward_swept = 0
         self._backward_active = False
         for group in self.trainable_groups:
@@ -165,6 +168,33 @@ class FsdpContext:
         last = self.schedule.num_forward - 1
         self._issue_forward_through(last, prefetch=False)
         self._release_skipped(last + 1)
+
+    # ------------------------------------------------------------- across the optimizer step
+    def first_forward_modules(self) -> list["FsdpModule"]:
+        """The modules the next forward gathers first: the root and the ``prefetch_depth`` after it."""
+        return [self.schedule.forward_module(i) for i in range(min(1 + self.prefetch_depth, self.schedule.num_forward))]
+
+    def gather_for_next_forward(self, modules: list["FsdpModule"]) -> None:
+        """Unshard ``modules`` (``first_forward_modules``, their weights final for this step) now,
+        so their gathers run while the optimizer updates the rest. See ``mfsdp.optimizer``.
+
+        Every rank steps its bound optimizer at the same point, so the gathers keep one order
+        everywhere. The next ``begin_forward`` drops a gather whose source changed since (a state
+        load, an in-place edit followed by ``refresh_model_weights``) and the walk gathers afresh."""
+        current = self.current_stream()
+        if current is not None:
+            self.allgather_stream.wait_stream(current)  # after the update and refresh just enqueued
+        with torch.profiler.record_function("mfsdp::gather_for_next_forward"):
+            for module in modules:
+                if module._unshard_event is not None or not module._unshard_parameter_groups(prefetch=True):
+                    break  # already held, or a busy slot: the forward walk gathers in order
+                self._gathered_early.append((module, [g.weights_token() for g in module.parameter_groups]))
+
+    def _drop_stale_early_gathers(self) -> None:
+        for module, versions in self._gathered_early:
+            if any(g.needs_refresh or g.weights_token() != v for g, v in zip(module.parameter_groups, versions)):
+                module._reshard_parameter_groups()
+        self._gathered_early.clear()
 
     def _issue_forward_through(self, last: int, prefetch: bool) -> None:
         last = min(last, self.schedule.num_forward - 1)

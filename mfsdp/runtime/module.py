@@ -148,6 +148,7 @@ class FsdpModule:
         Optimizer steps and ``load_state_dict`` trigger this by themselves.
         """
         for group in self._parameter_groups:
+            group.weights_epoch += 1
             group.refresh_model_weights()
             group.needs_refresh = False
 

@@ -69,6 +69,10 @@ class FsdpParameterGroup:
         self.requires_grad = params[0].requires_grad
         self.state = GroupState.SHARDED
         self.needs_refresh = False  # main weights changed since the compute weights were derived
+        # Bumped whenever the main weights are (about to be) written: a step, a load, an init, an
+        # edit the user reports. Tensor version counters cannot say it: a fused optimizer step
+        # bumps none, and in-place ops that DTensor runs on its local shard bump neither tensor's.
+        self.weights_epoch = 0
         self.issue = CollectiveIssuer(label, policy.coalesce, policy.check_collectives
                                       or os.environ.get("MFSDP_CHECK_COLLECTIVES", "0") not in ("", "0"))
         device = params[0].device
@@ -229,8 +233,17 @@ class FsdpParameterGroup:
         """The main weights were written outside an optimizer step (a state-dict load, an init):
         derive the compute weights afresh at the next unshard, and drop what a codec derived."""
         self.needs_refresh = True
+        self.weights_epoch += 1
         if self.encoded is not None:
             self.encoded.codec.main_weights_changed()
+
+    def weights_token(self) -> tuple[int, ...]:
+        """Changes whenever what ``unshard`` gathers from may have been written: ``weights_epoch``
+        (steps, loads, reported edits), and the version counters an unreported in-place edit bumps
+        (of an exposed parameter, of its local shard, of the compute copy)."""
+        model = self.model.tensor._version if self.model is not None and self.model is not self.main else 0
+        return (self.weights_epoch, model, sum(p._version for p in self.sharded_params),
+                sum(local_tensor(p)._version for p in self.sharded_params))
 
     def refresh_model_weights(self, stream: Optional[torch.Stream] = None) -> None:
         """Cast the main weights into the compute weights (one kernel), re-gathering if needed."""
@@ -261,7 +274,7 @@ class FsdpParameterGroup:
                 self.issue("all_gather", outs, regions, g.groups[j], stream)
             elif j == level - 1:  # this rank's shard, encoded in place: gathered as bytes
                 self.issue("all_gather", *encoded.encode(regions, outs, g.groups[j], g.groups[:level],
-                                                         self.main.tensor._version, j == stop), g.groups[j], stream)
+                                                         self.weights_epoch, j == stop), g.groups[j], stream)
             else:
                 self.issue("all_gather", gather_codec.as_bytes(outs), gather_codec.as_bytes(regions),
                            g.groups[j], stream)
