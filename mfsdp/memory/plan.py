@@ -85,7 +85,8 @@ def estimate_run(cfg, world: int, setting: Optional[Setting] = None,
                     mixed_precision_policy=policy, local_batch=s.local_batch, seq_len=d.seq_len,
                     microbatches=s.microbatches, activation_checkpointing=s.activation_checkpointing,
                     compute_dtype=compute, expert_units=p.expert_units, tensor_parallel=tp,
-                    tp_in_process=tp_in_process, float8=cfg.model.float8)
+                    tp_in_process=tp_in_process, float8=cfg.model.float8,
+                    foreach=False)  # mfsdp train steps with fused AdamW on CUDA (train.build.adamw)
 
 
 def candidates(cfg) -> list[Setting]:

@@ -77,12 +77,15 @@ def shard_numel(model) -> int:
 
 def adamw(model, t) -> torch.optim.AdamW:
     """AdamW on the sharded parameters; 1-D ones (norm scales, biases) are not decayed: shrinking
-    them towards zero only hurts."""
+    them towards zero only hurts. Fused on CUDA: one kernel per dtype instead of a dozen foreach
+    passes, and no shard-sized temporary (foreach AdamW's, often the step's memory peak); foreach
+    on CPU, where the fused kernel is slower."""
     decay = [q for q in model.parameters() if q.ndim >= 2]
     no_decay = [q for q in model.parameters() if q.ndim < 2]
+    cuda = any(q.is_cuda for q in decay + no_decay)
     return torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay},
                               {"params": no_decay, "weight_decay": 0.0}],
-                             lr=t.lr, betas=(t.beta1, t.beta2), foreach=True)
+                             lr=t.lr, betas=(t.beta1, t.beta2), **({"fused": True} if cuda else {"foreach": True}))
 
 
 HF_STRATEGIES = {"zero3": 3, "zero2": 2, "zero1": 1, "ddp": 0, "hsdp": 3, "hfsdp": 3}
