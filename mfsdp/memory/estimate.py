@@ -262,10 +262,12 @@ def _microbatch(w: _Walk, acts: ActivationProfile, s: StepSettings, which: str, 
     steps = _walk_steps(order, units)
     for kind_step, u in steps:
         if kind_step == "enter":
-            w.gather(u)
+            if u.gathers_in_backward:
+                w.gather(u)
             at = order.index(u)
             for following in order[at + 1:at + 1 + depth]:
-                w.gather(following)
+                if following.gathers_in_backward:
+                    w.gather(following)
             kind = w.kind[u.name]
             own = sum(u.param_grad_bytes) if u is not root else 0
             if kind == "block":

@@ -34,7 +34,7 @@ from mfsdp.mixed_precision import MixedPrecisionPolicy, ResolvedDtypes
 from mfsdp.placement import Placements
 from mfsdp.runtime import gather_codec
 from mfsdp.runtime.flat_buffer import FlatLayout
-from mfsdp.runtime.ownership import collect_owned_parameters, group_parameters
+from mfsdp.runtime.ownership import collect_owned_parameters, gathers_in_backward, group_parameters
 from mfsdp.runtime.parameter_group import choose_model_buffer, local_tensor
 from mfsdp.runtime.tag_check import TAG_COLUMNS
 
@@ -139,6 +139,8 @@ class UnitBytes:
     """Names of the parameters it owns (for matching measured gradient arrival)."""
     param_grad_bytes: tuple[int, ...]
     """Autograd gradient bytes of each of those parameters (0 where frozen)."""
+    gathers_in_backward: bool = True
+    """Whether its backward gathers its weights (not a bare embedding: ``ownership``)."""
 
     def total(self, field: str) -> int:
         return sum(getattr(g, field) for g in self.groups)
@@ -237,7 +239,8 @@ def describe_units(model: nn.Module, units: list, policy: MixedPrecisionPolicy, 
             groups.append(group_bytes(label, [local_tensor(p).shape for p in params], dtypes, levels,
                                       params[0].requires_grad, rank_shard, params=list(params)))
         out.append((unit, groups, tuple(param_names.get(p, "?") for p in owned),
-                    tuple(local_tensor(p).numel() * p.element_size() if p.requires_grad else 0 for p in owned)))
+                    tuple(local_tensor(p).numel() * p.element_size() if p.requires_grad else 0 for p in owned),
+                    gathers_in_backward(unit, owned)))
     parent_of = {}
     for unit in done:  # the nearest unit strictly above each unit
         for other in done:
@@ -248,8 +251,8 @@ def describe_units(model: nn.Module, units: list, policy: MixedPrecisionPolicy, 
     order = {id(m): i for i, m in enumerate(model.modules())}
     out.sort(key=lambda entry: order[id(entry[0])])  # forward order: registration pre-order, root first
     return [UnitBytes(names.get(id(u), ""), tuple(g),
-                      names.get(id(parent_of[id(u)])) if id(u) in parent_of else None, pn, gb)
-            for u, g, pn, gb in out]
+                      names.get(id(parent_of[id(u)])) if id(u) in parent_of else None, pn, gb, bw)
+            for u, g, pn, gb, bw in out]
 
 
 def optimizer_state_bytes(units: list[UnitBytes], optimizer: str) -> int:

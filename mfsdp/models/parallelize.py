@@ -3,8 +3,9 @@ then the root.
 
 The model file knows nothing about parallelism; this file is the one place that decides
 how it is cut. Each block is its own unit, so only one block's full weights exist at a
-time (plus the prefetched next one). The root unit picks up what is left: the
-embedding, the final norm and the output head.
+time (plus the prefetched next one). The embedding and the output head are units of their
+own (``sharding_units``), so the root keeps just the final norm; the embedding, whose
+backward never reads its table, is then not gathered in backward at all.
 
 Mixture-of-experts blocks (``mfsdp.models.moe``) are cut the same way by default. With
 ``expert_units=True`` each expert becomes a unit of its own inside its block's unit: an

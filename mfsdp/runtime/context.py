@@ -243,7 +243,7 @@ class FsdpContext:
                 ran = signalled is not None and self.schedule.is_ancestor_or_self(module, signalled)
                 module._enter_backward(ran)
                 for following in self.schedule.next_in_backward(module, self.prefetch_depth):
-                    if not following._unshard_parameter_groups(prefetch=True):
+                    if following._gathers_in_backward and not following._unshard_parameter_groups(prefetch=True):
                         break
             else:
                 module._exit_backward()

@@ -32,7 +32,7 @@ from mfsdp.mixed_precision import MixedPrecisionPolicy
 from mfsdp.placement import Placements
 from mfsdp.runtime.context import FsdpContext
 from mfsdp.runtime.geometry import ShardGeometry
-from mfsdp.runtime.ownership import collect_owned_parameters, group_parameters
+from mfsdp.runtime.ownership import collect_owned_parameters, gathers_in_backward, group_parameters
 from mfsdp.runtime.parameter_group import FsdpParameterGroup
 from mfsdp.runtime.registry import GROUP_OF_SHARDED, OWNER_OF_PARAMETER
 from mfsdp.runtime.schedule import StepKind
@@ -98,6 +98,7 @@ class FsdpModule:
         self._use_symm_mem = use_symm_mem
         self._communication_policy = communication_policy or CommunicationPolicy()
         owned, children = collect_owned_parameters(self, FsdpModule)
+        self._gathers_in_backward = gathers_in_backward(self, owned)
         for child in children:
             child._fsdp_parent = weakref.ref(self)
         geometry = ShardGeometry(mesh, placements)
@@ -362,6 +363,8 @@ class FsdpModule:
         with record_function(self._nvtx_label("pre_backward")):
             if ran:
                 self._set_phase(ModulePhase.BACKWARD)
+            if not self._gathers_in_backward:
+                return
             self._unshard_parameter_groups()
             if ran:
                 self._wait_for_unshard()

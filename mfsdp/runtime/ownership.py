@@ -49,6 +49,16 @@ def collect_owned_parameters(root: nn.Module, fsdp_cls: type):
     return owned, children
 
 
+def gathers_in_backward(unit: nn.Module, owned: dict) -> bool:
+    """Whether ``unit``'s backward needs its gathered weights. A bare embedding does not: its own
+    ``nn.Embedding`` forward over only its own weight, whose backward reads the token ids and the
+    output gradient, never the table; its gradient still arrives and is reduced as usual. A
+    recompute in backward (activation checkpointing) gathers on demand, like any forward."""
+    bare_embedding = getattr(type(unit), "forward", None) is nn.Embedding.forward and all(
+        module is unit for places in owned.values() for module, _, _ in places)
+    return not bare_embedding
+
+
 def group_parameters(owned: dict) -> list[tuple[list[nn.Parameter], list[list[tuple[nn.Module, str]]]]]:
     """Group parameters by (dtype, requires_grad), keeping first-seen order."""
     groups: dict[tuple, tuple[list, list]] = {}
