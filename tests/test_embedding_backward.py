@@ -112,3 +112,7 @@ def test_planner_skips_the_table_in_backward():
     units = describe_units(model, [model.embed, *model.blocks], mfsdp.MixedPrecisionPolicy(), levels)
     flags = {u.name: u.gathers_in_backward for u in units}
     assert flags == {"": True, "embed": False, "blocks.0": True, "blocks.1": True, "blocks.2": True}, flags
+    # A forward replaced on the instance (as the manager's local TP path does) may read anything.
+    model.embed.forward = lambda ids: nn.functional.embedding(ids, model.embed.weight)
+    units = describe_units(model, [model.embed, *model.blocks], mfsdp.MixedPrecisionPolicy(), levels)
+    assert all(u.gathers_in_backward for u in units)

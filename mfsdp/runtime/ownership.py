@@ -54,8 +54,9 @@ def gathers_in_backward(unit: nn.Module, owned: dict) -> bool:
     ``nn.Embedding`` forward over only its own weight, whose backward reads the token ids and the
     output gradient, never the table; its gradient still arrives and is reduced as usual. A
     recompute in backward (activation checkpointing) gathers on demand, like any forward."""
-    bare_embedding = getattr(type(unit), "forward", None) is nn.Embedding.forward and all(
-        module is unit for places in owned.values() for module, _, _ in places)
+    bare_embedding = (getattr(type(unit), "forward", None) is nn.Embedding.forward
+                      and "forward" not in vars(unit)  # no per-instance replacement (tp_local's)
+                      and all(module is unit for places in owned.values() for module, _, _ in places))
     return not bare_embedding
 
 
