@@ -13,40 +13,27 @@ precomputed after each optimizer step by ``precompute_fp8_scales``), for FSDP2 t
 
 from __future__ import annotations
 
-import contextlib
-
 from _impls import Skip
 
 FLOAT8_IMPLS = ("mfsdp", "mfsdp-db", "mfsdp-ub", "fsdp2", "none")
 
 
-@contextlib.contextmanager
-def float8_models(args, impl):
-    """While a builder runs: convert its model's linears to float8 right after the model is built,
-    before AC, compile and sharding (``_impls._prepare``, which every builder calls at that point).
-    Yields a dict that receives the number of float8 linears."""
-    import _impls
-
-    info = {}
+def float8_converter(args, impl):
+    """``(convert, info)``: ``convert`` (for ``Ctx.convert``, which every builder applies to its fresh
+    model before AC, compile and sharding) turns the model's linears into float8 and records their
+    number in the dict ``info``; ``(None, {})`` without ``--float8``."""
+    info: dict = {}
     if args.float8 == "none":
-        yield info
-        return
+        return None, info
     if impl not in FLOAT8_IMPLS:
         raise Skip(f"--float8 is wired for {', '.join(FLOAT8_IMPLS)} only")
     from mfsdp import float8
 
-    prepare = _impls._prepare
-
-    def convert_then_prepare(model, ctx):
+    def convert(model):
         info["float8_linears"] = float8.convert_to_float8(
             model, args.float8, fp8_all_gather=args.fp8_all_gather and impl != "none", for_fsdp2=impl == "fsdp2")
-        prepare(model, ctx)
 
-    _impls._prepare = convert_then_prepare
-    try:
-        yield info
-    finally:
-        _impls._prepare = prepare
+    return convert, info
 
 
 def precompute_scales_after_step(args, impl, built) -> str:

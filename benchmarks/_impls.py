@@ -34,7 +34,7 @@ for it and is skipped.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -64,6 +64,7 @@ class Ctx:
     compile: bool
     lr: float = 1e-4
     replicate: int = 1              # HSDP replica groups (a divisor of world_size; 1 = plain ZeRO-3)
+    convert: Optional[Callable[[nn.Module], None]] = None  # applied to each fresh model first (float8)
 
     @property
     def hsdp(self) -> bool:
@@ -101,7 +102,9 @@ def make_adamw(params, ctx: Ctx) -> torch.optim.Optimizer:
 
 
 def _prepare(model: Llama, ctx: Ctx) -> None:
-    """AC and compile are applied per block, before any wrapping, identically for every impl."""
+    """``ctx.convert``, then AC and compile per block, before any wrapping, identically for every impl."""
+    if ctx.convert is not None:
+        ctx.convert(model)
     model.set_activation_checkpointing(ctx.ac)
     if ctx.compile:
         for block in model.layers:

@@ -49,7 +49,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from _float8 import float8_models, precompute_scales_after_step  # noqa: E402
+from _float8 import float8_converter, precompute_scales_after_step  # noqa: E402
 from _impls import BUILDERS, DTYPES, Ctx, Skip  # noqa: E402
 from mfsdp.models.flops import flops_per_token, param_counts, peak_flops  # noqa: E402
 from mfsdp.models.llama import PRESETS, get_config  # noqa: E402
@@ -263,15 +263,15 @@ def run_one(args, impl, device) -> dict:
     cuda = device.type == "cuda"
     # Non-zero here in --in-process mode means an earlier implementation leaked memory.
     rec["mem_alloc_at_start_gib"] = round(torch.cuda.memory_allocated(device) / GIB, 2) if cuda else None
-    ctx = Ctx(cfg=cfg, device=device, world_size=dist.get_world_size(),
-              compute_dtype=DTYPES[args.dtype], grad_reduce_dtype=DTYPES[args.grad_reduce_dtype],
-              ac=args.ac, compile=args.compile, lr=args.lr, replicate=args.replicate)
     torch.manual_seed(args.seed)  # same initial weights for every implementation
     t0 = time.perf_counter()
     built = None
     try:
-        with float8_models(args, impl) as float8:
-            built = BUILDERS[impl](ctx)
+        convert, float8 = float8_converter(args, impl)
+        ctx = Ctx(cfg=cfg, device=device, world_size=dist.get_world_size(),
+                  compute_dtype=DTYPES[args.dtype], grad_reduce_dtype=DTYPES[args.grad_reduce_dtype],
+                  ac=args.ac, compile=args.compile, lr=args.lr, replicate=args.replicate, convert=convert)
+        built = BUILDERS[impl](ctx)
         setup = "; ".join(x for x in (built.setup, float8 and f"torchao float8 {args.float8} "
                                       f"({float8['float8_linears']} linears)",
                                       precompute_scales_after_step(args, impl, built)) if x)

@@ -29,8 +29,8 @@ whose ``fsdp_pre_all_gather`` reduces one amax and casts once per weight): a gro
 amaxes of all its float8 weights in one fused kernel and one all-reduce(MAX), casts them all with a
 fixed number of kernels (fused multi-tensor copies and one scale pass over a staging buffer of at
 most ``ENCODE_STAGING_NUMEL`` elements at a time), and moves them in its one coalesced all-gather. Scales computed after the optimizer step (``precompute_fp8_scales``) replace that
-all-reduce too; they are used only while the main weights are unchanged since (their version
-counter), so a forgotten call costs speed, never correctness.
+all-reduce too; they are used only while the group's ``weights_epoch`` is the one they were
+computed at (a step, a load or an init bumps it), so a forgotten call costs speed, never correctness.
 
 Numerics match torchao's tensorwise cast bit for bit: the amax of the compute-dtype weight (with
 fp32 main weights, the fp32 amax rounded to the compute dtype: rounding is monotone, so that is the
@@ -131,17 +131,11 @@ class Float8GatherCodec(gather_codec.GatherCodec):
         param._data = view
 
     def scales(self, sources: Sequence[torch.Tensor], groups: Sequence) -> torch.Tensor:
-        """Tensorwise scales of the whole weights whose shards are ``sources`` (split over ``groups``):
-        one fused amax kernel and one all-reduce(MAX) per group of ranks, for all members."""
-        amax = torch.stack(_compat.foreach_amax(sources)).to(self.compute_dtype).float()
-        collectives.all_reduce_max(amax, groups)
-        return _torchao()["amax_to_scale"](amax, self.wire_dtype, self.round_pow2)
+        """Tensorwise scales of the whole weights whose shards are ``sources`` (split over ``groups``)."""
+        return tensorwise_scales([self], [sources], groups)[0]
 
-    def main_weights_changed(self) -> None:
-        self.precomputed = None  # scales of the weights before a load or init: computed afresh at the gather
-
-    def encode(self, sources, blocks, groups, version: int) -> None:
-        if self.precomputed is not None and self.precomputed[1] == version:
+    def encode(self, sources, blocks, groups, weights_epoch: int) -> None:
+        if self.precomputed is not None and self.precomputed[1] == weights_epoch:
             scales = self.precomputed[0]
         else:
             scales = self.scales(sources, groups)
@@ -296,13 +290,22 @@ def precompute_fp8_scales(module: nn.Module) -> int:
         g = groups[0].geometry
         sources = [[regions[i] for i in group.encoded.tagged]
                    for group in groups for regions in [group.layout.regions(group.main.tensor, g.num_shards)]]
-        amax = torch.stack(_compat.foreach_amax([t for s in sources for t in s]))  # one fused kernel
-        dtypes = [group.codec.compute_dtype for group in groups]
-        amax = (amax.to(dtypes[0]).float() if len(set(dtypes)) == 1 else torch.cat(
-            [part.to(dtype).float() for part, dtype in zip(amax.split([len(s) for s in sources]), dtypes)]))
-        collectives.all_reduce_max(amax, g.groups)
-        for group, part in zip(groups, amax.split([len(s) for s in sources])):
-            codec = group.codec
-            codec.precomputed = (_torchao()["amax_to_scale"](part, codec.wire_dtype, codec.round_pow2),
-                                 group.weights_epoch)
+        scales = tensorwise_scales([group.codec for group in groups], sources, g.groups)
+        for group, part in zip(groups, scales):
+            group.codec.precomputed = (part, group.weights_epoch)
     return sum(len(groups) for groups in batches.values())
+
+
+def tensorwise_scales(codecs: Sequence[Float8GatherCodec], sources: Sequence[Sequence[torch.Tensor]],
+                      groups: Sequence) -> list[torch.Tensor]:
+    """torchao's tensorwise scales of the whole weights whose shards are ``sources[k]`` (codec ``k``'s
+    members, all split over ``groups``): one fused amax kernel for all of them, each amax rounded to its
+    codec's compute dtype as torchao sees the weight, one all-reduce(MAX) per group of ranks."""
+    counts = [len(s) for s in sources]
+    amax = torch.stack(_compat.foreach_amax([t for s in sources for t in s]))
+    dtypes = [codec.compute_dtype for codec in codecs]
+    amax = amax.to(dtypes[0]).float() if len(set(dtypes)) == 1 else torch.cat(
+        [part.to(dtype).float() for part, dtype in zip(amax.split(counts), dtypes)])
+    collectives.all_reduce_max(amax, groups)
+    to_scale = _torchao()["amax_to_scale"]
+    return [to_scale(part, codec.wire_dtype, codec.round_pow2) for part, codec in zip(amax.split(counts), codecs)]

@@ -41,6 +41,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 from mfsdp import _compat
+from mfsdp.runtime.geometry import contiguous_stride
 
 # Module roles of the built-in plan (module-name patterns, '*' one name atom), and the placements
 # their parameters get: exactly those of ``tp_plans.llama_style_plan`` (a test compares them).
@@ -161,20 +162,12 @@ class LocalTP:
         """The seq-sharded residual stream as the ``Shard(1)`` DTensor Hugging Face sees."""
         shape = (local.shape[0], local.shape[1] * self.size) + tuple(local.shape[2:])
         return DTensor.from_local(local, self.mesh, self.seq, run_check=False, shape=torch.Size(shape),
-                                  stride=_contiguous_stride(shape))
+                                  stride=contiguous_stride(shape))
 
     @property
     def stream_grad(self) -> list:
         """Gradient placement of a replicated weight applied to the residual stream."""
         return [Partial()] if self.sp else [Replicate()]
-
-
-def _contiguous_stride(shape) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for n in reversed(shape):
-        stride.append(acc)
-        acc *= n
-    return tuple(reversed(stride))
 
 
 def _unwrap(x):
@@ -221,19 +214,22 @@ def _head(tp: LocalTP, module: nn.Linear, x):
         return _GatherVocab.apply(logits, tp.group, tp.size, tp.rank)
     shape = tuple(logits.shape[:-1]) + (logits.shape[-1] * tp.size,)
     return DTensor.from_local(logits, tp.mesh, [Shard(logits.ndim - 1)], run_check=False,
-                              shape=torch.Size(shape), stride=_contiguous_stride(shape))
+                              shape=torch.Size(shape), stride=contiguous_stride(shape))
+
+
+def _map_hidden(fn, args, kwargs):
+    """``(args, kwargs)`` with ``fn`` applied to the hidden states (first positional, or by name)."""
+    if args:
+        return (fn(args[0]),) + tuple(args[1:]), kwargs
+    return args, {**kwargs, "hidden_states": fn(kwargs["hidden_states"])}
 
 
 def _enter_hook(tp: LocalTP, module, args, kwargs):
-    if args:
-        return (tp.enter(args[0]),) + tuple(args[1:]), kwargs
-    return args, {**kwargs, "hidden_states": tp.enter(kwargs["hidden_states"])}
+    return _map_hidden(tp.enter, args, kwargs)
 
 
 def _layer_in_hook(tp: LocalTP, module, args, kwargs):
-    if args:
-        return (_unwrap(args[0]),) + tuple(args[1:]), kwargs
-    return args, {**kwargs, "hidden_states": _unwrap(kwargs["hidden_states"])}
+    return _map_hidden(_unwrap, args, kwargs)
 
 
 def _layer_out_hook(tp: LocalTP, module, args, kwargs, output):

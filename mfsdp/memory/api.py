@@ -150,14 +150,10 @@ def _llama(cfg, dtype, seq_len, expert_units, model=None, float8="none"):
             "(saved bytes depend only on that total; the peak inside an expert on its share); "
             + ("every expert unit is gathered in turn, forward and backward (a skipped expert gathers nothing)"
                if expert_units else "each block gathers all its experts with it"))
-    return model, units, blocks, lambda b, s, ac: _llama_acts(cfg, dtype, b, s, ac, float8), notes
+    return model, units, blocks, lambda b, s, ac: measure_llama(cfg, dtype, b, s, ac, float8), notes
 
 
 @functools.lru_cache(maxsize=64)
-def _llama_acts(cfg, dtype, batch, seq, ac, float8="none") -> ActivationProfile:
-    return measure_llama(cfg, dtype, batch, seq, ac, float8)
-
-
 def _float8_model(model: nn.Module, recipe: str, copy_first: bool) -> nn.Module:
     """The meta model with its linears converted as ``parallelize(float8=recipe)`` converts them
     (``convert_to_float8``: tensorwise tags the weights for FP8 all-gather); ``copy_first`` (the

@@ -66,7 +66,7 @@ class FsdpContext:
         self.gather_slots: Optional[GatherSlots] = None  # persistent gather buffers (double_buffer)
         self.tag_check = TagCheck(schedule, device)
         self.trainable_groups: list = []  # every trainable parameter group, in backward order
-        self._gathered_early: list = []  # (module, source versions) gathered during the optimizer step
+        self._gathered_early: list = []  # (module, its groups' weights tokens) gathered during the step
 
     @classmethod
     def ensure(cls, root: "FsdpModule") -> "FsdpContext":
@@ -191,8 +191,8 @@ class FsdpContext:
                 self._gathered_early.append((module, [g.weights_token() for g in module.parameter_groups]))
 
     def _drop_stale_early_gathers(self) -> None:
-        for module, versions in self._gathered_early:
-            if any(g.needs_refresh or g.weights_token() != v for g, v in zip(module.parameter_groups, versions)):
+        for module, tokens in self._gathered_early:
+            if any(g.weights_token() != t for g, t in zip(module.parameter_groups, tokens)):
                 module._reshard_parameter_groups()
         self._gathered_early.clear()
 

@@ -52,20 +52,15 @@ class GatherCodec:
         raise NotImplementedError
 
     def encode(self, sources: Sequence[torch.Tensor], blocks: Sequence[torch.Tensor], groups: Sequence,
-               version: int) -> None:
+               weights_epoch: int) -> None:
         """Write the encoding of ``sources`` (this rank's 1-D regions of the tagged members, split over
-        ``groups``) into ``blocks`` (this rank's blocks of the gather output). ``version`` changes whenever
-        the main weights change (their version counter)."""
+        ``groups``) into ``blocks`` (this rank's blocks of the gather output). ``weights_epoch`` (the
+        group's) changes whenever the main weights are written: a step, a load, an init."""
         raise NotImplementedError
 
     def decode(self, params: Sequence[nn.Parameter]) -> None:
         """After the gather: finish the compute parameters of the tagged members."""
         raise NotImplementedError
-
-    def main_weights_changed(self) -> None:
-        """The main weights were written outside an optimizer step (a state-dict load, an init):
-        drop whatever was derived from them. Version counters alone do not tell: a checkpoint load
-        can write the shards without bumping them."""
 
 
 class CodecSpec:
@@ -131,9 +126,9 @@ class EncodedGather:
         self.codec.repoint(param, view)
 
     def encode(self, sources: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], group, groups: Sequence,
-               version: int, persistent: bool) -> tuple[list, list]:
+               weights_epoch: int, persistent: bool) -> tuple[list, list]:
         """Write this rank's shard of every member into its block of ``outputs`` (the tagged ones
-        encoded, the others cast), ready for the gather over ``group``; ``groups`` and ``version``
+        encoded, the others cast), ready for the gather over ``group``; ``groups`` and ``weights_epoch``
         as in ``GatherCodec.encode``. Returns the (outputs, inputs) of that gather, as bytes, and
         keeps them for the next call when ``persistent`` (``outputs`` are the unsharded buffer's,
         not a temporary of a multi-level gather)."""
@@ -146,7 +141,7 @@ class EncodedGather:
             ins = [blocks[i] if i in self._position or i in cast else sources[i] for i in range(len(sources))]
             out_bytes, in_bytes = as_bytes(outputs), as_bytes(ins)
             self._blocks = (outputs, sources, blocks, out_bytes, in_bytes, cast) if persistent else None
-        self.codec.encode([sources[i] for i in self.tagged], [blocks[i] for i in self.tagged], groups, version)
+        self.codec.encode([sources[i] for i in self.tagged], [blocks[i] for i in self.tagged], groups, weights_epoch)
         if cast:
             _compat.foreach_copy_([blocks[i] for i in cast], [sources[i] for i in cast])
         return out_bytes, in_bytes

@@ -86,8 +86,7 @@ class FsdpParameterGroup:
         g.check_exposed(params, self.layout.members, specs, label)  # the DTensors describe these shards
         # Tagged parameters (gather_codec): None, and the untouched path below, when none is.
         self.encoded = gather_codec.encoded_gather(params, dtypes, self.layout, label)
-        self.codec = self.encoded.codec if self.encoded is not None else None
-        if self.codec is not None and (g.param_level == 0 or any(isinstance(p, DTensor) for p in params)):
+        if self.encoded is not None and (g.param_level == 0 or any(isinstance(p, DTensor) for p in params)):
             raise NotImplementedError(
                 f"mfsdp: parameter group {label} asks for an encoded all-gather ({type(self.codec).__name__}), "
                 "which needs parameters that are sharded at rest and gathered for compute (ZeRO-3, HSDP, "
@@ -161,6 +160,11 @@ class FsdpParameterGroup:
         self.use_sharded_params()
 
     # ------------------------------------------------------------------------------ weights
+    @property
+    def codec(self) -> Optional[gather_codec.GatherCodec]:
+        """The codec of the encoded gather, None for a group that gathers as is."""
+        return self.encoded.codec if self.encoded is not None else None
+
     def use_sharded_params(self) -> None:
         for sharded, aliases in zip(self.sharded_params, self.aliases):
             for parameters, name in aliases:
@@ -210,7 +214,7 @@ class FsdpParameterGroup:
                 self.unsharded.allocate()  # allocated on the all-gather stream, freed there too
                 if not self.model_on_the_fly:
                     self._gather(self._model_regions, g.param_level, self._unsharded_regions, stream)
-                elif g.num_shards == 1 and self.codec is None:
+                elif g.num_shards == 1 and self.encoded is None:
                     self.unsharded.tensor.copy_(self.main.tensor)  # one rank: cast straight into place
                 else:  # the first gather casts the main shard into its own block of the output
                     self._gather(self._main_regions, g.param_level, self._unsharded_regions, stream)
@@ -231,11 +235,10 @@ class FsdpParameterGroup:
 
     def main_weights_replaced(self) -> None:
         """The main weights were written outside an optimizer step (a state-dict load, an init):
-        derive the compute weights afresh at the next unshard, and drop what a codec derived."""
+        derive the compute weights afresh at the next unshard; the new epoch retires what was derived
+        from the old weights (precomputed FP8 scales, a gather made during the step)."""
         self.needs_refresh = True
         self.weights_epoch += 1
-        if self.encoded is not None:
-            self.encoded.codec.main_weights_changed()
 
     def weights_token(self) -> tuple[int, ...]:
         """Changes whenever what ``unshard`` gathers from may have been written: ``weights_epoch``
