@@ -1,13 +1,18 @@
 #!/usr/bin/env bash
 # The GPU checks the open issues wait for, in sections that each fit one device call (<= 10 min).
 #
-#   bash benchmarks/gpu_verify.sh SECTION...     # SECTION: tests ab step fp8 tp resume memory
+#   bash benchmarks/gpu_verify.sh SECTION...     # SECTION: smoke fp8_8b tests ab step fp8 tp resume memory
 #
 # Run from the repository root on the device, with $OUT set (the device tool sets it) and, carried:
 #   .whl/          pytest, pluggy, iniconfig and torchao 0.17.0 wheels (the device has no registry)
 #   .carry/base/   a worktree of the commit to compare against (`git worktree add --detach
 #                  .carry/base <commit>`), for the `ab` section only
 # Sections:
+#   smoke   ONE GPU, <= 9 min, first in any session that touches GPU code: `pytest -m gpu tests`,
+#           the compiled 1b rows (mfsdp, FSDP2; bf16 and FP8 with FP8 all-gather), and `mfsdp train`
+#           1b for 10 steps (fp32 reduction, compiled) then --resume to 14 (its bf16 default)  issue 19
+#   fp8_8b  ONE GPU: the 8B layer shape cut to 16 layers, 2 x 8192 with AC, compiled: mfsdp and
+#           FSDP2 + torchao in FP8, mfsdp in bf16; and `mfsdp train` FP8 against bf16        issue 19
 #   tests   every GPU test (conditional computation incl. HSDP/HFSDP on the GPUs at hand, streams,
 #           float8, deterministic resume)                                             issues 12 13 16
 #   ab      1b and 8b+AC: mfsdp at HEAD and at .carry/base beside FSDP2, one job each       issue 12
@@ -45,6 +50,41 @@ bench() {  # TREE IMPLS ARGS... -> one JSON line per implementation in $OUT/benc
   (cd "$tree" && PYTHONPATH=$PWD:$PYTHONPATH timeout $((per * n + 40)) $RUN benchmarks/throughput.py \
      --impl "$impls" --impl-timeout "$per" --out "$OUT/bench_$(basename "$tree").jsonl" "$@" >> "$OUT/bench.log" 2>&1
    echo "bench $tree $impls $* rc=$?")
+}
+
+summarize_train() {  # RUN_DIR FIRST..LAST...: median tokens/s of metrics.jsonl over step ranges
+  python3 - "$@" <<'PYEOF'
+import json, statistics, sys
+rows = {r["step"]: r for r in map(json.loads, open(sys.argv[1] + "/metrics.jsonl"))}
+for span in sys.argv[2:]:
+    a, b = map(int, span.split(".."))
+    got = [rows[s] for s in range(a, b + 1) if s in rows]
+    if got:
+        print(f"train {sys.argv[1]} steps {span}: median {statistics.median(r['tokens_per_s'] for r in got):,.0f} tok/s, "
+              f"loss {got[0]['loss']:.3f} -> {got[-1]['loss']:.3f}, peak {max(r['peak_mem_gib'] for r in got):.2f} GiB")
+PYEOF
+}
+
+section_smoke() {
+  timeout 230 python3 -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
+  local rows="--preset 1b --local-batch 2 --seq 4096 --compile --steps 8 --warmup 3"
+  IMPL_TIMEOUT=100 bench "$ROOT" mfsdp,fsdp2 $rows
+  IMPL_TIMEOUT=100 bench "$ROOT" mfsdp,fsdp2 $rows --float8 tensorwise --fp8-all-gather
+  local run=/tmp/smoke_train A=(--nproc-per-node 1 --model.preset 1b --data.local_batch 2 --data.seq_len 4096
+    --train.sample_tokens 0 --train.checkpoint_every 0 --train.progress false --train.out_dir /tmp/smoke_train)
+  rm -rf $run
+  timeout 130 python3 -m mfsdp.cli train "${A[@]}" --train.steps 10 --parallel.main_grads_dtype fp32 \
+    > "$OUT/train_1b.log" 2>&1; echo "train 1b (fp32 reduction) rc=$?"; grep -v "^W1" "$OUT/train_1b.log" | tail -6
+  timeout 130 python3 -m mfsdp.cli train "${A[@]}" --train.steps 14 --resume >> "$OUT/train_1b.log" 2>&1
+  echo "train 1b --resume (bf16 reduction) rc=$?"; grep -v "^W1" "$OUT/train_1b.log" | tail -5
+  summarize_train $run 4..10 12..14 | tee -a "$OUT/train_1b.log"
+  cp $run/metrics.jsonl "$OUT/train_1b_metrics.jsonl"; rm -rf $run
+}
+
+section_fp8_8b() {  # ~2.5 min per compiled implementation
+  local rows="--preset 8b --n-layers 16 --local-batch 2 --seq 8192 --ac --compile --steps 6 --warmup 2"
+  IMPL_TIMEOUT=170 bench "$ROOT" mfsdp,fsdp2 $rows --float8 tensorwise --fp8-all-gather
+  IMPL_TIMEOUT=170 bench "$ROOT" mfsdp $rows
 }
 
 section_ab() {

@@ -66,6 +66,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="1b", help="tiny, 1b or 8b")
     p.add_argument("--impl", default="mfsdp,fsdp2,none", help=f"comma list of {','.join(BUILDERS)}")
+    p.add_argument("--n-layers", type=int, default=None,
+                   help="cut the preset to this many blocks (the 8b layer shape on one GPU: --n-layers 16)")
     p.add_argument("--local-batch", type=int, default=2)
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--ac", action="store_true", help="activation checkpointing per block")
@@ -101,6 +103,8 @@ def parse_args(argv=None):
         p.error(f"--replicate {args.replicate} does not divide the world size {world}")
     if args.preset not in PRESETS:
         p.error(f"unknown --preset {args.preset!r}; choose from {sorted(PRESETS)}")
+    if args.n_layers is not None and args.n_layers < 1:
+        p.error("--n-layers must be at least 1")
     if args.fp8_all_gather and args.float8 != "tensorwise":
         p.error("--fp8-all-gather needs --float8 tensorwise")
     return args
@@ -251,8 +255,9 @@ def environment(device) -> dict:
 
 
 def run_one(args, impl, device) -> dict:
-    cfg = get_config(args.preset, max_seq_len=args.seq)
-    rec = {"impl": impl, "preset": args.preset, "world_size": dist.get_world_size(),
+    cfg = get_config(args.preset, max_seq_len=args.seq,
+                     **({"n_layers": args.n_layers} if args.n_layers is not None else {}))
+    rec = {"impl": impl, "preset": args.preset, "n_layers": cfg.n_layers, "world_size": dist.get_world_size(),
            "local_batch": args.local_batch, "seq": args.seq, "ac": args.ac, "compile": args.compile,
            "replicate": args.replicate, "float8": args.float8, "fp8_all_gather": args.fp8_all_gather,
            **dict.fromkeys(METRICS), "status": "failed",
@@ -358,7 +363,7 @@ def launch(args, order, identity) -> list[dict]:
         if rank == 0:
             path = Path(result_file)
             rec = json.loads(path.read_text())[0] if path.exists() else {
-                "impl": impl, "preset": args.preset, "world_size": world,
+                "impl": impl, "preset": args.preset, "n_layers": args.n_layers, "world_size": world,
                 "local_batch": args.local_batch, "seq": args.seq, **dict.fromkeys(METRICS),
                 "grad_reduce_dtype": None, "status": "failed"}
             if any(codes) and not rec["status"].startswith(("failed", "skipped")):
@@ -453,7 +458,8 @@ def write_report(args, records, text, identity):
     first = next((r for r in records if "gpu" in r), {})
     gpu = "".join(c if c.isalnum() else "-" for c in first.get("gpu", "unknown").lower()
                   .replace("nvidia", "").strip())
-    config = (f"{args.preset}-b{args.local_batch}-s{args.seq}{'-ac' * args.ac}"
+    config = (f"{args.preset}{f'-l{args.n_layers}' if args.n_layers else ''}-b{args.local_batch}-s{args.seq}"
+              f"{'-ac' * args.ac}"
               f"{'-compile' * args.compile}{f'-fp8{args.float8}' if args.float8 != 'none' else ''}"
               f"{'-ag' * args.fp8_all_gather}-w{first.get('world_size', '?')}"
               f"{f'-hsdp{args.replicate}' if args.replicate > 1 else ''}")

@@ -51,12 +51,14 @@ def set_dtensor_local(param: torch.Tensor, local: torch.Tensor) -> None:
     param._local_tensor.data = local
 
 
-def nccl_registered_buffers(specs, process_groups):
+def nccl_registered_buffers(specs, process_groups, register_with):
     """1-D tensors ``[(numel, dtype, device), ...]`` from NCCL's allocator, registered with every
     group in ``process_groups`` (NCCL user buffers; symmetric windows where this torch offers them).
 
-    Returns (tensors, pool); keep the pool alive as long as the tensors. Raises a clear error
-    where the device, backend or torch build lacks what this needs.
+    ``register_with(group_sizes, allocator_problem)`` decides (``gather_slots.registration``): it
+    returns False for plain persistent tensors instead. Returns (tensors, pool); keep the pool alive
+    as long as the tensors. Raises a clear error where the device, backend or torch build lacks
+    what this needs.
     """
     devices = {device for _, _, device in specs}
     if any(d.type != "cuda" for d in devices):
@@ -76,9 +78,14 @@ def nccl_registered_buffers(specs, process_groups):
                 raise RuntimeError(f"use_symm_mem / nccl_ub: this torch's ProcessGroupNCCL lacks {attr!r} "
                                    f"(torch {torch.__version__}); use use_symm_mem=False")
         backends.append(backend)
-    if not backends:  # one rank: nothing to register with, plain persistent tensors do
+    pool, problem = None, None
+    if backends:
+        try:  # NCCL builds without ncclMemAlloc raise here ("NCCL mem allocator is not supported ...")
+            pool = torch.cuda.MemPool(backends[0].mem_allocator)
+        except RuntimeError as err:
+            problem = str(err).splitlines()[0]
+    if not register_with([pg.size() for pg in process_groups], problem):
         return [torch.empty(n, dtype=dt, device=d) for n, dt, d in specs], None
-    pool = torch.cuda.MemPool(backends[0].mem_allocator)
     with torch.cuda.use_mem_pool(pool):
         tensors = [torch.empty(n, dtype=dt, device=d) for n, dt, d in specs]
     for backend in backends:

@@ -27,8 +27,8 @@ grad-input GEMMs) instead of casting again. Gradients are untouched (compute dty
 reduction). Compared with torchao's FSDP2 integration (``WeightWithDynamicFloat8CastTensor``,
 whose ``fsdp_pre_all_gather`` reduces one amax and casts once per weight): a group reduces the
 amaxes of all its float8 weights in one fused kernel and one all-reduce(MAX), casts them all with a
-fixed number of kernels (fused multi-tensor copies and one scale pass over a staging buffer of at
-most ``ENCODE_STAGING_NUMEL`` elements at a time), and moves them in its one coalesced all-gather. Scales computed after the optimizer step (``precompute_fp8_scales``) replace that
+fixed number of kernels (two fused multi-tensor copies around one broadcast multiply over a
+staging of whole rows, at most ``ENCODE_STAGING_NUMEL`` elements at a time), and moves them in its one coalesced all-gather. Scales computed after the optimizer step (``precompute_fp8_scales``) replace that
 all-reduce too; they are used only while the group's ``weights_epoch`` is the one they were
 computed at (a step, a load or an init bumps it), so a forgotten call costs speed, never correctness.
 
@@ -62,9 +62,14 @@ __all__ = ["convert_to_float8", "enable_fp8_all_gather", "precompute_fp8_scales"
 RECIPES = ("tensorwise", "rowwise")
 """torchao's float8 recipes offered by ``convert_to_float8`` (FP8 all-gather needs tensorwise)."""
 
-ENCODE_STAGING_NUMEL = 1 << 25
-"""Elements of a group's float8 weights cast per pass (8 bytes each of transient memory: the fp32
-staging and its per-element scales); a group of fewer elements casts in one pass."""
+ENCODE_STAGING_NUMEL = 1 << 26
+"""Elements of a group's float8 weights cast per pass (3 bytes each of transient memory: the
+compute-dtype staging and the float8 rows); a group of fewer elements casts in one pass."""
+
+ENCODE_ROW = 2048
+"""Elements per row of the encode's staging: each member's shard is padded to whole rows, so one
+broadcast multiply applies every member's scale (a row holds one member). Wider rows mean a
+smaller row index and more padding (under ``ENCODE_ROW`` elements per member)."""
 
 
 def _torchao():
@@ -118,7 +123,7 @@ class Float8GatherCodec(gather_codec.GatherCodec):
         self.precomputed = None  # (scales, the group's weights_epoch they were computed for)
         self.amax_reductions = 0  # scale all-reduces issued at gather time (precomputed scales skip them)
         self._scales = None  # of the last encode, attached by decode
-        self._repeat_counts: dict = {}
+        self._row_index: dict = {}  # (member sizes, device) -> (first rows, row-to-member index)
 
     def wrap(self, index: int, param: nn.Parameter, view: torch.Tensor) -> nn.Parameter:
         ao = _torchao()
@@ -149,31 +154,46 @@ class Float8GatherCodec(gather_codec.GatherCodec):
 
     def _cast(self, sources, blocks, scales) -> None:
         """torchao's saturated cast ``(w.to(compute).float() * scale).clamp(-max, max).to(float8)``
-        of every source into its block, with a fixed number of kernels: the weights are staged end
-        to end in fp32 (one fused copy, two when the compute dtype rounds them first), multiplied by
-        their scales repeated per element, clamped, and cast out in one fused copy."""
-        sizes = [s.numel() for s in sources]
-        total, device = sum(sizes), sources[0].device
-        staged = torch.empty(total, dtype=torch.float32, device=device)
-        if self.compute_dtype not in (sources[0].dtype, torch.float32):  # fp32 main weights of a bf16
-            # model: rounded to bf16 first, as torchao sees them
-            rounded = torch.empty(total, dtype=self.compute_dtype, device=device)
-            _compat.foreach_copy_(list(rounded.split(sizes)), list(sources))
-            staged.copy_(rounded)
-            del rounded
-        else:
-            _compat.foreach_copy_(list(staged.split(sizes)), list(sources))
-        staged.mul_(scales.repeat_interleave(self._repeats(sizes, device), output_size=total))
-        limit = torch.finfo(self.wire_dtype).max
-        staged.clamp_(-limit, limit)
-        _compat.foreach_copy_(list(blocks), list(staged.split(sizes)))
+        of every source into its block, in four kernels whatever the number of weights:
 
-    def _repeats(self, sizes: list, device) -> torch.Tensor:
-        """The element counts as a device tensor, made once per shape (no host copy per gather)."""
+        1. one fused copy stages the sources in the compute dtype (rounding fp32 main weights as
+           torchao sees them), each padded to whole rows of ``ENCODE_ROW`` elements;
+        2. one gather gives every row its member's scale (a cached row-to-member index: per row,
+           not per element, so it costs nothing next to the weights);
+        3. one broadcast multiply, computed in fp32 and stored as float8 (``out=``): the clamp is
+           implied, since ``|w| <= amax`` makes ``|w| * (max / amax)`` at most ``max`` plus one fp32
+           rounding, which the float8 conversion rounds to ``max`` (the scale is torchao's
+           ``amax_to_scale``, rounded down where it rounds to powers of two);
+        4. one fused copy moves the rows' valid elements into the blocks.
+
+        It reads the weights once and moves about 7 bytes per element besides (fp32 main weights:
+        4 read, 2 + 2 staged, 1 + 1 + 1 encoded), where a per-element scale index costs 12 bytes and
+        a kernel per member costs a launch each."""
+        sizes = [s.numel() for s in sources]
+        rows, row_member = self._rows(sizes, sources[0].device)
+        device, total_rows = sources[0].device, row_member.numel()
+        staged = torch.empty((total_rows, ENCODE_ROW), dtype=self.staged_dtype(sources[0].dtype), device=device)
+        _compat.foreach_copy_(_row_views(staged, rows, sizes), list(sources))
+        encoded = torch.empty((total_rows, ENCODE_ROW), dtype=self.wire_dtype, device=device)
+        torch.mul(staged, scales.index_select(0, row_member).unsqueeze(1), out=encoded)
+        del staged
+        _compat.foreach_copy_(list(blocks), _row_views(encoded, rows, sizes))
+
+    def staged_dtype(self, source_dtype: torch.dtype) -> torch.dtype:
+        """The dtype ``_cast`` stages sources of ``source_dtype`` in: the compute dtype, where torchao
+        rounds the weight first, else the source's own."""
+        return self.compute_dtype if self.compute_dtype != torch.float32 else source_dtype
+
+    def _rows(self, sizes: list, device) -> tuple[list, torch.Tensor]:
+        """Each member's first row in the staging, and every row's member as a device index, made
+        once per shape (no host copy per gather)."""
         key = (tuple(sizes), device)
-        if key not in self._repeat_counts:
-            self._repeat_counts[key] = torch.tensor(sizes, dtype=torch.int64, device=device)
-        return self._repeat_counts[key]
+        if key not in self._row_index:
+            counts = [-(-n // ENCODE_ROW) for n in sizes]
+            starts = [sum(counts[:k]) for k in range(len(counts))]
+            members = torch.arange(len(sizes)).repeat_interleave(torch.tensor(counts))
+            self._row_index[key] = (starts, members.to(device))
+        return self._row_index[key]
 
     def decode(self, params) -> None:
         for param, scale in zip(params, self._scales.unbind()):
@@ -212,6 +232,21 @@ def enable_fp8_all_gather(module: nn.Module) -> int:
         raise ValueError(f"mfsdp.float8.enable_fp8_all_gather: {type(module).__name__} has no torchao Float8Linear; "
                          "convert it first with torchao.float8.convert_to_float8_training")
     return count
+
+
+def encode_staging_nbytes(sizes: Sequence[int], staged_dtype: torch.dtype) -> int:
+    """Transient bytes of one ``Float8GatherCodec._cast`` pass over members of ``sizes`` at its high
+    point, the multiply: the staged rows, their fp32 scales and the float8 rows (the planner's rule)."""
+    rows = sum(-(-n // ENCODE_ROW) for n in sizes)
+    return rows * ENCODE_ROW * (staged_dtype.itemsize + 1) + rows * 4
+
+
+def _row_views(rows2d: torch.Tensor, starts: Sequence[int], sizes: Sequence[int]) -> list[torch.Tensor]:
+    """The 1-D view of each member's elements in a staging of whole rows (member ``k`` starts at
+    row ``starts[k]``; the tail of its last row is padding)."""
+    flat = rows2d.view(-1)
+    width = rows2d.shape[1]
+    return [flat[start * width:start * width + n] for start, n in zip(starts, sizes)]
 
 
 def _passes(sizes: Sequence[int], budget: int) -> list[int]:

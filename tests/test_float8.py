@@ -369,6 +369,53 @@ def test_untagged_gather_path_unchanged_and_encode_is_fused(world):
     assert second.count("aten.slice.Tensor") == first.count("aten.slice.Tensor") - 9, second  # no own_blocks
 
 
+# ------------------------------------------------------------------- the encode, member by member
+def encode_against_torchao(device: str, source_dtype: torch.dtype, compute_dtype: torch.dtype, wire_dtype,
+                           staging_numel: int) -> None:
+    """``Float8GatherCodec.encode`` of members whose sizes are no multiple of the staging row (one of a
+    single element, one spanning several rows), each holding its own amax at the edge of its row,
+    writes torchao's ``to_fp8_saturated(w.to(compute).float() * scale)`` bytes into every block, with
+    torchao's scale of each member, in one pass and in several."""
+    gen = torch.Generator().manual_seed(0)
+    sizes = [1, 7, mf8.ENCODE_ROW - 1, mf8.ENCODE_ROW + 3, 3 * mf8.ENCODE_ROW + 17]
+    sources = []
+    for k, n in enumerate(sizes):
+        w = torch.randn(n, generator=gen) * 10 ** (k - 2)  # scales from 1e-2 to 1e2
+        w[-1] = -1.37 * w.abs().max()  # the amax, negative, in the last element of the member
+        sources.append(w.to(device=device, dtype=source_dtype))
+    blocks = [torch.full((n,), 0x55, dtype=torch.uint8, device=device).view(wire_dtype) for n in sizes]
+    spec = mf8._Float8WeightSpec(None, wire_dtype, False)
+    codec = mf8.Float8GatherCodec([spec] * len(sizes), compute_dtype)
+    default, mf8.ENCODE_STAGING_NUMEL = mf8.ENCODE_STAGING_NUMEL, staging_numel
+    try:
+        codec.encode(sources, blocks, [], weights_epoch=0)
+    finally:
+        mf8.ENCODE_STAGING_NUMEL = default
+    for k, (w, block) in enumerate(zip(sources, blocks)):
+        seen = w.to(compute_dtype).float()
+        scale = amax_to_scale(seen.abs().max(), wire_dtype, False)
+        assert torch.equal(codec._scales[k], scale), (k, codec._scales[k], scale)
+        expected = to_fp8_saturated(seen * scale, wire_dtype)
+        assert torch.equal(block.view(torch.uint8), expected.view(torch.uint8)), (k, sizes[k])
+
+
+ENCODE_CASES = [(torch.float32, torch.bfloat16, E4M3, 1 << 26), (torch.bfloat16, torch.bfloat16, E4M3, 1 << 26),
+                (torch.float32, torch.float32, E4M3, 1 << 26), (torch.float32, torch.bfloat16, torch.float8_e5m2, 1 << 26),
+                (torch.float32, torch.bfloat16, E4M3, 2 * mf8.ENCODE_ROW)]
+
+
+@pytest.mark.parametrize("source,compute,wire,staging", ENCODE_CASES)
+def test_encode_bytes_equal_torchaos_cast(source, compute, wire, staging):
+    encode_against_torchao("cpu", source, compute, wire, staging)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("source,compute,wire,staging", ENCODE_CASES)
+def test_cuda_encode_bytes_equal_torchaos_cast(source, compute, wire, staging):
+    encode_against_torchao("cuda", source, compute, wire, staging)
+
+
 # --------------------------------------------------------------------- scales across shards
 def scale_on_one_shard(rank, ws, main_offset):
     """w1's amax lives in the last rank's rows only (fp32 main weights of a bf16 model, nudged off

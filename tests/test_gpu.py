@@ -90,6 +90,13 @@ def overlap_fraction(rank, ws):
             "kernels": (len(gathers), len(reductions))}
 
 
+# Lower bounds on the hidden fraction of all side-stream kernel time, by GPU count. 2 GPUs: run 7
+# measured 0.77-0.95 over NCCL. 1 GPU: no NCCL kernels, only the side streams' short casts and
+# copies, which the first module of each direction has nothing to hide behind: 0.42 measured at
+# 89acf2b (issue 19).
+SIDE_HIDDEN_BOUND = {1: 0.3, 2: 0.5}
+
+
 @requires_cuda
 def test_communication_overlaps_compute(cuda_world):
     """Gathers overlap the forward and backward compute of the module before them, reductions the
@@ -98,7 +105,7 @@ def test_communication_overlaps_compute(cuda_world):
     out = cuda_world.run(overlap_fraction)[0]
     print("hidden fractions:", out)
     assert out["streams"] >= 1
-    assert out["side"] > 0.5, out
+    assert out["side"] > SIDE_HIDDEN_BOUND[min(cuda_world.world_size, 2)], out
     if cuda_world.world_size > 1:
         # Measured on 2 H200s: gathers 0.77-0.82 hidden (the step's first ones have no compute to
         # hide behind), reductions 0.94-0.95 (all but the root's last one).

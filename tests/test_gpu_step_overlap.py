@@ -69,6 +69,12 @@ def step_gather_overlap(rank, ws, across):
     return {"side_kernels": len(side), "hidden": covered / total if total else None}
 
 
+# Lower bounds on the hidden fraction of the step's early gathers, by GPU count: on 2 GPUs NCCL
+# gathers beside the update (run 7); on 1 GPU the "gathers" are casts into the unsharded buffers,
+# short kernels that the fused update leaves fewer gaps beside: 0.33 measured at 89acf2b (issue 19).
+STEP_HIDDEN_BOUND = {1: 0.2, 2: 0.5}
+
+
 @requires_cuda
 def test_step_gathers_run_beside_the_update(cuda_world):
     """With ``prefetch_across_step`` the step launches the first modules' gathers (root and first
@@ -78,4 +84,4 @@ def test_step_gathers_run_beside_the_update(cuda_world):
     off = cuda_world.run(step_gather_overlap, across=False)[0]
     print("step overlap:", on, off)
     assert off["side_kernels"] == 0, off
-    assert on["side_kernels"] > 0 and on["hidden"] > 0.5, on
+    assert on["side_kernels"] > 0 and on["hidden"] > STEP_HIDDEN_BOUND[min(cuda_world.world_size, 2)], on

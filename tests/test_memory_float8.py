@@ -23,15 +23,30 @@ POLICIES = {"bf16": (torch.bfloat16, dict(main_params_dtype=torch.float32, main_
 
 
 def _record_staging():
-    """Patch ``Float8GatherCodec._cast`` to record the elements staged by each pass; returns
-    (records, undo)."""
+    """Patch ``Float8GatherCodec._cast`` to record, for each pass, the elements it staged and the
+    bytes of every tensor it allocated (all of them are alive at its multiply); returns (records,
+    undo)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
     import mfsdp.float8 as mf8
 
     seen, original = [], mf8.Float8GatherCodec._cast
 
+    class Allocations(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            # int64: the row index, made at a shape's first pass and kept (not transient)
+            if func in (torch.ops.aten.empty.memory_format, torch.ops.aten.index_select.default) \
+                    and out.dtype != torch.int64:
+                self.nbytes += out.numel() * out.element_size()
+            return out
+
     def cast(self, sources, blocks, scales):
-        seen.append(sum(s.numel() for s in sources))
-        return original(self, sources, blocks, scales)
+        with Allocations() as mode:
+            mode.nbytes = 0
+            result = original(self, sources, blocks, scales)
+        seen.append((sum(s.numel() for s in sources), mode.nbytes))
+        return result
 
     mf8.Float8GatherCodec._cast = cast
     return seen, lambda: setattr(mf8.Float8GatherCodec, "_cast", original)
@@ -93,7 +108,7 @@ def llama_case(rank, ws, policy, staging_numel):
         mf8.ENCODE_STAGING_NUMEL = default
     live, states = _live_model_state(model, opt)
     return (shard, live, states, (_predicted_model_state(described), optimizer_state_bytes(described, "adamw")),
-            _live_gathers(model), _predicted_gathers(described), max(seen), staging)
+            _live_gathers(model), _predicted_gathers(described), (max(e for e, _ in seen), max(b for _, b in seen)), staging)
 
 
 @pytest.mark.parametrize("policy", ["bf16", "fp32"])
@@ -101,8 +116,8 @@ def test_float8_model_state_is_exact_to_the_byte(world, policy):
     """A float8 llama through parallelize on 2 gloo ranks: every group's buffers and AdamW's states as
     the planner predicts them; each block's unsharded buffer after an unshard is uint8 of exactly the
     predicted bytes (its ByteLayout: seven float8 linears, two norms in the compute dtype), the other
-    units' in the compute dtype; the largest encode pass recorded equals the prediction (8 bytes per
-    staged element), with the default pass size (one pass) and with a small one (several)."""
+    units' in the compute dtype; the largest encode pass recorded, and the bytes it allocated, equal the
+    prediction, with the default pass size (one pass) and with a small one (several)."""
     d, h = LLAMA["dim"], LLAMA["ffn_dim"]
     linears = 2 * d * d + 2 * (d // 2) * d + 3 * d * h
     itemsize = POLICIES[policy][0].itemsize
@@ -114,7 +129,7 @@ def test_float8_model_state_is_exact_to_the_byte(world, policy):
             for i in range(LLAMA["n_layers"]):
                 assert live[f"layers.{i}"] == [(linears + 2 * d * itemsize, "torch.uint8",
                                                 (linears + 2 * d * itemsize, torch.uint8))], live
-                assert staging[f"layers.{i}"] == [8 * seen] and seen == largest_pass, (staging, seen)
+                assert staging[f"layers.{i}"] == [seen[1]] and seen[0] == largest_pass, (staging, seen)
             assert all(dtype == str(POLICIES[policy][0]) for name, groups in live.items()
                        if not name.startswith("layers.") for _, dtype, _ in groups), live
 
@@ -197,7 +212,7 @@ def test_estimate_float8_tensorwise_against_bf16():
     holds exactly (blocks gathered) x (one block's linear elements) fewer bytes of unsharded weights
     (1 byte instead of 2 each; the norms stay bf16, no padding or gaps at this shape), the gather
     slots of double buffering two blocks' worth fewer; a phase of its own before each block's
-    gather carries the encode staging, 8 bytes per element of the block's float8 shard; the rest
+    gather carries the encode staging, 3 bytes per element of the block's float8 shard and 4 per row; the rest
     of the model state is unchanged."""
     from mfsdp.communication import CommunicationPolicy
     from mfsdp.memory import estimate
@@ -225,7 +240,12 @@ def test_estimate_float8_tensorwise_against_bf16():
         if phase.name in blocks_gathered:
             assert saved == blocks_gathered[phase.name] * linear, (phase.name, saved / linear)
         assert got["FP8 encode staging"] == 0
-    assert {p.components["FP8 encode staging"] for p in encode} == {8 * (linear // 8)}
+    # one pass over the block's float8 shard (linear / 8 elements, whole rows of ENCODE_ROW at this
+    # shape): staged in bf16 (2 bytes), encoded in float8 (1 byte), one fp32 scale per row
+    from mfsdp.float8 import ENCODE_ROW
+    shard = linear // 8
+    assert shard % ENCODE_ROW == 0
+    assert {p.components["FP8 encode staging"] for p in encode} == {3 * shard + 4 * (shard // ENCODE_ROW)}
     assert len(encode) == 2 * n  # every block is gathered once forward, once backward
     assert fp8.component_max("unsharded (forward)") == bf16.component_max("unsharded (forward)") - linear
     comm = CommunicationPolicy(double_buffer=True)

@@ -44,3 +44,23 @@ def test_small_reductions_do_not_wait_on_a_large_pending_one():
     pending.track(None, ["a"], nbytes=1)
     pending.release(None)  # end of backward: everything
     assert not pending
+
+
+def test_registered_gather_slots_fall_back_where_nothing_would_use_them():
+    """use_symm_mem / nccl_ub: one-rank gather groups get plain persistent slots silently (nothing is
+    sent); an NCCL without a mem allocator gets them with one warning naming the cause, not a crash;
+    otherwise the slots are registered."""
+    import warnings
+
+    import pytest
+
+    from mfsdp.runtime.gather_slots import registration
+
+    problem = "NCCL mem allocator is not supported in this NCCL version"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # any warning fails these two
+        assert registration([1], None) is False
+        assert registration([1, 1], problem) is False  # one GPU: no warning even without an allocator
+        assert registration([2, 1], None) is True
+    with pytest.warns(UserWarning, match="mem allocator is not supported.*persistent unregistered"):
+        assert registration([2], problem) is False

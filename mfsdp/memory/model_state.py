@@ -16,8 +16,9 @@ FP8 all-gather (``mfsdp.float8``): a group whose parameters carry a gather-codec
 runtime's own ``gather_codec.encoded_gather``, and its unsharded buffer is sized by that object's
 ``ByteLayout`` (float8 members 1 byte per element, the others the compute dtype, each at a 16-byte
 aligned offset) in uint8, as ``FsdpParameterGroup`` allocates it. The encode's transient staging
-(``Float8GatherCodec._cast``: fp32 staging plus the per-element scales, 8 bytes per element of the
-largest pass of ``mfsdp.float8._passes``) is ``GroupBytes.encode_staging``.
+(``Float8GatherCodec._cast``: the rows staged in the compute dtype, their scales and the float8 rows,
+``mfsdp.float8.encode_staging_nbytes`` of the largest pass of ``mfsdp.float8._passes``) is
+``GroupBytes.encode_staging``.
 """
 
 from __future__ import annotations
@@ -166,7 +167,8 @@ def group_bytes(label: str, shapes, dtypes: ResolvedDtypes, levels: Levels, requ
     gather_layout, gather_dtype = ((layout, dtypes.compute) if encoded is None
                                    else (encoded.layout, encoded.layout.dtype))  # the runtime's ByteLayout
     unsharded = gather_layout.numel(1) * isz(gather_dtype) if gathered else 0
-    encode_staging = _encode_staging(encoded, layout, levels) if encoded is not None else 0
+    source_dtype = dtypes.main if on_the_fly else dtypes.compute  # what unshard gathers from
+    encode_staging = _encode_staging(encoded, layout, levels, source_dtype) if encoded is not None else 0
     main_grad = accumulator = module_grads = staging = scatter_out = reduction = 0
     if requires_grad:
         n = len(shapes)
@@ -189,27 +191,22 @@ def group_bytes(label: str, shapes, dtypes: ResolvedDtypes, levels: Levels, requ
                       encode_staging)
 
 
-ENCODE_STAGING_BYTES_PER_ELEMENT = 8
-"""``Float8GatherCodec._cast`` per staged element: the fp32 staging and the fp32 scales repeated per
-element (``repeat_interleave``) live together; the bf16 rounding copy (2 bytes) is freed before the
-scales are made, so 4 + 4 is the high point (``mfsdp.float8.ENCODE_STAGING_NUMEL``'s docstring)."""
-
-
-def _encode_staging(encoded, layout: FlatLayout, levels: Levels) -> int:
+def _encode_staging(encoded, layout: FlatLayout, levels: Levels, source_dtype: torch.dtype) -> int:
     """Bytes of the largest encode pass of a group's gather: its tagged members' sources are this
     rank's regions at the level it gathers from (the runtime's ``FlatLayout.regions``, on meta),
     split into passes by ``mfsdp.float8._passes`` as ``Float8GatherCodec.encode`` splits them."""
-    from mfsdp.float8 import ENCODE_STAGING_NUMEL, Float8GatherCodec, _passes
+    from mfsdp.float8 import ENCODE_STAGING_NUMEL, Float8GatherCodec, _passes, encode_staging_nbytes
 
     if not isinstance(encoded.codec, Float8GatherCodec):
         return 0
     ways = levels.ways(levels.param_level)
     regions = layout.regions(torch.empty(layout.numel(ways), device="meta"), ways)
     sizes = [regions[i].numel() for i in encoded.tagged]
+    staged_dtype = encoded.codec.staged_dtype(source_dtype)
     start, largest = 0, 0
     for stop in _passes(sizes, ENCODE_STAGING_NUMEL):
-        largest, start = max(largest, sum(sizes[start:stop])), stop
-    return largest * ENCODE_STAGING_BYTES_PER_ELEMENT
+        largest, start = max(largest, encode_staging_nbytes(sizes[start:stop], staged_dtype)), stop
+    return largest
 
 
 class _UnitMarker(type):

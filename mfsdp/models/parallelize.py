@@ -12,6 +12,8 @@ Mixture-of-experts blocks (``mfsdp.models.moe``) are cut the same way by default
 expert that no token of a rank reached then runs neither forward nor backward on that rank
 while other ranks do, the hardest case of conditional computation for the runtime.
 
+With ``compile`` each block is compiled after sharding (the hooks stay outside its graphs).
+
 With ``float8`` the linears train in float8 (torchao, ``mfsdp.float8``), converted before
 anything else; tensorwise also gathers their weights in FP8, in the block's one gather beside its
 norms.
@@ -53,6 +55,10 @@ class ParallelizeConfig:
     float8: str = "none"
     """"none", or a torchao float8 recipe for the linears (``mfsdp.float8.RECIPES``: tensorwise,
     with FP8 all-gather, or rowwise, gathered in the compute dtype); needs torchao."""
+    compile: bool = False
+    """torch.compile each block (``nn.Module.compile``, inductor). The sharding hooks stay outside
+    the graphs (they are ``torch.compiler.disable``d), so each block compiles to one graph per
+    direction and the gathers and reductions run between them, as in the benchmarks."""
 
     def __post_init__(self) -> None:
         if isinstance(self.placements, str) and self.placements not in PLACEMENT_NAMES:
@@ -119,7 +125,16 @@ def parallelize(model: Llama, mesh: DeviceMesh, config: ParallelizeConfig) -> Ll
     for unit in sharding_units(model, expert_units=config.expert_units):
         mfsdp.fully_shard(unit, mesh, placements, mixed_precision_policy=config.mixed_precision)
     mfsdp.fully_shard(model, mesh, placements, mixed_precision_policy=config.mixed_precision)
+    if config.compile:
+        compile_modules(model.layers)
     return model
+
+
+def compile_modules(modules) -> None:
+    """torch.compile each of ``modules`` in place (lazily: the first call compiles). One rule for
+    the bundled models and the Hugging Face ones: the unit modules, the blocks, are what compiles."""
+    for module in modules:
+        module.compile()
 
 
 def sharding_units(model: Llama, expert_units: bool = False) -> list:

@@ -29,6 +29,7 @@ layout is identical every step, and the slots can be registered once with NCCL
 
 from __future__ import annotations
 
+import warnings
 from collections import defaultdict
 from typing import TYPE_CHECKING, Optional
 
@@ -93,7 +94,8 @@ class GatherSlots:
         specs = [key for key, _ in shared for _ in range(per_size)]
         if register:
             process_groups = {id(pg): pg for _, members in shared for g in members for pg in g.geometry.groups}
-            tensors, built._pool = _compat.nccl_registered_buffers(specs, list(process_groups.values()))
+            tensors, built._pool = _compat.nccl_registered_buffers(specs, list(process_groups.values()),
+                                                                   registration)
         else:
             tensors = [torch.empty(numel, dtype=dtype, device=device) for numel, dtype, device in specs]
         for c, ((numel, dtype, _), members) in enumerate(shared):
@@ -103,3 +105,18 @@ class GatherSlots:
             for k, group in enumerate(members):
                 group.bind_gather_slot(slots[k % per_size])
         return built
+
+
+def registration(group_sizes: list[int], allocator_problem: Optional[str]) -> bool:
+    """Whether ``use_symm_mem`` slots come from NCCL's allocator, registered with the gather groups of
+    ``group_sizes``. Not where every group is one rank (nothing is sent: persistent plain slots do
+    the same work), nor where this torch's NCCL has no allocator (``allocator_problem``: one warning
+    and plain persistent slots, the same numbers without registered-buffer collectives)."""
+    if all(size == 1 for size in group_sizes):
+        return False
+    if allocator_problem is not None:
+        warnings.warn(f"mfsdp: use_symm_mem / nccl_ub asked for NCCL-registered gather buffers, but {allocator_problem}; "
+                      "the gather slots are persistent unregistered buffers instead (the same numbers, ordinary "
+                      "collectives). Set use_symm_mem=False (nccl_ub=False) to silence this", stacklevel=2)
+        return False
+    return True

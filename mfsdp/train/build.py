@@ -10,7 +10,7 @@ import torch
 
 from mfsdp.data import DataError
 from mfsdp.models.llama import Llama, LlamaConfig
-from mfsdp.models.parallelize import mesh_shape_error, resolve_placements
+from mfsdp.models.parallelize import compile_modules, mesh_shape_error, resolve_placements
 from mfsdp.train.checkpoint import check_compatible, find_resumable
 from mfsdp.train.config import ConfigError, RunConfig
 
@@ -24,15 +24,24 @@ def model_fingerprint(model_cfg: LlamaConfig) -> dict:
     return fingerprint
 
 
-def validate_run(cfg: RunConfig, world: int, open_data=None):
+def float8_compile_problem(cfg: RunConfig, device_type: str) -> str | None:
+    """Why the float8 setting cannot run as configured on ``device_type``, or None. Eager float8 on
+    CUDA runs torchao's casts kernel by kernel, slower than bf16; CPU keeps it allowed (tests)."""
+    if cfg.model.float8 == "none" or device_type != "cuda" or cfg.compiles(device_type):
+        return None
+    return (f"--model.float8 {cfg.model.float8} with --parallel.compile false runs torchao's float8 casts "
+            "eagerly, slower than bf16 on CUDA; use --parallel.compile auto (or true), or --model.float8 none")
+
+
+def validate_run(cfg: RunConfig, world: int, open_data=None, device_type: str = "cpu"):
     """Check what a user can get wrong before any model is built; raises a USER_ERRORS type.
 
     ``open_data`` opens the token file (None skips the data checks: the launcher does so
-    for the "stdlib" corpus, which the workers build). Returns the token file (or None),
+    for the "stdlib" corpus, which the workers build); ``device_type`` is where it will train. Returns the token file (or None),
     the checkpoint to resume from (or None) and notes on damaged checkpoints skipped.
     """
     p = cfg.parallel
-    mesh_problem = mesh_shape_error(world, p.placements, p.replicate)
+    mesh_problem = mesh_shape_error(world, p.placements, p.replicate) or float8_compile_problem(cfg, device_type)
     if mesh_problem:
         raise ConfigError(mesh_problem)
     if cfg.model.float8 == "tensorwise" and resolve_placements(p.placements).num_param_sharded == 0:
@@ -101,6 +110,7 @@ def build_hf(cfg, device: torch.device, compute_dtype: torch.dtype, world: int):
     """
     from mfsdp.manager import MegatronFSDPConfig, MegatronFSDPManager, build_device_mesh
     from mfsdp.manager.hf_checkpoint import has_weights, meta_model_from_config
+    from mfsdp.manager.core_options import resolve_unit_modules
 
     p, path = cfg.parallel, cfg.model.hf
     config = MegatronFSDPConfig(
@@ -114,4 +124,6 @@ def build_hf(cfg, device: torch.device, compute_dtype: torch.dtype, world: int):
     model.config.use_cache = False
     model, _ = MegatronFSDPManager(config, mesh).parallelize(
         model, hf_path=path if has_weights(path) else None, init_seed=cfg.train.seed)
+    if cfg.compiles(device.type):
+        compile_modules(module for _, module in resolve_unit_modules(model, config.megatron_fsdp_unit_modules))
     return model

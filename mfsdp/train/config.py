@@ -19,6 +19,7 @@ from mfsdp.models.llama import LlamaConfig, get_config
 from mfsdp.models.parallelize import FLOAT8_CHOICES, PLACEMENT_NAMES as PLACEMENTS, TWO_AXIS
 from mfsdp.train import determinism
 DTYPES = ("auto", "fp32", "bf16")
+COMPILE_CHOICES = ("auto", "true", "false")
 
 
 class ConfigError(Exception):
@@ -188,6 +189,11 @@ class ParallelSection:
     """Seconds a collective may wait for the other ranks before the run stops with an error
     (torch's default is 10 minutes). Raise it when a step or a checkpoint save legitimately
     takes longer."""
+    compile: str = "auto"
+    """torch.compile each block (inductor), as the benchmarks run the library: "auto" compiles on
+    CUDA and not on CPU, "true" or "false" force it. The first step then includes the compile (a
+    minute or so for a large model, shown in the progress bar); float8 on CUDA needs it, since
+    eager float8 runs torchao's casts kernel by kernel."""
     deterministic: bool = False
     """Bit-identical losses across reruns and resumes with the same seeds, world size and
     software: deterministic torch kernels (flash attention's deterministic backward, sort-based
@@ -207,6 +213,8 @@ class ParallelSection:
         _require(self.replicate == 1 or self.placements in TWO_AXIS,
                  f"parallel.replicate={self.replicate} needs --parallel.placements hsdp or "
                  "hfsdp")
+        _require(self.compile in COMPILE_CHOICES,
+                 f"parallel.compile must be one of {', '.join(COMPILE_CHOICES)}, got {self.compile!r}")
         for name in ("compute_dtype", "main_grads_dtype", "grad_comm_dtype"):
             _require(getattr(self, name) in DTYPES,
                      f"parallel.{name} must be one of {', '.join(DTYPES)}")
@@ -247,6 +255,10 @@ class RunConfig:
                  "--parallel.expert_units true needs a built-in mixture-of-experts model "
                  "(--model.preset moe-tiny or moe-1b, or --model.num_experts N); unset it otherwise")
         return shape
+
+    def compiles(self, device_type: str) -> bool:
+        """Whether the blocks are compiled on ``device_type`` ("cuda" or "cpu")."""
+        return self.parallel.compile == "true" or (self.parallel.compile == "auto" and device_type == "cuda")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

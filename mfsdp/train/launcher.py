@@ -145,8 +145,8 @@ def check(options: LaunchOptions, rest: list[str]) -> RunConfig:
                               f"{torch.cuda.device_count()} GPU(s); start at most one process "
                               "per GPU")
     path = cfg.data.path
-    validate_run(cfg, options.world_size,
-                 None if path == STDLIB else (lambda: TokenFile(path)))
+    validate_run(cfg, options.world_size, None if path == STDLIB else (lambda: TokenFile(path)),
+                 device_type="cuda" if cuda else "cpu")
     return cfg
 
 

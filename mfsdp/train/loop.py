@@ -182,8 +182,8 @@ class Trainer:
         """
         problem, data, resume_from = None, None, None
         try:
-            data, resume_from, self.resume_notes = validate_run(self.cfg, self.world,
-                                                                self._open_data)
+            data, resume_from, self.resume_notes = validate_run(self.cfg, self.world, self._open_data,
+                                                                device_type=self.device.type)
         except USER_ERRORS as err:
             problem = str(err)
         problems: list[str | None] = [None] * self.world
@@ -243,6 +243,7 @@ class Trainer:
         mesh = build_mesh(self.device.type, self.world, p.placements, p.replicate)
         parallelize(model, mesh, ParallelizeConfig(
             placements=p.placements, mixed_precision=policy, float8=self.cfg.model.float8,
+            compile=self.cfg.compiles(self.device.type),
             activation_checkpointing=p.activation_checkpointing, expert_units=p.expert_units))
         materialize_and_init(model, self.device, self.cfg.train.seed)
         self.log(f"model built and initialised shard by shard: "
@@ -318,6 +319,8 @@ class Trainer:
         # drained, so the next step could not be queued meanwhile.
         readout = StepReadout(self.device)
         report = StepReport(self, logs, progress)
+        if self.cfg.compiles(self.device.type):
+            progress.set_postfix_str("compiling the blocks (torch.compile, first step)")
         step, stop = start_step, False
         for step in range(start_step + 1, t.steps + 1):
             lr = self.learning_rate(step)

@@ -26,6 +26,7 @@ class StepReport:
         self.flops_per_token = flops.flops_per_token(trainer.model_cfg, d.seq_len)
         self.peak_flops = flops.peak_flops(trainer.device)
         self.moe = trainer.cfg.model.hf is None and trainer.model_cfg.num_experts > 0
+        self.compiling = trainer.cfg.compiles(trainer.device.type)  # until the first step is reported
 
     def __call__(self, done) -> bool:
         if done is None:
@@ -45,6 +46,11 @@ class StepReport:
             record["aux_loss"] = aux_total / self.world
         for log in self.logs:
             log.write(record)
+        if self.compiling:  # the first step's time is mostly torch.compile: say so, once
+            self.compiling = False
+            # above the bar on rank 0; plain rank-0 output without a bar
+            write = getattr(self.progress, "write", self.trainer.log)
+            write(f"step {step}: {seconds:.1f} s, including torch.compile of the blocks")
         self.progress.set_postfix_str(postfix(record), refresh=False)
         self.progress.update(1)
         stop = stop_votes > 0
