@@ -51,6 +51,18 @@ def set_dtensor_local(param: torch.Tensor, local: torch.Tensor) -> None:
     param._local_tensor.data = local
 
 
+def nccl_mem_allocator(backend):
+    """``(allocator, None)`` of a ProcessGroupNCCL backend, or ``(None, why)`` where its NCCL has none:
+    a build without ncclMemAlloc raises RuntimeError from the ``mem_allocator`` property itself
+    ("NCCL mem allocator is not supported in this NCCL version"), so ``hasattr`` cannot ask."""
+    try:
+        return backend.mem_allocator, None
+    except RuntimeError as err:
+        return None, str(err).splitlines()[0]
+    except AttributeError:
+        return None, f"this torch's ProcessGroupNCCL has no mem_allocator (torch {torch.__version__})"
+
+
 def nccl_registered_buffers(specs, process_groups, register_with):
     """1-D tensors ``[(numel, dtype, device), ...]`` from NCCL's allocator, registered with every
     group in ``process_groups`` (NCCL user buffers; symmetric windows where this torch offers them).
@@ -73,17 +85,14 @@ def nccl_registered_buffers(specs, process_groups, register_with):
         if dist.get_backend(pg) != "nccl":
             raise RuntimeError(f"use_symm_mem / nccl_ub needs NCCL process groups, got {dist.get_backend(pg)!r}")
         backend = pg._get_backend(device)
-        for attr in ("mem_allocator", "register_mem_pool"):
-            if not hasattr(backend, attr):
-                raise RuntimeError(f"use_symm_mem / nccl_ub: this torch's ProcessGroupNCCL lacks {attr!r} "
-                                   f"(torch {torch.__version__}); use use_symm_mem=False")
+        if not hasattr(backend, "register_mem_pool"):  # (mem_allocator: see nccl_mem_allocator)
+            raise RuntimeError(f"use_symm_mem / nccl_ub: this torch's ProcessGroupNCCL lacks register_mem_pool "
+                               f"(torch {torch.__version__}); use use_symm_mem=False")
         backends.append(backend)
     pool, problem = None, None
     if backends:
-        try:  # NCCL builds without ncclMemAlloc raise here ("NCCL mem allocator is not supported ...")
-            pool = torch.cuda.MemPool(backends[0].mem_allocator)
-        except RuntimeError as err:
-            problem = str(err).splitlines()[0]
+        allocator, problem = nccl_mem_allocator(backends[0])
+        pool = torch.cuda.MemPool(allocator) if allocator is not None else None
     if not register_with([pg.size() for pg in process_groups], problem):
         return [torch.empty(n, dtype=dt, device=d) for n, dt, d in specs], None
     with torch.cuda.use_mem_pool(pool):

@@ -64,3 +64,22 @@ def test_registered_gather_slots_fall_back_where_nothing_would_use_them():
         assert registration([2, 1], None) is True
     with pytest.warns(UserWarning, match="mem allocator is not supported.*persistent unregistered"):
         assert registration([2], problem) is False
+
+
+def test_an_nccl_without_mem_allocator_is_a_reason_not_a_crash():
+    """torch's NCCL backend raises RuntimeError from its ``mem_allocator`` property where NCCL has no
+    ncclMemAlloc (seen on one H200, torch 2.11): the probe turns that into the reason
+    ``registration`` warns with, where ``hasattr`` itself raised."""
+    from mfsdp import _compat
+
+    class NoAllocator:
+        @property
+        def mem_allocator(self):
+            raise RuntimeError("NCCL mem allocator is not supported in this NCCL version\nmore detail")
+
+    class WithAllocator:
+        mem_allocator = object()
+
+    assert _compat.nccl_mem_allocator(NoAllocator()) == (
+        None, "NCCL mem allocator is not supported in this NCCL version")
+    assert _compat.nccl_mem_allocator(WithAllocator()) == (WithAllocator.mem_allocator, None)
