@@ -314,9 +314,29 @@ class Trainer:
                      f"checkpoint: {self.checkpoints / f'step_{last}'}")
         if self.stop_requested:
             self.log(f"stopped by signal after step {last}; continue with --resume")
-        elif self.cfg.train.sample_tokens:
+            return 0
+        if self.cfg.train.export_hf:
+            self._export_hf(self.checkpoints / f"step_{last}")
+        if self.cfg.train.sample_tokens:
             self._print_sample(model, data)
         return 0
+
+    def _export_hf(self, checkpoint: Path) -> None:
+        """--train.export_hf: rank 0 writes the final checkpoint to OUT_DIR/hf (read from disk, one
+        tensor at a time, as `mfsdp export` does) while the others wait; a failure stops them all."""
+        problem = None
+        if self.rank == 0:
+            from mfsdp.train.export import ExportError, export_hf, exported_line
+
+            try:
+                self.log(exported_line(export_hf(checkpoint, self.out_dir / "hf")))
+            except (ExportError, CheckpointError) as err:
+                problem = (f"exporting {checkpoint} to Hugging Face failed: {err} (the checkpoint is "
+                           f"intact; retry with `mfsdp export {checkpoint} OUT_DIR`)")
+        problems = [problem]
+        dist.broadcast_object_list(problems, src=0)
+        if problems[0]:
+            raise RunFailed(problems[0])
 
     def _evaluator(self, data: TokenFile) -> Evaluator | None:
         windows = eval_windows(self.cfg, data, self.held_out, self.rank, self.world)
@@ -405,7 +425,15 @@ class Trainer:
     def _meta(self) -> dict:
         return {"model": self._model_fingerprint(), "data_seed": self.cfg.data.seed,
                 "world_size": self.world, "config": self.cfg.to_dict(),
-                HELD_OUT: split_record(self.cfg, self.held_out)}
+                HELD_OUT: split_record(self.cfg, self.held_out), **self._hf_config()}
+
+    def _hf_config(self) -> dict:
+        """A --model.hf run's config.json, so that `mfsdp export` needs no access to that directory."""
+        if self.cfg.model.hf is None:
+            return {}
+        import json
+
+        return {"hf_config": json.loads((Path(self.cfg.model.hf) / "config.json").read_text())}
 
     def _install_signal_handlers(self) -> None:
         """First Ctrl-C or SIGTERM: finish the step, save, exit cleanly. Second: abort."""
