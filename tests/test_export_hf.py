@@ -142,3 +142,24 @@ def test_export_errors_are_one_line(tmp_path, capsys):
     assert "mfsdp export: error:" in err and "neither a checkpoint" in err and len(err.splitlines()) == 1
     with pytest.raises(SystemExit):
         cli_main(["export", str(tmp_path), str(tmp_path / "out"), "--dtype", "fp8"])
+
+
+def test_the_run_tokenizer_goes_out_with_the_weights(world, tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    from mfsdp.train.export import export_hf
+
+    bpe = Tokenizer(models.BPE(unk_token="<unk>"))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel()
+    bpe.train_from_iterator(["def foo(): return 1", "import os, sys"] * 10, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<unk>", "<eos>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<eos>", unk_token="<unk>")
+    fast.save_pretrained(tmp_path / "tok")
+    corpus = tmp_path / "bpe.tokens"
+    prepare(stdlib_source(), corpus, tokenizer=str(tmp_path / "tok"), glob="ab*.py")
+    out = train(world, corpus, tmp_path / "run")
+    done = export_hf(out, tmp_path / "hf")
+    assert done.tokenizer == str((tmp_path / "tok").resolve())
+    loaded = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    assert loaded.encode("def foo") == fast.encode("def foo")
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["eos_token_id"] == fast.eos_token_id
