@@ -1,4 +1,5 @@
-"""The ``mfsdp`` console script: ``mfsdp train ...``, ``mfsdp plan ...`` and ``mfsdp prepare-data ...``."""
+"""The ``mfsdp`` console script: ``mfsdp train ...``, ``mfsdp plan ...``, ``mfsdp prepare-data ...``
+and ``mfsdp export ...``."""
 
 from __future__ import annotations
 
@@ -9,11 +10,12 @@ import sys
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: mfsdp {train,plan,prepare-data} ...\n\n"
+        print("usage: mfsdp {train,plan,prepare-data,export} ...\n\n"
               "  train         train a Llama-style model (see `mfsdp train --help`); start\n"
               "                several processes with `mfsdp train --nproc-per-node N ...`\n"
               "  plan          predict a train config's GPU memory and list the settings that fit\n"
-              "  prepare-data  tokenize a .txt/.jsonl file or a directory into a token file")
+              "  prepare-data  tokenize a .txt/.jsonl file or a directory into a token file\n"
+              "  export        write a checkpoint as a Hugging Face model directory (safetensors)")
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
     if command == "train":
@@ -28,7 +30,9 @@ def main(argv: list[str] | None = None) -> int:
         return plan_main(rest)
     if command == "prepare-data":
         return prepare_data(rest)
-    print(f"mfsdp: unknown command {command!r}; use train, plan or prepare-data", file=sys.stderr)
+    if command == "export":
+        return export(rest)
+    print(f"mfsdp: unknown command {command!r}; use train, plan, prepare-data or export", file=sys.stderr)
     return 2
 
 
@@ -56,6 +60,31 @@ def prepare_data(argv: list[str]) -> int:
         return 2
     print(f"wrote {info['tokens']:,} tokens from {info['documents']:,} documents to "
           f"{info['path']} (tokenizer {info['tokenizer']}, vocabulary {info['vocab_size']})")
+    return 0
+
+
+def export(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="mfsdp export",
+        description="Write a training checkpoint as a Hugging Face model directory (config.json, "
+                    "safetensors, the run's tokenizer) that transformers' from_pretrained loads.")
+    parser.add_argument("source", help="a checkpoint (OUT_DIR/checkpoints/step_N) or a run's OUT_DIR "
+                                       "(its newest whole checkpoint)")
+    parser.add_argument("out", help="the directory to write")
+    parser.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16",
+                        help="dtype of the weights written (default: bf16)")
+    parser.add_argument("--max-shard-gb", type=float, default=5.0,
+                        help="largest safetensors file, in GB (default: 5)")
+    args = parser.parse_args(argv)
+    from mfsdp.train.checkpoint import CheckpointError
+    from mfsdp.train.export import DTYPES, ExportError, export_hf, exported_line
+    try:
+        done = export_hf(args.source, args.out, dtype=DTYPES[args.dtype],
+                         max_shard_bytes=max(1, int(args.max_shard_gb * 1e9)))
+    except (ExportError, CheckpointError) as err:
+        print(f"mfsdp export: error: {err}", file=sys.stderr)
+        return 2
+    print(exported_line(done))
     return 0
 
 

@@ -25,13 +25,18 @@ class Batch:
 
 
 class WindowSampler:
-    """Random windows of ``seq_len + 1`` tokens from a token file."""
+    """Random windows of ``seq_len + 1`` tokens from the first ``limit`` tokens of a token file
+    (all of them by default; ``mfsdp.data.heldout`` keeps the tail for evaluation)."""
 
     def __init__(self, data: TokenFile, seq_len: int, local_batch: int, rank: int,
-                 world_size: int, seed: int = 0, microbatches: int = 1):
-        if len(data) < seq_len + 2:
-            raise DataError(f"{data.path} holds {len(data)} tokens, too few for windows of "
-                            f"{seq_len + 1}; use more text or a smaller data.seq_len")
+                 world_size: int, seed: int = 0, microbatches: int = 1,
+                 limit: int | None = None):
+        self.limit = len(data) if limit is None else min(limit, len(data))
+        if self.limit < seq_len + 2:
+            held = f" (the other {len(data) - self.limit} are held out for evaluation)" \
+                if self.limit < len(data) else ""
+            raise DataError(f"{data.path} holds {self.limit} training tokens{held}, too few for "
+                            f"windows of {seq_len + 1}; use more text or a smaller data.seq_len")
         self.data = data
         self.seq_len = seq_len
         self.local_batch = local_batch
@@ -53,7 +58,7 @@ class WindowSampler:
     def _global_starts(self, step: int) -> torch.Tensor:
         generator = torch.Generator().manual_seed(_mix(self.seed, step))
         count = self.microbatches * self.world_size * self.local_batch
-        return torch.randint(0, len(self.data) - self.seq_len, (count,), generator=generator)
+        return torch.randint(0, self.limit - self.seq_len, (count,), generator=generator)
 
 
 def _mix(seed: int, step: int) -> int:

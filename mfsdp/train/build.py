@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from mfsdp.data import DataError
+from mfsdp.data import DataError, TokenFile
 from mfsdp.models.llama import Llama, LlamaConfig
 from mfsdp.models.parallelize import compile_modules, mesh_shape_error, resolve_placements
 from mfsdp.train.checkpoint import check_compatible, find_resumable
@@ -56,12 +56,26 @@ def validate_run(cfg: RunConfig, world: int, open_data=None, device_type: str = 
             f"{data.path} was tokenized with a vocabulary of {data.vocab_size} but the "
             f"model has {model_cfg.vocab_size} embeddings; set --model.vocab_size "
             f"{data.vocab_size} or more")
+    if cfg.data.val_path is not None:
+        _check_val_file(cfg.data.val_path, data, model_cfg)
     resume_from, notes = None, []
     if cfg.resume:
         resume_from, notes = find_resumable(Path(cfg.train.out_dir) / "checkpoints")
         if resume_from is not None:
             check_compatible(resume_from, model_fingerprint(model_cfg))
     return data, resume_from, notes
+
+
+def _check_val_file(path: str, data, model_cfg: LlamaConfig) -> None:
+    """The --data.val_path token file: readable, in the model's vocabulary, same tokenizer."""
+    val = TokenFile(path)  # DataError naming the fix when missing or corrupt
+    if val.vocab_size > model_cfg.vocab_size:
+        raise DataError(f"--data.val_path {path} was tokenized with a vocabulary of {val.vocab_size} "
+                        f"but the model has {model_cfg.vocab_size} embeddings; tokenize it as the "
+                        "training file")
+    if data is not None and val.tokenizer != data.tokenizer:
+        raise DataError(f"--data.val_path {path} was tokenized by {val.tokenizer!r}, the training file "
+                        f"{data.path} by {data.tokenizer!r}; tokenize both with the same --tokenizer")
 
 
 def materialize_and_init(model: Llama, device: torch.device, seed: int) -> Llama:

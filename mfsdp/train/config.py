@@ -113,11 +113,19 @@ class DataSection:
     """Microbatches accumulated into one optimizer step."""
     seed: int = 0
     """Seed of the window sampler; with the step number it fixes every batch."""
+    val_path: str | None = None
+    """A token file (`mfsdp prepare-data`, the training file's tokenizer) to compute the validation
+    loss on; the training file is then sampled whole."""
+    val_fraction: float = 0.005
+    """Without val_path: the fraction of the training file, taken from its end (at least one window
+    of seq_len + 1 tokens), held out for the validation loss and never sampled for training; 0 holds
+    nothing out. A resumed run keeps the split its checkpoint recorded, so its windows do not change."""
 
     def __post_init__(self) -> None:
         _require(self.seq_len > 0, "data.seq_len must be positive")
         _require(self.local_batch > 0, "data.local_batch must be positive")
         _require(self.microbatches > 0, "data.microbatches must be positive")
+        _require(0 <= self.val_fraction < 1, "data.val_fraction must lie in [0, 1)")
 
 
 @dataclass(frozen=True)
@@ -155,6 +163,15 @@ class TrainSection:
     skip_memory_check: bool = False
     """On CUDA the run first predicts its peak memory (``mfsdp plan``) and stops, before building
     anything, when it would not fit the GPU; true skips that check."""
+    eval_every: int = 100
+    """Compute the validation loss (cross entropy on the held-out tokens, see data.val_path and
+    data.val_fraction) every N steps and after the last one; 0 turns evaluation off."""
+    eval_batches: int = 8
+    """Global batches (world size x local_batch x microbatches windows each) per evaluation; the
+    same windows at every world size, so val_loss compares across runs of one global batch."""
+    export_hf: bool = False
+    """At the end of the run, also write the final weights as a Hugging Face model directory
+    (OUT_DIR/hf: config.json and safetensors, as `mfsdp export` does) that transformers loads."""
 
     def __post_init__(self) -> None:
         _require(self.steps > 0, "train.steps must be positive")
@@ -167,6 +184,8 @@ class TrainSection:
         _require(self.sample_tokens >= 0, "train.sample_tokens must not be negative")
         _require(self.device in ("auto", "cuda", "cpu"),
                  f"train.device must be auto, cuda or cpu, got {self.device!r}")
+        _require(self.eval_every >= 0, "train.eval_every must not be negative (0 turns it off)")
+        _require(self.eval_batches > 0, "train.eval_batches must be positive")
 
 
 @dataclass(frozen=True)

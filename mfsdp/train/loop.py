@@ -34,8 +34,9 @@ from mfsdp.models.parallelize import ParallelizeConfig, build_mesh, parallelize
 from mfsdp.train import determinism
 from mfsdp.train.build import (adamw, build_hf, shard_numel, materialize_and_init, model_fingerprint,
                                validate_run)
-from mfsdp.train.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from mfsdp.train.checkpoint import CheckpointError, load_checkpoint, read_meta, save_checkpoint
 from mfsdp.train.config import ConfigError, RunConfig, load_config, usage
+from mfsdp.train.evaluate import HELD_OUT, Evaluator, eval_windows, held_out_split, split_record
 from mfsdp.train.metrics import MetricsLog, StepReadout, TensorBoardLog, peak_memory_gib
 from mfsdp.train.report import StepReport, progress_bar
 from mfsdp.train.sample import generate_text
@@ -167,6 +168,7 @@ class Trainer:
         self.model_cfg: LlamaConfig = cfg.llama_config()
         self.stop_requested = False
         self.resume_notes: list[str] = []
+        self.held_out = 0  # tokens at the end of the training file kept for the validation loss
 
     def log(self, message: str) -> None:
         if self.rank == 0:
@@ -283,8 +285,14 @@ class Trainer:
         elif self.cfg.resume:
             self.log(f"no checkpoint in {self.checkpoints}; starting from step 0")
         d = self.cfg.data
+        self.held_out, split_notes = held_out_split(
+            self.cfg, data, read_meta(resume_from) if resume_from is not None else None)
+        for note in split_notes:
+            self.log(note)
         sampler = WindowSampler(data, d.seq_len, d.local_batch, self.rank, self.world,
-                                seed=d.seed, microbatches=d.microbatches)
+                                seed=d.seed, microbatches=d.microbatches,
+                                limit=len(data) - self.held_out)
+        evaluator = self._evaluator(data)
         n_params = flops.param_counts(self.model_cfg)["total"]
         self.log(f"mfsdp train: {self.cfg.model.preset} model, {n_params / 1e6:.1f}M "
                  f"parameters, {self.world} process(es) on {flops.device_name(self.device)}, "
@@ -296,7 +304,8 @@ class Trainer:
                                      enabled=self.rank == 0 and self.cfg.metrics.tensorboard,
                                      purge_step=start_step + 1 if start_step else None)
         self._install_signal_handlers()
-        last = self.train(model, optimizer, sampler, (metrics, tensorboard), start_step)
+        last = self.train(model, optimizer, sampler, (metrics, tensorboard), start_step,
+                          evaluator)
         metrics.close()
         tensorboard.close()
         if self.rank == 0:
@@ -306,11 +315,46 @@ class Trainer:
                      f"checkpoint: {self.checkpoints / f'step_{last}'}")
         if self.stop_requested:
             self.log(f"stopped by signal after step {last}; continue with --resume")
-        elif self.cfg.train.sample_tokens:
+            return 0
+        if self.cfg.train.export_hf:
+            self._export_hf(self.checkpoints / f"step_{last}")
+        if self.cfg.train.sample_tokens:
             self._print_sample(model, data)
         return 0
 
-    def train(self, model, optimizer, sampler, logs, start_step: int) -> int:
+    def _export_hf(self, checkpoint: Path) -> None:
+        """--train.export_hf: rank 0 writes the final checkpoint to OUT_DIR/hf (read from disk, one
+        tensor at a time, as `mfsdp export` does) while the others wait; a failure stops them all."""
+        problem = None
+        if self.rank == 0:
+            from mfsdp.train.export import ExportError, export_hf, exported_line
+
+            try:
+                self.log(exported_line(export_hf(checkpoint, self.out_dir / "hf")))
+            except (ExportError, CheckpointError) as err:
+                problem = (f"exporting {checkpoint} to Hugging Face failed: {err} (the checkpoint is "
+                           f"intact; retry with `mfsdp export {checkpoint} OUT_DIR`)")
+        problems = [problem]
+        dist.broadcast_object_list(problems, src=0)
+        if problems[0]:
+            raise RunFailed(problems[0])
+
+    def _evaluator(self, data: TokenFile) -> Evaluator | None:
+        windows = eval_windows(self.cfg, data, self.held_out, self.rank, self.world)
+        if windows is None:
+            if self.cfg.train.eval_every:
+                self.log("no held-out tokens (--data.val_fraction 0 and no --data.val_path): no "
+                         "validation loss")
+            return None
+        d, t = self.cfg.data, self.cfg.train
+        where = (f"{windows.data.path}" if d.val_path is not None else
+                 f"the last {self.held_out:,} tokens of {data.path}, never trained on")
+        self.log(f"validation loss every {t.eval_every} steps and at the end: {t.eval_batches} "
+                 f"batches of {self.world * d.local_batch * d.microbatches} windows from {where}")
+        return Evaluator(windows, t.eval_batches, self.device, _to_device)
+
+    def train(self, model, optimizer, sampler, logs, start_step: int,
+              evaluator: Evaluator | None = None) -> int:
         t, d = self.cfg.train, self.cfg.data
         params = list(model.parameters())
         progress = progress_bar(t.steps, start_step, enabled=self.rank == 0 and t.progress)
@@ -363,7 +407,12 @@ class Trainer:
                                                        device=self.device), aux_sum])
             dist.all_reduce(shared)
             values = torch.cat([shared, grad_norm.to(self.device, torch.float32).reshape(1)])
-            stop = report(readout.push(step, values, {"lr": lr})) or stop
+            extra = {"lr": lr}
+            stop = report(readout.push(step, values, extra)) or stop
+            if evaluator is not None and (step % t.eval_every == 0 or step == t.steps):
+                # Read with this step's record, one step late; see the note in evaluate.py.
+                extra["val_loss"] = evaluator(model)
+                readout.restart_clock()  # the next step's time leaves the evaluation out
             due = t.checkpoint_every and step % t.checkpoint_every == 0
             if due or step == t.steps or stop:
                 stop = report(readout.flush()) or stop
@@ -378,7 +427,16 @@ class Trainer:
 
     def _meta(self) -> dict:
         return {"model": self._model_fingerprint(), "data_seed": self.cfg.data.seed,
-                "world_size": self.world, "config": self.cfg.to_dict()}
+                "world_size": self.world, "config": self.cfg.to_dict(),
+                HELD_OUT: split_record(self.cfg, self.held_out), **self._hf_config()}
+
+    def _hf_config(self) -> dict:
+        """A --model.hf run's config.json, so that `mfsdp export` needs no access to that directory."""
+        if self.cfg.model.hf is None:
+            return {}
+        import json
+
+        return {"hf_config": json.loads((Path(self.cfg.model.hf) / "config.json").read_text())}
 
     def _install_signal_handlers(self) -> None:
         """First Ctrl-C or SIGTERM: finish the step, save, exit cleanly. Second: abort."""

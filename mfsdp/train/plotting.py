@@ -8,8 +8,8 @@ from mfsdp.train.metrics import read_metrics
 
 
 def plot_loss(metrics_path: str | Path, out: str | Path) -> Path | None:
-    """Write the loss curve (raw and smoothed) above the throughput (tokens/s) to ``out``;
-    None without matplotlib."""
+    """Write the loss curve (raw and smoothed, with the validation loss where measured) above the
+    throughput (tokens/s) to ``out``; None without matplotlib."""
     try:
         import matplotlib
     except ImportError:
@@ -17,9 +17,10 @@ def plot_loss(metrics_path: str | Path, out: str | Path) -> Path | None:
     matplotlib.use("Agg")  # files only: training nodes have no display
     import matplotlib.pyplot as plt
 
-    records = read_metrics(metrics_path)
+    records = [r for r in read_metrics(metrics_path) if "loss" in r]
     steps = [r["step"] for r in records]
     losses = [r["loss"] for r in records]
+    held_out = [(r["step"], r["val_loss"]) for r in records if r.get("val_loss") is not None]
     speed = [(r["step"], r["tokens_per_s"]) for r in records if r.get("tokens_per_s")]
     fig, (ax, ax_speed) = plt.subplots(2, 1, figsize=(7, 6), sharex=True,
                                        gridspec_kw={"height_ratios": [2, 1]})
@@ -27,6 +28,9 @@ def plot_loss(metrics_path: str | Path, out: str | Path) -> Path | None:
     if len(losses) >= 10:
         ax.plot(steps, _moving_average(losses, max(2, len(losses) // 20)), color="tab:blue",
                 linewidth=2, label="moving average")
+    if held_out:
+        ax.plot([s for s, _ in held_out], [v for _, v in held_out], color="tab:orange",
+                marker="o", linewidth=1.5, label="validation loss")
     ax.set_ylabel("cross-entropy loss (nats/token)")
     ax.set_title("mfsdp training loss")
     ax.grid(alpha=0.3)

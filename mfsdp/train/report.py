@@ -27,6 +27,7 @@ class StepReport:
         self.peak_flops = flops.peak_flops(trainer.device)
         self.moe = trainer.cfg.model.hf is None and trainer.model_cfg.num_experts > 0
         self.compiling = trainer.cfg.compiles(trainer.device.type)  # until the first step is reported
+        self.val_loss: float | None = None  # the latest, shown in the bar until the next one
 
     def __call__(self, done) -> bool:
         if done is None:
@@ -44,6 +45,8 @@ class StepReport:
         }
         if self.moe:  # the load-balancing loss, unweighted; "loss" stays the cross entropy
             record["aux_loss"] = aux_total / self.world
+        if "val_loss" in extra:  # evaluated after this step (a device tensor until now)
+            record["val_loss"] = self.val_loss = float(extra["val_loss"])
         for log in self.logs:
             log.write(record)
         if self.compiling:  # the first step's time is mostly torch.compile: say so, once
@@ -51,15 +54,18 @@ class StepReport:
             # above the bar on rank 0; plain rank-0 output without a bar
             write = getattr(self.progress, "write", self.trainer.log)
             write(f"step {step}: {seconds:.1f} s, including torch.compile of the blocks")
-        self.progress.set_postfix_str(postfix(record), refresh=False)
+        self.progress.set_postfix_str(postfix(record, self.val_loss), refresh=False)
         self.progress.update(1)
         stop = stop_votes > 0
         self.trainer.stop_requested = self.trainer.stop_requested or stop
         return stop
 
 
-def postfix(record: dict) -> str:
-    parts = [f"loss {record['loss']:.3f}", f"{record['tokens_per_s']:,.0f} tok/s",
+def postfix(record: dict, val_loss: float | None = None) -> str:
+    parts = [f"loss {record['loss']:.3f}"]
+    if val_loss is not None:
+        parts.append(f"val {val_loss:.3f}")
+    parts += [f"{record['tokens_per_s']:,.0f} tok/s",
              f"{record['tflops_per_gpu']:.2f} TFLOP/s/gpu"]
     if record["mfu"] is not None:
         parts.append(f"MFU {100 * record['mfu']:.1f}%")

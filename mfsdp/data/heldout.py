@@ -1,0 +1,56 @@
+"""Held-out tokens and the fixed windows the validation loss is computed on.
+
+The held-out set is either a token file of its own (``--data.val_path``) or the tail of the
+training file (``--data.val_fraction``), which ``WindowSampler(limit=...)`` then never samples.
+Evaluation reads consecutive, non-overlapping windows of ``seq_len + 1`` tokens from the start of
+the held-out tokens (wrapping around when more are asked for than there are): the same windows at
+every world size. Eval batch ``b`` is windows ``[b * G, (b + 1) * G)`` for the global batch ``G``
+(world size x local batch x microbatches), and each rank takes its slice of it as training does, so
+``K`` eval batches cover the same ``K * G`` windows however the ranks split them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+
+import torch
+
+from mfsdp.data.sampler import Batch
+from mfsdp.data.token_file import DataError, TokenFile
+
+
+def held_out_tokens(n_tokens: int, val_fraction: float, seq_len: int) -> int:
+    """How many tokens at the end of a file of ``n_tokens`` to hold out: ``val_fraction`` of
+    them, rounded up, and at least one evaluation window (``seq_len + 1``); 0 for a fraction 0."""
+    if val_fraction <= 0:
+        return 0
+    return min(n_tokens, max(math.ceil(n_tokens * val_fraction), seq_len + 1))
+
+
+class EvalWindows:
+    """This rank's share of the fixed evaluation windows in ``data[start:stop]``."""
+
+    def __init__(self, data: TokenFile, seq_len: int, local_batch: int, rank: int,
+                 world_size: int, microbatches: int = 1, start: int = 0,
+                 stop: int | None = None):
+        stop = len(data) if stop is None else stop
+        self.count = (stop - start - 1) // seq_len  # windows of seq_len + 1 at stride seq_len
+        if self.count < 1:
+            raise DataError(f"the held-out part of {data.path} ({max(0, stop - start)} tokens) is "
+                            f"too short for one evaluation window of {seq_len + 1} tokens; use a "
+                            "larger --data.val_fraction or --data.val_path, or --train.eval_every 0")
+        self.data, self.seq_len, self.start = data, seq_len, start
+        self.local_batch, self.rank, self.world_size = local_batch, rank, world_size
+        self.microbatches = microbatches
+
+    def batches(self, eval_batches: int) -> Iterator[Batch]:
+        """This rank's rows of eval batches ``0 .. eval_batches - 1``, ``local_batch`` at a time."""
+        per_micro = self.world_size * self.local_batch
+        for b in range(eval_batches):
+            for micro in range(self.microbatches):
+                first = (b * self.microbatches + micro) * per_micro + self.rank * self.local_batch
+                rows = [self.data.window(self.start + (i % self.count) * self.seq_len, self.seq_len + 1)
+                        for i in range(first, first + self.local_batch)]
+                windows = torch.stack(rows)
+                yield Batch(inputs=windows[:, :-1], targets=windows[:, 1:])

@@ -1,0 +1,111 @@
+"""The validation loss of ``mfsdp train``: which tokens are held out, and the loss on them.
+
+The split is part of a run's data state: the training windows depend on how many tokens the held-out
+tail takes, so each checkpoint records it (``meta.json`` key ``held_out``) and a resumed run keeps
+the recorded split, whatever ``--data.val_fraction`` says now. A checkpoint without the record was
+written before held-out splits existed and sampled the whole file: it resumes with none.
+
+[Note: evaluation through the sharded model]
+Evaluation runs the same sharded model forward under ``torch.no_grad()``, between an optimizer step
+and the next training forward, on every rank with the same number of batches (each rank its slice
+of the same eval batches), so every FSDP module gathers in its static order on all ranks. A no-grad
+forward registers no backward hooks, and its root reshards at the end of the forward (a training
+forward keeps the root for backward), so no backward state is left behind. The optimizer step may
+already have gathered the root and the next ``prefetch_depth`` modules for the next forward
+(``CommunicationPolicy.prefetch_across_step``); the evaluation's first forward uses those gathers
+(the weights are final for the step) and its last forward reshards them, so the next training
+forward gathers afresh: correct, at the cost of that one step's early overlap. The loss is
+cross entropy only (no MoE load-balancing term), summed over tokens in fp32 per batch, accumulated
+in fp64 and all-reduced with the token count: a token-weighted mean over the same windows at every
+world size and placement.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from mfsdp.data import EvalWindows, TokenFile, held_out_tokens
+
+HELD_OUT = "held_out"  # the meta.json key of the split
+
+
+def held_out_split(cfg, data: TokenFile, resumed_meta: dict | None) -> tuple[int, list[str]]:
+    """How many tokens at the end of the training file are held out, and notes for the user.
+
+    A fresh run takes them from ``--data.val_fraction`` (none with ``--data.val_path``); a resumed
+    run takes what its checkpoint recorded (none when it recorded nothing)."""
+    d = cfg.data
+    wanted = 0 if d.val_path is not None else held_out_tokens(len(data), d.val_fraction, d.seq_len)
+    if resumed_meta is None:
+        return wanted, []
+    record = resumed_meta.get(HELD_OUT)
+    held = int(record["tokens"]) if isinstance(record, dict) else 0
+    notes = []
+    if record is None and wanted:
+        notes.append("the checkpoint records no held-out split (written before they existed): "
+                     "training keeps sampling the whole file; pass --data.val_path FILE for a "
+                     "validation loss")
+    elif held != wanted:
+        notes.append(f"keeping the checkpoint's held-out split ({held:,} tokens at the end of the "
+                     f"training file, not the {wanted:,} the current flags give), so the training "
+                     "windows do not change")
+    return held, notes
+
+
+def split_record(cfg, held: int) -> dict:
+    """What ``meta.json`` records of the split (``held_out_split`` reads it back)."""
+    return {"tokens": held, "val_path": cfg.data.val_path, "val_fraction": cfg.data.val_fraction}
+
+
+def eval_windows(cfg, data: TokenFile, held: int, rank: int, world: int) -> EvalWindows | None:
+    """This rank's evaluation windows: from ``--data.val_path``, else the held-out tail; None when
+    evaluation is off or nothing is held out."""
+    d = cfg.data
+    if cfg.train.eval_every == 0:
+        return None
+    if d.val_path is not None:
+        return EvalWindows(TokenFile(d.val_path), d.seq_len, d.local_batch, rank, world,
+                           d.microbatches)
+    if held == 0:
+        return None
+    return EvalWindows(data, d.seq_len, d.local_batch, rank, world, d.microbatches,
+                       start=len(data) - held)
+
+
+class Evaluator:
+    """The validation loss over ``batches`` eval batches: a collective, every rank calls it."""
+
+    def __init__(self, windows: EvalWindows, batches: int, device: torch.device,
+                 to_device: Callable[[torch.Tensor, torch.device], torch.Tensor]):
+        self.windows, self.batches, self.device, self.to_device = windows, batches, device, to_device
+
+    @property
+    def source(self) -> Path:
+        return self.windows.data.path
+
+    @torch.no_grad()
+    def __call__(self, model: torch.nn.Module) -> torch.Tensor:
+        """The token-weighted mean cross entropy over every rank's windows, a 0-dim fp32 tensor
+        on the device (read it without a sync where the caller can wait)."""
+        was_training = model.training
+        model.eval()  # no dropout in Hugging Face models (and no draws from the generators)
+        totals = torch.zeros(2, dtype=torch.float64, device=self.device)
+        try:
+            for batch in self.windows.batches(self.batches):
+                inputs = self.to_device(batch.inputs, self.device)
+                targets = self.to_device(batch.targets, self.device)
+                out = model(inputs)
+                logits = getattr(out, "logits", out)  # HF models return an output object
+                loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(),
+                                       reduction="sum")
+                totals[0] += loss.double()
+                totals[1] += targets.numel()
+        finally:
+            model.train(was_training)
+        dist.all_reduce(totals)
+        return (totals[0] / totals[1]).float()

@@ -1,0 +1,284 @@
+"""``mfsdp export``: a training checkpoint out as a Hugging Face model directory.
+
+``export_hf(CHECKPOINT_OR_RUN_DIR, OUT_DIR)`` writes ``config.json``, the weights as safetensors
+(``model.safetensors``, or numbered files of at most ``max_shard_bytes`` plus
+``model.safetensors.index.json``) and, when the run's token file was made with a tokenizer
+directory, that tokenizer; ``transformers.AutoModelForCausalLM.from_pretrained(OUT_DIR)`` then loads
+the trained model.
+
+* ``--model.hf`` runs go back out as the architecture they came in as: the parameter names are the
+  model's own, matched to the checkpoint by the manager's rules (``mfsdp.manager.hf_checkpoint``:
+  tied weights written once under their first name, the base-model prefix added or removed).
+* The bundled Llama goes out as ``LlamaForCausalLM``: the same rotate-half RoPE (no q/k
+  permutation is needed, unlike Meta's interleaved checkpoints), ``rope_theta``, ``rms_norm_eps``
+  and tied embeddings carried over. The mixtures of experts go out as ``MixtralForCausalLM``, whose
+  routing is theirs exactly: a bias-free router, softmax over all experts, the top k renormalised
+  to sum to one, SwiGLU experts, no shared expert (``mfsdp.models.moe``). A checkpoint holding a
+  tensor that neither architecture has a place for is refused, naming it.
+
+The checkpoint is read without a process group (``torch.distributed.checkpoint.load`` with
+``no_dist=True``), one tensor at a time, straight into the safetensors file being written, so the
+export holds one tensor (plus its cast) in memory however large the model, and needs only one
+process whatever world size saved it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from mfsdp.train.checkpoint import META, find_latest, read_meta
+from mfsdp.train.safetensors_out import Entry, plan_files, write_file
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+SAFE_WEIGHTS = "model.safetensors"
+SAFE_INDEX = "model.safetensors.index.json"
+MODEL = "model."  # the checkpoint's prefix of the model state (mfsdp.train.checkpoint)
+
+
+class ExportError(Exception):
+    """An export problem the user can fix; the message names the fix."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Exported:
+    path: Path
+    architecture: str
+    tensors: int
+    files: int
+    nbytes: int
+    tokenizer: str | None
+    """The tokenizer directory copied, or None (the byte tokenizer, or a token file gone)."""
+
+
+def resolve_checkpoint(source: str | Path) -> Path:
+    """A checkpoint directory, or the newest whole one of a run directory (or its checkpoints/)."""
+    source = Path(source)
+    if (source / META).is_file() and (source / ".metadata").is_file():
+        return source
+    for root in (source / "checkpoints", source):
+        if root.is_dir() and (found := find_latest(root)) is not None:
+            return found
+    raise ExportError(f"{source} is neither a checkpoint (a step_N directory with {META}) nor a run "
+                      "directory holding a whole one under checkpoints/; pass --train.out_dir of a "
+                      "run, or one of its checkpoints")
+
+
+def export_hf(source: str | Path, out_dir: str | Path, dtype: torch.dtype = torch.bfloat16,
+              max_shard_bytes: int = 5 * 10**9) -> Exported:
+    """Write checkpoint ``source`` (or a run directory's newest) to ``out_dir`` as a Hugging Face
+    model directory; no process group, one tensor in memory at a time."""
+    checkpoint = resolve_checkpoint(source)
+    meta = read_meta(checkpoint)
+    run = meta.get("config")
+    if not isinstance(run, dict) or "model" not in run:
+        raise ExportError(f"{checkpoint / META} holds no run config (written by an older mfsdp); "
+                          "resume the run for a step with this mfsdp to write a checkpoint that has one")
+    saved = dcp.FileSystemReader(checkpoint).read_metadata().state_dict_metadata
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if run["model"].get("hf"):
+        config, plan, covered = _hf_plan(run, meta, saved, dtype, out)
+    else:
+        config, plan = _bundled_plan(run, saved, dtype)
+        covered = {key for _, key in plan} | {MODEL + "output.weight"}  # a tied head: the embedding
+    _refuse_unplaced(saved, plan, covered, config["architectures"][0], checkpoint)
+    tokenizer = _tokenizer_dir(run)
+    if tokenizer is not None:
+        config.update(_special_ids(tokenizer))
+    elif not run["model"].get("hf"):
+        config["eos_token_id"] = 256  # the byte tokenizer's end of document
+    entries = [Entry(name, tuple(saved[key].size), dtype if saved[key].properties.dtype.is_floating_point
+                     else saved[key].properties.dtype) for name, key in plan]
+    keys = dict(plan)
+    files = plan_files(entries, max_shard_bytes)
+    names = [SAFE_WEIGHTS] if len(files) == 1 else [
+        f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))]
+    reader = dcp.FileSystemReader(checkpoint)
+
+    def read(entry: Entry) -> torch.Tensor:
+        md = saved[keys[entry.name]]
+        state = {keys[entry.name]: torch.empty(md.size, dtype=md.properties.dtype)}
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, storage_reader=reader, no_dist=True)
+        return state[keys[entry.name]]
+
+    for stale in [*out.glob("model*.safetensors"), out / SAFE_INDEX]:
+        stale.unlink(missing_ok=True)  # a previous export's files would shadow or mix with these
+    for name, file_entries in zip(names, files):
+        write_file(out / name, file_entries, read)
+    if len(files) > 1:
+        weight_map = {e.name: name for name, fe in zip(names, files) for e in fe}
+        (out / SAFE_INDEX).write_text(json.dumps({"metadata": {"total_size": sum(e.nbytes for e in entries)},
+                                                  "weight_map": weight_map}, indent=2))
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    if tokenizer is not None:
+        _copy_tokenizer(tokenizer, out)
+    return Exported(out, config["architectures"][0], len(entries), len(files),
+                    sum(e.nbytes for e in entries), str(tokenizer) if tokenizer else None)
+
+
+# ------------------------------------------------------------------------- bundled models
+_LAYER_NAMES = (("attention_norm.weight", "input_layernorm.weight"),
+                ("attention.wq.weight", "self_attn.q_proj.weight"),
+                ("attention.wk.weight", "self_attn.k_proj.weight"),
+                ("attention.wv.weight", "self_attn.v_proj.weight"),
+                ("attention.wo.weight", "self_attn.o_proj.weight"),
+                ("ffn_norm.weight", "post_attention_layernorm.weight"))
+_DENSE_FFN = (("feed_forward.w1.weight", "mlp.gate_proj.weight"),
+              ("feed_forward.w3.weight", "mlp.up_proj.weight"),
+              ("feed_forward.w2.weight", "mlp.down_proj.weight"))
+
+
+def model_config_of(run: dict):
+    """The bundled model's LlamaConfig from a checkpoint's recorded run config."""
+    from mfsdp.train.config import ConfigError, ModelSection
+
+    known = {f.name for f in dataclasses.fields(ModelSection)}
+    try:
+        section = ModelSection(**{k: v for k, v in run["model"].items() if k in known})
+        return section.llama_config(max_seq_len=int(run["data"]["seq_len"]))
+    except (ConfigError, KeyError, TypeError, ValueError) as err:
+        raise ExportError(f"the checkpoint's recorded model config does not build a model ({err})") from None
+
+
+def _bundled_plan(run: dict, saved: dict, dtype: torch.dtype) -> tuple[dict, list[tuple[str, str]]]:
+    c = model_config_of(run)
+    plan = [("model.embed_tokens.weight", "tok_embeddings.weight")]
+    for i in range(c.n_layers):
+        mine, theirs = f"layers.{i}.", f"model.layers.{i}."
+        plan += [(theirs + t, mine + m) for m, t in _LAYER_NAMES]
+        if c.num_experts:
+            plan.append((theirs + "block_sparse_moe.gate.weight", mine + "feed_forward.router.weight"))
+            plan += [(f"{theirs}block_sparse_moe.experts.{e}.{w}.weight",
+                      f"{mine}feed_forward.experts.{e}.{w}.weight")
+                     for e in range(c.num_experts) for w in ("w1", "w2", "w3")]
+        else:
+            plan += [(theirs + t, mine + m) for m, t in _DENSE_FFN]
+    plan.append(("model.norm.weight", "norm.weight"))
+    if not c.tie_embeddings:
+        plan.append(("lm_head.weight", "output.weight"))
+    plan = [(name, MODEL + key) for name, key in plan]
+    config = {
+        "architectures": ["MixtralForCausalLM" if c.num_experts else "LlamaForCausalLM"],
+        "model_type": "mixtral" if c.num_experts else "llama",
+        "vocab_size": c.vocab_size, "hidden_size": c.dim, "intermediate_size": c.ffn_dim,
+        "num_hidden_layers": c.n_layers, "num_attention_heads": c.n_heads,
+        "num_key_value_heads": c.n_kv_heads, "head_dim": c.head_dim, "hidden_act": "silu",
+        "max_position_embeddings": c.max_seq_len, "rms_norm_eps": c.norm_eps,
+        "rope_theta": c.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": c.rope_theta},
+        "attention_bias": False, "attention_dropout": 0.0, "tie_word_embeddings": c.tie_embeddings,
+        "initializer_range": c.init_std, "use_cache": True, "bos_token_id": None, "eos_token_id": None,
+        "dtype": _dtype_name(dtype), "torch_dtype": _dtype_name(dtype),
+    }
+    if c.num_experts:
+        config.update(num_local_experts=c.num_experts, num_experts_per_tok=c.top_k,
+                      output_router_logits=False, router_aux_loss_coef=c.moe_aux_loss_coef,
+                      router_jitter_noise=0.0, sliding_window=None)
+    else:
+        config["mlp_bias"] = False
+    return config, plan
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _refuse_unplaced(saved: dict, plan: list[tuple[str, str]], covered: set[str], architecture: str,
+                     checkpoint: Path) -> None:
+    """Refuse a plan that misses a tensor the architecture needs or leaves a trained one behind;
+    ``covered``: every checkpoint key the plan accounts for (tied aliases included)."""
+    missing = [key for _, key in plan if key not in saved]
+    if missing:
+        raise ExportError(f"checkpoint {checkpoint} lacks {sorted(missing)[:4]} that {architecture} needs; "
+                          "was it written for another model? Export the run's own checkpoint")
+    extra = sorted(k for k in saved if k.startswith(MODEL) and k not in covered)
+    if extra:
+        raise ExportError(f"checkpoint {checkpoint} holds {extra[:4]}, which {architecture} has no place "
+                          "for, so the export would drop trained weights; this model cannot be exported "
+                          "to Hugging Face as it is")
+
+
+# ------------------------------------------------------------------------- --model.hf runs
+def _hf_plan(run: dict, meta: dict, saved: dict, dtype: torch.dtype, out: Path):
+    """The Hugging Face model's own names (the manager's matching rules), and its config."""
+    try:
+        import transformers
+    except ImportError:
+        raise ExportError("exporting a --model.hf run needs the transformers package; "
+                          "pip install transformers") from None
+    from mfsdp.manager.hf_checkpoint import _candidate_keys, _model_tensors, meta_model_from_config
+
+    source = Path(run["model"]["hf"])
+    raw = meta.get("hf_config")
+    if raw is None:
+        if not (source / "config.json").is_file():
+            raise ExportError(f"the run trained --model.hf {source}, whose config.json is gone, and the "
+                              "checkpoint predates recording it; restore that directory to export")
+        raw = json.loads((source / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps(raw))
+    config = transformers.AutoConfig.from_pretrained(out, local_files_only=True)
+    model = meta_model_from_config(config)
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    plan, missing, covered = [], [], set()
+    for names, tensor in _model_tensors(model):
+        candidates = [MODEL + k for k in _candidate_keys(names, prefix)]
+        covered.update(candidates)
+        key = next((k for k in candidates if k in saved), None)
+        if key is None:
+            if isinstance(tensor, torch.nn.Parameter):
+                missing.append(names[0])
+            continue  # a persistent buffer the checkpoint lacks keeps its default
+        plan.append((names[0], key))
+    if missing:
+        raise ExportError(f"the checkpoint lacks {missing[:4]} of {type(model).__name__}; export the run's "
+                          "own checkpoint")
+    config.dtype = dtype
+    exported = config.to_dict()
+    exported["architectures"] = [type(model).__name__]
+    exported["dtype"] = exported["torch_dtype"] = _dtype_name(dtype)
+    return exported, plan, covered
+
+
+# ------------------------------------------------------------------------------ tokenizer
+def _tokenizer_dir(run: dict) -> Path | None:
+    """The tokenizer directory the run's token file was made with, or None (bytes, or no file)."""
+    from mfsdp.data import STDLIB, DataError, TokenFile
+
+    path = run.get("data", {}).get("path")
+    if path == STDLIB:
+        return None  # the demo corpus is byte-tokenized
+    try:
+        name = TokenFile(path).tokenizer
+    except (DataError, TypeError, OSError):
+        return None
+    return Path(name) if Path(name).is_dir() else None
+
+
+def _special_ids(tokenizer: Path) -> dict:
+    from mfsdp.data.tokenizer import HuggingFaceTokenizer
+
+    tok = HuggingFaceTokenizer(str(tokenizer))._tok
+    return {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id}
+
+
+def _copy_tokenizer(tokenizer: Path, out: Path) -> None:
+    for file in tokenizer.iterdir():
+        if file.is_file() and (file.name.startswith(("tokenizer", "special_tokens", "vocab", "merges",
+                                                     "added_tokens", "chat_template"))):
+            shutil.copy2(file, out / file.name)
+
+
+def exported_line(done: Exported) -> str:
+    """What ``mfsdp export`` and ``--train.export_hf`` print."""
+    tokenizer = f", tokenizer from {done.tokenizer}" if done.tokenizer else ""
+    return (f"wrote {done.architecture} to {done.path}: {done.tensors} tensors, "
+            f"{done.nbytes / 1e6:,.1f} MB in {done.files} safetensors file(s){tokenizer}; load it with "
+            f"transformers.AutoModelForCausalLM.from_pretrained({str(done.path)!r})")
