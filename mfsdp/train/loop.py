@@ -34,7 +34,8 @@ from mfsdp.models.parallelize import ParallelizeConfig, build_mesh, parallelize
 from mfsdp.train import determinism
 from mfsdp.train.build import (adamw, build_hf, shard_numel, materialize_and_init, model_fingerprint,
                                validate_run)
-from mfsdp.train.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from mfsdp.train.checkpoint import (CheckpointError, Checkpointer, load_checkpoint,
+                                    planned_staging_bytes)
 from mfsdp.train.config import ConfigError, RunConfig, load_config, usage
 from mfsdp.train.metrics import MetricsLog, StepReadout, TensorBoardLog, peak_memory_gib
 from mfsdp.train.report import StepReport, progress_bar
@@ -294,6 +295,7 @@ class Trainer:
         tensorboard = TensorBoardLog(self.out_dir / "tensorboard",
                                      enabled=self.rank == 0 and self.cfg.metrics.tensorboard,
                                      purge_step=start_step + 1 if start_step else None)
+        self.checkpointer = self._checkpointer(model)
         self._install_signal_handlers()
         last = self.train(model, optimizer, sampler, (metrics, tensorboard), start_step)
         metrics.close()
@@ -361,17 +363,31 @@ class Trainer:
             dist.all_reduce(shared)
             values = torch.cat([shared, grad_norm.to(self.device, torch.float32).reshape(1)])
             stop = report(readout.push(step, values, {"lr": lr})) or stop
+            self.checkpointer.poll()  # publishes a finished background write, or raises its error
             due = t.checkpoint_every and step % t.checkpoint_every == 0
             if due or step == t.steps or stop:
                 stop = report(readout.flush()) or stop
-                save_checkpoint(self.checkpoints, step, model, optimizer, self._meta(),
-                                keep=t.keep_checkpoints)
+                self.checkpointer.save(step, model, optimizer, self._meta())
                 readout.restart_clock()
             if stop:
                 break
         report(readout.flush())
+        self.checkpointer.close()  # the end of the run waits for the last background write
         progress.close()
         return step
+
+    def _checkpointer(self, model) -> Checkpointer:
+        t = self.cfg.train
+        asynchronous = t.async_checkpoint_on(self.device.type)
+        if asynchronous:
+            held = planned_staging_bytes(shard_numel(model))
+            size = f"{held / 2**30:.1f} GiB" if held >= 2**30 else f"{held / 2**20:.1f} MiB"
+            self.log(f"checkpoints are written in the background (--train.async_checkpoint "
+                     f"{t.async_checkpoint}), staged in about {size} of "
+                     f"{'pinned ' if self.device.type == 'cuda' else ''}host memory per rank")
+        return Checkpointer(self.checkpoints, t.keep_checkpoints, asynchronous,
+                            pinned=self.device.type == "cuda",
+                            timeout_s=self.cfg.parallel.collective_timeout_s)
 
     def _meta(self) -> dict:
         return {"model": self._model_fingerprint(), "data_seed": self.cfg.data.seed,

@@ -45,19 +45,25 @@ class StepReport:
             record["aux_loss"] = aux_total / self.world
         for log in self.logs:
             log.write(record)
-        self.progress.set_postfix_str(postfix(record), refresh=False)
+        checkpointer = getattr(self.trainer, "checkpointer", None)
+        self.progress.set_postfix_str(postfix(record, checkpointer and checkpointer.writing),
+                                      refresh=False)
         self.progress.update(1)
         stop = stop_votes > 0
         self.trainer.stop_requested = self.trainer.stop_requested or stop
         return stop
 
 
-def postfix(record: dict) -> str:
+def postfix(record: dict, saving: str | None = None) -> str:
+    """The progress bar's text after the counter; ``saving`` names the checkpoint being written
+    in the background, if one is."""
     parts = [f"loss {record['loss']:.3f}", f"{record['tokens_per_s']:,.0f} tok/s",
              f"{record['tflops_per_gpu']:.2f} TFLOP/s/gpu"]
     if record["mfu"] is not None:
         parts.append(f"MFU {100 * record['mfu']:.1f}%")
     parts.append(f"peak {record['peak_mem_gib']:.2f} GiB")
+    if saving:
+        parts.append(f"saving {saving}")
     return ", ".join(parts)
 
 
