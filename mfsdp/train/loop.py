@@ -301,8 +301,8 @@ class Trainer:
         metrics.close()
         tensorboard.close()
         if self.rank == 0:
-            from mfsdp.train.plotting import plot_loss  # matplotlib is slow to import
-            plot = plot_loss(metrics.path, self.out_dir / "loss.png")
+            from mfsdp.train.plotting import needs_matplotlib, plot_loss  # matplotlib is slow to import
+            plot = plot_loss(metrics.path, self.out_dir / "loss.png") or needs_matplotlib("the PNG")
             self.log(f"metrics: {metrics.path}\nloss curve: {plot}\n"
                      f"checkpoint: {self.checkpoints / f'step_{last}'}")
         if self.stop_requested:
