@@ -241,3 +241,18 @@ def already_staged_stager():
             pass
 
     return AlreadyStaged()
+
+
+def pin_host_memory(tensor: torch.Tensor) -> None:
+    """Page-lock a CPU tensor's memory where it is (``cudaHostRegister``): exactly its bytes,
+    where torch's pinned allocator (``pin_memory=True``) may round a request up to a power of two."""
+    nbytes = tensor.numel() * tensor.element_size()
+    error = int(torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), nbytes, 1))  # portable
+    if error:
+        raise RuntimeError(f"pinning {nbytes / 2**30:.1f} GiB of host memory failed (cudaError "
+                           f"{error}); free host memory, or use --train.async_checkpoint false")
+
+
+def unpin_host_memory(tensor: torch.Tensor) -> None:
+    """Undo ``pin_host_memory``."""
+    torch.cuda.cudart().cudaHostUnregister(tensor.data_ptr())

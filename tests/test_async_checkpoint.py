@@ -71,6 +71,22 @@ def test_the_staging_buffers_are_reused_from_one_save_to_the_next(tmp_path):
     assert planned_staging_bytes(n) <= staging_bytes(state) <= planned_staging_bytes(n) + 8192
 
 
+def test_on_cuda_the_buffer_is_pinned_once_for_exactly_its_bytes(monkeypatch):
+    """The pinned path's bookkeeping, with the CUDA calls recorded instead of made (CPU only)."""
+    calls = []
+    monkeypatch.setattr(ckpt._compat, "pin_host_memory", lambda t: calls.append(("pin", t.numel())))
+    monkeypatch.setattr(ckpt._compat, "unpin_host_memory", lambda t: calls.append(("unpin", t.numel())))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: type("S", (), {"synchronize": lambda self: None})())
+    model, optimizer = make(0)
+    stager = HostStager(pinned=True)
+    for _ in range(3):
+        stager.stage(ckpt._state(model, optimizer))
+    state = ckpt._state(model, optimizer)
+    assert calls == [("pin", staging_bytes(state))]
+    stager.close()
+    assert calls[-1] == ("unpin", staging_bytes(state)) and stager.nbytes() == 0
+
+
 class FullDisk(dcp.FileSystemWriter):
     def write_data(self, plan, planner):
         raise OSError(28, "No space left on device")

@@ -342,7 +342,8 @@ class Checkpointer:
     def close(self) -> None:
         """Wait for the last write and release the staging buffers."""
         self.wait()
-        self._stager = None
+        if self._stager is not None:
+            self._stager.close()
 
     def _finish(self) -> None:
         write, self._write = self._write, None
@@ -355,48 +356,83 @@ class Checkpointer:
 class HostStager:
     """Copies a state dict into host buffers that it keeps from one save to the next.
 
-    Every tensor (a DTensor: its shard on this rank) is copied into a buffer of its own, found
-    by the tensor's key path in the state dict, so the second and later saves allocate nothing.
-    On CUDA the buffers are pinned and filled by non-blocking copies, then the stream is waited
-    for once. A staged DTensor keeps its global shape and placements, with the host copy as its
-    local shard, so DCP writes the same checkpoint as from the device.
+    All tensors (a DTensor: its shard on this rank) are copied into one flat host buffer, at
+    offsets given by their key paths in the state dict, so the second and later saves allocate
+    nothing. On CUDA the buffer is page-locked in place (exactly its bytes) and filled by
+    non-blocking copies, then the stream is waited for once. A staged DTensor keeps its global
+    shape and placements, with the host copy as its local shard, so DCP writes the same checkpoint
+    as from the device.
 
     DCP's own ``DefaultStager`` is not used: it takes a DTensor whose wrapper reports a non-zero
     ``data_ptr`` (mfsdp's parameters are views at an offset into a flat buffer) for a plain
-    tensor, and fails on its storage.
+    tensor, and fails on its storage ("invalid python storage").
     """
+
+    _ALIGN = 64  # bytes; every dtype's view of the flat buffer starts aligned
 
     def __init__(self, pinned: bool):
         self.pinned = pinned
-        self._buffers: dict[tuple, torch.Tensor] = {}
+        self._flat: torch.Tensor | None = None
+        self._layout: dict[tuple, tuple] = {}  # key path -> (offset, shape, dtype)
 
     @torch.no_grad()
     def stage(self, state: dict) -> dict:
-        staged = self._copy(state, ())
+        leaves: dict[tuple, torch.Tensor] = {}
+        _local_tensors(state, (), leaves)
+        layout, total = {}, 0
+        for key, local in leaves.items():
+            layout[key] = (total, local.shape, local.dtype)
+            total += -(-local.numel() * local.element_size() // self._ALIGN) * self._ALIGN
+        if layout != self._layout:  # the first save (or the shapes changed): allocate once
+            self.close()
+            self._flat = torch.empty(total, dtype=torch.uint8)
+            if self.pinned:
+                _compat.pin_host_memory(self._flat)
+            self._layout = layout
+        staged = {key: self._view(key).copy_(local.detach(), non_blocking=self.pinned)
+                  for key, local in leaves.items()}
         if self.pinned:
             torch.cuda.current_stream().synchronize()  # the non-blocking copies have landed
-        return staged
+        return _rebuild(state, (), staged)
 
     def nbytes(self) -> int:
-        """The host bytes the buffers hold now."""
-        return sum(b.numel() * b.element_size() for b in self._buffers.values())
+        """The host bytes held now."""
+        return 0 if self._flat is None else self._flat.numel()
 
-    def _copy(self, value, key: tuple):
-        if isinstance(value, dict):
-            return {k: self._copy(v, key + (k,)) for k, v in value.items()}
-        if isinstance(value, (list, tuple)):
-            return type(value)(self._copy(v, key + (i,)) for i, v in enumerate(value))
-        if not isinstance(value, torch.Tensor):
-            return copy.deepcopy(value)
-        is_dtensor = hasattr(value, "to_local")
-        local = value.to_local() if is_dtensor else value
-        buffer = self._buffers.get(key)
-        if buffer is None or buffer.shape != local.shape or buffer.dtype != local.dtype:
-            buffer = torch.empty(local.shape, dtype=local.dtype, device="cpu",
-                                 pin_memory=self.pinned and local.device.type == "cuda")
-            self._buffers[key] = buffer
-        buffer.copy_(local.detach(), non_blocking=self.pinned)
-        return _compat.dtensor_with_local(value, buffer) if is_dtensor else buffer
+    def close(self) -> None:
+        """Release the buffer (unpinning it)."""
+        if self._flat is not None and self.pinned:
+            _compat.unpin_host_memory(self._flat)
+        self._flat, self._layout = None, {}
+
+    def _view(self, key: tuple) -> torch.Tensor:
+        offset, shape, dtype = self._layout[key]
+        size = shape.numel() * torch.empty((), dtype=dtype).element_size()
+        return self._flat[offset:offset + size].view(dtype).view(shape)
+
+
+def _local_tensors(value, key: tuple, out: dict) -> None:
+    """The tensors of a state dict by key path (a DTensor: its local shard)."""
+    if isinstance(value, dict):
+        for k, v in value.items():
+            _local_tensors(v, key + (k,), out)
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            _local_tensors(v, key + (i,), out)
+    elif isinstance(value, torch.Tensor):
+        out[key] = value.to_local() if hasattr(value, "to_local") else value
+
+
+def _rebuild(value, key: tuple, staged: dict):
+    """``value`` with every tensor replaced by its staged host copy (a DTensor keeping its spec)."""
+    if isinstance(value, dict):
+        return {k: _rebuild(v, key + (k,), staged) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_rebuild(v, key + (i,), staged) for i, v in enumerate(value))
+    if isinstance(value, torch.Tensor):
+        local = staged[key]
+        return _compat.dtensor_with_local(value, local) if hasattr(value, "to_local") else local
+    return copy.deepcopy(value)
 
 
 def _storage_writer(path: Path) -> dcp.FileSystemWriter:
@@ -406,22 +442,12 @@ def _storage_writer(path: Path) -> dcp.FileSystemWriter:
 
 def staging_bytes(state: dict) -> int:
     """Host bytes that ``HostStager`` holds to stage ``state`` (a state dict as ``Checkpointer``
-    saves it): those of its tensors, a DTensor's counted by its shard on this rank."""
-    total = 0
-    for value in _tensors(state):
-        local = value.to_local() if hasattr(value, "to_local") else value
-        total += local.numel() * local.element_size()
-    return total
-
-
-def _tensors(value):
-    if isinstance(value, dict):
-        value = list(value.values())
-    if isinstance(value, (list, tuple)):
-        for item in value:
-            yield from _tensors(item)
-    elif isinstance(value, torch.Tensor):
-        yield value
+    saves it): its tensors', a DTensor's counted by its shard on this rank, each rounded up to
+    64 bytes."""
+    leaves: dict[tuple, torch.Tensor] = {}
+    _local_tensors(state, (), leaves)
+    align = HostStager._ALIGN
+    return sum(-(-t.numel() * t.element_size() // align) * align for t in leaves.values())
 
 
 def planned_staging_bytes(params_per_rank: int, main_bytes: int = 4, optimizer_states: int = 2,
