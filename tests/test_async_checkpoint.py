@@ -8,6 +8,7 @@ event (the training loop logging a later step), not for a clock.
 """
 
 import json
+import re
 import subprocess
 import sys
 from concurrent.futures import wait as wait_futures
@@ -102,7 +103,7 @@ def test_a_failed_background_write_is_the_one_line_of_a_failed_save(tmp_path, mo
     wait_futures([saver._write.future])  # the write has failed in the background
     with pytest.raises(CheckpointError, match=r"saving checkpoint step_2 failed \(.*No space left "
                        r"on device\); the previous checkpoint .*step_1 is intact"):
-        saver.poll()  # what the next step calls
+        saver.poll(3)  # what the next step calls
     assert saver.writing is None and find_latest(tmp_path) == good
     assert not (tmp_path / ".tmp-step_2").exists() and (tmp_path / "latest").read_text() == "step_1\n"
 
@@ -154,6 +155,10 @@ def test_training_goes_on_while_a_checkpoint_is_written(held_run):
                         "gave_up": False}
         assert held["steps_logged_while_held"] >= 6
     assert "checkpoints are written in the background" in run.stdout
+    # The write of step 4 ended after step 6 was logged, so steps 5-7 at least ran during it.
+    saved = re.search(r"checkpoint step_4 saved: training waited [0-9.]+ s to stage it, then it "
+                      r"was written in the background in [0-9.]+ s, over steps 5-(\d+)", run.stdout)
+    assert saved and int(saved.group(1)) >= 7, run.stdout
     assert (out / "checkpoints" / "latest").read_text() == "step_8\n"
     assert find_latest(out / "checkpoints").name == "step_8"
     assert ckpt.damage(out / "checkpoints" / "step_4") is None

@@ -234,7 +234,8 @@ class _Write:
     step: int
     meta: dict
     future: Future
-    started: float
+    started: float  # perf_counter when the write began
+    stall_s: float  # how long training waited for the save
 
 
 class Checkpointer:
@@ -273,11 +274,13 @@ class Checkpointer:
     """
 
     def __init__(self, root: str | os.PathLike, keep: int, asynchronous: bool,
-                 pinned: bool = False, timeout_s: float = 1800.0):
+                 pinned: bool = False, timeout_s: float = 1800.0, log=None):
         self.root = Path(root)
         self.keep = keep
         self.asynchronous = asynchronous
+        self.log = log or (lambda message: None)  # one line per published save
         self._write: _Write | None = None
+        self._step = 0  # the training step of the last poll
         self._stager = self._write_group = self._poll_group = None
         if not asynchronous:
             return
@@ -299,9 +302,14 @@ class Checkpointer:
     def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
              meta: dict) -> Path:
         """Save ``step``: at once, or staged and then written in the background."""
+        start = time.perf_counter()
         if not self.asynchronous:
-            return save_checkpoint(self.root, step, model, optimizer, meta, keep=self.keep)
-        self.wait()
+            path = save_checkpoint(self.root, step, model, optimizer, meta, keep=self.keep)
+            self.log(f"checkpoint {path.name} saved: training waited "
+                     f"{time.perf_counter() - start:.2f} s for the whole write")
+            return path
+        self._step = step
+        self.wait()  # training waits here when the previous write is still running
         final, temp = _paths(self.root, step)
         if _is_complete(final):  # resumed from this very step (see save_checkpoint)
             return final
@@ -315,13 +323,15 @@ class Checkpointer:
         future = dcp.async_save(staged, storage_writer=_storage_writer(temp),
                                 process_group=self._write_group,
                                 async_stager=self._already_staged)
-        self._write = _Write(step, meta, future, time.perf_counter())
+        now = time.perf_counter()
+        self._write = _Write(step, meta, future, now, now - start)
         return final
 
-    def poll(self) -> None:
+    def poll(self, step: int) -> None:
         """Publish the background write once it has ended on every rank; CheckpointError if it
-        failed anywhere. Call it at every step, on every rank: it is collective while a write is
-        in flight (one all-reduce), and free otherwise."""
+        failed anywhere. Call it after every training ``step``, on every rank: it is collective
+        while a write is in flight (one all-reduce), and free otherwise."""
+        self._step = step
         if self._write is None:
             return
         running = torch.tensor([0 if self._write.future.done() else 1])
@@ -351,6 +361,13 @@ class Checkpointer:
         problem = None if error is None else _describe(error)
         _publish_when_written(self.root, write.step, write.meta, self.keep, problem,
                               self._poll_group)
+        # The write ended after the poll of the step before self._step: the steps between
+        # write.step and self._step ran while it was written.
+        during = (f", over steps {write.step + 1}-{self._step}" if self._step > write.step
+                  else ", as the run ended")
+        self.log(f"checkpoint {_PREFIX}{write.step} saved: training waited {write.stall_s:.2f} s "
+                 f"to stage it, then it was written in the background in "
+                 f"{time.perf_counter() - write.started:.1f} s{during}")
 
 
 class HostStager:

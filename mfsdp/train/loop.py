@@ -168,6 +168,7 @@ class Trainer:
         self.model_cfg: LlamaConfig = cfg.llama_config()
         self.stop_requested = False
         self.resume_notes: list[str] = []
+        self._progress = None  # the progress bar, once training runs
 
     def log(self, message: str) -> None:
         if self.rank == 0:
@@ -315,6 +316,7 @@ class Trainer:
         t, d = self.cfg.train, self.cfg.data
         params = list(model.parameters())
         progress = progress_bar(t.steps, start_step, enabled=self.rank == 0 and t.progress)
+        self._progress = progress
         # Loss, stop votes and gradient norm reach the host one step late, through pinned
         # memory and an event: reading them at once would stall the host until the GPU
         # drained, so the next step could not be queued meanwhile.
@@ -363,7 +365,7 @@ class Trainer:
             dist.all_reduce(shared)
             values = torch.cat([shared, grad_norm.to(self.device, torch.float32).reshape(1)])
             stop = report(readout.push(step, values, {"lr": lr})) or stop
-            self.checkpointer.poll()  # publishes a finished background write, or raises its error
+            self.checkpointer.poll(step)  # publishes a finished background write, or raises
             due = t.checkpoint_every and step % t.checkpoint_every == 0
             if due or step == t.steps or stop:
                 stop = report(readout.flush()) or stop
@@ -387,7 +389,14 @@ class Trainer:
                      f"{'pinned ' if self.device.type == 'cuda' else ''}host memory per rank")
         return Checkpointer(self.checkpoints, t.keep_checkpoints, asynchronous,
                             pinned=self.device.type == "cuda",
-                            timeout_s=self.cfg.parallel.collective_timeout_s)
+                            timeout_s=self.cfg.parallel.collective_timeout_s, log=self.note)
+
+    def note(self, message: str) -> None:
+        """A line on rank 0 that leaves the progress bar (when there is one) intact."""
+        if self.rank == 0:
+            write = getattr(self._progress, "write", None)
+            write(message) if write else print(message)
+            sys.stdout.flush()
 
     def _meta(self) -> dict:
         return {"model": self._model_fingerprint(), "data_seed": self.cfg.data.seed,
