@@ -248,13 +248,13 @@ class Checkpointer:
        one write is in flight and its staging buffers are free again.
     2. Rank 0 deletes debris of unfinished saves and creates ``.tmp-step_N``; the ranks agree that
        it worked.
-    3. Each rank copies its shards into host buffers with DCP's ``DefaultStager``: pinned, and
-       filled by one device-to-host copy, on CUDA. They are allocated at the first save and reused
-       by every later one (the stager keys them by the source tensors' storage, which the sharded
-       model and optimizer keep for the whole run). The ranks agree that the copy worked. This copy
-       is all that training waits for.
-    4. ``dcp.async_save`` writes the copy from a background thread. Its collectives run on a gloo
-       group of their own, created here, so that they never interleave with the training's.
+    3. Each rank copies its shards into one host buffer (``HostStager``; page-locked, and filled
+       by non-blocking device-to-host copies, on CUDA). It is allocated at the first save and
+       reused by every later one: the state dict's keys and shapes stay the same for the run. The
+       ranks agree that the copy worked. This copy is all that training waits for.
+    4. ``dcp.async_save`` writes the copy from a background thread (the state dict is handed on as
+       staged). Its collectives run on a gloo group of their own, created here, so that they never
+       interleave with the training's (on CUDA they also need a CPU backend).
     5. Every step, ``poll`` asks each rank whether its write has ended: one all-reduce of one
        number over a second gloo group, and only while a write is in flight. Once all have, the
        ranks exchange their outcomes. If every write succeeded, rank 0 writes meta.json and
@@ -266,11 +266,13 @@ class Checkpointer:
     only ``.tmp-step_N``: ``--resume`` says so and loads the previous checkpoint, and the next
     save deletes the directory.
 
-    The trade-off: the staging buffers hold about this rank's checkpoint bytes of (pinned) host
-    memory for the whole run (``staging_bytes``: 12 bytes per parameter of the rank's shard with
-    fp32 weights and AdamW), to stall each save for a device-to-host copy instead of the whole
-    write. Synchronous saves hold no host memory and stall for the write. The background write
-    also shares the host's CPU (for serialisation) and the disk with the training process.
+    The trade-off: the staging buffer holds this rank's checkpoint bytes of (page-locked) host
+    memory for the whole run (``staging_bytes``; ``planned_staging_bytes``: 12 bytes per parameter
+    of the rank's shard with fp32 weights and AdamW), so that a save stalls training for a
+    device-to-host copy instead of the whole write (and the first save also for allocating and
+    page-locking it). Synchronous saves hold no host memory and stall for the write. The
+    background write also shares the host's CPU (serialisation) and the disk with training, and
+    a save due while the previous write still runs waits for it.
     """
 
     def __init__(self, root: str | os.PathLike, keep: int, asynchronous: bool,
