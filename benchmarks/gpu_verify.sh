@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks the open issues wait for, in sections that each fit one device call (<= 10 min).
 #
-#   bash benchmarks/gpu_verify.sh SECTION...     # SECTION: smoke fp8_8b tests ab step fp8 tp resume memory
+#   bash benchmarks/gpu_verify.sh SECTION...     # SECTION: smoke fp8_8b tests ab step fp8 tp resume memory ckpt
 #
 # Run from the repository root on the device, with $OUT set (the device tool sets it) and, carried:
 #   .whl/          pytest, pluggy, iniconfig and torchao 0.17.0 wheels (the device has no registry)
@@ -22,6 +22,9 @@
 #   tp      HF 1B at tp=2 (local and DTensor activation paths) beside dp=2 and FSDP2+TP     issue 15
 #   resume  the 2-GPU 1b resume with identical losses (deterministic mode)                  issue 13
 #   memory  planner accuracy at the new grid points (hf-1b dp=2 and tp=2, moe-1b)           issue 14
+#   ckpt    1b on one GPU: the training stall per checkpoint save, synchronous against
+#           --train.async_checkpoint true, and the step time during a background write against
+#           steps with no save in flight; at most two 18 GB checkpoints on disk       issue 20
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source benchmarks/gpu_env.sh
@@ -137,6 +140,93 @@ section_memory() {
     timeout 280 $RUN benchmarks/memory_accuracy.py $args --out "$OUT/memory_$(echo $args | tr -c 'a-z0-9' _).md" \
       >> "$OUT/memory.log" 2>&1; echo "memory $args rc=$?"
   done
+}
+
+section_ckpt() {  # ~6 min: two 1b runs on GPU 0; CKPT_DIR needs ~40 GB free (two checkpoints at most)
+  # sync:  60 steps, a save every 20. Each save stalls for its whole write and no write ever overlaps
+  #        a step, so its steps are also the no-save baseline.
+  # async: CKPT_STEPS (210) steps, a save every CKPT_EVERY (70). The first save also allocates and
+  #        page-locks the staging buffer; later ones reuse it.
+  # keep_checkpoints 1: one published checkpoint plus the one being written; each run's directory
+  # is deleted before the next starts.
+  local dir=${CKPT_DIR:-/tmp/mfsdp_ckpt} data=/tmp/mfsdp_ckpt_data/stdlib.tokens
+  mkdir -p "$(dirname "$data")"
+  [ -f "$data" ] || python3 -m mfsdp.cli prepare-data stdlib "$data" > "$OUT/ckpt_data.log" 2>&1
+  local args=(--model.preset 1b --data.path "$data" --data.seq_len 4096 --data.local_batch 2
+              --parallel.compute_dtype bf16 --train.warmup_steps 2 --train.lr 3e-4 --train.sample_tokens 0
+              --train.progress false --train.keep_checkpoints 1)
+  local name limit
+  for name in sync async; do
+    rm -rf "$dir"
+    if [ "$name" = sync ]; then
+      limit=240; set -- --train.async_checkpoint false --train.steps 60 --train.checkpoint_every 20
+    else
+      limit=300; set -- --train.async_checkpoint true --train.steps "${CKPT_STEPS:-210}" \
+        --train.checkpoint_every "${CKPT_EVERY:-70}"
+    fi
+    CUDA_VISIBLE_DEVICES=0 timeout $limit python3 -m mfsdp.train "${args[@]}" --train.out_dir "$dir" "$@" \
+      > "$OUT/ckpt_$name.log" 2>&1
+    echo "ckpt $name rc=$? (log: $OUT/ckpt_$name.log)"
+    cp "$dir/metrics.jsonl" "$OUT/ckpt_$name.metrics.jsonl" 2>/dev/null
+    rm -rf "$dir"
+  done
+  python3 - "$OUT" <<'EOF' | tee "$OUT/ckpt_summary.txt"
+import json, math, re, statistics, sys
+out = sys.argv[1]
+
+
+def text(name):
+    try:
+        return open(f"{out}/ckpt_{name}.log").read()
+    except OSError:
+        return ""
+
+
+def step_times(name):  # step -> step_time_s, past warm-up and autotuning
+    try:
+        rows = [json.loads(line) for line in open(f"{out}/ckpt_{name}.metrics.jsonl")]
+    except (OSError, ValueError):
+        return {}
+    return {r["step"]: r["step_time_s"] for r in rows if r["step"] > 5}
+
+
+def median(values):
+    return statistics.median(values) if values else math.nan
+
+
+sync = [(int(s), float(w)) for s, w in re.findall(
+    r"checkpoint step_(\d+) saved: training waited ([0-9.]+) s for the whole write", text("sync"))]
+writes = re.findall(r"checkpoint step_(\d+) saved: training waited ([0-9.]+) s to stage it, then it was "
+                    r"written in the background in ([0-9.]+) s(?:, over steps (\d+)-(\d+)|, as the run ended)",
+                    text("async"))
+staged = re.search(r"staged in about ([0-9.]+ [GM]iB)", text("async"))
+print("== checkpoint saves: 1b, one GPU, seq 4096 x local batch 2, bf16")
+print(f"host memory the async run holds for staging: {staged.group(1) if staged else '?'} (page-locked)")
+print("sync saves, training stall: " + (", ".join(f"step_{s} {w:.2f} s" for s, w in sync) or "none found"))
+later, during = [], set()
+for i, (step, stall, written, first, last) in enumerate(writes):
+    stall = float(stall)
+    first_note = " (the first save: allocates and page-locks the buffer)" if i == 0 else ""
+    span = f"steps {first}-{last} ran meanwhile" if first else "written as the run ended"
+    print(f"async save step_{step}: training stall {stall:.2f} s{first_note}; written in {float(written):.1f} s; {span}")
+    if i > 0:
+        later.append(stall)
+    if first:  # the write ended after step last-1's poll: steps first..last-1 ran wholly during it
+        during.update(range(int(first), int(last)))
+if not writes:
+    print("async saves: none found")
+sync_steps, async_steps = step_times("sync"), step_times("async")
+base = median(list(sync_steps.values()))
+quiet = median([t for s, t in async_steps.items() if s not in during and s - 1 not in during])
+busy = median([t for s, t in async_steps.items() if s in during])
+print(f"step time (median), no save in flight: {base:.3f} s (sync run, {len(sync_steps)} steps); "
+      f"{quiet:.3f} s (async run, its steps with no write in flight)")
+print(f"step time (median), during a background write: {busy:.3f} s ({len(during)} steps)")
+print(f"RESULT stall per save: sync {median([w for _, w in sync]):.2f} s, async {median(later):.2f} s "
+      f"(saves after the first; target <= 2 s)")
+print(f"RESULT speed during a background write: {base / busy:.3f}x the no-save steps of the sync run, "
+      f"{quiet / busy:.3f}x the async run's own quiet steps (target >= 0.95)")
+EOF
 }
 
 for section in "$@"; do

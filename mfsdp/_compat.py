@@ -224,3 +224,51 @@ def foreach_amax(tensors):
     import math
 
     return torch._foreach_norm(list(tensors), ord=math.inf)
+
+
+def dtensor_with_local(dtensor, local: torch.Tensor):
+    """A DTensor of ``dtensor``'s global shape, mesh and placements whose shard on this rank is
+    ``local`` as it is, wherever it lives: a copy in host memory, for DCP to write, stays there
+    (``DTensor.from_local`` would move it back to the mesh's device). Private constructor."""
+    return type(dtensor)(local, dtensor._spec, requires_grad=False)
+
+def already_staged_stager():
+    """An ``AsyncStager`` for ``dcp.async_save(..., async_stager=...)`` that hands the state dict on
+    as it is: the caller staged it already (and checked, with the other ranks, that staging worked)."""
+    import inspect
+
+    from torch.distributed.checkpoint import async_save, staging
+
+    if "async_stager" not in inspect.signature(async_save).parameters:
+        raise RuntimeError(f"asynchronous checkpoints need dcp.async_save(async_stager=...) "
+                           f"(torch >= 2.7), this torch is {torch.__version__}; use "
+                           "--train.async_checkpoint false")
+
+    class AlreadyStaged(staging.AsyncStager):
+        _synchronize_after_execute = False
+
+        def stage(self, state_dict):
+            return state_dict
+
+        def synchronize_staging(self) -> None:
+            pass
+
+        def close(self) -> None:
+            pass
+
+    return AlreadyStaged()
+
+
+def pin_host_memory(tensor: torch.Tensor) -> None:
+    """Page-lock a CPU tensor's memory where it is (``cudaHostRegister``): exactly its bytes,
+    where torch's pinned allocator (``pin_memory=True``) may round a request up to a power of two."""
+    nbytes = tensor.numel() * tensor.element_size()
+    error = int(torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), nbytes, 1))  # portable
+    if error:
+        raise RuntimeError(f"pinning {nbytes / 2**30:.1f} GiB of host memory failed (cudaError "
+                           f"{error}); free host memory, or use --train.async_checkpoint false")
+
+
+def unpin_host_memory(tensor: torch.Tensor) -> None:
+    """Undo ``pin_host_memory``."""
+    torch.cuda.cudart().cudaHostUnregister(tensor.data_ptr())

@@ -27,7 +27,14 @@ def main(argv: list[str] | None = None) -> int:
         return train_main(rest)
     if command == "plan":
         from mfsdp.memory.plan import main as plan_main
-        return plan_main(rest)
+        try:
+            return plan_main(rest)
+        except ModuleNotFoundError as err:  # drawing the plan's PNG, after the plan is printed
+            if (err.name or "").partition(".")[0] != "matplotlib":
+                raise
+            from mfsdp.train.plotting import needs_matplotlib
+            print(f"\nmemory over the step: {needs_matplotlib('the PNG')}")
+            return 0
     if command == "prepare-data":
         return prepare_data(rest)
     if command == "export":

@@ -21,13 +21,22 @@ truncated file (a disk that filled, a copy cut short) is skipped, with a message
 in favour of the newest one that is whole. A save that fails (a full disk, a failing
 write) raises CheckpointError naming the cause and leaves the previous checkpoint and
 ``latest`` as they were.
+
+``Checkpointer`` runs the saves of a training run, either through ``save_checkpoint`` or, with
+``--train.async_checkpoint``, in the background (its docstring has the choreography). Either way
+``meta.json`` and ``latest`` appear only once every rank's files are on disk.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -38,6 +47,8 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
                                                      get_optimizer_state_dict,
                                                      set_model_state_dict,
                                                      set_optimizer_state_dict)
+
+from mfsdp import _compat
 
 LATEST = "latest"
 META = "meta.json"
@@ -58,9 +69,9 @@ def _step_of(path: Path) -> int:
     return int(path.name[len(_PREFIX):])
 
 
-def _barrier() -> None:
+def _barrier(group=None) -> None:
     if dist.is_initialized():
-        dist.barrier()
+        dist.barrier(group)
 
 
 def _rank() -> int:
@@ -91,9 +102,21 @@ def find_resumable(root: str | os.PathLike) -> tuple[Path | None, list[str]]:
     for path in candidates:
         problem = damage(path)
         if problem is None:
-            return path, notes
+            return path, _incomplete_notes(root, _step_of(path)) + notes
         notes.append(f"checkpoint {path} is damaged ({problem}); skipping it")
-    return None, notes
+    return None, _incomplete_notes(root, -1) + notes
+
+
+def _incomplete_notes(root: Path, after: int) -> list[str]:
+    """One note per save newer than step ``after`` whose write never finished (the run was
+    killed during it, say): only its temporary directory is there."""
+    notes = []
+    for temp in sorted(root.glob(_TEMP_PREFIX + _PREFIX + "*")):
+        step = temp.name[len(_TEMP_PREFIX + _PREFIX):]
+        if step.isdigit() and int(step) > after and temp.is_dir():
+            notes.append(f"checkpoint {_PREFIX}{step} is incomplete (the run stopped while it "
+                         f"was being written; only {temp} is there); skipping it")
+    return notes
 
 
 def damage(path: Path) -> str | None:
@@ -143,50 +166,325 @@ def save_checkpoint(root: str | os.PathLike, step: int, model: torch.nn.Module,
                     optimizer: torch.optim.Optimizer, meta: dict, keep: int = 2) -> Path:
     """Save model and optimizer state as ``root/step_{step}``; collective over all ranks."""
     root = Path(root)
-    final = root / f"{_PREFIX}{step}"
+    final, temp = _paths(root, step)
     if _is_complete(final):
         # Only reachable by stopping again at the step just resumed from: the state on disk
         # is the state in memory, and rewriting it would open a window with no checkpoint.
         return final
-    temp = root / f"{_TEMP_PREFIX}{final.name}"
+    _make_temp(root, final, temp)
     problem = None
-    if _rank() == 0:
-        try:
-            shutil.rmtree(temp, ignore_errors=True)  # debris of an earlier crashed save
-            temp.mkdir(parents=True)
-        except OSError as err:
-            problem = _describe(err)
-    _raise_if_any(problem, root, final, temp)
-    state = {"model": get_model_state_dict(model),
-             "optimizer": get_optimizer_state_dict(model, optimizer), RNG: _rng_state()}
     try:
         # DCP gathers every rank's write errors and raises them on all ranks alike.
-        dcp.save(state, checkpoint_id=temp)
+        dcp.save(_state(model, optimizer), checkpoint_id=temp)
     except (Exception, CheckpointException) as err:  # CheckpointException is a BaseException
         problem = _describe(err)
-    else:
-        if _rank() == 0:
-            try:
-                # meta.json is written last and lists every file: it marks the save complete.
-                files = {p.name: p.stat().st_size for p in sorted(temp.iterdir()) if p.is_file()}
-                (temp / META).write_text(json.dumps({**meta, "step": step, "files": files},
-                                                    indent=1))
-                _publish(temp, final)
-            except OSError as err:
-                problem = _describe(err)
-    _raise_if_any(problem, root, final, temp)
-    if _rank() == 0:
-        _prune(root, keep)
-    _barrier()
+    _publish_when_written(root, step, meta, keep, problem)
     return final
 
 
-def _raise_if_any(problem: str | None, root: Path, final: Path, temp: Path) -> None:
-    """Raise CheckpointError on every rank when any rank saw ``problem``; collective."""
+def _paths(root: Path, step: int) -> tuple[Path, Path]:
+    """The checkpoint directory of ``step`` and the temporary one its save writes into."""
+    final = root / f"{_PREFIX}{step}"
+    return final, root / f"{_TEMP_PREFIX}{final.name}"
+
+
+def _make_temp(root: Path, final: Path, temp: Path, group=None) -> None:
+    """Rank 0 deletes the temporary directories of earlier saves that never finished (no other
+    save is in flight now) and creates ``temp``; collective, raises on every rank if it failed."""
+    problem = None
+    if _rank() == 0:
+        try:
+            for debris in root.glob(_TEMP_PREFIX + "*"):  # of an earlier crashed save
+                shutil.rmtree(debris, ignore_errors=True)
+            temp.mkdir(parents=True)
+        except OSError as err:
+            problem = _describe(err)
+    _raise_if_any(problem, root, final, temp, group)
+
+
+def _state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    return {"model": get_model_state_dict(model),
+            "optimizer": get_optimizer_state_dict(model, optimizer), RNG: _rng_state()}
+
+
+def _publish_when_written(root: Path, step: int, meta: dict, keep: int, problem: str | None,
+                          group=None) -> None:
+    """Finish the save of ``step`` once every rank's write has ended (``problem``: why this rank's
+    failed): raise CheckpointError on every rank when any failed, else rank 0 writes meta.json,
+    publishes the checkpoint and prunes old ones. Collective over ``group``."""
+    final, temp = _paths(root, step)
+    _raise_if_any(problem, root, final, temp, group)
+    if _rank() == 0:
+        try:
+            # meta.json is written last and lists every file: it marks the save complete.
+            files = {p.name: p.stat().st_size for p in sorted(temp.iterdir()) if p.is_file()}
+            (temp / META).write_text(json.dumps({**meta, "step": step, "files": files}, indent=1))
+            _publish(temp, final)
+        except OSError as err:
+            problem = _describe(err)
+    _raise_if_any(problem, root, final, temp, group)
+    if _rank() == 0:
+        _prune(root, keep)
+    _barrier(group)
+
+
+@dataclass
+class _Write:
+    """A save whose files are being written in the background."""
+    step: int
+    meta: dict
+    future: Future
+    started: float  # perf_counter when the write began
+    stall_s: float  # how long training waited for the save
+
+
+class Checkpointer:
+    """The saves of one training run: synchronous (``save_checkpoint``), or asynchronous.
+
+    An asynchronous save goes like this (every step is collective over all ranks, and every rank
+    takes it at the same training step):
+
+    1. ``save`` first waits for the previous save's write and publishes it (step 5), so at most
+       one write is in flight and its staging buffers are free again.
+    2. Rank 0 deletes debris of unfinished saves and creates ``.tmp-step_N``; the ranks agree that
+       it worked.
+    3. Each rank copies its shards into one host buffer (``HostStager``; page-locked, and filled
+       by non-blocking device-to-host copies, on CUDA). It is allocated at the first save and
+       reused by every later one: the state dict's keys and shapes stay the same for the run. The
+       ranks agree that the copy worked. This copy is all that training waits for.
+    4. ``dcp.async_save`` writes the copy from a background thread (the state dict is handed on as
+       staged). Its collectives run on a gloo group of their own, created here, so that they never
+       interleave with the training's (on CUDA they also need a CPU backend).
+    5. Every step, ``poll`` asks each rank whether its write has ended: one all-reduce of one
+       number over a second gloo group, and only while a write is in flight. Once all have, the
+       ranks exchange their outcomes. If every write succeeded, rank 0 writes meta.json and
+       publishes (the rename, then ``latest``) exactly as a synchronous save does; if any failed,
+       every rank raises the same CheckpointError as a failed synchronous save. ``wait`` (the
+       next save, the end of the run) does the same after blocking on the write.
+
+    Until step 5, ``latest`` names the previous checkpoint. A run killed during the write leaves
+    only ``.tmp-step_N``: ``--resume`` says so and loads the previous checkpoint, and the next
+    save deletes the directory.
+
+    The trade-off: the staging buffer holds this rank's checkpoint bytes of (page-locked) host
+    memory for the whole run (``staging_bytes``; ``planned_staging_bytes``: 12 bytes per parameter
+    of the rank's shard with fp32 weights and AdamW), so that a save stalls training for a
+    device-to-host copy instead of the whole write (and the first save also for allocating and
+    page-locking it). Synchronous saves hold no host memory and stall for the write. The
+    background write also shares the host's CPU (serialisation) and the disk with training, and
+    a save due while the previous write still runs waits for it.
+    """
+
+    def __init__(self, root: str | os.PathLike, keep: int, asynchronous: bool,
+                 pinned: bool = False, timeout_s: float = 1800.0, log=None):
+        self.root = Path(root)
+        self.keep = keep
+        self.asynchronous = asynchronous
+        self.log = log or (lambda message: None)  # one line per published save
+        self._write: _Write | None = None
+        self._step = 0  # the training step of the last poll
+        self._stager = self._write_group = self._poll_group = None
+        if not asynchronous:
+            return
+        try:
+            self._already_staged = _compat.already_staged_stager()
+        except RuntimeError as err:
+            raise CheckpointError(str(err)) from None
+        self._stager = HostStager(pinned)
+        if dist.is_initialized():  # collective: every rank builds its Checkpointer together
+            timeout = timedelta(seconds=timeout_s)
+            self._write_group = dist.new_group(backend="gloo", timeout=timeout)
+            self._poll_group = dist.new_group(backend="gloo", timeout=timeout)
+
+    @property
+    def writing(self) -> str | None:
+        """The name of the checkpoint being written in the background, if one is."""
+        return f"{_PREFIX}{self._write.step}" if self._write else None
+
+    def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+             meta: dict) -> Path:
+        """Save ``step``: at once, or staged and then written in the background."""
+        start = time.perf_counter()
+        if not self.asynchronous:
+            path = save_checkpoint(self.root, step, model, optimizer, meta, keep=self.keep)
+            self.log(f"checkpoint {path.name} saved: training waited "
+                     f"{time.perf_counter() - start:.2f} s for the whole write")
+            return path
+        self._step = step
+        self.wait()  # training waits here when the previous write is still running
+        final, temp = _paths(self.root, step)
+        if _is_complete(final):  # resumed from this very step (see save_checkpoint)
+            return final
+        _make_temp(self.root, final, temp, self._poll_group)
+        problem, staged = None, None
+        try:
+            staged = self._stager.stage(_state(model, optimizer))
+        except (Exception, CheckpointException) as err:
+            problem = _describe(err)
+        _raise_if_any(problem, self.root, final, temp, self._poll_group)
+        future = dcp.async_save(staged, storage_writer=_storage_writer(temp),
+                                process_group=self._write_group,
+                                async_stager=self._already_staged)
+        now = time.perf_counter()
+        self._write = _Write(step, meta, future, now, now - start)
+        return final
+
+    def poll(self, step: int) -> None:
+        """Publish the background write once it has ended on every rank; CheckpointError if it
+        failed anywhere. Call it after every training ``step``, on every rank: it is collective
+        while a write is in flight (one all-reduce), and free otherwise."""
+        self._step = step
+        if self._write is None:
+            return
+        running = torch.tensor([0 if self._write.future.done() else 1])
+        if dist.is_initialized():
+            dist.all_reduce(running, group=self._poll_group)
+        if running.item() == 0:
+            self._finish()
+
+    def wait(self) -> None:
+        """Block until the background write (if any) has ended, then publish it as ``poll``."""
+        if self._write is not None:
+            try:
+                self._write.future.result()
+            except (Exception, CheckpointException):  # reported by _finish, on every rank
+                pass
+            self._finish()
+
+    def close(self) -> None:
+        """Wait for the last write and release the staging buffers."""
+        self.wait()
+        if self._stager is not None:
+            self._stager.close()
+
+    def _finish(self) -> None:
+        write, self._write = self._write, None
+        error = write.future.exception()
+        problem = None if error is None else _describe(error)
+        _publish_when_written(self.root, write.step, write.meta, self.keep, problem,
+                              self._poll_group)
+        # The write ended after the poll of the step before self._step: the steps between
+        # write.step and self._step ran while it was written.
+        during = (f", over steps {write.step + 1}-{self._step}" if self._step > write.step
+                  else ", as the run ended")
+        self.log(f"checkpoint {_PREFIX}{write.step} saved: training waited {write.stall_s:.2f} s "
+                 f"to stage it, then it was written in the background in "
+                 f"{time.perf_counter() - write.started:.1f} s{during}")
+
+
+class HostStager:
+    """Copies a state dict into host buffers that it keeps from one save to the next.
+
+    All tensors (a DTensor: its shard on this rank) are copied into one flat host buffer, at
+    offsets given by their key paths in the state dict, so the second and later saves allocate
+    nothing. On CUDA the buffer is page-locked in place (exactly its bytes) and filled by
+    non-blocking copies, then the stream is waited for once. A staged DTensor keeps its global
+    shape and placements, with the host copy as its local shard, so DCP writes the same checkpoint
+    as from the device.
+
+    DCP's own ``DefaultStager`` is not used: it takes a DTensor whose wrapper reports a non-zero
+    ``data_ptr`` (mfsdp's parameters are views at an offset into a flat buffer) for a plain
+    tensor, and fails on its storage ("invalid python storage").
+    """
+
+    _ALIGN = 64  # bytes; every dtype's view of the flat buffer starts aligned
+
+    def __init__(self, pinned: bool):
+        self.pinned = pinned
+        self._flat: torch.Tensor | None = None
+        self._layout: dict[tuple, tuple] = {}  # key path -> (offset, shape, dtype)
+
+    @torch.no_grad()
+    def stage(self, state: dict) -> dict:
+        leaves: dict[tuple, torch.Tensor] = {}
+        _local_tensors(state, (), leaves)
+        layout, total = {}, 0
+        for key, local in leaves.items():
+            layout[key] = (total, local.shape, local.dtype)
+            total += -(-local.numel() * local.element_size() // self._ALIGN) * self._ALIGN
+        if layout != self._layout:  # the first save (or the shapes changed): allocate once
+            self.close()
+            self._flat = torch.empty(total, dtype=torch.uint8)
+            if self.pinned:
+                _compat.pin_host_memory(self._flat)
+            self._layout = layout
+        staged = {key: self._view(key).copy_(local.detach(), non_blocking=self.pinned)
+                  for key, local in leaves.items()}
+        if self.pinned:
+            torch.cuda.current_stream().synchronize()  # the non-blocking copies have landed
+        return _rebuild(state, (), staged)
+
+    def nbytes(self) -> int:
+        """The host bytes held now."""
+        return 0 if self._flat is None else self._flat.numel()
+
+    def close(self) -> None:
+        """Release the buffer (unpinning it)."""
+        if self._flat is not None and self.pinned:
+            _compat.unpin_host_memory(self._flat)
+        self._flat, self._layout = None, {}
+
+    def _view(self, key: tuple) -> torch.Tensor:
+        offset, shape, dtype = self._layout[key]
+        size = shape.numel() * torch.empty((), dtype=dtype).element_size()
+        return self._flat[offset:offset + size].view(dtype).view(shape)
+
+
+def _local_tensors(value, key: tuple, out: dict) -> None:
+    """The tensors of a state dict by key path (a DTensor: its local shard)."""
+    if isinstance(value, dict):
+        for k, v in value.items():
+            _local_tensors(v, key + (k,), out)
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            _local_tensors(v, key + (i,), out)
+    elif isinstance(value, torch.Tensor):
+        out[key] = value.to_local() if hasattr(value, "to_local") else value
+
+
+def _rebuild(value, key: tuple, staged: dict):
+    """``value`` with every tensor replaced by its staged host copy (a DTensor keeping its spec)."""
+    if isinstance(value, dict):
+        return {k: _rebuild(v, key + (k,), staged) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_rebuild(v, key + (i,), staged) for i, v in enumerate(value))
+    if isinstance(value, torch.Tensor):
+        local = staged[key]
+        return _compat.dtensor_with_local(value, local) if hasattr(value, "to_local") else local
+    return copy.deepcopy(value)
+
+
+def _storage_writer(path: Path) -> dcp.FileSystemWriter:
+    """The DCP writer of a background save (a function so tests can slow it down)."""
+    return dcp.FileSystemWriter(path)
+
+
+def staging_bytes(state: dict) -> int:
+    """Host bytes that ``HostStager`` holds to stage ``state`` (a state dict as ``Checkpointer``
+    saves it): its tensors', a DTensor's counted by its shard on this rank, each rounded up to
+    64 bytes."""
+    leaves: dict[tuple, torch.Tensor] = {}
+    _local_tensors(state, (), leaves)
+    align = HostStager._ALIGN
+    return sum(-(-t.numel() * t.element_size() // align) * align for t in leaves.values())
+
+
+def planned_staging_bytes(params_per_rank: int, main_bytes: int = 4, optimizer_states: int = 2,
+                          state_bytes: int = 4) -> int:
+    """The pinned host memory an asynchronous save holds on one rank, predicted from the number
+    of parameters in its shard: the main weights (fp32) and AdamW's two moments (fp32), the bytes
+    of its checkpoint. For a host-RAM figure: ``mfsdp plan`` has none yet; one would add this per
+    rank (times the ranks per node) when ``--train.async_checkpoint`` is on."""
+    return params_per_rank * (main_bytes + optimizer_states * state_bytes)
+
+
+def _raise_if_any(problem: str | None, root: Path, final: Path, temp: Path, group=None) -> None:
+    """Raise CheckpointError on every rank when any rank saw ``problem``; collective over
+    ``group`` (None: the default group)."""
     problems = [problem]
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        problems = [None] * dist.get_world_size()
-        dist.all_gather_object(problems, problem)
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        problems = [None] * dist.get_world_size(group)
+        dist.all_gather_object(problems, problem, group=group)
     first = next((p for p in problems if p), None)
     if first is None:
         return

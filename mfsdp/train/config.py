@@ -172,8 +172,23 @@ class TrainSection:
     export_hf: bool = False
     """At the end of the run, also write the final weights as a Hugging Face model directory
     (OUT_DIR/hf: config.json and safetensors, as `mfsdp export` does) that transformers loads."""
+    async_checkpoint: str | bool = "auto"
+    """Write checkpoints in the background: "true", "false" or "auto" (on for CUDA runs, off on
+    CPU). Training then waits only for the copy of this rank's shards into pinned host buffers
+    (about as many bytes as its checkpoint, held for the whole run), not for the disk; the next
+    save or the end of the run waits for the write. Off, every save stalls training until its
+    files are written (about 27 s for the 18 GB of a 1b run on one H200)."""
+
+    def async_checkpoint_on(self, device_type: str) -> bool:
+        """Whether saves are asynchronous on a ``device_type`` ("cuda" or "cpu") run."""
+        return self.async_checkpoint == "true" or (self.async_checkpoint == "auto"
+                                                    and device_type == "cuda")
 
     def __post_init__(self) -> None:
+        # One spelling: YAML gives true/false as bools, a flag may say True.
+        object.__setattr__(self, "async_checkpoint", str(self.async_checkpoint).lower())
+        _require(self.async_checkpoint in ("auto", "true", "false"),
+                 f"train.async_checkpoint must be auto, true or false, got {self.async_checkpoint!r}")
         _require(self.steps > 0, "train.steps must be positive")
         _require(self.lr > 0, "train.lr must be positive")
         _require(0 <= self.warmup_steps, "train.warmup_steps must not be negative")

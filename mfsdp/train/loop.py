@@ -34,7 +34,8 @@ from mfsdp.models.parallelize import ParallelizeConfig, build_mesh, parallelize
 from mfsdp.train import determinism
 from mfsdp.train.build import (adamw, build_hf, shard_numel, materialize_and_init, model_fingerprint,
                                validate_run)
-from mfsdp.train.checkpoint import CheckpointError, load_checkpoint, read_meta, save_checkpoint
+from mfsdp.train.checkpoint import (CheckpointError, Checkpointer, load_checkpoint, planned_staging_bytes,
+                                    read_meta)
 from mfsdp.train.config import ConfigError, RunConfig, load_config, usage
 from mfsdp.train.evaluate import HELD_OUT, Evaluator, eval_windows, held_out_split, split_record
 from mfsdp.train.metrics import MetricsLog, StepReadout, TensorBoardLog, peak_memory_gib
@@ -169,6 +170,7 @@ class Trainer:
         self.stop_requested = False
         self.resume_notes: list[str] = []
         self.held_out = 0  # tokens at the end of the training file kept for the validation loss
+        self._progress = None  # the progress bar, once training runs
 
     def log(self, message: str) -> None:
         if self.rank == 0:
@@ -303,14 +305,15 @@ class Trainer:
         tensorboard = TensorBoardLog(self.out_dir / "tensorboard",
                                      enabled=self.rank == 0 and self.cfg.metrics.tensorboard,
                                      purge_step=start_step + 1 if start_step else None)
+        self.checkpointer = self._checkpointer(model)
         self._install_signal_handlers()
         last = self.train(model, optimizer, sampler, (metrics, tensorboard), start_step,
                           evaluator)
         metrics.close()
         tensorboard.close()
         if self.rank == 0:
-            from mfsdp.train.plotting import plot_loss  # matplotlib is slow to import
-            plot = plot_loss(metrics.path, self.out_dir / "loss.png")
+            from mfsdp.train.plotting import needs_matplotlib, plot_loss  # matplotlib is slow to import
+            plot = plot_loss(metrics.path, self.out_dir / "loss.png") or needs_matplotlib("the PNG")
             self.log(f"metrics: {metrics.path}\nloss curve: {plot}\n"
                      f"checkpoint: {self.checkpoints / f'step_{last}'}")
         if self.stop_requested:
@@ -358,6 +361,7 @@ class Trainer:
         t, d = self.cfg.train, self.cfg.data
         params = list(model.parameters())
         progress = progress_bar(t.steps, start_step, enabled=self.rank == 0 and t.progress)
+        self._progress = progress
         # Loss, stop votes and gradient norm reach the host one step late, through pinned
         # memory and an event: reading them at once would stall the host until the GPU
         # drained, so the next step could not be queued meanwhile.
@@ -413,17 +417,38 @@ class Trainer:
                 # Read with this step's record, one step late; see the note in evaluate.py.
                 extra["val_loss"] = evaluator(model)
                 readout.restart_clock()  # the next step's time leaves the evaluation out
+            self.checkpointer.poll(step)  # publishes a finished background write, or raises
             due = t.checkpoint_every and step % t.checkpoint_every == 0
             if due or step == t.steps or stop:
                 stop = report(readout.flush()) or stop
-                save_checkpoint(self.checkpoints, step, model, optimizer, self._meta(),
-                                keep=t.keep_checkpoints)
+                self.checkpointer.save(step, model, optimizer, self._meta())
                 readout.restart_clock()
             if stop:
                 break
         report(readout.flush())
+        self.checkpointer.close()  # the end of the run waits for the last background write
         progress.close()
         return step
+
+    def _checkpointer(self, model) -> Checkpointer:
+        t = self.cfg.train
+        asynchronous = t.async_checkpoint_on(self.device.type)
+        if asynchronous:
+            held = planned_staging_bytes(shard_numel(model))
+            size = f"{held / 2**30:.1f} GiB" if held >= 2**30 else f"{held / 2**20:.1f} MiB"
+            self.log(f"checkpoints are written in the background (--train.async_checkpoint "
+                     f"{t.async_checkpoint}), staged in about {size} of "
+                     f"{'pinned ' if self.device.type == 'cuda' else ''}host memory per rank")
+        return Checkpointer(self.checkpoints, t.keep_checkpoints, asynchronous,
+                            pinned=self.device.type == "cuda",
+                            timeout_s=self.cfg.parallel.collective_timeout_s, log=self.note)
+
+    def note(self, message: str) -> None:
+        """A line on rank 0 that leaves the progress bar (when there is one) intact."""
+        if self.rank == 0:
+            write = getattr(self._progress, "write", None)
+            write(message) if write else print(message)
+            sys.stdout.flush()
 
     def _meta(self) -> dict:
         return {"model": self._model_fingerprint(), "data_seed": self.cfg.data.seed,

@@ -7,6 +7,11 @@ from pathlib import Path
 from mfsdp.train.metrics import read_metrics
 
 
+def needs_matplotlib(what: str) -> str:
+    """Why ``what`` (a plot) was not drawn, and the fix: matplotlib ships with the train extra."""
+    return f"not drawn ({what} needs matplotlib, part of the train extra: pip install 'mfsdp[train]')"
+
+
 def plot_loss(metrics_path: str | Path, out: str | Path) -> Path | None:
     """Write the loss curve (raw and smoothed, with the validation loss where measured) above the
     throughput (tokens/s) to ``out``; None without matplotlib."""

@@ -51,25 +51,29 @@ class StepReport:
             log.write(record)
         if self.compiling:  # the first step's time is mostly torch.compile: say so, once
             self.compiling = False
-            # above the bar on rank 0; plain rank-0 output without a bar
-            write = getattr(self.progress, "write", self.trainer.log)
-            write(f"step {step}: {seconds:.1f} s, including torch.compile of the blocks")
-        self.progress.set_postfix_str(postfix(record, self.val_loss), refresh=False)
+            self.trainer.note(f"step {step}: {seconds:.1f} s, including torch.compile of the blocks")
+        checkpointer = getattr(self.trainer, "checkpointer", None)
+        self.progress.set_postfix_str(postfix(record, self.val_loss, checkpointer and checkpointer.writing),
+                                      refresh=False)
         self.progress.update(1)
         stop = stop_votes > 0
         self.trainer.stop_requested = self.trainer.stop_requested or stop
         return stop
 
 
-def postfix(record: dict, val_loss: float | None = None) -> str:
+def postfix(record: dict, val_loss: float | None = None, saving: str | None = None) -> str:
+    """The progress bar's text after the counter; ``saving`` names the checkpoint being written
+    in the background, if one is."""
     parts = [f"loss {record['loss']:.3f}"]
     if val_loss is not None:
         parts.append(f"val {val_loss:.3f}")
     parts += [f"{record['tokens_per_s']:,.0f} tok/s",
-             f"{record['tflops_per_gpu']:.2f} TFLOP/s/gpu"]
+              f"{record['tflops_per_gpu']:.2f} TFLOP/s/gpu"]
     if record["mfu"] is not None:
         parts.append(f"MFU {100 * record['mfu']:.1f}%")
     parts.append(f"peak {record['peak_mem_gib']:.2f} GiB")
+    if saving:
+        parts.append(f"saving {saving}")
     return ", ".join(parts)
 
 

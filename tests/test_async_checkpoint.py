@@ -1,0 +1,198 @@
+"""Asynchronous checkpoints (``--train.async_checkpoint``): staged copies, background writes that
+training does not wait for, and crash safety while a write is in flight.
+
+Two kinds of test: ``Checkpointer`` in one process without a process group (fast), and real
+two-process torchrun launches of the training loop (tests/_async_ckpt_worker.py) whose storage
+writer the test holds back or kills. Nothing here depends on timing: a held write waits for an
+event (the training loop logging a later step), not for a clock.
+"""
+
+import json
+import re
+import subprocess
+import sys
+from concurrent.futures import wait as wait_futures
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from mfsdp.train import checkpoint as ckpt
+from mfsdp.train.checkpoint import (CheckpointError, Checkpointer, HostStager, find_latest,
+                                    find_resumable, load_checkpoint, planned_staging_bytes,
+                                    staging_bytes)
+from mfsdp.train.report import postfix
+from test_train_checkpoint import META, make
+from test_train_e2e import REPO, SMALL, _env, corpus, loss_and_grad_norm, stopped_copy  # noqa: F401
+
+pytestmark = [pytest.mark.timeout(240),
+              pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
+              pytest.mark.filterwarnings("ignore::UserWarning")]
+
+WORKER = REPO / "tests" / "_async_ckpt_worker.py"
+ASYNC = [*SMALL, "--train.async_checkpoint", "true", "--train.steps", "8",
+         "--train.checkpoint_every", "4", "--train.sample_tokens", "0"]
+
+
+# ------------------------------------------------------------------ one process
+
+
+def test_an_async_save_holds_the_state_of_its_step_while_training_goes_on(tmp_path):
+    model, optimizer = make(0)
+    saved = model.weight.detach().clone()
+    saver = Checkpointer(tmp_path, keep=2, asynchronous=True)
+    path = saver.save(1, model, optimizer, META)
+    with torch.no_grad():
+        model.weight.add_(1.0)  # the next step changes the weights while the write runs
+    # Published only once the write is known to have ended everywhere (poll, wait, close).
+    assert find_latest(tmp_path) is None and saver.writing == "step_1"
+    saver.close()
+    assert find_latest(tmp_path) == path and (tmp_path / "latest").read_text() == "step_1\n"
+    fresh, fresh_optimizer = make(3)
+    assert load_checkpoint(path, fresh, fresh_optimizer)["step"] == 1
+    torch.testing.assert_close(fresh.weight, saved, rtol=0, atol=0)
+
+
+def test_the_staging_buffers_are_reused_from_one_save_to_the_next(tmp_path):
+    model, optimizer = make(0)
+    stager = HostStager(pinned=False)
+    first = stager.stage(ckpt._state(model, optimizer))
+    model(torch.ones(2, 8)).sum().backward()
+    optimizer.step()
+    second = stager.stage(ckpt._state(model, optimizer))
+    assert second["model"]["weight"].data_ptr() == first["model"]["weight"].data_ptr()
+    assert second["optimizer"]["state"]["weight"]["exp_avg"].data_ptr() == \
+        first["optimizer"]["state"]["weight"]["exp_avg"].data_ptr()
+    torch.testing.assert_close(second["model"]["weight"], model.weight.detach(), rtol=0, atol=0)
+    assert second["model"]["weight"].data_ptr() != model.weight.data_ptr()  # a copy, not a view
+    state = ckpt._state(model, optimizer)
+    assert stager.nbytes() == staging_bytes(state)
+    n = model.weight.numel() + model.bias.numel()
+    # weights and two AdamW moments, plus the step counters and the generator state
+    assert planned_staging_bytes(n) <= staging_bytes(state) <= planned_staging_bytes(n) + 8192
+
+
+def test_on_cuda_the_buffer_is_pinned_once_for_exactly_its_bytes(monkeypatch):
+    """The pinned path's bookkeeping, with the CUDA calls recorded instead of made (CPU only)."""
+    calls = []
+    monkeypatch.setattr(ckpt._compat, "pin_host_memory", lambda t: calls.append(("pin", t.numel())))
+    monkeypatch.setattr(ckpt._compat, "unpin_host_memory", lambda t: calls.append(("unpin", t.numel())))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: type("S", (), {"synchronize": lambda self: None})())
+    model, optimizer = make(0)
+    stager = HostStager(pinned=True)
+    for _ in range(3):
+        stager.stage(ckpt._state(model, optimizer))
+    state = ckpt._state(model, optimizer)
+    assert calls == [("pin", staging_bytes(state))]
+    stager.close()
+    assert calls[-1] == ("unpin", staging_bytes(state)) and stager.nbytes() == 0
+
+
+class FullDisk(dcp.FileSystemWriter):
+    def write_data(self, plan, planner):
+        raise OSError(28, "No space left on device")
+
+
+def test_a_failed_background_write_is_the_one_line_of_a_failed_save(tmp_path, monkeypatch):
+    model, optimizer = make(0)
+    saver = Checkpointer(tmp_path, keep=2, asynchronous=True)
+    good = saver.save(1, model, optimizer, META)
+    monkeypatch.setattr(ckpt, "_storage_writer", FullDisk)
+    saver.save(2, model, optimizer, META)  # waits for step 1's write and publishes it first
+    assert find_latest(tmp_path) == good and saver.writing == "step_2"
+    wait_futures([saver._write.future])  # the write has failed in the background
+    with pytest.raises(CheckpointError, match=r"saving checkpoint step_2 failed \(.*No space left "
+                       r"on device\); the previous checkpoint .*step_1 is intact"):
+        saver.poll(3)  # what the next step calls
+    assert saver.writing is None and find_latest(tmp_path) == good
+    assert not (tmp_path / ".tmp-step_2").exists() and (tmp_path / "latest").read_text() == "step_1\n"
+
+
+def test_resume_names_an_incomplete_checkpoint_it_skips(tmp_path):
+    model, optimizer = make(0)
+    good = Checkpointer(tmp_path, keep=2, asynchronous=False).save(4, model, optimizer, META)
+    (tmp_path / ".tmp-step_8").mkdir()  # a run killed while it wrote step 8
+    (tmp_path / ".tmp-step_8" / "__0_0.distcp").write_bytes(b"partial")
+    path, notes = find_resumable(tmp_path)
+    assert path == good
+    assert notes == [f"checkpoint step_8 is incomplete (the run stopped while it was being "
+                     f"written; only {tmp_path / '.tmp-step_8'} is there); skipping it"]
+
+
+def test_the_progress_bar_says_which_checkpoint_is_being_written():
+    record = {"loss": 3.0, "tokens_per_s": 1000.0, "tflops_per_gpu": 0.0, "mfu": None,
+              "peak_mem_gib": 0.5}
+    assert postfix(record, "step_4").endswith(", peak 0.50 GiB, saving step_4")
+    assert "saving" not in postfix(record)
+
+
+# ------------------------------------------------------------------ two processes, torchrun
+
+
+def launch(corpus, out_dir, *extra, env=None):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(WORKER), *ASYNC, "--data.path", str(corpus), "--train.out_dir", str(out_dir), *extra]
+    return subprocess.run(cmd, env={**_env(), **(env or {})}, cwd=REPO, capture_output=True,
+                          text=True, timeout=180)
+
+
+@pytest.fixture(scope="module")
+def held_run(corpus, tmp_path_factory):
+    """8 steps with async saves at 4 and 8; the write of step 4 is held until the loop has logged
+    step 6, so it can only finish if training goes on meanwhile."""
+    out = tmp_path_factory.mktemp("held")
+    run = launch(corpus, out, env={"HOLD_WRITE": "4:6"})
+    assert run.returncode == 0, run.stdout + run.stderr
+    return out, run
+
+
+def test_training_goes_on_while_a_checkpoint_is_written(held_run):
+    out, run = held_run
+    for rank in (0, 1):
+        held = json.loads((out / f"hold_rank{rank}.json").read_text())
+        # Released by the loop's progress (two more steps logged), not by the give-up clock.
+        assert held == {"save": 4, "steps_logged_while_held": held["steps_logged_while_held"],
+                        "gave_up": False}
+        assert held["steps_logged_while_held"] >= 6
+    assert "checkpoints are written in the background" in run.stdout
+    # The write of step 4 ended after step 6 was logged, so steps 5-7 at least ran during it.
+    saved = re.search(r"checkpoint step_4 saved: training waited [0-9.]+ s to stage it, then it "
+                      r"was written in the background in [0-9.]+ s, over steps 5-(\d+)", run.stdout)
+    assert saved and int(saved.group(1)) >= 7, run.stdout
+    assert (out / "checkpoints" / "latest").read_text() == "step_8\n"
+    assert find_latest(out / "checkpoints").name == "step_8"
+    assert ckpt.damage(out / "checkpoints" / "step_4") is None
+    assert sorted(loss_and_grad_norm(out)) == list(range(1, 9))
+
+
+def test_resume_from_an_async_checkpoint_matches_the_uninterrupted_run_bit_for_bit(
+        held_run, corpus, tmp_path):
+    uninterrupted, _ = held_run
+    resumed = stopped_copy(uninterrupted, 4, tmp_path / "resumed")
+    run = launch(corpus, resumed, "--resume")
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "at step 4" in run.stdout
+    expected = {s: v for s, v in loss_and_grad_norm(uninterrupted).items() if s > 4}
+    assert loss_and_grad_norm(resumed) == expected  # exact float equality
+
+
+def test_a_rank_killed_during_a_write_resumes_from_the_previous_checkpoint(held_run, corpus,
+                                                                           tmp_path):
+    out = tmp_path / "killed"
+    # Rank 1 dies with its shards of step 8 on disk but the save unfinished.
+    killed = launch(corpus, out, "--parallel.collective_timeout_s", "30",
+                    env={"KILL_WRITE": "8:1"})
+    assert killed.returncode != 0, killed.stdout + killed.stderr
+    checkpoints = out / "checkpoints"
+    assert (checkpoints / "latest").read_text() == "step_4\n"
+    assert (checkpoints / ".tmp-step_8").is_dir() and not (checkpoints / "step_8").exists()
+
+    run = launch(corpus, out, "--resume")
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "checkpoint step_8 is incomplete (the run stopped while it was being written" in run.stdout
+    assert f"resumed from {checkpoints / 'step_4'} (the newest whole checkpoint) at step 4" in run.stdout
+    assert not (checkpoints / ".tmp-step_8").exists()  # the next save deleted the debris
+    assert (checkpoints / "latest").read_text() == "step_8\n"
+    uninterrupted = {s: v for s, v in loss_and_grad_norm(held_run[0]).items() if s > 4}
+    resumed = {s: v for s, v in loss_and_grad_norm(out).items() if s > 4}
+    assert resumed == uninterrupted
