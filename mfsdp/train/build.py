@@ -136,8 +136,10 @@ def build_hf(cfg, device: torch.device, compute_dtype: torch.dtype, world: int):
     mesh = build_device_mesh(device.type, dp_replicate_size=p.replicate, world_size=world)
     model = meta_model_from_config(path, dtype=compute_dtype)
     model.config.use_cache = False
+    # The units, named before sharding renames their classes; compiled after it, as the blocks are.
+    units = [module for _, module in resolve_unit_modules(model, config.megatron_fsdp_unit_modules)]
     model, _ = MegatronFSDPManager(config, mesh).parallelize(
         model, hf_path=path if has_weights(path) else None, init_seed=cfg.train.seed)
     if cfg.compiles(device.type):
-        compile_modules(module for _, module in resolve_unit_modules(model, config.megatron_fsdp_unit_modules))
+        compile_modules(units)
     return model
