@@ -265,6 +265,11 @@ class Trainer:
 
     def run(self) -> int:
         data, resume_from = self.preflight()
+        n_params = flops.param_counts(self.model_cfg)["total"]
+        self.log(f"mfsdp train: {self.cfg.model.preset} model, {n_params / 1e6:.1f}M "
+                 f"parameters, {self.cfg.schedule_line()}, {self.world} process(es) on "
+                 f"{flops.device_name(self.device)}, {self.cfg.parallel.placements} placements, "
+                 f"{len(data):,} tokens in {data.path}")
         self.check_memory()
         model, optimizer = self.build()
         start_step = 0
@@ -284,11 +289,6 @@ class Trainer:
         d = self.cfg.data
         sampler = WindowSampler(data, d.seq_len, d.local_batch, self.rank, self.world,
                                 seed=d.seed, microbatches=d.microbatches)
-        n_params = flops.param_counts(self.model_cfg)["total"]
-        self.log(f"mfsdp train: {self.cfg.model.preset} model, {n_params / 1e6:.1f}M "
-                 f"parameters, {self.world} process(es) on {flops.device_name(self.device)}, "
-                 f"{self.cfg.parallel.placements} placements, {len(data):,} tokens in "
-                 f"{data.path}")
         metrics = MetricsLog(self.out_dir / "metrics.jsonl", enabled=self.rank == 0,
                              keep_until_step=start_step)
         tensorboard = TensorBoardLog(self.out_dir / "tensorboard",
