@@ -195,19 +195,22 @@ class Trainer:
         return data, resume_from
 
     def check_memory(self) -> None:
-        """Stop before anything is allocated when the predicted peak does not fit the GPU (every
-        rank predicts the same, so all stop together). CPU runs skip it."""
+        """Stop before anything is allocated when the predicted peak cannot fit the GPU, and warn
+        when it is within the allocator's margin (every rank predicts the same, so all stop
+        together). CPU runs skip it."""
         if self.device.type != "cuda" or self.cfg.train.skip_memory_check:
             return
-        from mfsdp.memory.plan import memory_problem
+        from mfsdp.memory.plan import memory_check
 
         try:
-            problem = memory_problem(self.cfg, self.world, device_memory(self.device))
+            verdict = memory_check(self.cfg, self.world, device_memory(self.device))
         except NotImplementedError as err:  # a model the planner cannot measure: train anyway
             self.log(f"(memory check skipped: {err})")
             return
-        if problem:
-            raise RunFailed(problem)
+        if verdict and verdict[0] == "refuse":
+            raise RunFailed(verdict[1])
+        if verdict:
+            self.log(f"mfsdp train: warning: {verdict[1]}")
 
     def _open_data(self) -> TokenFile:
         path = self.cfg.data.path
