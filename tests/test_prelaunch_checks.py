@@ -1,21 +1,111 @@
-"""The checks before the first step: the memory check's margins against the committed GPU results
-(the planner runs on CPU)."""
+"""The checks before the first step: the checkpoints against the disk (a fake ``shutil.disk_usage``),
+and the memory check's margins against the committed GPU results (the planner runs on CPU)."""
 
 import json
 import re
+import shutil
 import types
+from collections import namedtuple
 from pathlib import Path
 
 import pytest
 import torch
 
+from mfsdp.memory import checkpoint_bytes
 from mfsdp.memory.estimate import GIB, OUTSIDE_ALLOCATOR, PLANNER_OVERSHOOT, RESERVE_FRACTION
 from mfsdp.memory.plan import estimate_run, memory_check
-from mfsdp.train import loop
+from mfsdp.models import get_config, param_counts
+from mfsdp.train import launcher, loop
 from mfsdp.train.config import load_config
+from mfsdp.train.disk import new_checkpoints_at_once
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.filterwarnings("ignore::UserWarning")]
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+Usage = namedtuple("Usage", "total used free")
+
+
+# ----------------------------------------------------------------------------------- disk check
+def test_a_checkpoint_is_the_fp32_weights_and_two_adamw_moments():
+    for preset in ("tiny", "8b"):
+        assert checkpoint_bytes(preset) == pytest.approx(12 * param_counts(get_config(preset))["total"], rel=1e-4)
+
+
+@pytest.fixture
+def launch(monkeypatch, tmp_path, capsys):
+    """``mfsdp train --nproc-per-node 1 ...`` on a disk with ``free`` bytes; returns (exit code,
+    stderr, the free-space queries, whether workers were started). No worker ever starts."""
+    one = checkpoint_bytes(get_config("tiny"))
+
+    def run(free_checkpoints: float, *args, nodes=("--nproc-per-node", "1")):
+        asked, started = [], []
+
+        def disk_usage(path):
+            asked.append(Path(path))
+            return Usage(1 << 40, 0, int(free_checkpoints * one))
+
+        monkeypatch.setattr(shutil, "disk_usage", disk_usage)
+        monkeypatch.setattr(launcher, "run", lambda options, cfg, rest: started.append(cfg) or 0)
+        code = launcher.main([*nodes, "--train.device", "cpu", "--train.out_dir", str(tmp_path / "runs" / "a"),
+                              *args])
+        return code, capsys.readouterr().err, asked, bool(started)
+
+    return run
+
+
+def test_refused_when_not_even_one_checkpoint_fits(launch, tmp_path):
+    code, err, asked, started = launch(0.5)
+    assert code == 2 and not started
+    assert err.count("\n") == 1 and err.startswith("mfsdp train: error: one checkpoint of this run takes"), err
+    assert f"but {tmp_path} has 0.02 GiB free" in err  # the nearest existing ancestor of out_dir
+    assert "lose the 100 steps before it" in err and "--train.out_dir" in err and "--train.skip_disk_check true" in err
+    assert asked == [tmp_path]
+    code, err, _, started = launch(0.5, "--train.skip_disk_check", "true")
+    assert code == 0 and started and err == ""
+
+
+def test_warned_when_the_kept_checkpoints_do_not_all_fit(launch):
+    # 300 steps, a save every 100 and 2 kept: the 2 kept and the one being written, 3 at once.
+    code, err, _, started = launch(2.5)
+    assert code == 0 and started
+    assert err.count("\n") == 1 and err.startswith("mfsdp train: warning: this run writes 3 checkpoints on "
+                                                   "disk at once (2 kept plus the one being written)"), err
+    assert "--train.keep_checkpoints 1" in err and "--train.checkpoint_every 0" in err, err
+    code, err, _, started = launch(2.5, "--train.keep_checkpoints", "1")  # 2 at once: fits
+    assert code == 0 and started and err == ""
+
+
+def test_passed_when_everything_fits(launch):
+    code, err, asked, started = launch(3.5)
+    assert code == 0 and started and err == "" and asked
+
+
+def test_saving_only_at_the_end_needs_one_checkpoint(launch):
+    code, err, _, started = launch(1.5, "--train.checkpoint_every", "0")
+    assert code == 0 and started and err == ""
+    code, err, _, _ = launch(0.5, "--train.checkpoint_every", "0")
+    assert code == 2 and "lose the 300 steps before it" in err
+
+
+def test_each_node_checks_its_own_share(launch):
+    # Two nodes of one rank each: this node writes half of every checkpoint.
+    code, err, _, started = launch(0.75, "--train.checkpoint_every", "0",
+                                   nodes=("--nproc-per-node", "1", "--nnodes", "2", "--rdzv-endpoint", "h:1"))
+    assert code == 0 and started and err == ""
+    code, err, _, started = launch(0.25, "--train.checkpoint_every", "0",
+                                   nodes=("--nproc-per-node", "1", "--nnodes", "2", "--rdzv-endpoint", "h:1"))
+    assert code == 2 and not started and "this node's share of one checkpoint" in err
+
+
+def test_checkpoints_held_at_once():
+    t = load_config(["--train.steps", "300", "--train.checkpoint_every", "100"]).train
+    assert new_checkpoints_at_once(t, existing=0) == 3
+    assert new_checkpoints_at_once(t, existing=2) == 1  # pruned to 2 after each save
+    t = load_config(["--train.steps", "1000", "--train.checkpoint_every", "100", "--train.keep_checkpoints",
+                     "0"]).train
+    assert new_checkpoints_at_once(t, existing=1) == 10  # every save is kept
+    t = load_config(["--train.steps", "250", "--train.checkpoint_every", "100", "--train.keep_checkpoints",
+                     "5"]).train
+    assert new_checkpoints_at_once(t, existing=0) == 3  # steps 100, 200 and the end
 
 
 # ------------------------------------------------------------------------- the committed results

@@ -157,6 +157,9 @@ class TrainSection:
     skip_memory_check: bool = False
     """On CUDA the run first predicts its peak memory (``mfsdp plan``) and stops, before building
     anything, when it would not fit the GPU; true skips that check."""
+    skip_disk_check: bool = False
+    """Before the first step the run checks that its checkpoints fit the free space of ``out_dir``
+    (mfsdp/train/disk.py) and stops when not even one does; true skips that check."""
 
     def __post_init__(self) -> None:
         _require(self.steps > 0, "train.steps must be positive")

@@ -184,6 +184,7 @@ class Trainer:
         try:
             data, resume_from, self.resume_notes = validate_run(self.cfg, self.world,
                                                                 self._open_data)
+            self._check_disk()
         except USER_ERRORS as err:
             problem = str(err)
         problems: list[str | None] = [None] * self.world
@@ -193,6 +194,18 @@ class Trainer:
             rank, message = first
             raise RunFailed(message if rank == 0 else f"(on rank {rank}) {message}")
         return data, resume_from
+
+    def _check_disk(self) -> None:
+        """The launcher's disk check (``disk.py``) where no launcher of ours ran it: a single process
+        or torchrun, on each node's first rank."""
+        if os.environ.get(LAUNCHED_ENV) or int(os.environ.get("LOCAL_RANK", "0")) != 0:
+            return
+        from mfsdp.train.disk import check_disk
+
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        warning = check_disk(self.cfg, share=min(1.0, local / self.world))
+        if warning:
+            print(f"mfsdp train: warning: {warning}", flush=True)
 
     def check_memory(self) -> None:
         """Stop before anything is allocated when the predicted peak cannot fit the GPU, and warn
