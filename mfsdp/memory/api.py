@@ -15,7 +15,7 @@ from torch import nn
 from mfsdp.communication import CommunicationPolicy
 from mfsdp.memory.activations import ActivationProfile, measure_hf, measure_llama
 from mfsdp.memory.estimate import MemoryEstimate, StepSettings, simulate
-from mfsdp.memory.model_state import Levels, describe_units
+from mfsdp.memory.model_state import Levels, describe_units, optimizer_state_bytes
 from mfsdp.memory.tensor_parallel import (TensorParallel, apply_tp, default_group_exists, fake_tp_mesh, in_child,
                                           tp_meta_copy)
 from mfsdp.mixed_precision import MixedPrecisionPolicy
@@ -98,6 +98,18 @@ def estimate(model_or_config, *, world_size: Optional[int] = None, mesh_shape: O
                             prefetch_across_step=comm.prefetch_across_step and comm.overlap,
                             double_buffer=comm.double_buffer, cuda=device == "cuda", tp=tp.size, float8=float8)
     return dataclasses.replace(simulate(unit_bytes, acts, settings, blocks), notes=tuple(notes))
+
+
+def checkpoint_bytes(model_or_config, *, optimizer: str = "adamw", main_params_dtype: torch.dtype = torch.float32,
+                     compute_dtype: torch.dtype = torch.bfloat16) -> int:
+    """Bytes of one whole training checkpoint, as ``mfsdp train`` writes it with
+    torch.distributed.checkpoint: the main weights and the optimizer's states, each element once
+    (DCP writes a replicated tensor once), whatever the placements. ``model_or_config`` as for
+    ``estimate``; model state is sized by the same layout code, on a single shard."""
+    model, units, *_ = _resolve(model_or_config, compute_dtype, 1, False, TensorParallel(), None)
+    unit_bytes = describe_units(model, units, MixedPrecisionPolicy(main_params_dtype=main_params_dtype),
+                                Levels.of(Placements.zero3("dp"), {"dp": 1}))
+    return sum(g.main for u in unit_bytes for g in u.groups) + optimizer_state_bytes(unit_bytes, optimizer)
 
 
 def _resolve(obj, dtype, seq_len, expert_units, tp: TensorParallel, tp_mesh, float8: str = "none"):

@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 
 from mfsdp.memory.api import estimate
-from mfsdp.memory.estimate import COMPONENTS, GIB, MemoryEstimate
+from mfsdp.memory.estimate import COMPONENTS, GIB, PLANNER_OVERSHOOT, RESERVE_FRACTION, MemoryEstimate
 from mfsdp.memory.tensor_parallel import TensorParallel
 
 PLACEMENT_SPEED = ("zero1", "zero2", "zero3")
@@ -36,11 +36,20 @@ class Setting:
     """Sequences per microbatch; microbatches keep the tokens per step."""
     microbatches: int
     """Microbatches per step."""
+    main_grads_dtype: str = "auto"
+    """fp32, bf16 or "auto" (``--parallel.main_grads_dtype``). bf16 halves the gradient buffers, but
+    the optimizer step upcasts them to fp32: on one GPU the 8b peak is 13 GiB higher with them."""
+    # The search's seam: a knob that trades memory for speed (CPU offload, once the core has it)
+    # is one more field here, one more option in candidates() and one more flag in flags().
 
     def flags(self) -> str:
         return (f"--parallel.placements {self.placements} --parallel.activation_checkpointing "
                 f"{str(self.activation_checkpointing).lower()} --data.local_batch {self.local_batch} "
-                f"--data.microbatches {self.microbatches}")
+                f"--data.microbatches {self.microbatches} --parallel.main_grads_dtype {self.main_grads_dtype}")
+
+    def knobs(self) -> tuple:
+        """What a user changes to go from one setting to another (the microbatches follow the batch)."""
+        return (self.placements, self.activation_checkpointing, self.local_batch, self.main_grads_dtype)
 
     def speed_key(self) -> tuple:
         rank = PLACEMENT_SPEED.index(self.placements) if self.placements in PLACEMENT_SPEED else len(PLACEMENT_SPEED)
@@ -65,18 +74,18 @@ def estimate_run(cfg, world: int, setting: Optional[Setting] = None,
     import mfsdp
 
     p, d = cfg.parallel, cfg.data
-    s = setting or Setting(p.placements, p.activation_checkpointing, d.local_batch, d.microbatches)
+    s = setting or configured(cfg)
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
     compute = dtypes.get(p.compute_dtype, torch.bfloat16)
     policy = mfsdp.MixedPrecisionPolicy(main_params_dtype=torch.float32,
-                                        main_grads_dtype=dtypes.get(p.main_grads_dtype),
+                                        main_grads_dtype=dtypes.get(s.main_grads_dtype),
                                         grad_comm_dtype=dtypes.get(p.grad_comm_dtype))
     if cfg.model.hf is not None:
         model = cfg.model.hf
         if s.placements not in ("zero3", "zero2", "zero1", "ddp") and p.replicate == 1:
             raise ValueError("--model.hf: hsdp/hfsdp need --parallel.replicate > 1")
         policy = mfsdp.MixedPrecisionPolicy(main_params_dtype=torch.float32,
-                                            main_grads_dtype=None if p.main_grads_dtype == "bf16" else torch.float32)
+                                            main_grads_dtype=None if s.main_grads_dtype == "bf16" else torch.float32)
     else:
         if tp.enabled:
             raise ValueError("--tp: tensor parallel is the manager's; plan a Hugging Face model (--model.hf DIR)")
@@ -89,37 +98,59 @@ def estimate_run(cfg, world: int, setting: Optional[Setting] = None,
                     foreach=False)  # mfsdp train steps with fused AdamW on CUDA (train.build.adamw)
 
 
+def configured(cfg) -> Setting:
+    """The setting a ``RunConfig`` asks for."""
+    p, d = cfg.parallel, cfg.data
+    return Setting(p.placements, p.activation_checkpointing, d.local_batch, d.microbatches, p.main_grads_dtype)
+
+
 def candidates(cfg) -> list[Setting]:
-    """Settings to try, fastest first; the tokens per step stay those of the config."""
+    """Settings to try, fastest first; the tokens per step stay those of the config, and each
+    setting comes with the config's gradient dtype before the other one."""
     p, d = cfg.parallel, cfg.data
     tokens = d.local_batch * d.microbatches
     batches = [b for b in range(tokens, 0, -1) if tokens % b == 0 and (b & (b - 1) == 0 or b == d.local_batch)]
     placements = [p.placements] if p.placements in ("hsdp", "hfsdp") else list(PLACEMENT_SPEED)
     if cfg.model.float8 == "tensorwise":  # FP8 all-gather needs weights sharded at rest (fully_shard refuses)
         placements = [pl for pl in placements if pl not in ("zero1", "zero2")]
-    out = [Setting(pl, ac, b, tokens // b) for pl in placements for ac in (False, True) for b in batches]
+    out = [Setting(pl, ac, b, tokens // b, g) for pl in placements for ac in (False, True) for b in batches
+           for g in _grads_options(cfg)]
     return sorted(out, key=Setting.speed_key)
 
 
-def fitting(cfg, world: int, gpu_bytes: int,
-            tp: TensorParallel = TensorParallel()) -> list[tuple[Setting, MemoryEstimate]]:
-    """Every candidate that fits, fastest first."""
-    out = []
+def _grads_options(cfg) -> list[str]:
+    """The config's gradient dtype, then the other one ("auto" is the core's default, the compute
+    dtype: bf16 unless --parallel.compute_dtype fp32; the manager's is fp32)."""
+    p = cfg.parallel
+    auto = "fp32" if cfg.model.hf is not None or p.compute_dtype == "fp32" else "bf16"
+    own = auto if p.main_grads_dtype == "auto" else p.main_grads_dtype
+    return [p.main_grads_dtype, *(g for g in ("fp32", "bf16") if g != own)]
+
+
+def fitting(cfg, world: int, gpu_bytes: int, tp: TensorParallel = TensorParallel(),
+            tight: bool = False) -> list[tuple[Setting, MemoryEstimate]]:
+    """Every candidate that fits with the allocator's margin (``tight``: or within it), fastest first;
+    the other gradient dtype only where the config's does not fit."""
+    out, seen = [], set()
     for s in candidates(cfg):
+        layout = dataclasses.replace(s, main_grads_dtype=None)
+        if layout in seen:
+            continue
         e = estimate_run(cfg, world, s, tp, tp_in_process=True)
-        if e.device_bytes <= gpu_bytes:
+        if e.fit(gpu_bytes) == "fits" or (tight and e.fit(gpu_bytes) == "tight"):
             out.append((s, e))
+            seen.add(layout)
     return out
 
 
-def nearest(cfg, world: int, gpu_bytes: int) -> Optional[tuple[Setting, MemoryEstimate]]:
-    """The fitting setting that changes the fewest of the config's knobs (then the fastest)."""
-    p, d = cfg.parallel, cfg.data
-    now = (p.placements, p.activation_checkpointing, d.local_batch)
-    fits = fitting(cfg, world, gpu_bytes)
+def nearest(cfg, world: int, gpu_bytes: int, tight: bool = False) -> Optional[tuple[Setting, MemoryEstimate]]:
+    """The fitting setting (``tight``: or one within the margin) that changes the fewest of the
+    config's knobs, then the fastest."""
+    now = configured(cfg).knobs()
+    fits = fitting(cfg, world, gpu_bytes, tight=tight)
     if not fits:
         return None
-    changes = lambda s: sum(a != b for a, b in zip((s.placements, s.activation_checkpointing, s.local_batch), now))  # noqa: E731
+    changes = lambda s: sum(a != b for a, b in zip(s.knobs(), now))  # noqa: E731
     return min(fits, key=lambda pair: (changes(pair[0]), pair[0].speed_key()))
 
 
@@ -221,15 +252,18 @@ def main(argv: list[str]) -> int:
     print(f"mfsdp plan: {model}, {s.placements}{parallel} on {world} GPU(s), local batch {s.local_batch} x {s.seq_len} "
           f"tokens, {s.microbatches} microbatch(es), activation checkpointing {'on' if s.activation_checkpointing else 'off'}\n")
     print(breakdown_table(e))
-    verdict = "fits" if e.device_bytes <= gpu else "does NOT fit"
+    verdict = {"fits": "fits", "no": "does NOT fit",
+               "tight": f"is tight (within the {RESERVE_FRACTION:.0%} allocator margin: it should train, "
+                        "but may run out of memory)"}[e.fit(gpu)]
     print(f"\nthis setting {verdict} in {gib(gpu)} GiB per GPU ({source})\n")
-    fits = fitting(cfg, world, gpu, tp)
+    fits = fitting(cfg, world, gpu, tp) or fitting(cfg, world, gpu, tp, tight=True)
     if fits:
-        print(f"settings that fit, fastest first (tokens per step kept):\n{'':2}{'peak GiB':>8} {'needs GiB':>9}  flags")
+        print(f"settings that fit{' within the margin' if fits[0][1].fit(gpu) == 'tight' else ''}, fastest "
+              f"first (tokens per step kept):\n{'':2}{'peak GiB':>8} {'needs GiB':>9}  flags")
         for setting, est in fits[:12]:
             print(f"  {gib(est.peak_bytes):>8} {gib(est.device_bytes):>9}  {setting.flags()}")
     else:
-        print("no setting of placements, checkpointing and local batch fits; use more GPUs")
+        print(f"no setting of {SEARCHED} fits; use more GPUs")
     plot = plot_phases(e, Path(own["--out"]))
     print(f"\nmemory over the step: {plot}")
     return 0
@@ -251,14 +285,29 @@ def _error(message: str) -> int:
     return 2
 
 
-def memory_problem(cfg, world: int, gpu_bytes: int) -> Optional[str]:
-    """One line when the run's predicted memory does not fit ``gpu_bytes`` per GPU, else None."""
+SEARCHED = "placements, checkpointing, local batch and gradient dtype"
+"""The knobs ``candidates`` varies (``Setting``), as the messages name them."""
+
+
+def memory_check(cfg, world: int, gpu_bytes: int) -> Optional[tuple[str, str]]:
+    """None when the run's predicted memory fits ``gpu_bytes`` per GPU with the allocator's margin;
+    ("warn", line) when it is within the margin; ("refuse", line) when even the least it could need
+    does not fit (see [Note: the memory check's margins] in ``estimate``)."""
     e = estimate_run(cfg, world)
-    if e.device_bytes <= gpu_bytes:
+    verdict = e.fit(gpu_bytes)
+    if verdict == "fits":
         return None
-    near = nearest(cfg, world, gpu_bytes)
-    fix = (f"nearest setting that fits ({gib(near[1].device_bytes)} GiB): {near[0].flags()}" if near
-           else "no placement, checkpointing or local batch fits: use more GPUs")
-    return (f"predicted peak memory {gib(e.peak_bytes)} GiB per GPU ({gib(e.device_bytes)} GiB with the "
-            f"allocator reserve and CUDA context, at {e.peak_phase}) does not fit this GPU's "
-            f"{gib(gpu_bytes)} GiB; {fix}; or override with --train.skip_memory_check true")
+    roomy = nearest(cfg, world, gpu_bytes)
+    head = f"predicted peak memory {gib(e.peak_bytes)} GiB per GPU (at {e.peak_phase})"
+    if verdict == "tight":
+        fix = f"; with room to spare ({gib(roomy[1].device_bytes)} GiB): {roomy[0].flags()}" if roomy else ""
+        return "warn", (f"{head} is within the {RESERVE_FRACTION:.0%} allocator margin of this GPU's "
+                        f"{gib(gpu_bytes)} GiB ({gib(e.device_bytes)} GiB with it and the CUDA context): it "
+                        f"should train, but may run out of memory if the allocator fragments{fix}")
+    near = nearest(cfg, world, gpu_bytes, tight=True) if roomy is None else None
+    fix = (f"nearest setting that fits ({gib(roomy[1].device_bytes)} GiB): {roomy[0].flags()}" if roomy
+           else f"nearest setting that may fit, within the margin ({gib(near[1].least_device_bytes)} GiB at "
+                f"least): {near[0].flags()}" if near else f"no setting of {SEARCHED} fits: use more GPUs")
+    return "refuse", (f"{head} does not fit this GPU's {gib(gpu_bytes)} GiB: it needs at least "
+                      f"{gib(e.least_device_bytes)} GiB (the peak less the planner's {PLANNER_OVERSHOOT:.0%} "
+                      f"tolerance, plus the CUDA context); {fix}; or override with --train.skip_memory_check true")

@@ -519,6 +519,11 @@ def _publish(temp: Path, final: Path) -> None:
     os.replace(marker_temp, marker)
 
 
+def complete_checkpoints(root: str | os.PathLike) -> list[Path]:
+    """The complete ``step_N`` directories under ``root``, oldest first (what pruning counts)."""
+    return _complete_checkpoints(Path(root))
+
+
 def _complete_checkpoints(root: Path) -> list[Path]:
     """The complete ``step_N`` directories under ``root``, oldest first."""
     return sorted((p for p in root.glob(_PREFIX + "*") if p.name[len(_PREFIX):].isdigit() and _is_complete(p)),

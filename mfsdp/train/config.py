@@ -18,6 +18,7 @@ from pathlib import Path
 from mfsdp.models.llama import LlamaConfig, get_config
 from mfsdp.models.parallelize import FLOAT8_CHOICES, PLACEMENT_NAMES as PLACEMENTS, TWO_AXIS
 from mfsdp.train import determinism
+from mfsdp.train.recipes import RECIPES, Recipe, recipe_for
 DTYPES = ("auto", "fp32", "bf16")
 COMPILE_CHOICES = ("auto", "true", "false")
 
@@ -132,12 +133,14 @@ class DataSection:
 class TrainSection:
     steps: int = 300
     """Optimizer steps in the whole run (the cosine schedule ends here)."""
-    lr: float = 3e-3
-    """Peak learning rate of AdamW."""
-    warmup_steps: int = 20
-    """Steps of linear warm-up from zero to ``lr``."""
-    min_lr_ratio: float = 0.1
-    """The cosine decay ends at ``lr * min_lr_ratio``."""
+    lr: float | None = None
+    """Peak learning rate of AdamW; None: the model preset's (mfsdp/train/recipes.py: 3e-3 for
+    tiny, 3e-4 for 1b and 8b, 1.5e-4 for 70b)."""
+    warmup_steps: int | None = None
+    """Steps of linear warm-up from zero to ``lr``; None: the preset's (2,000 for 1b to 70b, 20
+    for tiny), at most a fifth of ``steps``."""
+    min_lr_ratio: float | None = None
+    """The cosine decay ends at ``lr * min_lr_ratio``; None: the preset's (0.1)."""
     weight_decay: float = 0.1
     """AdamW decoupled weight decay."""
     beta1: float = 0.9
@@ -183,6 +186,9 @@ class TrainSection:
         """Whether saves are asynchronous on a ``device_type`` ("cuda" or "cpu") run."""
         return self.async_checkpoint == "true" or (self.async_checkpoint == "auto"
                                                     and device_type == "cuda")
+    skip_disk_check: bool = False
+    """Before the first step the run checks that its checkpoints fit the free space of ``out_dir``
+    (mfsdp/train/disk.py) and stops when not even one does; true skips that check."""
 
     def __post_init__(self) -> None:
         # One spelling: YAML gives true/false as bools, a flag may say True.
@@ -190,9 +196,11 @@ class TrainSection:
         _require(self.async_checkpoint in ("auto", "true", "false"),
                  f"train.async_checkpoint must be auto, true or false, got {self.async_checkpoint!r}")
         _require(self.steps > 0, "train.steps must be positive")
-        _require(self.lr > 0, "train.lr must be positive")
-        _require(0 <= self.warmup_steps, "train.warmup_steps must not be negative")
-        _require(0 <= self.min_lr_ratio <= 1, "train.min_lr_ratio must lie in [0, 1]")
+        _require(self.lr is None or self.lr > 0, "train.lr must be positive")
+        _require(self.warmup_steps is None or 0 <= self.warmup_steps,
+                 "train.warmup_steps must not be negative")
+        _require(self.min_lr_ratio is None or 0 <= self.min_lr_ratio <= 1,
+                 "train.min_lr_ratio must lie in [0, 1]")
         _require(self.grad_clip >= 0, "train.grad_clip must not be negative")
         _require(self.checkpoint_every >= 0, "train.checkpoint_every must not be negative")
         _require(self.keep_checkpoints >= 0, "train.keep_checkpoints must not be negative")
@@ -283,6 +291,34 @@ class RunConfig:
     resume: bool = False
     """Continue from the newest complete checkpoint in OUT_DIR/checkpoints."""
 
+    def __post_init__(self) -> None:
+        # The one place the schedule's unset fields (None) become the preset's: every reader of
+        # cfg.train (the optimizer, the schedule, the checkpoint's meta.json) sees numbers.
+        t = self.train
+        if None in (t.lr, t.warmup_steps, t.min_lr_ratio):
+            _, recipe = self.recipe()
+            object.__setattr__(self, "train", dataclasses.replace(
+                t, lr=recipe.lr if t.lr is None else t.lr,
+                warmup_steps=recipe.warmup_for(t.steps) if t.warmup_steps is None else t.warmup_steps,
+                min_lr_ratio=recipe.min_lr_ratio if t.min_lr_ratio is None else t.min_lr_ratio))
+
+    def recipe(self) -> tuple[str, Recipe]:
+        """The name and schedule of the model's recipe (``mfsdp.train.recipes``): the preset's, or
+        for ``--model.hf`` that of the preset nearest in size."""
+        hf = self.model.hf is not None
+        shape = self.model.llama_config(self.data.seq_len) if hf or self.model.preset not in RECIPES else None
+        return recipe_for(self.model.preset, shape, by_size=hf)
+
+    def schedule_line(self) -> str:
+        """The learning rate and its schedule in a few words, for the first line of a run."""
+        t = self.train
+        name, recipe = self.recipe()
+        given = [f"--train.{key}" for key, mine, preset in (
+            ("lr", t.lr, recipe.lr), ("warmup_steps", t.warmup_steps, recipe.warmup_for(t.steps)),
+            ("min_lr_ratio", t.min_lr_ratio, recipe.min_lr_ratio)) if mine != preset]
+        source = f"the {name} recipe" + (f", {' and '.join(given)} given" if given else "")
+        return f"lr {t.lr:g} (warm-up {t.warmup_steps} steps, cosine to {t.min_lr_ratio:g}x; {source})"
+
     def llama_config(self) -> LlamaConfig:
         shape = self.model.llama_config(max_seq_len=self.data.seq_len)
         _require(not self.parallel.expert_units or (self.model.hf is None and shape.num_experts > 0),
@@ -325,11 +361,15 @@ Sections and keys (defaults in parentheses):
 """
 
 
+_FROM_PRESET = {("train", "lr"), ("train", "warmup_steps"), ("train", "min_lr_ratio")}
+
+
 def usage() -> str:
     lines = [USAGE]
     for section, cls in _SECTION_TYPES.items():
         for f in dataclasses.fields(cls):
-            lines.append(f"  --{section}.{f.name} ({f.default!r})")
+            default = "the preset's" if (section, f.name) in _FROM_PRESET else repr(f.default)
+            lines.append(f"  --{section}.{f.name} ({default})")
     return "\n".join(lines)
 
 

@@ -3,8 +3,9 @@ elastic launcher, as ``tune run`` and ``accelerate launch`` do.
 
 Before any worker starts, the launching process parses the whole config and checks what it
 can: keys and values, the model preset, the device, the mesh against the world size, the
-token file and its vocabulary, and the checkpoint ``--resume`` would load. A mistake is one
-line on stderr and exit code 2.
+token file and its vocabulary, the checkpoint ``--resume`` would load, and whether the
+checkpoints fit on this node's disk (``disk.py``). A mistake is one line on stderr and exit
+code 2; a doubt (the kept checkpoints will not all fit) is one warning line, and the run starts.
 
 The workers run ``python -m mfsdp.train`` (``loop.main``) under
 ``torch.distributed.launcher.api.elastic_launch``. Their stdout is the console; each rank's
@@ -33,6 +34,7 @@ from mfsdp.train.config import LAUNCHER_FLAGS, ConfigError, RunConfig, flag_valu
 
 USER_ERROR_EXIT = 2
 _ERROR_PREFIX = "mfsdp train: error: "
+_WARNING_PREFIX = "mfsdp train: warning: "
 
 
 @dataclass(frozen=True)
@@ -132,6 +134,7 @@ def check(options: LaunchOptions, rest: list[str]) -> RunConfig:
 
     from mfsdp.data import STDLIB, TokenFile
     from mfsdp.train.build import validate_run
+    from mfsdp.train.disk import check_disk
 
     cfg = load_config(rest)
     cuda = cfg.train.device == "cuda" or (cfg.train.device == "auto" and
@@ -147,6 +150,9 @@ def check(options: LaunchOptions, rest: list[str]) -> RunConfig:
     path = cfg.data.path
     validate_run(cfg, options.world_size, None if path == STDLIB else (lambda: TokenFile(path)),
                  device_type="cuda" if cuda else "cpu")
+    warning = check_disk(cfg, share=options.nproc_per_node / options.world_size)
+    if warning:
+        print(f"{_WARNING_PREFIX}{warning}", file=sys.stderr, flush=True)
     return cfg
 
 

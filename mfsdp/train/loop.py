@@ -188,6 +188,7 @@ class Trainer:
         try:
             data, resume_from, self.resume_notes = validate_run(self.cfg, self.world, self._open_data,
                                                                 device_type=self.device.type)
+            self._check_disk()
         except USER_ERRORS as err:
             problem = str(err)
         problems: list[str | None] = [None] * self.world
@@ -198,20 +199,35 @@ class Trainer:
             raise RunFailed(message if rank == 0 else f"(on rank {rank}) {message}")
         return data, resume_from
 
+    def _check_disk(self) -> None:
+        """The launcher's disk check (``disk.py``) where no launcher of ours ran it: a single process
+        or torchrun, on each node's first rank."""
+        if os.environ.get(LAUNCHED_ENV) or int(os.environ.get("LOCAL_RANK", "0")) != 0:
+            return
+        from mfsdp.train.disk import check_disk
+
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        warning = check_disk(self.cfg, share=min(1.0, local / self.world))
+        if warning:
+            print(f"mfsdp train: warning: {warning}", flush=True)
+
     def check_memory(self) -> None:
-        """Stop before anything is allocated when the predicted peak does not fit the GPU (every
-        rank predicts the same, so all stop together). CPU runs skip it."""
+        """Stop before anything is allocated when the predicted peak cannot fit the GPU, and warn
+        when it is within the allocator's margin (every rank predicts the same, so all stop
+        together). CPU runs skip it."""
         if self.device.type != "cuda" or self.cfg.train.skip_memory_check:
             return
-        from mfsdp.memory.plan import memory_problem
+        from mfsdp.memory.plan import memory_check
 
         try:
-            problem = memory_problem(self.cfg, self.world, device_memory(self.device))
+            verdict = memory_check(self.cfg, self.world, device_memory(self.device))
         except NotImplementedError as err:  # a model the planner cannot measure: train anyway
             self.log(f"(memory check skipped: {err})")
             return
-        if problem:
-            raise RunFailed(problem)
+        if verdict and verdict[0] == "refuse":
+            raise RunFailed(verdict[1])
+        if verdict:
+            self.log(f"mfsdp train: warning: {verdict[1]}")
 
     def _open_data(self) -> TokenFile:
         path = self.cfg.data.path
@@ -270,6 +286,11 @@ class Trainer:
 
     def run(self) -> int:
         data, resume_from = self.preflight()
+        n_params = flops.param_counts(self.model_cfg)["total"]
+        self.log(f"mfsdp train: {self.cfg.model.preset} model, {n_params / 1e6:.1f}M "
+                 f"parameters, {self.cfg.schedule_line()}, {self.world} process(es) on "
+                 f"{flops.device_name(self.device)}, {self.cfg.parallel.placements} placements, "
+                 f"{len(data):,} tokens in {data.path}")
         self.check_memory()
         model, optimizer = self.build()
         start_step = 0
@@ -295,11 +316,6 @@ class Trainer:
                                 seed=d.seed, microbatches=d.microbatches,
                                 limit=len(data) - self.held_out)
         evaluator = self._evaluator(data)
-        n_params = flops.param_counts(self.model_cfg)["total"]
-        self.log(f"mfsdp train: {self.cfg.model.preset} model, {n_params / 1e6:.1f}M "
-                 f"parameters, {self.world} process(es) on {flops.device_name(self.device)}, "
-                 f"{self.cfg.parallel.placements} placements, {len(data):,} tokens in "
-                 f"{data.path}")
         metrics = MetricsLog(self.out_dir / "metrics.jsonl", enabled=self.rank == 0,
                              keep_until_step=start_step)
         tensorboard = TensorBoardLog(self.out_dir / "tensorboard",

@@ -1,0 +1,100 @@
+"""Will the checkpoints fit on disk? ``mfsdp train`` asks before its first step.
+
+A save that fails for want of space comes after the training it was meant to keep, hours into a
+long run (an 8b checkpoint is 96 GB: fp32 main weights and two AdamW moments). So before any worker
+starts, the launcher sizes one checkpoint from the planner's model state
+(``mfsdp.memory.checkpoint_bytes``), counts how many the run holds at once, adds the export when one
+is asked for, and compares that with the free space of ``--train.out_dir`` (its nearest existing
+ancestor, when it does not exist yet). Not even one checkpoint fits: ``ConfigError``, one line, exit
+2. Not all of them fit: a warning line, and the run starts. ``--train.skip_disk_check true`` skips
+the check.
+
+DCP writes each rank's shards where that rank runs, so every node's launcher checks its own disk for
+its own ranks' share of each checkpoint. A directory that the nodes share is therefore checked for one
+node's share only (the save still names a full disk, after the fact).
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from mfsdp.train.checkpoint import complete_checkpoints
+from mfsdp.train.config import ConfigError, RunConfig, TrainSection
+
+GIB = 1 << 30
+
+
+def saves(t: TrainSection) -> int:
+    """Checkpoints a run of ``t.steps`` writes: every ``checkpoint_every`` steps and at the end."""
+    return -(-t.steps // t.checkpoint_every) if t.checkpoint_every else 1
+
+
+def first_save(t: TrainSection) -> int:
+    """The step of a run's first checkpoint."""
+    return min(t.checkpoint_every or t.steps, t.steps)
+
+
+def new_checkpoints_at_once(t: TrainSection, existing: int) -> int:
+    """Checkpoints beyond the ``existing`` ones on disk at the run's fullest moment. A save is
+    pruned to ``keep_checkpoints`` only once it is complete, so the kept ones and the one being
+    written are on disk together; ``keep_checkpoints`` 0 keeps every save."""
+    if not t.keep_checkpoints:
+        return saves(t)
+    return max(1, min(saves(t), t.keep_checkpoints + 1) - existing)
+
+
+def export_bytes(cfg: RunConfig) -> int:
+    """Bytes of the model export the run writes besides its checkpoints: with ``--train.export_hf``,
+    every parameter once in bf16 (``export.export_hf``'s default dtype), else 0."""
+    if not cfg.train.export_hf:
+        return 0
+    from mfsdp.models import flops
+
+    return 2 * flops.param_counts(cfg.llama_config())["total"]
+
+
+def free_space(path: str | Path) -> tuple[Path, int]:
+    """The nearest existing ancestor of ``path`` (or ``path``) and the bytes free on its file system."""
+    where = Path(path).absolute()
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    return where, shutil.disk_usage(where).free
+
+
+def check_disk(cfg: RunConfig, share: float = 1.0) -> str | None:
+    """Raise ConfigError when not even one checkpoint fits the free space of ``out_dir``; return a
+    warning line when the checkpoints held at once (and the export) do not all fit, else None.
+    ``share``: the part of each checkpoint this node writes (its ranks over the world)."""
+    t = cfg.train
+    if t.skip_disk_check:
+        return None
+    from mfsdp.memory import checkpoint_bytes
+
+    try:
+        one = int(checkpoint_bytes(cfg.model.hf or cfg.llama_config()) * share)
+    except NotImplementedError as err:  # a model the planner cannot size: train anyway
+        return f"disk check skipped: {err}"
+    root = Path(t.out_dir) / "checkpoints"
+    where, free = free_space(root)
+    existing = len(complete_checkpoints(root)) if root.is_dir() else 0
+    count = new_checkpoints_at_once(t, existing)
+    export = export_bytes(cfg)
+    what = "this node's share of one checkpoint" if share < 1 else "one checkpoint"
+    if one > free:
+        raise ConfigError(
+            f"{what} of this run takes {one / GIB:.2f} GiB (fp32 main weights and AdamW moments) but "
+            f"{where} has {free / GIB:.2f} GiB free, so its first save would fail and lose the "
+            f"{first_save(t)} steps before it; point --train.out_dir at a disk with room, or free space "
+            "there (--train.skip_disk_check true trains anyway)")
+    if count * one + export <= free:
+        return None
+    fits = (free - export) // one
+    fixes = ([f"keep fewer with --train.keep_checkpoints {fits - 1}"] if fits >= 2 else []) + [
+        "save only at the end with --train.checkpoint_every 0", "point --train.out_dir elsewhere"]
+    held = (f"{count} checkpoints on disk at once ({t.keep_checkpoints} kept plus the one being written)"
+            if t.keep_checkpoints and count == t.keep_checkpoints + 1 else f"{count} checkpoints")
+    plus = f" plus a {export / GIB:.2f} GiB export" if export else ""
+    return (f"this run writes {held} of {one / GIB:.2f} GiB each{plus}, {(count * one + export) / GIB:.2f} GiB "
+            f"in all, but {where} has {free / GIB:.2f} GiB free: a later save will fail; "
+            f"{', '.join(fixes[:-1])} or {fixes[-1]}")

@@ -1,0 +1,90 @@
+"""The learning-rate schedule follows the model preset unless a flag or the YAML sets it, and the
+first line of a run says which rate it trains with."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mfsdp.models.llama import PRESETS
+from mfsdp.train.config import ConfigError, TrainSection, load_config, usage
+from mfsdp.train.loop import Trainer
+from mfsdp.train.recipes import RECIPES, WARMUP_FRACTION
+
+pytestmark = pytest.mark.timeout(120)
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_every_preset_has_a_recipe():
+    assert set(RECIPES) == set(PRESETS)
+
+
+def test_tiny_keeps_the_demo_schedule():
+    t = load_config([]).train
+    assert (t.lr, t.warmup_steps, t.min_lr_ratio) == (3e-3, 20, 0.1)
+
+
+@pytest.mark.parametrize("preset, lr", [("1b", 3e-4), ("8b", 3e-4), ("70b", 1.5e-4), ("moe-1b", 3e-4)])
+def test_large_presets_train_at_their_published_peak(preset, lr):
+    long = load_config(["--model.preset", preset, "--train.steps", "100000"]).train
+    assert (long.lr, long.warmup_steps, long.min_lr_ratio) == (lr, RECIPES[preset].warmup_steps, 0.1)
+    assert long.warmup_steps == 2000
+    # A short run warms up over at most a fifth of its steps, not all of them.
+    short = load_config(["--model.preset", preset, "--train.steps", "20"]).train
+    assert short.lr == lr and short.warmup_steps == int(WARMUP_FRACTION * 20) == 4
+
+
+def test_explicit_values_win_over_the_preset(tmp_path):
+    cfg = load_config(["--model.preset", "8b", "--train.lr", "1e-4", "--train.warmup_steps", "0",
+                       "--train.min_lr_ratio", "0.5"])
+    assert (cfg.train.lr, cfg.train.warmup_steps, cfg.train.min_lr_ratio) == (1e-4, 0, 0.5)
+    path = tmp_path / "run.yaml"
+    path.write_text("model:\n  preset: 8b\ntrain:\n  lr: 2.0e-4\n")
+    cfg = load_config(["--config", str(path)])
+    assert cfg.train.lr == 2e-4 and cfg.train.warmup_steps == 60  # the rest from the recipe
+    assert "the 8b recipe, --train.lr given" in cfg.schedule_line()
+    # The schedule a trainer runs is the resolved one.
+    trainer = Trainer.__new__(Trainer)
+    trainer.cfg = load_config(["--model.preset", "8b", "--train.steps", "100"])
+    assert trainer.learning_rate(20) == pytest.approx(3e-4)
+    assert trainer.learning_rate(100) == pytest.approx(3e-5)
+
+
+def test_bad_explicit_values_are_still_refused():
+    with pytest.raises(ConfigError, match="train.lr must be positive"):
+        load_config(["--train.lr", "0"])
+    with pytest.raises(ConfigError, match="train.warmup_steps must not be negative"):
+        TrainSection(warmup_steps=-1)
+
+
+def test_a_hugging_face_model_takes_the_recipe_of_its_size(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(dict(
+        hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+        intermediate_size=14336, vocab_size=128256)))
+    cfg = load_config(["--model.hf", str(tmp_path), "--train.steps", "100000"])
+    assert cfg.train.lr == 3e-4 and "the 8b-sized recipe" in cfg.schedule_line()
+
+
+def test_help_says_the_schedule_comes_from_the_preset():
+    text = usage()
+    assert "--train.lr (the preset's)" in text and "--train.steps (300)" in text
+
+
+def test_the_first_line_of_a_run_names_its_learning_rate(tmp_path):
+    from mfsdp.data import prepare
+    from mfsdp.data.prepare import stdlib_source
+
+    corpus = tmp_path / "small.tokens"
+    prepare(stdlib_source(), corpus, glob="a*.py")
+    args = ["--model.n_layers", "1", "--model.dim", "32", "--model.n_heads", "2", "--model.n_kv_heads",
+            "1", "--model.ffn_dim", "64", "--data.seq_len", "16", "--data.local_batch", "2",
+            "--train.steps", "1", "--train.sample_tokens", "0", "--train.progress", "false",
+            "--train.device", "cpu", "--data.path", str(corpus), "--train.out_dir", str(tmp_path / "run")]
+    run = subprocess.run([sys.executable, "-m", "mfsdp.cli", "train", *args], cwd=REPO, capture_output=True,
+                         text=True, timeout=100, env=dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1"))
+    assert run.returncode == 0, run.stdout + run.stderr
+    first = run.stdout.splitlines()[0]
+    assert first.startswith("mfsdp train: tiny model,") and "lr 0.003 (warm-up 0 steps" in first, run.stdout
