@@ -86,6 +86,15 @@ def test_saving_only_at_the_end_needs_one_checkpoint(launch):
     assert code == 2 and "lose the 300 steps before it" in err
 
 
+def test_the_export_counts_beside_the_checkpoints(launch):
+    # One checkpoint (12 bytes a parameter) fits 1.1 checkpoints of room; the bf16 export (2 bytes a
+    # parameter, a sixth of a checkpoint) then does not fit beside it: a warning, not a refusal.
+    code, err, _, started = launch(1.1, "--train.checkpoint_every", "0")
+    assert code == 0 and started and err == ""
+    code, err, _, started = launch(1.1, "--train.checkpoint_every", "0", "--train.export_hf", "true")
+    assert code == 0 and started and err.startswith("mfsdp train: warning:"), err
+
+
 def test_each_node_checks_its_own_share(launch):
     # Two nodes of one rank each: this node writes half of every checkpoint.
     code, err, _, started = launch(0.75, "--train.checkpoint_every", "0",
