@@ -83,3 +83,10 @@ def test_float8_without_compile_is_refused_on_cuda_only():
     assert load_config(["--parallel.compile", "true"]).compiles("cpu")
     with pytest.raises(ConfigError, match="parallel.compile must be one of auto, true, false"):
         load_config(["--parallel.compile", "yes"])
+
+
+def test_plan_says_compiled_blocks_are_predicted_as_eager():
+    from mfsdp.memory.plan import COMPILED_NOTE, estimate_run
+
+    assert COMPILED_NOTE in estimate_run(load_config([]), 1).notes  # auto: a GPU run compiles
+    assert COMPILED_NOTE not in estimate_run(load_config(["--parallel.compile", "false"]), 1).notes
