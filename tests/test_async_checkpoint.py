@@ -122,7 +122,8 @@ def test_resume_names_an_incomplete_checkpoint_it_skips(tmp_path):
 def test_the_progress_bar_says_which_checkpoint_is_being_written():
     record = {"loss": 3.0, "tokens_per_s": 1000.0, "tflops_per_gpu": 0.0, "mfu": None,
               "peak_mem_gib": 0.5}
-    assert postfix(record, "step_4").endswith(", peak 0.50 GiB, saving step_4")
+    assert postfix(record, saving="step_4").endswith(", peak 0.50 GiB, saving step_4")
+    assert postfix(record, 2.5, "step_4").startswith("loss 3.000, val 2.500, ")
     assert "saving" not in postfix(record)
 
 
