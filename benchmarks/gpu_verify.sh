@@ -84,6 +84,17 @@ section_smoke() {
   cp $run/metrics.jsonl "$OUT/train_1b_metrics.jsonl"; rm -rf $run
 }
 
+section_fp8_8b_profile() {  # what is left of a 600 s call after smoke: one profiled step of each 8B FP8 row
+  local left=$((585 - SECONDS)) tr=/tmp/fp8_traces
+  if [ $left -lt 100 ]; then echo "fp8_8b_profile: skipped, ${left} s left"; return; fi
+  rm -rf $tr
+  timeout $left $RUN benchmarks/throughput.py --impl fsdp2,mfsdp --impl-timeout $((left / 2 - 5)) --preset 8b \
+    --n-layers 16 --local-batch 2 --seq 8192 --ac --compile --steps 2 --warmup 2 --float8 tensorwise --fp8-all-gather \
+    --profile --trace-dir $tr --out "$OUT/fp8_8b_profile.jsonl" >> "$OUT/bench.log" 2>&1; echo "fp8_8b_profile rc=$?"
+  ls $tr/*.json >/dev/null 2>&1 && python3 benchmarks/trace_breakdown.py kernels $tr/8b_fsdp2_rank0.json \
+    $tr/8b_mfsdp_rank0.json > "$OUT/fp8_8b_breakdown.txt" 2>&1; tail -40 "$OUT/fp8_8b_breakdown.txt" 2>/dev/null
+}
+
 section_fp8_8b() {  # ~1.5 min per compiled implementation, ~1.5 min per train run
   local rows="--preset 8b --n-layers 16 --local-batch 2 --seq 8192 --ac --compile --steps 6 --warmup 2"
   IMPL_TIMEOUT=150 bench "$ROOT" mfsdp,fsdp2 $rows --float8 tensorwise --fp8-all-gather
