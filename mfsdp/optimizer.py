@@ -3,25 +3,35 @@
 Elementwise optimizers (SGD, Adam, AdamW: foreach or fused) step directly on the sharded DTensor
 parameters. What mfsdp adds around ``step()``:
 
-* before: gradients kept in another dtype than the main weights (``main_grads_dtype``) are
-  upcast, one fused cast per group, because torch's optimizers want matching dtypes. The sharded
+* the step runs group by group: the optimizer's body is called once per parameter group, on that
+  group's parameters only (one foreach or fused launch set per group). Gradients kept in another
+  dtype than the main weights (``main_grads_dtype``, bf16 in ``mfsdp train``) are upcast to the
+  main dtype (one fused cast of the group's main gradient) just before the group's update and
+  freed right after it, because torch's optimizers want matching dtypes. The step's extra memory
+  is therefore one group's fp32 gradient (plus, for foreach AdamW, its one group-sized temporary),
+  not the model's: ``step_transient_bytes`` is the rule, and the planner calls it. The price is
+  one optimizer call per group instead of one per step (a few kernel launches each). The sharded
   parameters of such groups accept a ``.grad`` of any dtype (``grad_dtype = None``, set by the
   parameter group), so torch's state-dict helpers can attach main-dtype zeros to a fresh optimizer;
 * after: the compute weights are re-derived from the main weights once per group (one fused cast,
   plus the all-gather that rebuilds replicated weights for ZeRO-1/2).
+
+Stepping in several calls equals stepping in one only for optimizers that update each parameter
+from its own gradient and state (torch's elementwise classes, ``_PER_PARAMETER_OPTIMIZERS``), and
+only when nothing runs between mfsdp's pre hook and the body: with another class, a closure, or a
+pre hook registered after binding (it may still edit the gradients), the step keeps the one-call
+form, with every group's gradients upcast at once (the whole model's fp32 gradients as transient).
 
 Plain optimizers that were not bound still work where no upcast is needed: a global step hook
 marks their groups stale and the next unshard refreshes them on the all-gather stream.
 
 [Note: the next forward's first gathers during the step]
 The next forward starts with the root's gather (the embedding, often the largest group) and its
-prefetch; issued by the forward, nothing hides them. With ``prefetch_across_step`` the bound step
-runs in two calls of the optimizer's body: first the parameters of those first modules, whose
-weights are then cast and gathered on the all-gather stream, then every other parameter, whose
-update overlaps the gathers. The hooks around ``step`` still run once, and since torch's
-elementwise optimizers update each parameter from its own gradient and state, two calls equal one
-(the staging is limited to those classes). Cost: the early modules' full weights are held from the
-step on, which is where the forward would have put them a moment later.
+prefetch; issued by the forward, nothing hides them. With ``prefetch_across_step`` the groups of
+those first modules step first, then their weights are cast and gathered on the all-gather stream,
+then every other group steps, its update overlapping the gathers. The hooks around ``step`` still
+run once. Cost: the early modules' full weights are held from the step on, which is where the
+forward would have put them a moment later.
 """
 
 from __future__ import annotations
@@ -96,36 +106,21 @@ def fully_shard_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) ->
         )
     if optimizer in _BOUND_OPTIMIZERS:
         return optimizer
-    upcast_groups = [g for g in groups if g.requires_grad and g.dtypes.grads != g.dtypes.main]
+    upcast_groups = [g for g in groups if _upcasts(g)]
     swapped: list[tuple[nn.Parameter, torch.Tensor]] = []
-    early = _EarlyUpdate(model, optimizer, groups)
+    grouped = _GroupedStep(model, optimizer, groups)
 
     def pre_step(opt, args, kwargs):
         for group in groups:  # first: every post hook, in any order, sees the weights as written
             group.weights_epoch += 1
-        for group in upcast_groups:
-            main_dtype, fused = group.dtypes.main, None
-            for i, p in enumerate(group.sharded_params):
-                grad = p.grad
-                if grad is None or grad.dtype == main_dtype:
-                    continue  # nothing to step, or already in the optimizer's dtype (state-dict init)
-                if fused is None:
-                    fused = _upcast_main_grad(group)
-                local = grad.to_local() if isinstance(grad, DTensor) else grad
-                if fused and _shares_storage(local, group.main_grad.tensor):
-                    upcast = fused[i]  # the runtime's gradient: a view of the one fused cast
-                else:  # a gradient the user attached: cast on its own
-                    upcast = local.to(main_dtype)
-                swapped.append((p, grad))
-                p.grad = DTensor.from_local(upcast, p.device_mesh, p.placements, run_check=False,
-                                            shape=p.shape, stride=p.stride())
-        early.run(opt, args, kwargs, pre_hook)
+        if not grouped.run(opt, args, kwargs, pre_hook):  # the one-call form: every group upcast at once
+            for group in upcast_groups:
+                swapped.extend(_upcast_gradients(group))
 
     def post_step(opt, args, kwargs):
-        refreshed = early.finish()
-        while swapped:
-            p, original = swapped.pop()
-            p.grad = original
+        refreshed = grouped.finish()
+        _restore(swapped)
+        swapped.clear()
         _refresh([g for g in groups if id(g) not in refreshed])
 
     pre_hook = optimizer.register_step_pre_hook(pre_step)
@@ -133,6 +128,42 @@ def fully_shard_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) ->
     _free_gradients_on_zero_grad(optimizer, groups)
     _BOUND_OPTIMIZERS.add(optimizer)
     return optimizer
+
+
+def step_transient_bytes(groups, foreach_temporary: bool) -> int:
+    """The bound step's extra bytes at its peak: the largest of one group's, since each group's are
+    freed before the next group steps. ``groups``: (bytes of the group's optimizer shard in the
+    main dtype, whether its gradients are upcast to that dtype) for each group with gradients. A
+    group's bytes: its upcast gradient, plus ``foreach_temporary`` (foreach AdamW keeps one
+    shard-sized temporary per call; fused keeps none). The planner predicts the step with it."""
+    return max(((nbytes if upcast else 0) + (nbytes if foreach_temporary else 0) for nbytes, upcast in groups),
+               default=0)
+
+
+def _upcasts(group) -> bool:
+    return group.requires_grad and group.dtypes.grads != group.dtypes.main
+
+
+def _upcast_gradients(group) -> list:
+    """Give the group's parameters their gradients in the main dtype; returns what ``_restore``
+    puts back (dropping the upcast copy). The runtime's gradients are views of one fused cast of
+    the main gradient; a gradient the user attached is cast on its own."""
+    main_dtype, fused, swapped = group.dtypes.main, None, []
+    for i, p in enumerate(group.sharded_params):
+        grad = p.grad
+        if grad is None or grad.dtype == main_dtype:
+            continue  # nothing to step, or already in the optimizer's dtype (state-dict init)
+        if fused is None:
+            fused = _upcast_main_grad(group)
+        local = grad.to_local() if isinstance(grad, DTensor) else grad
+        if fused and _shares_storage(local, group.main_grad.tensor):
+            upcast = fused[i]  # the runtime's gradient: a view of the one fused cast
+        else:  # a gradient the user attached: cast on its own
+            upcast = local.to(main_dtype)
+        swapped.append((p, grad))
+        p.grad = DTensor.from_local(upcast, p.device_mesh, p.placements, run_check=False,
+                                    shape=p.shape, stride=p.stride())
+    return swapped
 
 
 def _refresh(groups) -> None:
@@ -143,27 +174,32 @@ def _refresh(groups) -> None:
 
 
 # Their step updates each parameter from its own gradient and state alone (no global norm, no
-# shared counter), so stepping the parameters in two calls equals stepping them in one.
+# shared counter), so stepping the parameters in several calls equals stepping them in one.
 _PER_PARAMETER_OPTIMIZERS = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad,
                              torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam, torch.optim.RMSprop,
                              torch.optim.Adadelta)
 
 
-class _EarlyUpdate:
-    """One bound optimizer's first stage (see the note above): the parameters of the modules the
-    next forward gathers first are updated inside the step's pre hook, then their compute weights
-    are refreshed and gathered on the all-gather stream (ZeRO-1/2 refresh by a gather too); the
-    body then sees only the other parameters' gradients, and ``finish`` puts the hidden ones back."""
+class _GroupedStep:
+    """One bound optimizer's step, group by group (see the notes above), inside the step's pre
+    hook: each group's parameters are stepped by one call of the optimizer's body that sees only
+    them (its param groups narrowed to them), with its gradients upcast just before and freed just
+    after; the groups of the modules the next forward gathers first step first, then those
+    modules' compute weights are refreshed and gathered on the all-gather stream (ZeRO-1/2
+    refresh by a gather too) while the other groups step. Then the gradients of every stepped
+    parameter are hidden, so that torch's own call of the body steps only the parameters no group
+    owns (a plain parameter added with ``add_param_group``); ``finish`` puts them back."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, groups: list) -> None:
         self._model = weakref.ref(model)  # weak: the optimizer's hooks hold this object
+        self._groups = groups
         self._own = {id(g) for g in groups}
         self._body = _compat.optimizer_step_body(optimizer) if type(optimizer) in _PER_PARAMETER_OPTIMIZERS else None
         self._hidden: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._refreshed: set[int] = set()
         self._found: Optional[list] = None
-        self._split_key: Optional[tuple] = None
-        self._split_params: tuple[list, list] = ([], [])
+        self._params_key: Optional[tuple] = None
+        self._params_of: dict[int, list[tuple[int, list]]] = {}
 
     def _contexts(self) -> list:
         """The contexts of the FSDP roots in the model (built by its first forward; then kept)."""
@@ -178,41 +214,66 @@ class _EarlyUpdate:
             self._found = list(seen.values()) or None
         return [ctx for ctx in self._found or () if ctx.prefetch_across_step]
 
-    def run(self, optimizer, args, kwargs, handle) -> None:
-        """In the step's pre hook, when it is the last one (a later hook may still edit gradients)."""
+    def run(self, optimizer, args, kwargs, handle) -> bool:
+        """In the step's pre hook; whether it stepped the groups (False: the one-call form, when
+        the class is not known to be per-parameter, a closure is given, or a later pre hook may
+        still edit the gradients)."""
         self._refreshed = set()
         closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
         if self._body is None or closure is not None or not _compat.is_last_step_pre_hook(optimizer, handle):
-            return
-        contexts = self._contexts()
-        if not contexts:
-            return  # no forward yet, or the policy is off
-        first = [(ctx, ctx.first_forward_modules()) for ctx in contexts]
-        early = [g for _, modules in first for m in modules for g in m.parameter_groups if id(g) in self._own]
-        early_params, later_params = self._split(optimizer, early)
-        with torch.profiler.record_function("mfsdp::optimizer_step_first_modules"):
-            later = _hide(later_params)
-            try:
-                self._body(*args, **kwargs)
-            finally:
-                _restore(later)
-        for group in early:  # refreshed by their unshard, on the all-gather stream, beside the rest
-            group.needs_refresh = True
-        self._refreshed = {id(g) for g in early}
-        for ctx, modules in first:
-            ctx.gather_for_next_forward(modules)
-        self._hidden = _hide(early_params)
+            return False
+        params_of = self._params(optimizer)
+        first = [(ctx, ctx.first_forward_modules()) for ctx in self._contexts()]  # none before a forward
+        early = list({id(g): g for _, modules in first for m in modules for g in m.parameter_groups
+                      if id(g) in self._own}.values())
+        early_ids = {id(g) for g in early}
+        if early:
+            with torch.profiler.record_function("mfsdp::optimizer_step_first_modules"):
+                for group in early:
+                    self._step_group(optimizer, group, params_of, args, kwargs)
+            for group in early:  # refreshed by their unshard, on the all-gather stream, beside the rest
+                group.needs_refresh = True
+            self._refreshed = early_ids
+            for ctx, modules in first:
+                ctx.gather_for_next_forward(modules)
+        with torch.profiler.record_function("mfsdp::optimizer_step_groups"):
+            for group in self._groups:
+                if id(group) not in early_ids:
+                    self._step_group(optimizer, group, params_of, args, kwargs)
+        self._hidden = _hide(p for entries in params_of.values() for _, params in entries for p in params)
+        return True
 
-    def _split(self, optimizer, early) -> tuple[list, list]:
-        """The optimizer's parameters of the ``early`` groups, and all the others; kept until the
-        optimizer's param groups change (``add_param_group``)."""
+    def _step_group(self, optimizer, group, params_of, args, kwargs) -> None:
+        """One call of the body on the group's parameters; its upcast gradients die with the call."""
+        entries = params_of.get(id(group))
+        if not entries or not group.requires_grad:
+            return
+        everything = optimizer.param_groups
+        swapped = _upcast_gradients(group) if _upcasts(group) else []
+        # Fresh dicts each step: a scheduler's writes to the param groups (lr) are read live.
+        optimizer.param_groups = [{**everything[i], "params": params} for i, params in entries]
+        try:
+            self._body(*args, **kwargs)
+        finally:
+            optimizer.param_groups = everything
+            _restore(swapped)
+
+    def _params(self, optimizer) -> dict[int, list[tuple[int, list]]]:
+        """id(group) -> [(index of an optimizer param group, its parameters in the group)]; kept
+        until the optimizer's param groups change (``add_param_group``)."""
         key = tuple(len(pg["params"]) for pg in optimizer.param_groups)
-        if self._split_key != key:
-            ids = {id(p) for g in early if g.requires_grad for p in g.sharded_params}
-            params = [p for pg in optimizer.param_groups for p in pg["params"]]
-            self._split_key = key
-            self._split_params = ([p for p in params if id(p) in ids], [p for p in params if id(p) not in ids])
-        return self._split_params
+        if self._params_key != key:
+            params_of: dict[int, list[tuple[int, list]]] = {}
+            for i, pg in enumerate(optimizer.param_groups):
+                by_group: dict[int, list] = {}
+                for p in pg["params"]:
+                    group = GROUP_OF_SHARDED.get(p)
+                    if group is not None and id(group) in self._own:
+                        by_group.setdefault(id(group), []).append(p)
+                for gid, params in by_group.items():
+                    params_of.setdefault(gid, []).append((i, params))
+            self._params_key, self._params_of = key, params_of
+        return self._params_of
 
     def finish(self) -> set[int]:
         """In the post hook: the hidden gradients return; the groups already refreshed."""

@@ -6,9 +6,10 @@ The step is replayed in the runtime's host order (allocations happen when the ho
 the schedule's order (root, then children last to first), prefetching as it enters, and at each
 unit's exit reshards it, releases pending reductions by the rule of ``in_flight`` (at most two
 pending), packs the gradients in the reduction dtype and reduces them into the main gradient (or
-HFSDP's accumulator); the optimizer step upcasts gradients kept in another dtype and runs AdamW's
-foreach temporary. Model state comes from ``model_state`` (the runtime's layout), activations from
-``activations`` (measured on fake tensors).
+HFSDP's accumulator); the optimizer step runs group by group, so its transient (gradients kept in
+another dtype upcast, AdamW's foreach temporary) is the largest group's (``step_transient_bytes``).
+Model state comes from ``model_state`` (the runtime's layout), activations from ``activations``
+(measured on fake tensors).
 
 FP8 all-gather: a step that gathers a unit with an encoded group records a phase of its own just
 before the compute phase it is issued in ("..., gather (FP8 encode)"): the encode's transient
@@ -25,6 +26,7 @@ from typing import Optional
 
 from mfsdp.memory.activations import ActivationProfile
 from mfsdp.memory.model_state import UnitBytes, optimizer_state_bytes
+from mfsdp.optimizer import step_transient_bytes
 
 COMPONENTS = (
     "main weights", "optimizer states", "model weights", "gather slots", "main grads", "accumulator",
@@ -400,24 +402,24 @@ def _walk_steps(order: list[UnitBytes], units: list[UnitBytes]) -> list[tuple[st
 
 
 def _optimizer(w: _Walk, units: list[UnitBytes], s: StepSettings) -> None:
+    """The bound step (``mfsdp.optimizer``): group by group, each group's upcast gradient (and
+    foreach AdamW's temporary) freed before the next group steps, so its bytes are the largest
+    group's, by the optimizer's own rule (``step_transient_bytes``)."""
     main_grads = sum(u.total("main_grad") for u in units)
-    upcast = sum(g.optimizer_numel * g.main_itemsize for u in units for g in u.groups
-                 if g.requires_grad and g.grads_differ)
 
-    def temp(groups) -> int:
-        if s.optimizer == "adamw" and s.foreach:
-            return sum(g.optimizer_numel * g.main_itemsize for g in groups if g.requires_grad)
-        return 0
+    def step_bytes(units_stepped) -> int:
+        return step_transient_bytes(((g.optimizer_numel * g.main_itemsize, g.grads_differ)
+                                     for u in units_stepped for g in u.groups if g.requires_grad),
+                                    foreach_temporary=s.optimizer == "adamw" and s.foreach)
 
     if not s.prefetch_across_step:
-        w.snap("optimizer step", main_grads=main_grads, optimizer_step=upcast + temp(g for u in units for g in u.groups))
+        w.snap("optimizer step", main_grads=main_grads, optimizer_step=step_bytes(units))
         return
-    # The first units update, then gather while the rest update (``mfsdp.optimizer``).
+    # The first units update, then gather while the rest update.
     early = units[:1 + s.prefetch_depth]
-    w.snap("optimizer step: first units", main_grads=main_grads,
-           optimizer_step=upcast + temp(g for u in early for g in u.groups))
+    w.snap("optimizer step: first units", main_grads=main_grads, optimizer_step=step_bytes(early))
     w.gathered = {}
     for u in early:
         w.gather(u)
     w.snap("optimizer step: the rest", unsharded_fwd=sum(w.gathered.values()), main_grads=main_grads,
-           optimizer_step=upcast + temp(g for u in units[len(early):] for g in u.groups))
+           optimizer_step=step_bytes(units[len(early):]))

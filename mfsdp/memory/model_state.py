@@ -116,7 +116,8 @@ class GroupBytes:
     """The first reduction may write straight into the main gradient (gradient dtype = reduction
     dtype), with no scatter output buffer."""
     grads_differ: bool
-    """Gradients kept in another dtype than the main weights: the optimizer step upcasts them."""
+    """Gradients kept in another dtype than the main weights: the optimizer step upcasts them, one
+    group at a time (``mfsdp.optimizer.step_transient_bytes``)."""
     encode_staging: int = 0
     """Transient bytes of an encoded gather's encode (FP8 all-gather's staging), held while the
     group's gather is issued; 0 for a plain gather."""

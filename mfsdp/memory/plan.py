@@ -37,8 +37,8 @@ class Setting:
     microbatches: int
     """Microbatches per step."""
     main_grads_dtype: str = "auto"
-    """fp32, bf16 or "auto" (``--parallel.main_grads_dtype``). bf16 halves the gradient buffers, but
-    the optimizer step upcasts them to fp32: on one GPU the 8b peak is 13 GiB higher with them."""
+    """fp32, bf16 or "auto" (``--parallel.main_grads_dtype``). bf16 halves the gradient buffers; the
+    optimizer step upcasts them to fp32 one group at a time (the largest group's bytes at most)."""
     # The search's seam: a knob that trades memory for speed (CPU offload, once the core has it)
     # is one more field here, one more option in candidates() and one more flag in flags().
 
