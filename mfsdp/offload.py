@@ -201,7 +201,12 @@ class _Done:
 def copy_gradient_down(sources: Sequence[Optional[torch.Tensor]], destinations: Sequence[torch.Tensor],
                        stream: Optional[torch.Stream]):
     """Copy each present gradient (a local shard) into its staging view; returns a handle whose
-    ``synchronize()`` waits for the copies (a CUDA event recorded after them, on ``stream``)."""
+    ``synchronize()`` waits for the copies (a CUDA event recorded after them, on ``stream``).
+
+    On CUDA a gradient kept in another dtype (bf16 main gradients) is cast on the device first,
+    one parameter at a time on ``stream``: a device-to-host copy that also converts would go
+    through a pageable host temporary. The casts' memory returns to ``stream``'s pool, where later
+    work is ordered after these copies."""
     if stream is None:
         for src, dst in zip(sources, destinations):
             if src is not None:
@@ -211,8 +216,8 @@ def copy_gradient_down(sources: Sequence[Optional[torch.Tensor]], destinations: 
     with torch.cuda.stream(stream):
         for src, dst in zip(sources, destinations):
             if src is not None:
-                dst.copy_(src, non_blocking=True)
-                src.record_stream(stream)
+                src.record_stream(stream)  # read here; the caller may free it once the event is done
+                dst.copy_(src if src.dtype == dst.dtype else src.to(dst.dtype), non_blocking=True)
         event = torch.cuda.Event()
         event.record(stream)
     return event
