@@ -223,16 +223,28 @@ def copy_gradient_down(sources: Sequence[Optional[torch.Tensor]], destinations: 
     return event
 
 
+def _host_buffer(numel: int, dtype: torch.dtype, pinned: Optional[list]) -> torch.Tensor:
+    """A flat host tensor; page-locked (exactly its bytes) and appended to ``pinned`` when given."""
+    t = torch.empty(numel, dtype=dtype, device="cpu")
+    if pinned is not None:
+        _compat.pin_host_memory(t)
+        pinned.append(t)
+    return t
+
+
+def _unpin(pinned: list) -> None:
+    for t in pinned:
+        _compat.unpin_host_memory(t)
+    pinned.clear()
+
+
 class _HostGroup:
     """One offloaded group's host side: the master weights and the CPU optimizer's parameters
     (views of them), and the epoch of the group's weights the master was last equal to."""
 
-    def __init__(self, group, pin: bool) -> None:
+    def __init__(self, group, pinned: Optional[list]) -> None:
         main = _main_flat(group)
-        self.master = torch.empty(main.numel(), dtype=main.dtype, device="cpu")
-        self.pinned = pin
-        if pin:
-            _compat.pin_host_memory(self.master)
+        self.master = _host_buffer(main.numel(), main.dtype, pinned)
         self.params = [v for v in _shard_views(group, self.master)]
         self.index = {id(p): j for j, p in enumerate(group.sharded_params)}
         self.epoch: Optional[int] = None  # not yet read from the device
@@ -248,7 +260,10 @@ class OffloadedStep:
         self._ids = {id(g) for g in self.groups}
         device = _main_flat(self.groups[0]).device if self.groups else torch.device("cpu")
         self._cuda = device.type == "cuda"
-        self._pin = policy.pin_memory and self._cuda
+        # Page-locked buffers, unregistered when this object goes (before their memory is freed).
+        self._pinned: Optional[list] = [] if policy.pin_memory and self._cuda else None
+        if self._pinned is not None:
+            weakref.finalize(self, _unpin, self._pinned)
         self._stream = torch.cuda.Stream(device) if self._cuda else None
         self._optimizer = weakref.ref(optimizer)
         self._cls = type(optimizer)
@@ -282,7 +297,7 @@ class OffloadedStep:
     def _host_of(self, group) -> _HostGroup:
         host = self._host.get(id(group))
         if host is None:
-            host = self._host[id(group)] = _HostGroup(group, self._pin)
+            host = self._host[id(group)] = _HostGroup(group, self._pinned)
         if host.epoch != group.weights_epoch:  # written since on the device (a load, an init, an edit)
             self._pull(group, host)
         return host
@@ -294,9 +309,7 @@ class OffloadedStep:
     def _staging_views(self, group) -> list[torch.Tensor]:
         if self._staging is None:
             numel = max(_main_flat(g).numel() for g in self.groups)
-            self._staging = torch.empty(numel, dtype=_main_flat(self.groups[0]).dtype, device="cpu")
-            if self._pin:
-                _compat.pin_host_memory(self._staging)
+            self._staging = _host_buffer(numel, _main_flat(self.groups[0]).dtype, self._pinned)
         main = _main_flat(group)
         assert main.dtype == self._staging.dtype, (main.dtype, self._staging.dtype)
         return _shard_views(group, self._staging[: main.numel()])
@@ -306,16 +319,6 @@ class OffloadedStep:
             optimizer = self._optimizer()
             self._cpu_optimizer = _construct(self._cls, [torch.zeros(1)], {**optimizer.defaults, **self._flags})
         return self._cpu_optimizer
-
-    def release(self) -> None:
-        """Unpin the host buffers (the engine is not used afterwards)."""
-        for host in self._host.values():
-            if host.pinned:
-                _compat.unpin_host_memory(host.master)
-                host.pinned = False
-        if self._staging is not None and self._pin:
-            _compat.unpin_host_memory(self._staging)
-            self._staging = None
 
     # ------------------------------------------------------------------ the step
     def before_step(self) -> None:
@@ -405,7 +408,7 @@ class OffloadedStep:
         for group in self.groups:
             if not group.requires_grad:
                 continue
-            host = self._host.get(id(group)) or self._host.setdefault(id(group), _HostGroup(group, self._pin))
+            host = self._host.get(id(group)) or self._host.setdefault(id(group), _HostGroup(group, self._pinned))
             for p in group.sharded_params:
                 j = host.index[id(p)]
                 loaded = optimizer.state.get(p)
