@@ -45,6 +45,8 @@ from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from mfsdp import _compat
+from mfsdp import offload as _offload
+from mfsdp.offload import OffloadPolicy
 from mfsdp.runtime.registry import GROUP_OF_SHARDED
 
 _BOUND_OPTIMIZERS: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
@@ -92,11 +94,14 @@ def _free_gradients_on_zero_grad(optimizer: torch.optim.Optimizer, groups: list)
     optimizer.zero_grad = zero_grad_and_free
 
 
-def fully_shard_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+def fully_shard_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer,
+                          offload: Optional[OffloadPolicy] = None) -> torch.optim.Optimizer:
     """Register an already-built optimizer with a sharded model; returns the same optimizer.
 
     The optimizer keeps its param groups and their settings. Build it on ``model.parameters()``
-    after ``fully_shard``, so it holds the sharded main weights.
+    after ``fully_shard``, so it holds the sharded main weights. ``offload``: step the units it
+    chooses on the host, their master weights and states in host memory (``mfsdp.offload``); it
+    needs an elementwise torch optimizer (the group-by-group step).
     """
     groups = _groups_of(optimizer)
     if not groups:
@@ -105,15 +110,28 @@ def fully_shard_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) ->
             "fully_shard(model, ...)"
         )
     if optimizer in _BOUND_OPTIMIZERS:
+        if offload is not None and _offload.offload_of(optimizer) is None:
+            raise ValueError("this optimizer is already bound without offload; bind it once, with offload")
         return optimizer
     upcast_groups = [g for g in groups if _upcasts(g)]
     swapped: list[tuple[nn.Parameter, torch.Tensor]] = []
     grouped = _GroupedStep(model, optimizer, groups)
+    if offload is not None:
+        if grouped._body is None:
+            raise ValueError(f"offload needs one of torch's elementwise optimizers "
+                             f"({', '.join(c.__name__ for c in _PER_PARAMETER_OPTIMIZERS)}), got "
+                             f"{type(optimizer).__name__}")
+        grouped.offloaded = _offload.bind(model, optimizer, groups, offload)
 
     def pre_step(opt, args, kwargs):
+        if grouped.offloaded is not None:
+            grouped.offloaded.before_step()  # before the epochs move: it compares them
         for group in groups:  # first: every post hook, in any order, sees the weights as written
             group.weights_epoch += 1
         if not grouped.run(opt, args, kwargs, pre_hook):  # the one-call form: every group upcast at once
+            if grouped.offloaded is not None:
+                raise RuntimeError("an offloaded optimizer steps group by group: no closure, and no step "
+                                   "pre hook registered after fully_shard_optimizer")
             for group in upcast_groups:
                 swapped.extend(_upcast_gradients(group))
 
@@ -200,6 +218,7 @@ class _GroupedStep:
         self._found: Optional[list] = None
         self._params_key: Optional[tuple] = None
         self._params_of: dict[int, list[tuple[int, list]]] = {}
+        self.offloaded: Optional[_offload.OffloadedStep] = None  # the groups stepped on the host
 
     def _contexts(self) -> list:
         """The contexts of the FSDP roots in the model (built by its first forward; then kept)."""
@@ -247,6 +266,9 @@ class _GroupedStep:
         """One call of the body on the group's parameters; its upcast gradients die with the call."""
         entries = params_of.get(id(group))
         if not entries or not group.requires_grad:
+            return
+        if self.offloaded is not None and self.offloaded.owns(group):
+            self.offloaded.step_group(optimizer, group, entries)
             return
         everything = optimizer.param_groups
         swapped = _upcast_gradients(group) if _upcasts(group) else []

@@ -36,10 +36,23 @@ def test_the_shipped_configs_load():
     (["--parallel.placements", "zero4"], "parallel.placements must be one of"),
     (["--parallel.replicate", "2"], "needs --parallel.placements hsdp or hfsdp"),
     (["steps=3"], "unexpected argument"),
+    (["--parallel.offload", "auto"], "parallel.offload must be one of none, optimizer"),
+    (["--parallel.offload", "optimizer", "--parallel.offload_fraction", "0"], "offload_fraction must be in (0, 1]"),
+    (["--parallel.offload_fraction", "0.5"], "--parallel.offload_fraction needs --parallel.offload optimizer"),
 ])
 def test_bad_flags_name_the_problem(argv, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(".", r"\.")):
         load_config(argv).llama_config()
+
+
+def test_offload_flags_become_the_cores_policy():
+    from mfsdp import OffloadPolicy
+    from mfsdp.train.build import offload_policy
+
+    assert offload_policy(load_config([]).parallel) is None
+    cfg = load_config(["--parallel.offload", "optimizer", "--parallel.offload_fraction", "0.5"])
+    assert offload_policy(cfg.parallel) == OffloadPolicy(fraction=0.5)
+    assert offload_policy(load_config(["--parallel.offload", "optimizer"]).parallel) == OffloadPolicy(fraction=1.0)
 
 
 def test_unknown_yaml_section_or_key(tmp_path):

@@ -10,6 +10,7 @@ import torch
 
 from mfsdp.data import DataError, TokenFile
 from mfsdp.models.llama import Llama, LlamaConfig
+from mfsdp.offload import OffloadPolicy
 from mfsdp.models.parallelize import compile_modules, mesh_shape_error, resolve_placements
 from mfsdp.train.checkpoint import check_compatible, find_resumable
 from mfsdp.train.config import ConfigError, RunConfig
@@ -109,6 +110,11 @@ def adamw(model, t) -> torch.optim.AdamW:
     return torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay},
                               {"params": no_decay, "weight_decay": 0.0}],
                              lr=t.lr, betas=(t.beta1, t.beta2), **({"fused": True} if cuda else {"foreach": True}))
+
+
+def offload_policy(p):
+    """The core's ``OffloadPolicy`` for ``--parallel.offload`` (None: every unit steps on the GPU)."""
+    return None if p.offload == "none" else OffloadPolicy(fraction=p.offload_fraction)
 
 
 HF_STRATEGIES = {"zero3": 3, "zero2": 2, "zero1": 1, "ddp": 0, "hsdp": 3, "hfsdp": 3}

@@ -21,6 +21,7 @@ from mfsdp.train import determinism
 from mfsdp.train.recipes import RECIPES, Recipe, recipe_for
 DTYPES = ("auto", "fp32", "bf16")
 COMPILE_CHOICES = ("auto", "true", "false")
+OFFLOAD_CHOICES = ("none", "optimizer")
 
 
 class ConfigError(Exception):
@@ -243,9 +244,24 @@ class ParallelSection:
     NCCL_NVLS_ENABLE=0 (see mfsdp/train/determinism.py). Costs speed: slower attention backward
     and index ops, memory fills, and less all-reduce bandwidth on NVSwitch systems; a model op
     with no deterministic kernel stops the run with torch's error naming it."""
+    offload: str = "none"
+    """Step part of the optimizer on the host: "none", or "optimizer": the fp32 master weights
+    and AdamW states of the units chosen by --parallel.offload_fraction live in host memory
+    (pinned on CUDA) and are stepped there by torch's fused CPU AdamW, after backward, exactly as
+    on the GPU (mfsdp/offload.py). Saves the states' 8 bytes per offloaded parameter on the GPU;
+    costs the CPU step's time, not yet hidden behind backward."""
+    offload_fraction: float = 1.0
+    """With --parallel.offload optimizer: the share of units offloaded, in (0, 1], counted from
+    those whose gradients finish first in backward (the last blocks and the head)."""
 
     def __post_init__(self) -> None:
         _require(self.collective_timeout_s > 0, "parallel.collective_timeout_s must be positive")
+        _require(self.offload in OFFLOAD_CHOICES,
+                 f"parallel.offload must be one of {', '.join(OFFLOAD_CHOICES)}, got {self.offload!r}")
+        _require(0.0 < self.offload_fraction <= 1.0,
+                 f"parallel.offload_fraction must be in (0, 1], got {self.offload_fraction}")
+        _require(self.offload_fraction == 1.0 or self.offload != "none",
+                 "--parallel.offload_fraction needs --parallel.offload optimizer")
         if self.deterministic and (problem := determinism.environment_problem()):
             raise ConfigError(problem)
         _require(self.placements in PLACEMENTS,

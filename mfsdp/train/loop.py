@@ -32,8 +32,8 @@ from mfsdp.models.llama import Llama, LlamaConfig
 from mfsdp.models.moe import MoELlama, build_model
 from mfsdp.models.parallelize import ParallelizeConfig, build_mesh, parallelize
 from mfsdp.train import determinism
-from mfsdp.train.build import (adamw, build_hf, shard_numel, materialize_and_init, model_fingerprint,
-                               validate_run)
+from mfsdp.train.build import (adamw, build_hf, offload_policy, shard_numel, materialize_and_init,
+                               model_fingerprint, validate_run)
 from mfsdp.train.checkpoint import (CheckpointError, Checkpointer, load_checkpoint, planned_staging_bytes,
                                     read_meta)
 from mfsdp.train.config import ConfigError, RunConfig, load_config, usage
@@ -251,7 +251,8 @@ class Trainer:
             torch.bfloat16 if self.device.type == "cuda" else torch.float32)
         if self.cfg.model.hf is not None:  # a Hugging Face model, through mfsdp.manager
             model = build_hf(self.cfg, self.device, compute, self.world)
-            return model, mfsdp.fully_shard_optimizer(model, adamw(model, self.cfg.train))
+            return model, mfsdp.fully_shard_optimizer(model, adamw(model, self.cfg.train),
+                                                      offload=offload_policy(p))
         policy = mfsdp.MixedPrecisionPolicy(
             main_params_dtype=torch.float32,
             main_grads_dtype=_DTYPES.get(p.main_grads_dtype),
@@ -269,7 +270,8 @@ class Trainer:
         self.log(f"model built and initialised shard by shard: "
                  f"{shard_numel(model) / 1e6:,.1f}M parameters on this rank, peak memory "
                  f"{peak_memory_gib(self.device):.2f} GiB")
-        optimizer = mfsdp.fully_shard_optimizer(model, adamw(model, self.cfg.train))
+        optimizer = mfsdp.fully_shard_optimizer(model, adamw(model, self.cfg.train),
+                                                offload=offload_policy(p))
         mfsdp.float8.precompute_fp8_scales_after(optimizer, model)  # FP8 all-gather's scales, if any
         return model, optimizer
 
