@@ -6,8 +6,7 @@ import contextlib
 
 from torch import nn
 
-from mfsdp.runtime.context import FsdpContext
-from mfsdp.runtime.module import FsdpModule
+from mfsdp.runtime.module import FsdpModule, build_context
 
 
 def _roots(module: nn.Module) -> list[FsdpModule]:
@@ -25,7 +24,7 @@ def microbatch(module: nn.Module, is_last: bool):
     ``is_last=False`` their gradients accumulate locally. Outside any scope every backward counts as
     the last: always correct, with more communication. ``module`` is a root or contains roots.
     """
-    contexts = [FsdpContext.ensure(root) for root in _roots(module)]
+    contexts = [build_context(root) for root in _roots(module)]
     previous = [ctx.is_last_microbatch for ctx in contexts]
     for ctx in contexts:
         ctx.is_last_microbatch = bool(is_last)

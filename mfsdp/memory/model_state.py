@@ -37,7 +37,7 @@ from mfsdp.runtime import gather_codec
 from mfsdp.runtime.flat_buffer import FlatLayout
 from mfsdp.runtime.ownership import collect_owned_parameters, gathers_in_backward, group_parameters
 from mfsdp.runtime.parameter_group import choose_model_buffer, local_tensor
-from mfsdp.runtime.tag_check import TAG_COLUMNS
+from mfsdp.runtime.reducer import TAG_COLUMNS
 
 
 @dataclasses.dataclass(frozen=True)

@@ -31,14 +31,22 @@ from __future__ import annotations
 
 import warnings
 from collections import defaultdict
-from typing import TYPE_CHECKING, Optional
+from typing import Optional, Protocol
 
 import torch
 
 from mfsdp import _compat
 
-if TYPE_CHECKING:
-    from mfsdp.runtime.parameter_group import FsdpParameterGroup
+
+class FsdpParameterGroup(Protocol):
+    """What a slot needs of the group it serves (``parameter_group.FsdpParameterGroup``)."""
+
+    label: str
+    geometry: object
+
+    def gather_key(self) -> Optional[tuple]: ...
+
+    def bind_gather_slot(self, slot: "GatherSlot") -> None: ...
 
 
 class GatherSlot:

@@ -31,11 +31,13 @@ from mfsdp.communication import CommunicationPolicy
 from mfsdp.mixed_precision import MixedPrecisionPolicy
 from mfsdp.placement import Placements
 from mfsdp.runtime.context import FsdpContext
+from mfsdp.runtime.gather_slots import GatherSlots
 from mfsdp.runtime.geometry import ShardGeometry
-from mfsdp.runtime.ownership import collect_owned_parameters, gathers_in_backward, group_parameters
+from mfsdp.runtime.ownership import (check_parameter_locations, collect_owned_parameters, gathers_in_backward,
+                                     group_parameters)
 from mfsdp.runtime.parameter_group import FsdpParameterGroup
 from mfsdp.runtime.registry import GROUP_OF_SHARDED, OWNER_OF_PARAMETER
-from mfsdp.runtime.schedule import StepKind
+from mfsdp.runtime.schedule import Schedule, StepKind
 
 _CPU_READY = object()  # unshard "event" on devices without streams: the work is already done
 
@@ -98,7 +100,7 @@ class FsdpModule:
         self._use_symm_mem = use_symm_mem
         self._communication_policy = communication_policy or CommunicationPolicy()
         owned, children = collect_owned_parameters(self, FsdpModule)
-        self._gathers_in_backward = gathers_in_backward(self, owned)
+        self.gathers_in_backward = gathers_in_backward(self, owned)
         for child in children:
             child._fsdp_parent = weakref.ref(self)
         geometry = ShardGeometry(mesh, placements)
@@ -136,6 +138,13 @@ class FsdpModule:
     @property
     def phase(self) -> ModulePhase:
         return self._phase
+
+    def is_idle(self) -> bool:
+        return self._phase is ModulePhase.IDLE
+
+    def is_unsharded(self) -> bool:
+        """Whether this module's unshard was issued (prefetched or gathered) and not yet undone."""
+        return self._unshard_event is not None
 
     def is_root(self) -> bool:
         """Whether this module is the outermost FsdpModule in its context."""
@@ -275,21 +284,18 @@ class FsdpModule:
     # -------------------------------------------------------------------------------- forward
     def pre_forward(self, args=(), kwargs=None):
         """Unshard for forward compute (the walk prefetches the next modules)."""
-        ctx = FsdpContext.ensure(self)
+        ctx = build_context(self)
         with record_function(self._nvtx_label("pre_forward")):
             if _compat.backward_is_running():  # a checkpoint's recompute: backward needs the weights
                 if self._phase is not ModulePhase.BACKWARD:
                     self._signal_enter_backward()
-                self._unshard_parameter_groups()
-                self._wait_for_unshard()
-                self._use_unsharded_params()
+                self._use_for_compute()
                 return args, kwargs
             if self.is_root():
                 ctx.begin_forward()
             self._set_phase(ModulePhase.FORWARD)
             ctx.forward_reached(self)
-            self._wait_for_unshard()
-            self._use_unsharded_params()
+            self._use_for_compute()
             if torch.is_grad_enabled():
                 # Every call counts; only calls whose inputs need grad can report their backward,
                 # so the EXIT signal fires only when all calls of this forward have reported.
@@ -311,7 +317,7 @@ class FsdpModule:
             if self.is_root():
                 ctx.end_forward()
             if not (training and self.is_root()):  # the root keeps its storage for backward
-                self._reshard_parameter_groups()
+                self.reshard()
         return output
 
     def _hook_inputs(self, args, kwargs):
@@ -357,27 +363,25 @@ class FsdpModule:
         if self._inputs_hooked == 0 and self._phase is ModulePhase.BACKWARD:
             self.context.backward_reached(StepKind.EXIT, self)
 
-    def _enter_backward(self, ran: bool) -> None:
+    def enter_backward(self, ran: bool) -> None:
         """The walk's ENTER step: unshard (and, where this rank runs the backward, make the
         unsharded parameters current). A module this rank skipped is only gathered."""
         with record_function(self._nvtx_label("pre_backward")):
             if ran:
                 self._set_phase(ModulePhase.BACKWARD)
-            if not self._gathers_in_backward:
-                return
-            self._unshard_parameter_groups()
-            if ran:
-                self._wait_for_unshard()
-                self._use_unsharded_params()
+            if ran and self.gathers_in_backward:
+                self._use_for_compute()
+            elif self.gathers_in_backward:
+                self.unshard()
 
-    def _exit_backward(self) -> None:
+    def exit_backward(self) -> None:
         """The walk's EXIT step: reshard, then reduce (a missing gradient counts as zero)."""
         with record_function(self._nvtx_label("post_backward")):
             if self._phase is ModulePhase.BACKWARD:
                 self._set_phase(ModulePhase.IDLE)
             self._inputs_hooked = 0
             self._use_sharded_params()
-            self._reshard_parameter_groups()  # free first: the reduction allocates
+            self.reshard()  # free first: the reduction allocates
             self._reduce_gradient_groups()
 
     def _reduce_gradient_groups(self) -> None:
@@ -392,11 +396,11 @@ class FsdpModule:
             keep_alive: list = []
             for group in groups:
                 keep_alive.extend(group.reduce_gradients(ctx.is_last_microbatch, ctx.reduce_scatter_stream,
-                                                         ctx.tag_check.record_for(self)))
+                                                         ctx.tag_check.record_for(ctx.schedule.exit_position[id(self)])))
             ctx.pending_reductions.track(ctx.reduce_scatter_stream, keep_alive, nbytes)
 
     # ------------------------------------------------------------------------ unshard/reshard
-    def _unshard_parameter_groups(self, prefetch: bool = False) -> bool:
+    def unshard(self, prefetch: bool = False) -> bool:
         """Unshard this module's parameter groups on the all-gather stream; False if a prefetch
         was declined.
 
@@ -419,12 +423,16 @@ class FsdpModule:
             self._unshard_event = stream.record_event() if stream is not None else _CPU_READY
         return True
 
-    def _wait_for_unshard(self) -> None:
-        event = self._unshard_event
-        if event is not None and event is not _CPU_READY:
-            self.context.current_stream().wait_event(event)
+    def _use_for_compute(self) -> None:
+        """Unshard (or find it unsharded), make compute wait for exactly this module's gather, and
+        put the unsharded parameters into the module."""
+        self.unshard()
+        if self._unshard_event is not _CPU_READY:
+            self.context.current_stream().wait_event(self._unshard_event)
+        for group in self._parameter_groups:
+            group.use_unsharded_params()
 
-    def _reshard_parameter_groups(self) -> None:
+    def reshard(self) -> None:
         """Release unsharded storage once compute is done; the next user gathers afresh."""
         if self._unshard_event is None:
             return
@@ -437,10 +445,58 @@ class FsdpModule:
                 group.reshard(stream)
         self._unshard_event = None
 
-    def _use_unsharded_params(self) -> None:
-        for group in self._parameter_groups:
-            group.use_unsharded_params()
-
     def _use_sharded_params(self) -> None:
         for group in self._parameter_groups:
             group.use_sharded_params()
+
+
+def build_context(root: FsdpModule) -> FsdpContext:
+    """Build the context of the FSDP tree under ``root`` on its first forward (or first ``microbatch``
+    scope); later calls return it.
+
+    fully_shard is applied bottom-up, so children exist before their eventual root. The root is
+    therefore resolved lazily, on the first forward through the outermost FsdpModule, and shares one
+    context with every FSDP descendant. Rejected alternatives: eager contexts per fully_shard call
+    (transient child contexts, and every parent re-walks its descendants: quadratic), and an is_root
+    flag on every module (per-module state that must be kept consistent with the final hierarchy).
+    """
+    if root._context is not None:
+        return root._context
+    parent = root._fsdp_parent() if root._fsdp_parent is not None else None
+    if parent is not None:
+        raise RuntimeError(
+            f"{type(root).__name__} ran forward before its FSDP root {type(parent).__name__} ever "
+            "did; run the root module's forward (it calls this one), not a sharded child directly"
+        )
+    modules = [(n, m) for n, m in root.named_modules() if isinstance(m, FsdpModule)]
+    device = next((g.params[0].device for _, m in modules for g in m.parameter_groups), None)
+    if device is None:
+        raise RuntimeError(f"{type(root).__name__}: no parameters under this FSDP root")
+    parent_of = {}
+    for name, module in modules:
+        if module._context is not None:
+            raise RuntimeError(
+                f"FSDP module {name!r} already ran forward as its own root before {type(root).__name__} "
+                "was sharded; shard bottom-up and only then run the model"
+            )
+        if module is not root:
+            parent = module._fsdp_parent() if module._fsdp_parent is not None else None
+            if parent is None:
+                raise RuntimeError(f"FSDP module {name!r} has no FSDP parent under {type(root).__name__}; "
+                                   "apply fully_shard bottom-up, the root last")
+            parent_of[id(module)] = parent
+    policy = root._communication_policy
+    ctx = FsdpContext(device, root, Schedule([m for _, m in modules], parent_of), policy)
+    for name, module in modules:
+        module._context, module._name = ctx, name
+        for group in module.parameter_groups:
+            group.module_name = name or "<root>"
+            if group.requires_grad:
+                group.set_reduction_tag(*ctx.schedule.reduction_tags(module, name))
+    check_parameter_locations(root, FsdpModule)
+    if policy.double_buffer:
+        # The root keeps its weights from forward into backward, so it never shares a slot.
+        gathered = [g for m in ctx.schedule.forward_modules() if m is not root for g in m.parameter_groups
+                    if g.gather_key() is not None]
+        ctx.gather_slots = GatherSlots.build(gathered, ctx.prefetch_depth, register=root._use_symm_mem)
+    return ctx

@@ -33,10 +33,32 @@ import dataclasses
 import enum
 import weakref
 import zlib
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from mfsdp.runtime.module import FsdpModule
+
+class Unit(Protocol):
+    """A unit of the walk as the schedule and the engine (``context``) see it: they drive it
+    through these names only (``runtime.module.FsdpModule`` implements them)."""
+
+    gathers_in_backward: bool  # False for a bare embedding: its backward never reads its table
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def parameter_groups(self) -> tuple: ...
+
+    def is_idle(self) -> bool: ...
+
+    def is_unsharded(self) -> bool: ...
+
+    def unshard(self, prefetch: bool = False) -> bool: ...
+
+    def reshard(self) -> None: ...
+
+    def enter_backward(self, ran: bool) -> None: ...
+
+    def exit_backward(self) -> None: ...
 
 
 class StepKind(enum.Enum):
@@ -50,7 +72,7 @@ class BackwardStep:
     module_ref: weakref.ref
 
     @property
-    def module(self) -> "FsdpModule":
+    def module(self) -> Unit:
         module = self.module_ref()
         assert module is not None, "an FSDP module of this context was deleted"
         return module
@@ -59,7 +81,7 @@ class BackwardStep:
 class Schedule:
     """Static forward and backward walks of one root's FSDP modules."""
 
-    def __init__(self, forward: list["FsdpModule"], parent_of: dict[int, "FsdpModule"]) -> None:
+    def __init__(self, forward: list[Unit], parent_of: dict[int, Unit]) -> None:
         self._forward = [weakref.ref(m) for m in forward]
         self.forward_position = {id(m): i for i, m in enumerate(forward)}
         children: dict[int, list] = {id(m): [] for m in forward}
@@ -67,10 +89,10 @@ class Schedule:
             children[id(parent_of[id(m)])].append(m)
         self.ancestors: dict[int, frozenset[int]] = {}
         steps: list[BackwardStep] = []
-        enter_order: list["FsdpModule"] = []
+        enter_order: list[Unit] = []
         # Depth first, children in reverse registration order; iterative, since a recursive closure
         # is a reference cycle that would keep these module lists alive until the garbage collector.
-        stack: list[tuple[StepKind, "FsdpModule", frozenset[int]]] = [(StepKind.ENTER, forward[0], frozenset())]
+        stack: list[tuple[StepKind, Unit, frozenset[int]]] = [(StepKind.ENTER, forward[0], frozenset())]
         while stack:
             kind, module, ancestors = stack.pop()
             steps.append(BackwardStep(kind, weakref.ref(module)))
@@ -87,7 +109,7 @@ class Schedule:
         self._enter_order = [weakref.ref(m) for m in enter_order]
         self._enter_index = {id(m): i for i, m in enumerate(enter_order)}
 
-    def forward_module(self, position: int) -> "FsdpModule":
+    def forward_module(self, position: int) -> Unit:
         module = self._forward[position]()
         assert module is not None, "an FSDP module of this context was deleted"
         return module
@@ -96,22 +118,22 @@ class Schedule:
     def num_forward(self) -> int:
         return len(self._forward)
 
-    def forward_modules(self) -> list["FsdpModule"]:
+    def forward_modules(self) -> list[Unit]:
         return [self.forward_module(i) for i in range(len(self._forward))]
 
-    def backward_modules(self) -> list["FsdpModule"]:
+    def backward_modules(self) -> list[Unit]:
         """Modules in backward enter order (node first, children reversed)."""
         return [ref() for ref in self._enter_order if ref() is not None]
 
-    def next_in_backward(self, module: "FsdpModule", distance: int) -> list["FsdpModule"]:
+    def next_in_backward(self, module: Unit, distance: int) -> list[Unit]:
         """The ``distance`` modules entered after ``module`` in backward."""
         start = self._enter_index[id(module)] + 1
         return [ref() for ref in self._enter_order[start:start + distance] if ref() is not None]
 
-    def is_ancestor_or_self(self, candidate: "FsdpModule", module: "FsdpModule") -> bool:
+    def is_ancestor_or_self(self, candidate: Unit, module: Unit) -> bool:
         return candidate is module or id(candidate) in self.ancestors[id(module)]
 
-    def reduction_tags(self, module: "FsdpModule", name: str) -> tuple[int, int]:
+    def reduction_tags(self, module: Unit, name: str) -> tuple[int, int]:
         """Two small integers identifying ``module``'s reductions (see ``tag_check``): its place in
         the backward walk, which differs between neighbours, and a hash of its name, which differs
         where ranks built different trees."""
