@@ -56,8 +56,7 @@ def _mark_stale_before_step(optimizer, args, kwargs) -> None:
     if optimizer in _BOUND_OPTIMIZERS:
         return
     for group in _groups_of(optimizer):
-        group.needs_refresh = True
-        group.weights_epoch += 1
+        group.weights_written()
 
 
 register_optimizer_step_pre_hook(_mark_stale_before_step)
@@ -102,7 +101,7 @@ def fully_shard_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) ->
 
     def pre_step(opt, args, kwargs):
         for group in groups:  # first: every post hook, in any order, sees the weights as written
-            group.weights_epoch += 1
+            group.weights_written()
         for group in upcast_groups:
             main_dtype, fused = group.dtypes.main, None
             for i, p in enumerate(group.sharded_params):
@@ -138,8 +137,7 @@ def fully_shard_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) ->
 def _refresh(groups) -> None:
     with torch.profiler.record_function("mfsdp::refresh_model_weights"):
         for group in groups:
-            group.refresh_model_weights()
-            group.needs_refresh = False
+            group.refresh_if_stale()
 
 
 # Their step updates each parameter from its own gradient and state alone (no global norm, no
@@ -196,8 +194,8 @@ class _EarlyUpdate:
                 self._body(*args, **kwargs)
             finally:
                 _restore(later)
-        for group in early:  # refreshed by their unshard, on the all-gather stream, beside the rest
-            group.needs_refresh = True
+        # The early groups, stale since the pre hook, are refreshed by their unshard, on the
+        # all-gather stream, beside the rest.
         self._refreshed = {id(g) for g in early}
         for ctx, modules in first:
             ctx.gather_for_next_forward(modules)

@@ -158,9 +158,8 @@ class FsdpModule:
         Optimizer steps and ``load_state_dict`` trigger this by themselves.
         """
         for group in self._parameter_groups:
-            group.weights_epoch += 1
-            group.refresh_model_weights()
-            group.needs_refresh = False
+            group.weights_written()
+            group.refresh_if_stale()
 
     def _apply(self, fn, recurse: bool = True):
         """``to_empty``, ``to``, ``cuda``, ``float``... on a sharded module: buffers convert as usual;
@@ -198,7 +197,7 @@ class FsdpModule:
                 parameters.update((key, current.get(key, value)) for key, value in items)
                 parameters.update((key, value) for key, value in current.items() if key not in parameters)
             for group in groups:
-                group.main_weights_replaced()  # the caller initialises or loads the shards next
+                group.weights_written()  # the caller initialises or loads the shards next
         return result
 
     def _check_conversion(self, fn, groups) -> None:
@@ -279,7 +278,7 @@ class FsdpModule:
                             f"load_state_dict replaced mfsdp's sharded parameter {name!r} of {self.name}"
                             " (assign=True?); load with assign=False so values are copied into the shards"
                         )
-            group.main_weights_replaced()
+            group.weights_written()
 
     # -------------------------------------------------------------------------------- forward
     def pre_forward(self, args=(), kwargs=None):
@@ -416,9 +415,7 @@ class FsdpModule:
         stream = self.context.allgather_stream
         with record_function(self._nvtx_label("unshard")):
             for group in self._parameter_groups:
-                if group.needs_refresh:
-                    group.refresh_model_weights(stream)
-                    group.needs_refresh = False
+                group.refresh_if_stale(stream)
                 group.unshard(stream)
             self._unshard_event = stream.record_event() if stream is not None else _CPU_READY
         return True
