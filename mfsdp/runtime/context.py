@@ -37,7 +37,7 @@ from mfsdp.communication import CommunicationPolicy
 from mfsdp.runtime import collectives
 from mfsdp.runtime.gather_slots import GatherSlots
 from mfsdp.runtime.in_flight import PendingReductions
-from mfsdp.runtime.schedule import Schedule, StepKind, Unit
+from mfsdp.runtime.schedule import Schedule, StepKind, Unit, Visit
 from mfsdp.runtime.tag_check import TagCheck
 
 
@@ -60,8 +60,13 @@ class FsdpContext:
         self._root = weakref.ref(root_module)
         self.schedule = schedule
         self._forward_issued = 0  # forward positions whose unshard has been issued this pass
-        self._forward_swept = 0  # forward positions the pass has reached or passed
+        self._forward_swept = 0  # forward positions the pass has passed (the last one reached is next)
         self._backward_cursor = 0  # next backward step to perform
+        self._walk = schedule.walk  # this pass's backward walk: the static one, or one with visits
+        self._repeats: list[Visit] = []  # the calls of modules the forward walk had reached already
+        self._open_repeats: list[Visit] = []  # those whose forward is still running, innermost last
+        self._visits: dict[int, int] = {}  # per module: visits opened in this forward
+        self._last_reached = 0  # id of the module whose forward began last
         self._backward_active = False  # between the first backward hook and the final callback
         self.pending_reductions = PendingReductions()
         self.gather_slots: Optional[GatherSlots] = None  # persistent gather buffers (double_buffer)
@@ -93,22 +98,39 @@ class FsdpContext:
         self.tag_check.raise_if_mismatched(wait=False)
         self._drop_stale_early_gathers()
         self._forward_issued = self._forward_swept = 0
+        self._repeats, self._open_repeats, self._visits = [], [], {}
         self._backward_active = False
         for group in self.trainable_groups:
             group.release_unused_gradient_memory()
 
-    def forward_reached(self, module: Unit) -> None:
+    def forward_reached(self, module: Unit) -> Optional[int]:
         """``module`` is about to run forward: issue the unshards up to it, in schedule order
-        (gathering and freeing the modules this rank skipped), then prefetch the next ones."""
-        position = self.schedule.forward_position[id(module)]
-        if position < self._forward_swept:  # a repeated or out-of-order call: gather again
+        (gathering and freeing the modules this rank skipped), then prefetch the next ones.
+
+        Returns the index of the visit this call opens among the module's visits of this pass (0
+        for its first call), or None where it continues its previous call (called twice in a row)."""
+        key, position = id(module), self.schedule.forward_position[id(module)]
+        last, self._last_reached = self._last_reached, key
+        visits = self._visits.get(key, 0)
+        if visits or position < self._forward_swept:  # called again, or after the walk swept past it
+            # Gather again; the backward of this call gets its own steps unless it continues the last.
             module.unshard()
-            return
+            if visits and (last == key or key in self.schedule.ancestors[last]):
+                return None
+            while self._open_repeats and self._open_repeats[-1].module_ref().is_idle():
+                self._open_repeats.pop()  # its forward has ended
+            visit = Visit(weakref.ref(module), self.schedule.repeat_point(module, self._forward_swept + 1))
+            (self._open_repeats[-1].children if self._open_repeats else self._repeats).append(visit)
+            self._open_repeats.append(visit)
+            self._visits[key] = visits + 1
+            return visits
         self._issue_forward_through(position - 1, prefetch=False)
         self._release_skipped(position)
         module.unshard()
         self._forward_issued = max(self._forward_issued, position + 1)
         self._issue_forward_through(position + self.prefetch_depth, prefetch=True)
+        self._visits[key] = 1
+        return 0
 
     def end_forward(self) -> None:
         """Root post-forward: the modules no rank-local call reached still take their turn."""
@@ -170,35 +192,35 @@ class FsdpContext:
         if not self._backward_active:
             self._backward_active = True
             self._backward_cursor = 0
+            self._walk = self.schedule.walk_with(self._repeats) if self._repeats else self.schedule.walk
             _compat.queue_autograd_callback(self._post_backward_final_callback)
-        positions = self.schedule.enter_position if kind is StepKind.ENTER else self.schedule.exit_position
-        target = positions[id(module)]
-        if target < self._backward_cursor:
+        positions = (self._walk.enters if kind is StepKind.ENTER else self._walk.exits)[id(module)]
+        target = next((p for p in positions if p >= self._backward_cursor), None)  # its visit's step
+        if target is None:
             return False
         self._advance_backward(target, module)
         return True
 
     def has_reduced(self, module: Unit) -> bool:
         """Whether ``module``'s reduction already ran in the backward now in progress."""
-        return self._backward_active and self._backward_cursor > self.schedule.exit_position[id(module)]
+        return self._backward_active and self._backward_cursor > self._walk.exits[id(module)][-1]
 
     def _advance_backward(self, target: int, signalled: Optional[Unit]) -> None:
-        steps = self.schedule.backward
         while self._backward_cursor <= target:
-            step = steps[self._backward_cursor]
+            step = self._walk.steps[self._backward_cursor]
             self._backward_cursor += 1
             module = step.module
             if step.kind is StepKind.ENTER:
                 ran = signalled is not None and self.schedule.is_ancestor_or_self(module, signalled)
                 module.enter_backward(ran)
-                following = self.schedule.next_in_backward(module, self.prefetch_depth)
+                following = self._walk.next_enters(self._backward_cursor - 1, self.prefetch_depth)
                 self._unshard_in_order([m for m in following if m.gathers_in_backward])
             else:
-                module.exit_backward()
+                module.exit_backward(step.reduces)
 
     def _post_backward_final_callback(self) -> None:
         with torch.profiler.record_function("mfsdp::post_backward_final_callback"):
-            self._advance_backward(len(self.schedule.backward) - 1, None)  # what no hook reached
+            self._advance_backward(len(self._walk.steps) - 1, None)  # what no hook reached
             self._backward_active = False
             self.pending_reductions.release(self.current_stream())
             current = self.current_stream()
@@ -208,7 +230,7 @@ class FsdpContext:
             self.backward_count += 1
             groups = self.trainable_groups
             for group in groups:
-                group.finalize_gradients()
+                group.reducer.finalize()
             self.tag_check.end_backward(self.backward_count, current)
             self._check_finite(groups)
 
@@ -218,7 +240,7 @@ class FsdpContext:
         one more all-reduce names the parameters."""
         if not self.is_last_microbatch:
             return
-        checked = [(g, g.nonfinite_flag()) for g in groups if g.policy.check_finite_gradients]
+        checked = [(g, g.reducer.nonfinite_flag()) for g in groups if g.policy.check_finite_gradients]
         checked = [(g, flag) for g, flag in checked if flag is not None]
         if not checked:
             return

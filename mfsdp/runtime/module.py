@@ -43,10 +43,10 @@ _CPU_READY = object()  # unshard "event" on devices without streams: the work is
 
 _ORDER_HELP = (
     "mfsdp issues collectives in a static order so that ranks running different modules stay in step: "
-    "each FSDP module may run forward at most once per pass, in the order its parent registers it, and "
-    "backward once per forward, in reverse. Register modules in the order they run, call backward once "
-    "per forward (accumulate with mfsdp.microbatch), and keep a module that is called twice on "
-    "consecutive calls."
+    "each FSDP module runs forward first in the order its parent registers it (a module called again "
+    "later must be called again identically on every rank), and backward once per forward, in reverse. "
+    "Register modules in the order they run and call backward once per forward (accumulate with "
+    "mfsdp.microbatch)."
 )
 
 
@@ -96,7 +96,7 @@ class FsdpModule:
         self._fsdp_parent: Optional[weakref.ref] = None
         self._phase = ModulePhase.IDLE
         self._unshard_event: Any = None
-        self._inputs_hooked = 0  # forward calls whose inputs' backward has not run yet
+        self._calls: list[int] = []  # per visit (``schedule.Visit``): calls whose inputs' backward is to come
         self._use_symm_mem = use_symm_mem
         self._communication_policy = communication_policy or CommunicationPolicy()
         owned, children = collect_owned_parameters(self, FsdpModule)
@@ -293,12 +293,15 @@ class FsdpModule:
             if self.is_root():
                 ctx.begin_forward()
             self._set_phase(ModulePhase.FORWARD)
-            ctx.forward_reached(self)
+            visit = ctx.forward_reached(self)
             self._use_for_compute()
+            if visit is not None or not self._calls:
+                del self._calls[visit or 0:]
+                self._calls.append(0)
             if torch.is_grad_enabled():
                 # Every call counts; only calls whose inputs need grad can report their backward,
-                # so the EXIT signal fires only when all calls of this forward have reported.
-                self._inputs_hooked += 1
+                # so the EXIT signal fires only when all calls of this visit have reported.
+                self._calls[-1] += 1
                 args, kwargs = self._hook_inputs(args, kwargs or {})
         return args, kwargs
 
@@ -358,8 +361,9 @@ class FsdpModule:
                 f"passed it (its gradients were already reduced, as zeros, in this backward). {_ORDER_HELP}")
 
     def _on_inputs_backward(self) -> None:
-        self._inputs_hooked = max(0, self._inputs_hooked - 1)
-        if self._inputs_hooked == 0 and self._phase is ModulePhase.BACKWARD:
+        if self._calls:
+            self._calls[-1] = max(0, self._calls[-1] - 1)
+        if not (self._calls and self._calls[-1]) and self._phase is ModulePhase.BACKWARD:
             self.context.backward_reached(StepKind.EXIT, self)
 
     def enter_backward(self, ran: bool) -> None:
@@ -373,15 +377,18 @@ class FsdpModule:
             elif self.gathers_in_backward:
                 self.unshard()
 
-    def exit_backward(self) -> None:
-        """The walk's EXIT step: reshard, then reduce (a missing gradient counts as zero)."""
+    def exit_backward(self, reduce: bool = True) -> None:
+        """The walk's EXIT step: reshard, then reduce (a missing gradient counts as zero). A visit's
+        EXIT (``reduce=False``) leaves the gradients in ``.grad`` for the module's last EXIT."""
         with record_function(self._nvtx_label("post_backward")):
             if self._phase is ModulePhase.BACKWARD:
                 self._set_phase(ModulePhase.IDLE)
-            self._inputs_hooked = 0
+            if self._calls:
+                self._calls.pop()
             self._use_sharded_params()
             self.reshard()  # free first: the reduction allocates
-            self._reduce_gradient_groups()
+            if reduce:
+                self._reduce_gradient_groups()
 
     def _reduce_gradient_groups(self) -> None:
         """Pack gradients and immediately launch their reductions."""
@@ -390,7 +397,7 @@ class FsdpModule:
             return
         ctx = self.context
         with record_function(self._nvtx_label("reduce_gradients")):
-            nbytes = sum(g.reduction_nbytes for g in groups)
+            nbytes = sum(g.reducer.reduction_nbytes for g in groups)
             ctx.pending_reductions.release(ctx.current_stream(), nbytes)
             keep_alive: list = []
             for group in groups:
@@ -489,11 +496,10 @@ def build_context(root: FsdpModule) -> FsdpContext:
         for group in module.parameter_groups:
             group.module_name = name or "<root>"
             if group.requires_grad:
-                group.set_reduction_tag(*ctx.schedule.reduction_tags(module, name))
+                group.reducer.set_tags(*ctx.schedule.reduction_tags(module, name))
     check_parameter_locations(root, FsdpModule)
     if policy.double_buffer:
         # The root keeps its weights from forward into backward, so it never shares a slot.
-        gathered = [g for m in ctx.schedule.forward_modules() if m is not root for g in m.parameter_groups
-                    if g.gather_key() is not None]
+        gathered = [g for _, m in modules if m is not root for g in m.parameter_groups if g.gather_key() is not None]
         ctx.gather_slots = GatherSlots.build(gathered, ctx.prefetch_depth, register=root._use_symm_mem)
     return ctx
