@@ -314,21 +314,8 @@ class FsdpParameterGroup:
         """The reduced gradients at the optimizer level (None before the first reduction)."""
         return self.reducer.main_grad
 
-    @property
-    def reduction_nbytes(self) -> int:
-        return self.reducer.reduction_nbytes
-
-    def set_reduction_tag(self, position_tag: int, name_tag: int) -> None:
-        self.reducer.set_tags(position_tag, name_tag)
-
     def release_unused_gradient_memory(self) -> None:
         self.reducer.release_unused_memory()
-
-    def nonfinite_flag(self) -> Optional[torch.Tensor]:
-        return self.reducer.nonfinite_flag()
-
-    def finalize_gradients(self) -> None:
-        self.reducer.finalize()
 
     def reduce_gradients(self, is_last: bool, stream: Optional[torch.Stream],
                          record_tag: Callable[[torch.Tensor, torch.Tensor], None]) -> list[torch.Tensor]:
