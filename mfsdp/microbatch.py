@@ -6,11 +6,11 @@ import contextlib
 
 from torch import nn
 
-from mfsdp.runtime.module import FsdpModule, build_context
+from mfsdp.runtime.module import FsdpModule, build_context, fsdp_roots
 
 
 def _roots(module: nn.Module) -> list[FsdpModule]:
-    roots = [m for m in module.modules() if isinstance(m, FsdpModule) and m._fsdp_parent is None]
+    roots = fsdp_roots(module)
     if not roots:
         raise ValueError(f"microbatch: no fully_shard-ed module under {type(module).__name__}")
     return roots

@@ -165,14 +165,13 @@ class _EarlyUpdate:
 
     def _contexts(self) -> list:
         """The contexts of the FSDP roots in the model (built by its first forward; then kept)."""
-        from mfsdp.runtime.module import FsdpModule
+        from mfsdp.runtime.module import fsdp_roots
 
         if self._found is None:
             model, seen = self._model(), {}
-            for m in model.modules() if model is not None else ():
-                ctx = m._context if isinstance(m, FsdpModule) else None
-                if ctx is not None and ctx.root_module is m:
-                    seen[id(ctx)] = ctx
+            for root in fsdp_roots(model) if model is not None else ():
+                if root._context is not None:
+                    seen[id(root._context)] = root._context
             self._found = list(seen.values()) or None
         return [ctx for ctx in self._found or () if ctx.prefetch_across_step]
 

@@ -84,9 +84,7 @@ class FsdpContext:
 
     def current_stream(self) -> Optional[torch.Stream]:
         """Current stream on this context's device, or None where the device has no streams."""
-        if self.allgather_stream is None:
-            return None
-        return torch.cuda.current_stream(self.device)
+        return None if self.allgather_stream is None else torch.cuda.current_stream(self.device)
 
     # ------------------------------------------------------------------------------ forward walk
     def begin_forward(self) -> None:

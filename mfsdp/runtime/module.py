@@ -147,7 +147,8 @@ class FsdpModule:
         return self._unshard_event is not None
 
     def is_root(self) -> bool:
-        """Whether this module is the outermost FsdpModule in its context."""
+        """Whether this module is the outermost FsdpModule in its context (before the context is
+        built: has no FSDP parent). The one rule; ``fsdp_roots`` finds the roots by it."""
         if self._context is not None:
             return self._context.root_module is self
         return self._fsdp_parent is None
@@ -176,8 +177,8 @@ class FsdpModule:
         dtype raises instead. The compute weights are re-derived at the next unshard, after
         whatever the caller writes into the shards next.
         """
-        modules = self.modules() if recurse else (self,)
-        groups = [g for m in modules if isinstance(m, FsdpModule) for g in m._parameter_groups]
+        units = [m for _, m in fsdp_modules(self)] if recurse else [self]
+        groups = [g for m in units for g in m._parameter_groups]
         self._check_conversion(fn, groups)
         # Take mfsdp's parameters out of every dict that holds them (this module's subtree and
         # aliases), keeping each dict's order so that named_parameters() is unchanged afterwards.
@@ -454,6 +455,17 @@ class FsdpModule:
             group.use_sharded_params()
 
 
+def fsdp_modules(module: nn.Module) -> list[tuple[str, FsdpModule]]:
+    """The FSDP modules under ``module`` (itself included), named relative to it, in registration
+    pre-order: the one walk that finds a tree's units."""
+    return [(name, m) for name, m in module.named_modules() if isinstance(m, FsdpModule)]
+
+
+def fsdp_roots(module: nn.Module) -> list[FsdpModule]:
+    """The FSDP roots under ``module`` (``FsdpModule.is_root``)."""
+    return [m for _, m in fsdp_modules(module) if m.is_root()]
+
+
 def build_context(root: FsdpModule) -> FsdpContext:
     """Build the context of the FSDP tree under ``root`` on its first forward (or first ``microbatch``
     scope); later calls return it.
@@ -472,7 +484,7 @@ def build_context(root: FsdpModule) -> FsdpContext:
             f"{type(root).__name__} ran forward before its FSDP root {type(parent).__name__} ever "
             "did; run the root module's forward (it calls this one), not a sharded child directly"
         )
-    modules = [(n, m) for n, m in root.named_modules() if isinstance(m, FsdpModule)]
+    modules = fsdp_modules(root)
     device = next((g.params[0].device for _, m in modules for g in m.parameter_groups), None)
     if device is None:
         raise RuntimeError(f"{type(root).__name__}: no parameters under this FSDP root")
