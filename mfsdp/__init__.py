@@ -20,8 +20,8 @@ from mfsdp.optimizer import fully_shard_optimizer
 from mfsdp.placement import Placements
 from mfsdp.runtime.context import FsdpContext
 from mfsdp.runtime.module import FsdpModule, ModulePhase
+from mfsdp.runtime.errors import CollectiveMismatchError
 from mfsdp.runtime.parameter_group import FsdpParameterGroup
-from mfsdp.runtime.tag_check import CollectiveMismatchError
 
 __version__ = "0.1.0"
 

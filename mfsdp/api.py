@@ -120,5 +120,5 @@ def fully_shard(
         # the DTensors, or a state-dict load): derive the compute weights from them at the first
         # unshard, not from the zeros they hold now.
         for group in module.parameter_groups:
-            group.needs_refresh = True
+            group.weights_written()
     return module

@@ -303,14 +303,13 @@ def precompute_fp8_scales_after(optimizer: torch.optim.Optimizer, module: nn.Mod
 
 def _fp8_groups(module: nn.Module) -> dict[tuple, list]:
     """The parameter groups under ``module`` that gather FP8 weights, by their data-parallel groups."""
-    from mfsdp.runtime.module import FsdpModule
+    from mfsdp.runtime.module import fsdp_modules
 
     batches: dict[tuple, list] = {}
-    for m in module.modules():
-        if isinstance(m, FsdpModule):
-            for group in m.parameter_groups:
-                if isinstance(group.codec, Float8GatherCodec):
-                    batches.setdefault(tuple(id(pg) for pg in group.geometry.groups), []).append(group)
+    for _, m in fsdp_modules(module):
+        for group in m.parameter_groups:
+            if isinstance(group.codec, Float8GatherCodec):
+                batches.setdefault(tuple(id(pg) for pg in group.geometry.groups), []).append(group)
     return batches
 
 

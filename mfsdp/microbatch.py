@@ -6,12 +6,11 @@ import contextlib
 
 from torch import nn
 
-from mfsdp.runtime.context import FsdpContext
-from mfsdp.runtime.module import FsdpModule
+from mfsdp.runtime.module import FsdpModule, build_context, fsdp_roots
 
 
 def _roots(module: nn.Module) -> list[FsdpModule]:
-    roots = [m for m in module.modules() if isinstance(m, FsdpModule) and m._fsdp_parent is None]
+    roots = fsdp_roots(module)
     if not roots:
         raise ValueError(f"microbatch: no fully_shard-ed module under {type(module).__name__}")
     return roots
@@ -25,7 +24,7 @@ def microbatch(module: nn.Module, is_last: bool):
     ``is_last=False`` their gradients accumulate locally. Outside any scope every backward counts as
     the last: always correct, with more communication. ``module`` is a root or contains roots.
     """
-    contexts = [FsdpContext.ensure(root) for root in _roots(module)]
+    contexts = [build_context(root) for root in _roots(module)]
     previous = [ctx.is_last_microbatch for ctx in contexts]
     for ctx in contexts:
         ctx.is_last_microbatch = bool(is_last)

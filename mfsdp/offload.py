@@ -117,8 +117,7 @@ class OffloadPolicy:
 
 def _weights_written(group) -> None:
     """The group's main weights were written (by the host step's copy up)."""
-    group.weights_epoch += 1
-    group.needs_refresh = True
+    group.weights_written()
 
 
 def _main_flat(group) -> torch.Tensor:

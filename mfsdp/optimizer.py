@@ -68,8 +68,7 @@ def _mark_stale_before_step(optimizer, args, kwargs) -> None:
     if optimizer in _BOUND_OPTIMIZERS:
         return
     for group in _groups_of(optimizer):
-        group.needs_refresh = True
-        group.weights_epoch += 1
+        group.weights_written()
 
 
 register_optimizer_step_pre_hook(_mark_stale_before_step)
@@ -127,7 +126,7 @@ def fully_shard_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer,
         if grouped.offloaded is not None:
             grouped.offloaded.before_step()  # before the epochs move: it compares them
         for group in groups:  # first: every post hook, in any order, sees the weights as written
-            group.weights_epoch += 1
+            group.weights_written()
         if not grouped.run(opt, args, kwargs, pre_hook):  # the one-call form: every group upcast at once
             if grouped.offloaded is not None:
                 raise RuntimeError("an offloaded optimizer steps group by group: no closure, and no step "
@@ -187,8 +186,7 @@ def _upcast_gradients(group) -> list:
 def _refresh(groups) -> None:
     with torch.profiler.record_function("mfsdp::refresh_model_weights"):
         for group in groups:
-            group.refresh_model_weights()
-            group.needs_refresh = False
+            group.refresh_if_stale()
 
 
 # Their step updates each parameter from its own gradient and state alone (no global norm, no
@@ -222,14 +220,13 @@ class _GroupedStep:
 
     def _contexts(self) -> list:
         """The contexts of the FSDP roots in the model (built by its first forward; then kept)."""
-        from mfsdp.runtime.module import FsdpModule
+        from mfsdp.runtime.module import fsdp_roots
 
         if self._found is None:
             model, seen = self._model(), {}
-            for m in model.modules() if model is not None else ():
-                ctx = m._context if isinstance(m, FsdpModule) else None
-                if ctx is not None and ctx.root_module is m:
-                    seen[id(ctx)] = ctx
+            for root in fsdp_roots(model) if model is not None else ():
+                if root._context is not None:
+                    seen[id(root._context)] = root._context
             self._found = list(seen.values()) or None
         return [ctx for ctx in self._found or () if ctx.prefetch_across_step]
 
@@ -250,8 +247,8 @@ class _GroupedStep:
             with torch.profiler.record_function("mfsdp::optimizer_step_first_modules"):
                 for group in early:
                     self._step_group(optimizer, group, params_of, args, kwargs)
-            for group in early:  # refreshed by their unshard, on the all-gather stream, beside the rest
-                group.needs_refresh = True
+            # The early groups, stale since the pre hook, are refreshed by their unshard, on the
+            # all-gather stream, beside the rest.
             self._refreshed = early_ids
             for ctx, modules in first:
                 ctx.gather_for_next_forward(modules)

@@ -384,3 +384,22 @@ def meta_init(rank, ws, kind):
 @pytest.mark.parametrize("kind", ["zero3", "zero2"])
 def test_meta_device_init(world, kind):
     assert world(2).run(meta_init, kind=kind)[0] < 1e-6
+
+
+def units_and_roots(rank, ws):
+    from mfsdp.runtime.module import fsdp_modules, fsdp_roots
+
+    net = Net()
+    mesh = make_mesh("zero3", ws)
+    for block in net.blocks:
+        mfsdp.fully_shard(block, mesh)
+    before = [n for n, _ in fsdp_modules(net)], [r is b for r, b in zip(fsdp_roots(net), net.blocks)]
+    mfsdp.fully_shard(net, mesh)
+    net(torch.zeros(2, 3, dtype=torch.long))  # builds the context: the root rule then reads it
+    return before, [n for n, _ in fsdp_modules(net)], [r is net for r in fsdp_roots(net)]
+
+
+def test_one_walk_lists_the_units_and_one_rule_finds_the_roots(world):
+    before, after, roots = world(2).run(units_and_roots)[0]
+    assert before == (["blocks.0", "blocks.1", "blocks.2"], [True, True, True])
+    assert after == ["", "blocks.0", "blocks.1", "blocks.2"] and roots == [True]

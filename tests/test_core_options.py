@@ -47,15 +47,15 @@ def gather_slot_layout(rank, ws, depth):
     root_unbound = all(g._slot is None for g in net.parameter_groups)
     # A busy slot: a prefetch is skipped, a just-in-time unshard raises.
     first, clash = net.blocks[0], net.blocks[depth + 1]
-    first._unshard_parameter_groups()
-    clash._unshard_parameter_groups(prefetch=True)
-    skipped = clash._unshard_event is None
+    first.unshard()
+    clash.unshard(prefetch=True)
+    skipped = not clash.is_unsharded()
     try:
-        clash._unshard_parameter_groups()
+        clash.unshard()
         raised = ""
     except RuntimeError as exc:
         raised = str(exc)
-    first._reshard_parameter_groups()
+    first.reshard()
     return len(slots), bound, in_slot, root_unbound, skipped, raised
 
 

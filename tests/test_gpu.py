@@ -227,7 +227,7 @@ def memory_against_analytic_and_fsdp2(rank, ws):
     shard = sum(p.to_local().numel() for p in net.parameters())
     analytic = shard * (4 + 4 + 8)  # fp32 main weights, fp32 gradients, two fp32 AdamW moments
     # The step gathered the next forward's first modules (prefetch_across_step): not resting state.
-    early = [m for m in net.modules() if isinstance(m, mfsdp.FsdpModule) and m._unshard_event is not None]
+    early = [m for m in net.modules() if isinstance(m, mfsdp.FsdpModule) and m.is_unsharded()]
     held = sum(g.unsharded.tensor.untyped_storage().nbytes() for m in early for g in m.parameter_groups
                if g.unsharded is not g.main and g.unsharded.is_allocated)
     out["early_modules"] = [m.name for m in early]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+import mfsdp
 from mfsdp.runtime.in_flight import PendingReductions
 from mfsdp.runtime.flat_buffer import FlatLayout, pack_gradients
 
@@ -83,3 +84,21 @@ def test_an_nccl_without_mem_allocator_is_a_reason_not_a_crash():
     assert _compat.nccl_mem_allocator(NoAllocator()) == (
         None, "NCCL mem allocator is not supported in this NCCL version")
     assert _compat.nccl_mem_allocator(WithAllocator()) == (WithAllocator.mem_allocator, None)
+
+
+def test_only_the_parameter_group_writes_weight_staleness():
+    """Staleness has one owner: every other file says ``weights_written()`` / ``refresh_if_stale()``."""
+    import ast
+    from pathlib import Path
+
+    package = Path(mfsdp.__file__).parent
+    writers = set()
+    for path in package.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+                node, (ast.AugAssign, ast.AnnAssign)) else []
+            for target in targets:
+                if isinstance(target, ast.Attribute) and target.attr in (
+                        "_stale", "_weights_epoch", "weights_epoch", "needs_refresh"):
+                    writers.add(str(path.relative_to(package)))
+    assert writers == {"runtime/parameter_group.py"}, writers

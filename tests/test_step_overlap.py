@@ -31,7 +31,7 @@ def _optimizer(kind: str, params):
 
 def _gathered(net) -> list[bool]:
     """Which FSDP modules hold their gathered weights (root first, then the blocks)."""
-    return [m._unshard_event is not None for m in [net, *net.blocks]]
+    return [m.is_unsharded() for m in [net, *net.blocks]]
 
 
 def staged_training(rank, ws, kind="zero3", opt="adamw", variant="staged", steps=3, bf16=False, clip=None,

@@ -97,8 +97,7 @@ class MegatronFSDPModel:
         trainable groups: an optimizer changes nothing else)."""
         state = self._mfsdp_manager_state
         for _, group, _ in state.groups:
-            group.refresh_model_weights()
-            group.needs_refresh = False
+            group.refresh_if_stale()
 
     def loss_context(self):
         """The context the loss (forward and backward) runs in: torch's ``loss_parallel()`` with

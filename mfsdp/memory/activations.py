@@ -63,9 +63,6 @@ class ActivationProfile:
     grad_window: dict
     """Parameter name -> the backward window its gradient arrives in ("head", "blocks", "embed")."""
 
-    def total_saved(self, n_blocks: int) -> int:
-        return self.embed_bytes + n_blocks * self.block_bytes + self.head_forward_bytes
-
 
 def _storages(t: torch.Tensor) -> list:
     """The storages holding a tensor's bytes. A wrapper subclass (a tensor-parallel DTensor, the

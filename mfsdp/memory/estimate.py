@@ -27,6 +27,8 @@ from typing import Optional
 from mfsdp.memory.activations import ActivationProfile
 from mfsdp.memory.model_state import UnitBytes, optimizer_state_bytes
 from mfsdp.optimizer import step_transient_bytes
+from mfsdp.runtime.gather_slots import slotted
+from mfsdp.runtime.schedule import Schedule, StepKind
 
 COMPONENTS = (
     "main weights", "optimizer states", "model weights", "gather slots", "main grads", "accumulator",
@@ -157,6 +159,8 @@ class _Walk:
     def __init__(self, units: list[UnitBytes], s: StepSettings, blocks: list[str]) -> None:
         self.units, self.s = units, s
         self.by_name = {u.name: u for u in units}
+        # The runtime's own schedule over the units: its walk and ancestors, not a copy of them.
+        self.schedule = Schedule(units, {id(u): self.by_name[u.parent or ""] for u in units[1:]})
         self.root = units[0]
         self.blocks = blocks
         first = min((i for i, u in enumerate(units) if u.name in blocks), default=len(units))
@@ -202,15 +206,8 @@ class _Walk:
 
 def _gather_slots(units: list[UnitBytes], s: StepSettings) -> tuple[int, dict]:
     """Persistent slot bytes, and each unit's bytes gathered through the allocator (``GatherSlots``)."""
-    slots = {}
-    if s.double_buffer:
-        by_key: dict = {}
-        for u in units[1:]:
-            for g in u.groups:
-                if g.gather_key is not None:
-                    by_key.setdefault(g.gather_key, []).append(g)
-        per = s.prefetch_depth + 1
-        slots = {k: v for k, v in by_key.items() if len(v) > per}
+    gathered = [g for u in units[1:] for g in u.groups if g.gather_key is not None] if s.double_buffer else []
+    slots = slotted(gathered, lambda g: g.gather_key, s.prefetch_depth)
     bound = {id(g) for v in slots.values() for g in v}
     slot_bytes = sum(per_group[0].unsharded for per_group in slots.values()) * (s.prefetch_depth + 1)
     in_flight = {u.name: sum(g.unsharded for g in u.groups if id(g) not in bound) for u in units}
@@ -262,7 +259,7 @@ def _microbatch(w: _Walk, acts: ActivationProfile, s: StepSettings, which: str, 
             w.gather(units[q])
         issued = max(issued, min(pos + depth, len(units) - 1) + 1)
         for done in list(computed):  # post_forward of units that are not ancestors of u
-            if done is not root and not _is_ancestor(w, done, u):
+            if done is not root and not w.schedule.is_ancestor_or_self(done, u):
                 w.gathered.pop(done.name, None)
                 computed.remove(done)
         kind = w.kind[u.name]
@@ -283,18 +280,16 @@ def _microbatch(w: _Walk, acts: ActivationProfile, s: StepSettings, which: str, 
            module_grads=raw_grads, act_saved=saved_all, logits_and_loss=head + acts.loss_backward_peak)
 
     # ------------------------------------------------------------------ backward
-    order = _enter_order(units)
     pending: list[tuple[int, int]] = []  # (bytes held, bytes the release rule counts)
     root_grads = _root_grads(root, acts)
     arrived = {"head": root_grads["head"], "blocks": 0, "embed": 0}
     head_done = False
-    steps = _walk_steps(order, units)
-    for kind_step, u in steps:
-        if kind_step == "enter":
+    for position, step in enumerate(w.schedule.backward):
+        u = step.module
+        if step.kind is StepKind.ENTER:
             if u.gathers_in_backward:
                 w.gather(u)
-            at = order.index(u)
-            for following in order[at + 1:at + 1 + depth]:
+            for following in w.schedule.walk.next_enters(position, depth):
                 if following.gathers_in_backward:
                     w.gather(following)
             kind = w.kind[u.name]
@@ -363,42 +358,6 @@ def _root_grads(root: UnitBytes, acts: ActivationProfile) -> dict:
     for name, nbytes in zip(root.param_names, root.param_grad_bytes):
         out[acts.grad_window.get(name, "head")] += nbytes
     return {"head": out["head"], "blocks": out["blocks"], "embed": out["embed"]}
-
-
-def _is_ancestor(w: _Walk, candidate: UnitBytes, u: UnitBytes) -> bool:
-    name = u.parent
-    while name is not None:
-        if name == candidate.name:
-            return True
-        name = w.by_name[name].parent
-    return False
-
-
-def _enter_order(units: list[UnitBytes]) -> list[UnitBytes]:
-    """The schedule's backward enter order: depth first, children last to first."""
-    children: dict = {u.name: [] for u in units}
-    for u in units[1:]:
-        children[u.parent or ""].append(u)
-    out, stack = [], [units[0]]
-    while stack:
-        u = stack.pop()
-        out.append(u)
-        stack.extend(children[u.name])
-    return out
-
-
-def _walk_steps(order: list[UnitBytes], units: list[UnitBytes]) -> list[tuple[str, UnitBytes]]:
-    children: dict = {u.name: [] for u in units}
-    for u in units[1:]:
-        children[u.parent or ""].append(u)
-    steps, stack = [], [("enter", units[0])]
-    while stack:
-        kind, u = stack.pop()
-        steps.append((kind, u))
-        if kind == "enter":
-            stack.append(("exit", u))
-            stack.extend(("enter", c) for c in children[u.name])
-    return steps
 
 
 def _optimizer(w: _Walk, units: list[UnitBytes], s: StepSettings) -> None:

@@ -3,8 +3,8 @@
 Every byte of model state is one of a parameter group's flat buffers (see
 ``runtime/parameter_group``). Here each group's buffers are sized by the runtime's own
 ``FlatLayout`` and its own choice of compute-weight buffer (``choose_model_buffer``), with the
-levels of sharding derived from ``Placements`` exactly as ``ShardGeometry`` derives them, but from a
-mesh *shape* instead of a live mesh. Units (the modules ``fully_shard`` is applied to) own their
+levels of sharding the runtime's own ``geometry.Levels`` (what ``ShardGeometry`` extends with a
+mesh), built from a mesh *shape* instead of a live mesh. Units (the modules ``fully_shard`` is applied to) own their
 parameters by the runtime's ownership rule (``collect_owned_parameters``), grouped by
 ``group_parameters``. The gradient buffers mirror ``GradientReducer`` (main gradient at the
 optimizer level in the gradient dtype, HFSDP's accumulator at the gradient level); the CPU test
@@ -24,57 +24,19 @@ aligned offset) in uint8, as ``FsdpParameterGroup`` allocates it. The encode's t
 from __future__ import annotations
 
 import dataclasses
-import math
-from typing import Mapping, Optional
+from typing import Optional
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from mfsdp.mixed_precision import MixedPrecisionPolicy, ResolvedDtypes
-from mfsdp.placement import Placements
 from mfsdp.runtime import gather_codec
 from mfsdp.runtime.flat_buffer import FlatLayout
+from mfsdp.runtime.geometry import Levels
 from mfsdp.runtime.ownership import collect_owned_parameters, gathers_in_backward, group_parameters
 from mfsdp.runtime.parameter_group import choose_model_buffer, local_tensor
-from mfsdp.runtime.tag_check import TAG_COLUMNS
-
-
-@dataclasses.dataclass(frozen=True)
-class Levels:
-    """The sharded axes of a placement, coarse to fine, as sizes (``ShardGeometry`` without a mesh)."""
-
-    sizes: tuple[int, ...]
-    """Size of each sharded axis, in shard order."""
-    param_level: int
-    """Levels that shard the compute weights at rest (0: replicated)."""
-    grad_level: int
-    """Levels reduce-scattered on every backward."""
-
-    @classmethod
-    def of(cls, placements: Placements, mesh_shape: Mapping) -> "Levels":
-        missing = [a for a in placements.dp_axes if a not in mesh_shape]
-        if missing:
-            raise ValueError(f"mesh_shape {dict(mesh_shape)} has no size for the axes {missing} that "
-                             f"{placements.name} names; give every axis of Placements.dp_axes a size")
-        sizes = tuple(int(mesh_shape[placements.dp_axes[i]]) for i in placements.shard_order)
-        return cls(sizes, placements.num_param_sharded, placements.num_grad_sharded)
-
-    @property
-    def num_levels(self) -> int:
-        return len(self.sizes)
-
-    @property
-    def num_shards(self) -> int:
-        return math.prod(self.sizes)
-
-    def ways(self, level: int) -> int:
-        return math.prod(self.sizes[:level])
-
-    @property
-    def into_accumulator(self) -> bool:
-        """HFSDP: every backward reduces into an accumulator, the last one into the main gradient."""
-        return 0 < self.grad_level < self.num_levels
+from mfsdp.runtime.reducer import TAG_COLUMNS
 
 
 @dataclasses.dataclass(frozen=True)

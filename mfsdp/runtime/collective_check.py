@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from mfsdp import _compat
 from mfsdp.runtime import collectives
-from mfsdp.runtime.tag_check import MISMATCH_HELP, CollectiveMismatchError
+from mfsdp.runtime.errors import MISMATCH_HELP, CollectiveMismatchError
 
 _KINDS = {"all_gather": 1, "reduce_scatter": 2, "all_reduce": 3}
 _FIELDS = 5

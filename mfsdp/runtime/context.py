@@ -17,34 +17,35 @@ compute stream never waits on a whole stream, only on the event of the module it
 Trade-off: two streams let all-gathers and reductions overlap each other, at the price of a
 second memory pool; on CPU (gloo) the same calls run synchronously and streams are None.
 
-*When* each collective is issued is the schedule's business (see ``schedule``): the context holds
-the two cursors that walk it, and performs the steps the module hooks signal.
+*When* each collective is issued is the schedule's business (see ``schedule``): the context is the
+scheduling engine that holds the two cursors walking it, and performs the steps the module hooks
+signal, driving each module through the small protocol ``schedule.Unit`` names (unshard,
+reshard, enter and exit backward), never through its private state. ``module.build_context``
+builds it for a root.
 """
 
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Optional
+from typing import Optional, Sequence
 
 import torch
+from torch import nn
 
 from mfsdp import _compat
+from mfsdp.communication import CommunicationPolicy
 from mfsdp.runtime import collectives
 from mfsdp.runtime.gather_slots import GatherSlots
 from mfsdp.runtime.in_flight import PendingReductions
-from mfsdp.runtime.ownership import check_parameter_locations
-from mfsdp.runtime.schedule import Schedule, StepKind
+from mfsdp.runtime.schedule import Schedule, StepKind, Unit, Visit
 from mfsdp.runtime.tag_check import TagCheck
-
-if TYPE_CHECKING:
-    from mfsdp.runtime.module import FsdpModule
 
 
 class FsdpContext:
     """Runtime stream, schedule and cursor state shared by one FSDP subtree."""
 
-    def __init__(self, device: torch.device, root_module: "FsdpModule", schedule: Schedule) -> None:
-        policy = root_module._communication_policy
+    def __init__(self, device: torch.device, root_module: nn.Module, schedule: Schedule,
+                 policy: CommunicationPolicy) -> None:
         self.device = device
         # Without overlap every collective runs on the compute stream, exactly as on CPU.
         has_streams = device.type == "cuda" and policy.overlap
@@ -59,82 +60,31 @@ class FsdpContext:
         self._root = weakref.ref(root_module)
         self.schedule = schedule
         self._forward_issued = 0  # forward positions whose unshard has been issued this pass
-        self._forward_swept = 0  # forward positions the pass has reached or passed
+        self._forward_swept = 0  # forward positions the pass has passed (the last one reached is next)
         self._backward_cursor = 0  # next backward step to perform
+        self._walk = schedule.walk  # this pass's backward walk: the static one, or one with visits
+        self._repeats: list[Visit] = []  # the calls of modules the forward walk had reached already
+        self._open_repeats: list[Visit] = []  # those whose forward is still running, innermost last
+        self._visits: dict[int, int] = {}  # per module: visits opened in this forward
+        self._last_reached = 0  # id of the module whose forward began last
         self._backward_active = False  # between the first backward hook and the final callback
         self.pending_reductions = PendingReductions()
         self.gather_slots: Optional[GatherSlots] = None  # persistent gather buffers (double_buffer)
-        self.tag_check = TagCheck(schedule, device)
-        self.trainable_groups: list = []  # every trainable parameter group, in backward order
+        steps = schedule.backward
+        self.tag_check = TagCheck(len(steps), lambda i: steps[i].module.name or "<root>", device)
+        # Fixed by the tree: built once, not per step. Every trainable group, in backward order.
+        self.trainable_groups = [g for m in schedule.backward_modules() for g in m.parameter_groups if g.requires_grad]
         self._gathered_early: list = []  # (module, its groups' weights tokens) gathered during the step
 
-    @classmethod
-    def ensure(cls, root: "FsdpModule") -> "FsdpContext":
-        """The root's context, built on its first forward (or first ``microbatch`` scope).
-
-        fully_shard is applied bottom-up, so children exist before their eventual root. The root
-        is therefore resolved lazily, on the first forward through the outermost FsdpModule, and
-        shares one context with every FSDP descendant. Rejected alternatives: eager contexts per
-        fully_shard call (transient child contexts, and every parent re-walks its descendants:
-        quadratic), and an is_root flag on every module (per-module state that must be kept
-        consistent with the final hierarchy).
-        """
-        from mfsdp.runtime.module import FsdpModule
-
-        if root._context is not None:
-            return root._context
-        parent = root._fsdp_parent() if root._fsdp_parent is not None else None
-        if parent is not None:
-            raise RuntimeError(
-                f"{type(root).__name__} ran forward before its FSDP root {type(parent).__name__} ever "
-                "did; run the root module's forward (it calls this one), not a sharded child directly"
-            )
-        modules = [(n, m) for n, m in root.named_modules() if isinstance(m, FsdpModule)]
-        device = next((g.params[0].device for _, m in modules for g in m.parameter_groups), None)
-        if device is None:
-            raise RuntimeError(f"{type(root).__name__}: no parameters under this FSDP root")
-        parent_of = {}
-        for name, module in modules:
-            if module._context is not None:
-                raise RuntimeError(
-                    f"FSDP module {name!r} already ran forward as its own root before {type(root).__name__} "
-                    "was sharded; shard bottom-up and only then run the model"
-                )
-            if module is not root:
-                parent = module._fsdp_parent() if module._fsdp_parent is not None else None
-                if parent is None:
-                    raise RuntimeError(f"FSDP module {name!r} has no FSDP parent under {type(root).__name__}; "
-                                       "apply fully_shard bottom-up, the root last")
-                parent_of[id(module)] = parent
-        ctx = cls(device, root, Schedule([m for _, m in modules], parent_of))
-        for name, module in modules:
-            module._context, module._name = ctx, name
-            for group in module.parameter_groups:
-                group.module_name = name or "<root>"
-                if group.requires_grad:
-                    group.set_reduction_tag(*ctx.schedule.reduction_tags(module, name))
-        # Fixed by the tree: built once, not per step.
-        ctx.trainable_groups = [g for m in ctx.schedule.backward_modules() for g in m.parameter_groups
-                                if g.requires_grad]
-        check_parameter_locations(root, FsdpModule)
-        if root._communication_policy.double_buffer:
-            # The root keeps its weights from forward into backward, so it never shares a slot.
-            gathered = [g for m in ctx.schedule.forward_modules() if m is not root for g in m.parameter_groups
-                        if g.gather_key() is not None]
-            ctx.gather_slots = GatherSlots.build(gathered, ctx.prefetch_depth, register=root._use_symm_mem)
-        return ctx
-
     @property
-    def root_module(self) -> "FsdpModule":
+    def root_module(self) -> nn.Module:
         root = self._root()
         assert root is not None, "the root module of this FsdpContext was deleted"
         return root
 
     def current_stream(self) -> Optional[torch.Stream]:
         """Current stream on this context's device, or None where the device has no streams."""
-        if self.allgather_stream is None:
-            return None
-        return torch.cuda.current_stream(self.device)
+        return None if self.allgather_stream is None else torch.cuda.current_stream(self.device)
 
     # ------------------------------------------------------------------------------ forward walk
     def begin_forward(self) -> None:
@@ -146,22 +96,39 @@ class FsdpContext:
         self.tag_check.raise_if_mismatched(wait=False)
         self._drop_stale_early_gathers()
         self._forward_issued = self._forward_swept = 0
+        self._repeats, self._open_repeats, self._visits = [], [], {}
         self._backward_active = False
         for group in self.trainable_groups:
             group.release_unused_gradient_memory()
 
-    def forward_reached(self, module: "FsdpModule") -> None:
+    def forward_reached(self, module: Unit) -> Optional[int]:
         """``module`` is about to run forward: issue the unshards up to it, in schedule order
-        (gathering and freeing the modules this rank skipped), then prefetch the next ones."""
-        position = self.schedule.forward_position[id(module)]
-        if position < self._forward_swept:  # a repeated or out-of-order call: gather again
-            module._unshard_parameter_groups()
-            return
+        (gathering and freeing the modules this rank skipped), then prefetch the next ones.
+
+        Returns the index of the visit this call opens among the module's visits of this pass (0
+        for its first call), or None where it continues its previous call (called twice in a row)."""
+        key, position = id(module), self.schedule.forward_position[id(module)]
+        last, self._last_reached = self._last_reached, key
+        visits = self._visits.get(key, 0)
+        if visits or position < self._forward_swept:  # called again, or after the walk swept past it
+            # Gather again; the backward of this call gets its own steps unless it continues the last.
+            module.unshard()
+            if visits and (last == key or key in self.schedule.ancestors[last]):
+                return None
+            while self._open_repeats and self._open_repeats[-1].module_ref().is_idle():
+                self._open_repeats.pop()  # its forward has ended
+            visit = Visit(weakref.ref(module), self.schedule.repeat_point(module, self._forward_swept + 1))
+            (self._open_repeats[-1].children if self._open_repeats else self._repeats).append(visit)
+            self._open_repeats.append(visit)
+            self._visits[key] = visits + 1
+            return visits
         self._issue_forward_through(position - 1, prefetch=False)
         self._release_skipped(position)
-        module._unshard_parameter_groups()
+        module.unshard()
         self._forward_issued = max(self._forward_issued, position + 1)
         self._issue_forward_through(position + self.prefetch_depth, prefetch=True)
+        self._visits[key] = 1
+        return 0
 
     def end_forward(self) -> None:
         """Root post-forward: the modules no rank-local call reached still take their turn."""
@@ -170,11 +137,11 @@ class FsdpContext:
         self._release_skipped(last + 1)
 
     # ------------------------------------------------------------- across the optimizer step
-    def first_forward_modules(self) -> list["FsdpModule"]:
+    def first_forward_modules(self) -> list[Unit]:
         """The modules the next forward gathers first: the root and the ``prefetch_depth`` after it."""
         return [self.schedule.forward_module(i) for i in range(min(1 + self.prefetch_depth, self.schedule.num_forward))]
 
-    def gather_for_next_forward(self, modules: list["FsdpModule"]) -> None:
+    def gather_for_next_forward(self, modules: list[Unit]) -> None:
         """Unshard ``modules`` (``first_forward_modules``, their weights final for this step) now,
         so their gathers run while the optimizer updates the rest. See ``mfsdp.optimizer``.
 
@@ -185,72 +152,73 @@ class FsdpContext:
         if current is not None:
             self.allgather_stream.wait_stream(current)  # after the update and refresh just enqueued
         with torch.profiler.record_function("mfsdp::gather_for_next_forward"):
-            for module in modules:
-                if module._unshard_event is not None or not module._unshard_parameter_groups(prefetch=True):
-                    break  # already held, or a busy slot: the forward walk gathers in order
-                self._gathered_early.append((module, [g.weights_token() for g in module.parameter_groups]))
+            held = next((i for i, m in enumerate(modules) if m.is_unsharded()), len(modules))
+            gathered = modules[:self._unshard_in_order(modules[:held])]  # the forward walk gathers the rest
+            self._gathered_early += [(m, [g.weights_token() for g in m.parameter_groups]) for m in gathered]
 
     def _drop_stale_early_gathers(self) -> None:
         for module, tokens in self._gathered_early:
             if any(g.weights_token() != t for g, t in zip(module.parameter_groups, tokens)):
-                module._reshard_parameter_groups()
+                module.reshard()
         self._gathered_early.clear()
 
+    @staticmethod
+    def _unshard_in_order(modules: Sequence[Unit], prefetch: bool = True) -> int:
+        """Unshard ``modules`` in order; how many were issued. A prefetch that must wait for a busy
+        gather slot stops there: later modules may not gather before it, or the ranks' orders
+        would differ."""
+        for issued, module in enumerate(modules):
+            if not module.unshard(prefetch):
+                return issued
+        return len(modules)
+
     def _issue_forward_through(self, last: int, prefetch: bool) -> None:
-        last = min(last, self.schedule.num_forward - 1)
-        while self._forward_issued <= last:
-            module = self.schedule.forward_module(self._forward_issued)
-            # A prefetch that must wait for a busy gather slot stops here: later modules may not
-            # gather before it, or the ranks' orders would differ.
-            if not module._unshard_parameter_groups(prefetch=prefetch):
-                return
-            self._forward_issued += 1
+        stop = min(last + 1, self.schedule.num_forward)
+        modules = [self.schedule.forward_module(i) for i in range(self._forward_issued, stop)]
+        self._forward_issued += self._unshard_in_order(modules, prefetch)
 
     def _release_skipped(self, stop: int) -> None:
-        from mfsdp.runtime.module import ModulePhase
-
         for position in range(self._forward_swept, stop):
             module = self.schedule.forward_module(position)
-            if module._phase is ModulePhase.IDLE and module is not self.root_module:
-                module._reshard_parameter_groups()
+            if module.is_idle() and module is not self.root_module:
+                module.reshard()
         self._forward_swept = max(self._forward_swept, stop)
 
     # ----------------------------------------------------------------------------- backward walk
-    def backward_reached(self, kind: StepKind, module: "FsdpModule") -> bool:
+    def backward_reached(self, kind: StepKind, module: Unit) -> bool:
         """Perform every backward step up to ``module``'s ``kind`` step; False if already passed."""
         if not self._backward_active:
             self._backward_active = True
             self._backward_cursor = 0
+            self._walk = self.schedule.walk_with(self._repeats) if self._repeats else self.schedule.walk
             _compat.queue_autograd_callback(self._post_backward_final_callback)
-        positions = self.schedule.enter_position if kind is StepKind.ENTER else self.schedule.exit_position
-        target = positions[id(module)]
-        if target < self._backward_cursor:
+        positions = (self._walk.enters if kind is StepKind.ENTER else self._walk.exits)[id(module)]
+        target = next((p for p in positions if p >= self._backward_cursor), None)  # its visit's step
+        if target is None:
             return False
         self._advance_backward(target, module)
         return True
 
-    def has_reduced(self, module: "FsdpModule") -> bool:
+    def has_reduced(self, module: Unit) -> bool:
         """Whether ``module``'s reduction already ran in the backward now in progress."""
-        return self._backward_active and self._backward_cursor > self.schedule.exit_position[id(module)]
+        return self._backward_active and self._backward_cursor > self._walk.exits[id(module)][-1]
 
-    def _advance_backward(self, target: int, signalled: Optional["FsdpModule"]) -> None:
-        steps = self.schedule.backward
+    def _advance_backward(self, target: int, signalled: Optional[Unit]) -> None:
         while self._backward_cursor <= target:
-            step = steps[self._backward_cursor]
+            step = self._walk.steps[self._backward_cursor]
             self._backward_cursor += 1
             module = step.module
             if step.kind is StepKind.ENTER:
                 ran = signalled is not None and self.schedule.is_ancestor_or_self(module, signalled)
-                module._enter_backward(ran)
-                for following in self.schedule.next_in_backward(module, self.prefetch_depth):
-                    if following._gathers_in_backward and not following._unshard_parameter_groups(prefetch=True):
-                        break
+                module.enter_backward(ran)
+                following = self._walk.next_enters(self._backward_cursor - 1, self.prefetch_depth)
+                self._unshard_in_order([m for m in following if m.gathers_in_backward])
             else:
-                module._exit_backward()
+                module.exit_backward(step.reduces)
 
     def _post_backward_final_callback(self) -> None:
         with torch.profiler.record_function("mfsdp::post_backward_final_callback"):
-            self._advance_backward(len(self.schedule.backward) - 1, None)  # what no hook reached
+            self._advance_backward(len(self._walk.steps) - 1, None)  # what no hook reached
             self._backward_active = False
             self.pending_reductions.release(self.current_stream())
             current = self.current_stream()
@@ -260,7 +228,7 @@ class FsdpContext:
             self.backward_count += 1
             groups = self.trainable_groups
             for group in groups:
-                group.finalize_gradients()
+                group.reducer.finalize()
             self.tag_check.end_backward(self.backward_count, current)
             self._check_finite(groups)
 
@@ -270,7 +238,7 @@ class FsdpContext:
         one more all-reduce names the parameters."""
         if not self.is_last_microbatch:
             return
-        checked = [(g, g.nonfinite_flag()) for g in groups if g.policy.check_finite_gradients]
+        checked = [(g, g.reducer.nonfinite_flag()) for g in groups if g.policy.check_finite_gradients]
         checked = [(g, flag) for g, flag in checked if flag is not None]
         if not checked:
             return

@@ -30,15 +30,22 @@ layout is identical every step, and the slots can be registered once with NCCL
 from __future__ import annotations
 
 import warnings
-from collections import defaultdict
-from typing import TYPE_CHECKING, Optional
+from typing import Optional, Protocol
 
 import torch
 
 from mfsdp import _compat
 
-if TYPE_CHECKING:
-    from mfsdp.runtime.parameter_group import FsdpParameterGroup
+
+class FsdpParameterGroup(Protocol):
+    """What a slot needs of the group it serves (``parameter_group.FsdpParameterGroup``)."""
+
+    label: str
+    geometry: object
+
+    def gather_key(self) -> Optional[tuple]: ...
+
+    def bind_gather_slot(self, slot: "GatherSlot") -> None: ...
 
 
 class GatherSlot:
@@ -83,12 +90,7 @@ class GatherSlots:
         process group (user-buffer / symmetric-memory collectives).
         """
         built, per_size = cls(), depth + 1
-        by_size: dict[tuple, list] = defaultdict(list)
-        for group in groups_in_order:
-            by_size[group.gather_key()].append(group)
-        # Only sizes shared by more modules than slots: a persistent buffer per module would only
-        # keep memory that the allocator path frees between uses (an untied embedding and head).
-        shared = [(key, members) for key, members in by_size.items() if len(members) > per_size]
+        shared = list(slotted(groups_in_order, lambda g: g.gather_key(), depth).items())
         if not shared:
             return built
         specs = [key for key, _ in shared for _ in range(per_size)]
@@ -105,6 +107,16 @@ class GatherSlots:
             for k, group in enumerate(members):
                 group.bind_gather_slot(slots[k % per_size])
         return built
+
+
+def slotted(groups_in_order: list, key, depth: int) -> dict:
+    """The slot rule, which ``mfsdp.memory`` plans with too: gather size (``key`` of a group) -> its
+    groups, for the sizes shared by more than ``depth + 1`` groups. A persistent buffer per module
+    would only keep memory that the allocator path frees between uses (an untied embedding and head)."""
+    by_key: dict = {}
+    for group in groups_in_order:
+        by_key.setdefault(key(group), []).append(group)
+    return {k: members for k, members in by_key.items() if len(members) > depth + 1}
 
 
 def registration(group_sizes: list[int], allocator_problem: Optional[str]) -> bool:

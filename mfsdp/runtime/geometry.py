@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -14,12 +14,45 @@ from mfsdp import _compat
 from mfsdp.placement import Placements
 
 
-class ShardGeometry:
-    """The sharded axes of a placement combination, coarsest first, seen from this rank.
+class Levels:
+    """The sharded axes of a placement combination as sizes, coarsest first: the level math alone,
+    which the planner (``mfsdp.memory``) uses without a mesh and ``ShardGeometry`` extends with one.
 
     Level ``j`` means "split over the first ``j`` sharded axes": level 0 is whole, level
-    ``num_levels`` is the optimizer shard. Moving from level ``j`` to ``j + 1`` is one
-    reduce-scatter over ``groups[j]``; the way back is one all-gather.
+    ``num_levels`` is the optimizer shard.
+    """
+
+    def __init__(self, sizes: Sequence[int], param_level: int, grad_level: int) -> None:
+        self.sizes = tuple(sizes)  # size of each sharded axis, in shard order
+        self.param_level = param_level  # levels that shard the compute weights at rest (0: replicated)
+        self.grad_level = grad_level  # levels reduce-scattered on every backward
+        self.num_levels = len(self.sizes)
+        self.num_shards = math.prod(self.sizes)
+
+    @classmethod
+    def of(cls, placements: Placements, mesh_shape: Mapping) -> "Levels":
+        """The levels of ``placements`` over a mesh of ``mesh_shape`` (axis name -> size)."""
+        missing = [a for a in placements.dp_axes if a not in mesh_shape]
+        if missing:
+            raise ValueError(f"mesh_shape {dict(mesh_shape)} has no size for the axes {missing} that "
+                             f"{placements.name} names; give every axis of Placements.dp_axes a size")
+        return cls([int(mesh_shape[placements.dp_axes[i]]) for i in placements.shard_order],
+                   placements.num_param_sharded, placements.num_grad_sharded)
+
+    def ways(self, level: int) -> int:
+        return math.prod(self.sizes[:level])
+
+    @property
+    def into_accumulator(self) -> bool:
+        """HFSDP: every backward reduces into an accumulator, the last one into the main gradient."""
+        return 0 < self.grad_level < self.num_levels
+
+
+class ShardGeometry(Levels):
+    """The sharded axes of a placement combination, coarsest first, seen from this rank.
+
+    Moving from level ``j`` to ``j + 1`` is one reduce-scatter over ``groups[j]``; the way back is
+    one all-gather.
     """
 
     def __init__(self, mesh: DeviceMesh, placements: Placements) -> None:
@@ -27,15 +60,12 @@ class ShardGeometry:
         self.placements = placements
         self.dims = placements.resolve_axes(mesh)
         order = placements.shard_order
-        self.sizes = [mesh.size(self.dims[i]) for i in order]
+        super().__init__([mesh.size(self.dims[i]) for i in order], placements.num_param_sharded,
+                         placements.num_grad_sharded)
         self.groups = [mesh.get_group(self.dims[i]) for i in order]
         self.coords = [mesh.get_local_rank(self.dims[i]) for i in order]
-        self.num_levels = len(order)
-        self.param_level = placements.num_param_sharded
-        self.grad_level = placements.num_grad_sharded
         self.grad_all_reduce_groups = [mesh.get_group(self.dims[i]) for i in placements.grad_all_reduced]
         self.deferred_all_reduce_groups = [mesh.get_group(self.dims[i]) for i in placements.deferred_all_reduce]
-        self.num_shards = math.prod(self.sizes)
         self.shard_index = self.index(self.num_levels)
         self._order = order
         self._exposed: Optional[tuple] = None  # (mesh, placements, dim map), built on first use
@@ -46,13 +76,6 @@ class ShardGeometry:
         if self.mesh.device_type == "cuda":
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device(self.mesh.device_type)
-
-    @property
-    def has_deferred(self) -> bool:
-        return self.grad_level < self.num_levels or bool(self.deferred_all_reduce_groups)
-
-    def ways(self, level: int) -> int:
-        return math.prod(self.sizes[:level])
 
     def index(self, level: int) -> int:
         """This rank's block at ``level`` (mixed radix over the first ``level`` sharded axes)."""

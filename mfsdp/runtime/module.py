@@ -31,20 +31,22 @@ from mfsdp.communication import CommunicationPolicy
 from mfsdp.mixed_precision import MixedPrecisionPolicy
 from mfsdp.placement import Placements
 from mfsdp.runtime.context import FsdpContext
+from mfsdp.runtime.gather_slots import GatherSlots
 from mfsdp.runtime.geometry import ShardGeometry
-from mfsdp.runtime.ownership import collect_owned_parameters, gathers_in_backward, group_parameters
+from mfsdp.runtime.ownership import (check_parameter_locations, collect_owned_parameters, gathers_in_backward,
+                                     group_parameters)
 from mfsdp.runtime.parameter_group import FsdpParameterGroup
 from mfsdp.runtime.registry import GROUP_OF_SHARDED, OWNER_OF_PARAMETER
-from mfsdp.runtime.schedule import StepKind
+from mfsdp.runtime.schedule import Schedule, StepKind
 
 _CPU_READY = object()  # unshard "event" on devices without streams: the work is already done
 
 _ORDER_HELP = (
     "mfsdp issues collectives in a static order so that ranks running different modules stay in step: "
-    "each FSDP module may run forward at most once per pass, in the order its parent registers it, and "
-    "backward once per forward, in reverse. Register modules in the order they run, call backward once "
-    "per forward (accumulate with mfsdp.microbatch), and keep a module that is called twice on "
-    "consecutive calls."
+    "each FSDP module runs forward first in the order its parent registers it (a module called again "
+    "later must be called again identically on every rank), and backward once per forward, in reverse. "
+    "Register modules in the order they run and call backward once per forward (accumulate with "
+    "mfsdp.microbatch)."
 )
 
 
@@ -94,11 +96,11 @@ class FsdpModule:
         self._fsdp_parent: Optional[weakref.ref] = None
         self._phase = ModulePhase.IDLE
         self._unshard_event: Any = None
-        self._inputs_hooked = 0  # forward calls whose inputs' backward has not run yet
+        self._calls: list[int] = []  # per visit (``schedule.Visit``): calls whose inputs' backward is to come
         self._use_symm_mem = use_symm_mem
         self._communication_policy = communication_policy or CommunicationPolicy()
         owned, children = collect_owned_parameters(self, FsdpModule)
-        self._gathers_in_backward = gathers_in_backward(self, owned)
+        self.gathers_in_backward = gathers_in_backward(self, owned)
         for child in children:
             child._fsdp_parent = weakref.ref(self)
         geometry = ShardGeometry(mesh, placements)
@@ -137,8 +139,16 @@ class FsdpModule:
     def phase(self) -> ModulePhase:
         return self._phase
 
+    def is_idle(self) -> bool:
+        return self._phase is ModulePhase.IDLE
+
+    def is_unsharded(self) -> bool:
+        """Whether this module's unshard was issued (prefetched or gathered) and not yet undone."""
+        return self._unshard_event is not None
+
     def is_root(self) -> bool:
-        """Whether this module is the outermost FsdpModule in its context."""
+        """Whether this module is the outermost FsdpModule in its context (before the context is
+        built: has no FSDP parent). The one rule; ``fsdp_roots`` finds the roots by it."""
         if self._context is not None:
             return self._context.root_module is self
         return self._fsdp_parent is None
@@ -149,9 +159,8 @@ class FsdpModule:
         Optimizer steps and ``load_state_dict`` trigger this by themselves.
         """
         for group in self._parameter_groups:
-            group.weights_epoch += 1
-            group.refresh_model_weights()
-            group.needs_refresh = False
+            group.weights_written()
+            group.refresh_if_stale()
 
     def _apply(self, fn, recurse: bool = True):
         """``to_empty``, ``to``, ``cuda``, ``float``... on a sharded module: buffers convert as usual;
@@ -168,8 +177,8 @@ class FsdpModule:
         dtype raises instead. The compute weights are re-derived at the next unshard, after
         whatever the caller writes into the shards next.
         """
-        modules = self.modules() if recurse else (self,)
-        groups = [g for m in modules if isinstance(m, FsdpModule) for g in m._parameter_groups]
+        units = [m for _, m in fsdp_modules(self)] if recurse else [self]
+        groups = [g for m in units for g in m._parameter_groups]
         self._check_conversion(fn, groups)
         # Take mfsdp's parameters out of every dict that holds them (this module's subtree and
         # aliases), keeping each dict's order so that named_parameters() is unchanged afterwards.
@@ -189,7 +198,7 @@ class FsdpModule:
                 parameters.update((key, current.get(key, value)) for key, value in items)
                 parameters.update((key, value) for key, value in current.items() if key not in parameters)
             for group in groups:
-                group.main_weights_replaced()  # the caller initialises or loads the shards next
+                group.weights_written()  # the caller initialises or loads the shards next
         return result
 
     def _check_conversion(self, fn, groups) -> None:
@@ -270,30 +279,30 @@ class FsdpModule:
                             f"load_state_dict replaced mfsdp's sharded parameter {name!r} of {self.name}"
                             " (assign=True?); load with assign=False so values are copied into the shards"
                         )
-            group.main_weights_replaced()
+            group.weights_written()
 
     # -------------------------------------------------------------------------------- forward
     def pre_forward(self, args=(), kwargs=None):
         """Unshard for forward compute (the walk prefetches the next modules)."""
-        ctx = FsdpContext.ensure(self)
+        ctx = build_context(self)
         with record_function(self._nvtx_label("pre_forward")):
             if _compat.backward_is_running():  # a checkpoint's recompute: backward needs the weights
                 if self._phase is not ModulePhase.BACKWARD:
                     self._signal_enter_backward()
-                self._unshard_parameter_groups()
-                self._wait_for_unshard()
-                self._use_unsharded_params()
+                self._use_for_compute()
                 return args, kwargs
             if self.is_root():
                 ctx.begin_forward()
             self._set_phase(ModulePhase.FORWARD)
-            ctx.forward_reached(self)
-            self._wait_for_unshard()
-            self._use_unsharded_params()
+            visit = ctx.forward_reached(self)
+            self._use_for_compute()
+            if visit is not None or not self._calls:
+                del self._calls[visit or 0:]
+                self._calls.append(0)
             if torch.is_grad_enabled():
                 # Every call counts; only calls whose inputs need grad can report their backward,
-                # so the EXIT signal fires only when all calls of this forward have reported.
-                self._inputs_hooked += 1
+                # so the EXIT signal fires only when all calls of this visit have reported.
+                self._calls[-1] += 1
                 args, kwargs = self._hook_inputs(args, kwargs or {})
         return args, kwargs
 
@@ -311,7 +320,7 @@ class FsdpModule:
             if self.is_root():
                 ctx.end_forward()
             if not (training and self.is_root()):  # the root keeps its storage for backward
-                self._reshard_parameter_groups()
+                self.reshard()
         return output
 
     def _hook_inputs(self, args, kwargs):
@@ -353,32 +362,34 @@ class FsdpModule:
                 f"passed it (its gradients were already reduced, as zeros, in this backward). {_ORDER_HELP}")
 
     def _on_inputs_backward(self) -> None:
-        self._inputs_hooked = max(0, self._inputs_hooked - 1)
-        if self._inputs_hooked == 0 and self._phase is ModulePhase.BACKWARD:
+        if self._calls:
+            self._calls[-1] = max(0, self._calls[-1] - 1)
+        if not (self._calls and self._calls[-1]) and self._phase is ModulePhase.BACKWARD:
             self.context.backward_reached(StepKind.EXIT, self)
 
-    def _enter_backward(self, ran: bool) -> None:
+    def enter_backward(self, ran: bool) -> None:
         """The walk's ENTER step: unshard (and, where this rank runs the backward, make the
         unsharded parameters current). A module this rank skipped is only gathered."""
         with record_function(self._nvtx_label("pre_backward")):
             if ran:
                 self._set_phase(ModulePhase.BACKWARD)
-            if not self._gathers_in_backward:
-                return
-            self._unshard_parameter_groups()
-            if ran:
-                self._wait_for_unshard()
-                self._use_unsharded_params()
+            if ran and self.gathers_in_backward:
+                self._use_for_compute()
+            elif self.gathers_in_backward:
+                self.unshard()
 
-    def _exit_backward(self) -> None:
-        """The walk's EXIT step: reshard, then reduce (a missing gradient counts as zero)."""
+    def exit_backward(self, reduce: bool = True) -> None:
+        """The walk's EXIT step: reshard, then reduce (a missing gradient counts as zero). A visit's
+        EXIT (``reduce=False``) leaves the gradients in ``.grad`` for the module's last EXIT."""
         with record_function(self._nvtx_label("post_backward")):
             if self._phase is ModulePhase.BACKWARD:
                 self._set_phase(ModulePhase.IDLE)
-            self._inputs_hooked = 0
+            if self._calls:
+                self._calls.pop()
             self._use_sharded_params()
-            self._reshard_parameter_groups()  # free first: the reduction allocates
-            self._reduce_gradient_groups()
+            self.reshard()  # free first: the reduction allocates
+            if reduce:
+                self._reduce_gradient_groups()
 
     def _reduce_gradient_groups(self) -> None:
         """Pack gradients and immediately launch their reductions."""
@@ -387,16 +398,16 @@ class FsdpModule:
             return
         ctx = self.context
         with record_function(self._nvtx_label("reduce_gradients")):
-            nbytes = sum(g.reduction_nbytes for g in groups)
+            nbytes = sum(g.reducer.reduction_nbytes for g in groups)
             ctx.pending_reductions.release(ctx.current_stream(), nbytes)
             keep_alive: list = []
             for group in groups:
                 keep_alive.extend(group.reduce_gradients(ctx.is_last_microbatch, ctx.reduce_scatter_stream,
-                                                         ctx.tag_check.record_for(self)))
+                                                         ctx.tag_check.record_for(ctx.schedule.exit_position[id(self)])))
             ctx.pending_reductions.track(ctx.reduce_scatter_stream, keep_alive, nbytes)
 
     # ------------------------------------------------------------------------ unshard/reshard
-    def _unshard_parameter_groups(self, prefetch: bool = False) -> bool:
+    def unshard(self, prefetch: bool = False) -> bool:
         """Unshard this module's parameter groups on the all-gather stream; False if a prefetch
         was declined.
 
@@ -412,19 +423,21 @@ class FsdpModule:
         stream = self.context.allgather_stream
         with record_function(self._nvtx_label("unshard")):
             for group in self._parameter_groups:
-                if group.needs_refresh:
-                    group.refresh_model_weights(stream)
-                    group.needs_refresh = False
+                group.refresh_if_stale(stream)
                 group.unshard(stream)
             self._unshard_event = stream.record_event() if stream is not None else _CPU_READY
         return True
 
-    def _wait_for_unshard(self) -> None:
-        event = self._unshard_event
-        if event is not None and event is not _CPU_READY:
-            self.context.current_stream().wait_event(event)
+    def _use_for_compute(self) -> None:
+        """Unshard (or find it unsharded), make compute wait for exactly this module's gather, and
+        put the unsharded parameters into the module."""
+        self.unshard()
+        if self._unshard_event is not _CPU_READY:
+            self.context.current_stream().wait_event(self._unshard_event)
+        for group in self._parameter_groups:
+            group.use_unsharded_params()
 
-    def _reshard_parameter_groups(self) -> None:
+    def reshard(self) -> None:
         """Release unsharded storage once compute is done; the next user gathers afresh."""
         if self._unshard_event is None:
             return
@@ -437,10 +450,68 @@ class FsdpModule:
                 group.reshard(stream)
         self._unshard_event = None
 
-    def _use_unsharded_params(self) -> None:
-        for group in self._parameter_groups:
-            group.use_unsharded_params()
-
     def _use_sharded_params(self) -> None:
         for group in self._parameter_groups:
             group.use_sharded_params()
+
+
+def fsdp_modules(module: nn.Module) -> list[tuple[str, FsdpModule]]:
+    """The FSDP modules under ``module`` (itself included), named relative to it, in registration
+    pre-order: the one walk that finds a tree's units."""
+    return [(name, m) for name, m in module.named_modules() if isinstance(m, FsdpModule)]
+
+
+def fsdp_roots(module: nn.Module) -> list[FsdpModule]:
+    """The FSDP roots under ``module`` (``FsdpModule.is_root``)."""
+    return [m for _, m in fsdp_modules(module) if m.is_root()]
+
+
+def build_context(root: FsdpModule) -> FsdpContext:
+    """Build the context of the FSDP tree under ``root`` on its first forward (or first ``microbatch``
+    scope); later calls return it.
+
+    fully_shard is applied bottom-up, so children exist before their eventual root. The root is
+    therefore resolved lazily, on the first forward through the outermost FsdpModule, and shares one
+    context with every FSDP descendant. Rejected alternatives: eager contexts per fully_shard call
+    (transient child contexts, and every parent re-walks its descendants: quadratic), and an is_root
+    flag on every module (per-module state that must be kept consistent with the final hierarchy).
+    """
+    if root._context is not None:
+        return root._context
+    parent = root._fsdp_parent() if root._fsdp_parent is not None else None
+    if parent is not None:
+        raise RuntimeError(
+            f"{type(root).__name__} ran forward before its FSDP root {type(parent).__name__} ever "
+            "did; run the root module's forward (it calls this one), not a sharded child directly"
+        )
+    modules = fsdp_modules(root)
+    device = next((g.params[0].device for _, m in modules for g in m.parameter_groups), None)
+    if device is None:
+        raise RuntimeError(f"{type(root).__name__}: no parameters under this FSDP root")
+    parent_of = {}
+    for name, module in modules:
+        if module._context is not None:
+            raise RuntimeError(
+                f"FSDP module {name!r} already ran forward as its own root before {type(root).__name__} "
+                "was sharded; shard bottom-up and only then run the model"
+            )
+        if module is not root:
+            parent = module._fsdp_parent() if module._fsdp_parent is not None else None
+            if parent is None:
+                raise RuntimeError(f"FSDP module {name!r} has no FSDP parent under {type(root).__name__}; "
+                                   "apply fully_shard bottom-up, the root last")
+            parent_of[id(module)] = parent
+    policy = root._communication_policy
+    ctx = FsdpContext(device, root, Schedule([m for _, m in modules], parent_of), policy)
+    for name, module in modules:
+        module._context, module._name = ctx, name
+        for group in module.parameter_groups:
+            group.module_name = name or "<root>"
+            if group.requires_grad:
+                group.reducer.set_tags(*ctx.schedule.reduction_tags(module, name))
+    check_parameter_locations(root, FsdpModule)
+    if policy.double_buffer:
+        # The root keeps its weights from forward into backward, so it never shares a slot.
+        gathered = [g for _, m in modules if m is not root for g in m.parameter_groups if g.gather_key() is not None]
+        ctx.gather_slots = GatherSlots.build(gathered, ctx.prefetch_depth, register=root._use_symm_mem)
+    return ctx

@@ -68,11 +68,12 @@ class FsdpParameterGroup:
         self.policy = policy
         self.requires_grad = params[0].requires_grad
         self.state = GroupState.SHARDED
-        self.needs_refresh = False  # main weights changed since the compute weights were derived
+        # Weight staleness, written only by ``weights_written`` and ``refresh_if_stale``.
+        self._stale = False  # main weights written since the compute weights were derived
         # Bumped whenever the main weights are (about to be) written: a step, a load, an init, an
         # edit the user reports. Tensor version counters cannot say it: a fused optimizer step
         # bumps none, and in-place ops that DTensor runs on its local shard bump neither tensor's.
-        self.weights_epoch = 0
+        self._weights_epoch = 0
         self.issue = CollectiveIssuer(label, policy.coalesce, policy.check_collectives
                                       or os.environ.get("MFSDP_CHECK_COLLECTIVES", "0") not in ("", "0"))
         device = params[0].device
@@ -233,12 +234,18 @@ class FsdpParameterGroup:
             self._slot.release(self)  # the next holder gathers on ``stream``, after this compute
         self.state = GroupState.SHARDED
 
-    def main_weights_replaced(self) -> None:
-        """The main weights were written outside an optimizer step (a state-dict load, an init):
-        derive the compute weights afresh at the next unshard; the new epoch retires what was derived
-        from the old weights (precomputed FP8 scales, a gather made during the step)."""
-        self.needs_refresh = True
-        self.weights_epoch += 1
+    @property
+    def weights_epoch(self) -> int:
+        """Bumped by every ``weights_written``: what was derived from the main weights (precomputed
+        FP8 scales, a gather made during the step) holds only for the epoch it was made in."""
+        return self._weights_epoch
+
+    def weights_written(self) -> None:
+        """The main weights are being (or were) written: an optimizer step, a state-dict load, an
+        init, an edit the user reports. The new epoch retires what was derived from the old weights,
+        and the next ``refresh_if_stale`` derives the compute weights afresh."""
+        self._stale = True
+        self._weights_epoch += 1
 
     def weights_token(self) -> tuple[int, ...]:
         """Changes whenever what ``unshard`` gathers from may have been written: ``weights_epoch``
@@ -248,9 +255,11 @@ class FsdpParameterGroup:
         return (self.weights_epoch, model, sum(p._version for p in self.sharded_params),
                 sum(local_tensor(p)._version for p in self.sharded_params))
 
-    def refresh_model_weights(self, stream: Optional[torch.Stream] = None) -> None:
-        """Cast the main weights into the compute weights (one kernel), re-gathering if needed."""
-        if self.main_aliases_model or self.model_on_the_fly:
+    def refresh_if_stale(self, stream: Optional[torch.Stream] = None) -> None:
+        """Where the main weights were written since, cast them into the compute weights on
+        ``stream`` (one kernel), re-gathering if needed."""
+        stale, self._stale = self._stale, False
+        if not stale or self.main_aliases_model or self.model_on_the_fly:
             return
         g = self.geometry
         with torch.no_grad(), stream_context(stream):
@@ -277,7 +286,7 @@ class FsdpParameterGroup:
                 self.issue("all_gather", outs, regions, g.groups[j], stream)
             elif j == level - 1:  # this rank's shard, encoded in place: gathered as bytes
                 self.issue("all_gather", *encoded.encode(regions, outs, g.groups[j], g.groups[:level],
-                                                         self.weights_epoch, j == stop), g.groups[j], stream)
+                                                         self._weights_epoch, j == stop), g.groups[j], stream)
             else:
                 self.issue("all_gather", gather_codec.as_bytes(outs), gather_codec.as_bytes(regions),
                            g.groups[j], stream)
@@ -305,21 +314,8 @@ class FsdpParameterGroup:
         """The reduced gradients at the optimizer level (None before the first reduction)."""
         return self.reducer.main_grad
 
-    @property
-    def reduction_nbytes(self) -> int:
-        return self.reducer.reduction_nbytes
-
-    def set_reduction_tag(self, position_tag: int, name_tag: int) -> None:
-        self.reducer.set_tags(position_tag, name_tag)
-
     def release_unused_gradient_memory(self) -> None:
         self.reducer.release_unused_memory()
-
-    def nonfinite_flag(self) -> Optional[torch.Tensor]:
-        return self.reducer.nonfinite_flag()
-
-    def finalize_gradients(self) -> None:
-        self.reducer.finalize()
 
     def reduce_gradients(self, is_last: bool, stream: Optional[torch.Stream],
                          record_tag: Callable[[torch.Tensor, torch.Tensor], None]) -> list[torch.Tensor]:

@@ -35,8 +35,8 @@ from mfsdp import _compat
 from mfsdp.mixed_precision import ResolvedDtypes
 from mfsdp.runtime.flat_buffer import FlatBuffer, FlatLayout, pack_gradients
 from mfsdp.runtime.geometry import ShardGeometry, contiguous_stride
-from mfsdp.runtime.tag_check import TAG_COLUMNS
 
+TAG_COLUMNS = 4  # the reduction tags a, a*a, b, b*b beside the usage counts (see ``tag_check``)
 
 class Source(enum.Enum):
     RAW = "raw"  # the autograd gradients of this backward (or of every microbatch, for ZeRO-1/DDP)

@@ -18,25 +18,53 @@ So the order is fixed once, from the module tree, and every rank walks it with a
   every step before it too, so a module that never ran backward here still gathers and reduces (its
   missing gradients count as zero) at its place in the order. The end of autograd finishes the walk.
 
+A module called again after the forward walk has reached it (weight-shared layers called once per
+loop) re-gathers, and the backward walk of that pass gets a ``Visit`` for the call: its ENTER and
+EXIT steps go where its backward runs, the gradients stay in ``.grad``, and the module reduces once,
+at its static EXIT step. A call right after the module's previous one (``block(block(x))``)
+continues that visit: one gather and one backward for both.
+
 Cost: a module skipped on a rank still costs that rank its collectives (a gather, and a reduction of
 zeros), which the ranks that ran it need anyway; and a module's reduction may wait for the next
 module's backward to begin where no hook says it is finished sooner. Where the guarantee ends: a
-module must run at most once per forward pass in registration order and run backward in the reverse
-order (consecutive repeated calls are fine). A module that runs after the walk has passed it costs a
-re-gather, and is correct only if every rank does the same; one whose backward starts after its
-reduction raises an error that names it.
+module called again must be called again identically on every rank (the visits add collectives;
+the debug mode names a rank that differs), and its calls' backwards must run in reverse call order;
+one whose backward starts after its reduction raises an error that names it.
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import enum
 import weakref
 import zlib
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from mfsdp.runtime.module import FsdpModule
+
+class Unit(Protocol):
+    """A unit of the walk as the schedule and the engine (``context``) see it: they drive it
+    through these names only (``runtime.module.FsdpModule`` implements them)."""
+
+    gathers_in_backward: bool  # False for a bare embedding: its backward never reads its table
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def parameter_groups(self) -> tuple: ...
+
+    def is_idle(self) -> bool: ...
+
+    def is_unsharded(self) -> bool: ...
+
+    def unshard(self, prefetch: bool = False) -> bool: ...
+
+    def reshard(self) -> None: ...
+
+    def enter_backward(self, ran: bool) -> None: ...
+
+    def exit_backward(self, reduce: bool = True) -> None: ...
 
 
 class StepKind(enum.Enum):
@@ -48,18 +76,54 @@ class StepKind(enum.Enum):
 class BackwardStep:
     kind: StepKind
     module_ref: weakref.ref
+    reduces: bool = True  # an EXIT step that reduces: only the module's last EXIT step in the walk
 
     @property
-    def module(self) -> "FsdpModule":
+    def module(self) -> Unit:
         module = self.module_ref()
         assert module is not None, "an FSDP module of this context was deleted"
         return module
 
 
+@dataclasses.dataclass
+class Visit:
+    """A call of a module made after the forward walk had reached it (a weight-shared block called
+    again after the others), with the visits of the calls nested in it. Every rank must make the
+    same ones. Its backward steps go at ``at``, a step of the static walk (``Schedule.repeat_point``):
+    ENTER re-gathers for the call's backward, EXIT reshards and leaves the gradients in ``.grad``
+    for the module's reduction at its static EXIT step."""
+
+    module_ref: weakref.ref
+    at: int
+    children: list["Visit"] = dataclasses.field(default_factory=list)
+
+    def steps(self) -> list[BackwardStep]:
+        inner = [step for child in reversed(self.children) for step in child.steps()]
+        return [BackwardStep(StepKind.ENTER, self.module_ref), *inner,
+                BackwardStep(StepKind.EXIT, self.module_ref, reduces=False)]
+
+
+class Walk:
+    """The steps of one backward walk, and where each module's ENTER and EXIT steps are."""
+
+    def __init__(self, steps: list[BackwardStep]) -> None:
+        self.steps = tuple(steps)
+        self.enters: dict[int, list[int]] = {}
+        self.exits: dict[int, list[int]] = {}
+        self._enter_steps = [i for i, step in enumerate(self.steps) if step.kind is StepKind.ENTER]
+        for i, step in enumerate(self.steps):
+            (self.enters if step.kind is StepKind.ENTER else self.exits).setdefault(id(step.module), []).append(i)
+
+    def next_enters(self, position: int, count: int) -> list[Unit]:
+        """The modules of the ``count`` ENTER steps after the one at ``position``."""
+        rank = bisect.bisect_right(self._enter_steps, position)
+        return [self.steps[i].module for i in self._enter_steps[rank:rank + count]]
+
+
 class Schedule:
     """Static forward and backward walks of one root's FSDP modules."""
 
-    def __init__(self, forward: list["FsdpModule"], parent_of: dict[int, "FsdpModule"]) -> None:
+    def __init__(self, forward: list[Unit], parent_of: dict[int, Unit]) -> None:
         self._forward = [weakref.ref(m) for m in forward]
         self.forward_position = {id(m): i for i, m in enumerate(forward)}
         children: dict[int, list] = {id(m): [] for m in forward}
@@ -67,27 +131,23 @@ class Schedule:
             children[id(parent_of[id(m)])].append(m)
         self.ancestors: dict[int, frozenset[int]] = {}
         steps: list[BackwardStep] = []
-        enter_order: list["FsdpModule"] = []
         # Depth first, children in reverse registration order; iterative, since a recursive closure
         # is a reference cycle that would keep these module lists alive until the garbage collector.
-        stack: list[tuple[StepKind, "FsdpModule", frozenset[int]]] = [(StepKind.ENTER, forward[0], frozenset())]
+        stack: list[tuple[StepKind, Unit, frozenset[int]]] = [(StepKind.ENTER, forward[0], frozenset())]
         while stack:
             kind, module, ancestors = stack.pop()
             steps.append(BackwardStep(kind, weakref.ref(module)))
             if kind is StepKind.EXIT:
                 continue
             self.ancestors[id(module)] = ancestors
-            enter_order.append(module)
             stack.append((StepKind.EXIT, module, ancestors))
             inner = ancestors | {id(module)}
             stack.extend((StepKind.ENTER, child, inner) for child in children[id(module)])  # last pops first
-        self.backward: tuple[BackwardStep, ...] = tuple(steps)
-        self.enter_position = {id(s.module): i for i, s in enumerate(steps) if s.kind is StepKind.ENTER}
-        self.exit_position = {id(s.module): i for i, s in enumerate(steps) if s.kind is StepKind.EXIT}
-        self._enter_order = [weakref.ref(m) for m in enter_order]
-        self._enter_index = {id(m): i for i, m in enumerate(enter_order)}
+        self.walk = Walk(steps)  # the backward walk of a pass that called no module again
+        self.backward: tuple[BackwardStep, ...] = self.walk.steps
+        self.exit_position = {key: positions[0] for key, positions in self.walk.exits.items()}
 
-    def forward_module(self, position: int) -> "FsdpModule":
+    def forward_module(self, position: int) -> Unit:
         module = self._forward[position]()
         assert module is not None, "an FSDP module of this context was deleted"
         return module
@@ -96,22 +156,34 @@ class Schedule:
     def num_forward(self) -> int:
         return len(self._forward)
 
-    def forward_modules(self) -> list["FsdpModule"]:
-        return [self.forward_module(i) for i in range(len(self._forward))]
-
-    def backward_modules(self) -> list["FsdpModule"]:
+    def backward_modules(self) -> list[Unit]:
         """Modules in backward enter order (node first, children reversed)."""
-        return [ref() for ref in self._enter_order if ref() is not None]
+        return [step.module for step in self.backward if step.kind is StepKind.ENTER]
 
-    def next_in_backward(self, module: "FsdpModule", distance: int) -> list["FsdpModule"]:
-        """The ``distance`` modules entered after ``module`` in backward."""
-        start = self._enter_index[id(module)] + 1
-        return [ref() for ref in self._enter_order[start:start + distance] if ref() is not None]
-
-    def is_ancestor_or_self(self, candidate: "FsdpModule", module: "FsdpModule") -> bool:
+    def is_ancestor_or_self(self, candidate: Unit, module: Unit) -> bool:
         return candidate is module or id(candidate) in self.ancestors[id(module)]
 
-    def reduction_tags(self, module: "FsdpModule", name: str) -> tuple[int, int]:
+    def repeat_point(self, module: Unit, swept: int) -> int:
+        """Where the backward of a call of ``module`` goes that the forward made once its walk had
+        reached ``swept`` positions: before the first ENTER step, in the static walk, of a module
+        the forward had reached by then, ``module``'s ancestors excepted (its own ENTER qualifies)."""
+        ancestors = self.ancestors[id(module)]
+        return next(i for i, step in enumerate(self.backward) if step.kind is StepKind.ENTER
+                    and self.forward_position[id(step.module)] < swept and id(step.module) not in ancestors)
+
+    def walk_with(self, repeats: list[Visit]) -> Walk:
+        """The backward walk of a pass whose forward made the ``repeats`` (outermost, in call order):
+        each one's steps at its place, a later call's before an earlier one's at the same place."""
+        at: dict[int, list[Visit]] = {}
+        for visit in repeats:
+            at.setdefault(visit.at, []).insert(0, visit)
+        steps = []
+        for i, step in enumerate(self.backward):
+            steps.extend(s for visit in at.get(i, ()) for s in visit.steps())
+            steps.append(step)
+        return Walk(steps)
+
+    def reduction_tags(self, module: Unit, name: str) -> tuple[int, int]:
         """Two small integers identifying ``module``'s reductions (see ``tag_check``): its place in
         the backward walk, which differs between neighbours, and a hash of its name, which differs
         where ranks built different trees."""

@@ -27,34 +27,23 @@ from typing import Callable, Optional
 
 import torch
 
-from mfsdp.runtime.schedule import Schedule
-
-TAG_COLUMNS = 4  # a, a*a, b, b*b
-
-MISMATCH_HELP = (
-    "Ranks issued their collectives in different orders. Re-run with MFSDP_CHECK_COLLECTIVES=1 (or "
-    "CommunicationPolicy(check_collectives=True)) to stop at the first divergent collective with every "
-    "rank's module and call path; torch's flight recorder (TORCH_FR_BUFFER_SIZE=2000) records the "
-    "collectives each rank issued."
-)
-
-
-class CollectiveMismatchError(RuntimeError):
-    """Ranks combined different modules' data in one collective (or would have)."""
+from mfsdp.runtime.errors import MISMATCH_HELP, CollectiveMismatchError
 
 
 class TagCheck:
-    """Collects per-module mismatch flags during a backward and reports them without stalling."""
+    """Collects per-module mismatch flags during a backward and reports them without stalling.
 
-    def __init__(self, schedule: Schedule, device: torch.device) -> None:
-        self._schedule = schedule
-        self._flags = torch.zeros(len(schedule.backward), dtype=torch.int32, device=device)
+    A flag per step of the static backward walk; ``name_at(position)`` names the module whose EXIT
+    step is at ``position``."""
+
+    def __init__(self, num_steps: int, name_at: Callable[[int], str], device: torch.device) -> None:
+        self._name_at = name_at
+        self._flags = torch.zeros(num_steps, dtype=torch.int32, device=device)
         self._pending: collections.deque = collections.deque()  # (host flags, event or None, backward)
 
-    def record(self, module, received: torch.Tensor, expected: torch.Tensor) -> None:
-        """Flag ``module`` if the reduced tag columns ``received`` differ from ``expected`` (called on
-        the stream that ran the reduction)."""
-        position = self._schedule.exit_position[id(module)]
+    def record(self, position: int, received: torch.Tensor, expected: torch.Tensor) -> None:
+        """Flag the module whose EXIT step is at ``position`` if the reduced tag columns ``received``
+        differ from ``expected`` (called on the stream that ran the reduction)."""
         self._flags[position:position + 1].add_((received != expected).any().view(1))
 
     def end_backward(self, backward_count: int, stream: Optional[torch.Stream]) -> None:
@@ -88,13 +77,13 @@ class TagCheck:
         bad = [i for i, flag in enumerate(host.tolist()) if flag]
         if not bad:
             return
-        names = [self._schedule.backward[i].module.name or "<root>" for i in bad]
+        names = [self._name_at(i) for i in bad]
         raise CollectiveMismatchError(
             f"mfsdp: collective mismatch in backward {backward_count}: on this rank the gradient reduction "
             f"of {names} was combined with another module's on some other rank (the reduction tags "
             f"differ), so the gradients of that step are wrong. {MISMATCH_HELP}"
         )
 
-    def record_for(self, module) -> Callable[[torch.Tensor, torch.Tensor], None]:
-        """``record`` bound to ``module``, for the parameter groups that run its reductions."""
-        return lambda received, expected: self.record(module, received, expected)
+    def record_for(self, position: int) -> Callable[[torch.Tensor, torch.Tensor], None]:
+        """``record`` bound to the module at ``position``, for the groups that run its reductions."""
+        return lambda received, expected: self.record(position, received, expected)

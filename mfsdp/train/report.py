@@ -3,13 +3,25 @@
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
+
+import torch
 
 from mfsdp.models import flops
 from mfsdp.train.metrics import peak_memory_gib
 
-if TYPE_CHECKING:
-    from mfsdp.train.loop import Trainer
+
+class Trainer(Protocol):
+    """What a report reads off the loop's trainer (``mfsdp.train.loop.Trainer``), named here so
+    that the loop imports the report and not the other way round."""
+
+    cfg: Any  # RunConfig
+    model_cfg: Any
+    world: int
+    device: torch.device
+    stop_requested: bool
+
+    def note(self, text: str) -> None: ...
 
 
 class StepReport:

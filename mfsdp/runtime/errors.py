@@ -1,0 +1,13 @@
+"""The runtime's errors and their help texts, at the bottom of the import graph: the tag check,
+the debug fingerprint and the public API all raise or export them."""
+
+MISMATCH_HELP = (
+    "Ranks issued their collectives in different orders. Re-run with MFSDP_CHECK_COLLECTIVES=1 (or "
+    "CommunicationPolicy(check_collectives=True)) to stop at the first divergent collective with every "
+    "rank's module and call path; torch's flight recorder (TORCH_FR_BUFFER_SIZE=2000) records the "
+    "collectives each rank issued."
+)
+
+
+class CollectiveMismatchError(RuntimeError):
+    """Ranks combined different modules' data in one collective (or would have)."""
