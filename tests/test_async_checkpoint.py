@@ -197,3 +197,19 @@ def test_a_rank_killed_during_a_write_resumes_from_the_previous_checkpoint(held_
     uninterrupted = {s: v for s, v in loss_and_grad_norm(held_run[0]).items() if s > 4}
     resumed = {s: v for s, v in loss_and_grad_norm(out).items() if s > 4}
     assert resumed == uninterrupted
+
+
+def test_auto_keeps_saves_synchronous_where_the_staging_would_pin_most_of_the_ram():
+    """8b on one H200 host (128 GiB of RAM): 89.7 GiB of pinned staging per rank is over half the RAM,
+    so `auto` writes synchronously and says why; 1b (16.7 GiB) stays asynchronous; eight 8b ranks
+    on a 2 TiB node fit."""
+    from mfsdp.train.checkpoint import async_staging_problem, planned_staging_bytes
+
+    gib = 2 ** 30
+    big = planned_staging_bytes(8_030_261_248)
+    problem = async_staging_problem(big, 1, 128 * gib)
+    assert problem is not None and "89.7 GiB of this node's 128.0 GiB" in problem, problem
+    assert "--train.async_checkpoint true forces them" in problem
+    assert async_staging_problem(planned_staging_bytes(1_498_482_688), 1, 128 * gib) is None
+    assert async_staging_problem(big, 8, 2048 * gib) is None
+    assert async_staging_problem(big, 8, 1024 * gib) is not None

@@ -579,3 +579,21 @@ def _saved_rng_state(path: Path) -> dict:
     mine = {key: value for key, value in _rng_state()[_rng_key()].items()
             if f"{RNG}.{_rng_key()}.{key}" in saved}
     return {_rng_key(): mine} if mine else {}
+
+
+HOST_STAGING_FRACTION = 0.5
+"""The share of the host's RAM that ``--train.async_checkpoint auto`` lets the pinned staging of a
+node's ranks take; beyond it saves stay synchronous. Page-locked memory cannot be swapped or
+reclaimed: a node that pins most of its RAM kills its own data loaders and the run with them."""
+
+
+def async_staging_problem(staging_per_rank: int, ranks_per_node: int, host_bytes: int) -> str | None:
+    """Why ``auto`` keeps saves synchronous on this node (its ranks' staging would pin more than
+    ``HOST_STAGING_FRACTION`` of ``host_bytes``), or None when the staging fits."""
+    need = staging_per_rank * ranks_per_node
+    if need <= HOST_STAGING_FRACTION * host_bytes:
+        return None
+    return (f"checkpoints are written synchronously: background writes would pin {need / 2**30:.1f} GiB of this "
+            f"node's {host_bytes / 2**30:.1f} GiB of RAM ({ranks_per_node} rank(s) x {staging_per_rank / 2**30:.1f} "
+            f"GiB), over the {HOST_STAGING_FRACTION:.0%} that --train.async_checkpoint auto allows; "
+            "--train.async_checkpoint true forces them")

@@ -34,8 +34,8 @@ from mfsdp.models.parallelize import ParallelizeConfig, build_mesh, parallelize
 from mfsdp.train import determinism
 from mfsdp.train.build import (adamw, build_hf, offload_policy, shard_numel, materialize_and_init,
                                model_fingerprint, validate_run)
-from mfsdp.train.checkpoint import (CheckpointError, Checkpointer, load_checkpoint, planned_staging_bytes,
-                                    read_meta)
+from mfsdp.train.checkpoint import (CheckpointError, Checkpointer, async_staging_problem, load_checkpoint,
+                                    planned_staging_bytes, read_meta)
 from mfsdp.train.config import ConfigError, RunConfig, load_config, usage
 from mfsdp.train.evaluate import HELD_OUT, Evaluator, eval_windows, held_out_split, split_record
 from mfsdp.train.metrics import MetricsLog, StepReadout, TensorBoardLog, peak_memory_gib
@@ -451,8 +451,12 @@ class Trainer:
     def _checkpointer(self, model) -> Checkpointer:
         t = self.cfg.train
         asynchronous = t.async_checkpoint_on(self.device.type)
+        held = planned_staging_bytes(shard_numel(model))
+        problem = async_staging_problem(held, int(os.environ.get("LOCAL_WORLD_SIZE", "1")), host_memory())
+        if asynchronous and t.async_checkpoint == "auto" and problem:
+            self.log(problem)
+            asynchronous = False
         if asynchronous:
-            held = planned_staging_bytes(shard_numel(model))
             size = f"{held / 2**30:.1f} GiB" if held >= 2**30 else f"{held / 2**20:.1f} MiB"
             self.log(f"checkpoints are written in the background (--train.async_checkpoint "
                      f"{t.async_checkpoint}), staged in about {size} of "
@@ -502,6 +506,11 @@ class Trainer:
                              max_context=self.cfg.data.seq_len, device=self.device,
                              seed=self.cfg.train.seed)
         self.log(f"\n--- sample (temperature 0.8, prompt {prompt!r}) ---\n{text}\n--- end ---")
+
+
+def host_memory() -> int:
+    """Bytes of this node's RAM; a function so tests can replace it."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def device_memory(device: torch.device) -> int:
