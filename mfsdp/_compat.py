@@ -89,12 +89,10 @@ def nccl_registered_buffers(specs, process_groups, register_with):
             raise RuntimeError(f"use_symm_mem / nccl_ub: this torch's ProcessGroupNCCL lacks register_mem_pool "
                                f"(torch {torch.__version__}); use use_symm_mem=False")
         backends.append(backend)
-    pool, problem = None, None
-    if backends:
-        allocator, problem = nccl_mem_allocator(backends[0])
-        pool = torch.cuda.MemPool(allocator) if allocator is not None else None
+    allocator, problem = nccl_mem_allocator(backends[0]) if backends else (None, None)
     if not register_with([pg.size() for pg in process_groups], problem):
         return [torch.empty(n, dtype=dt, device=d) for n, dt, d in specs], None
+    pool = torch.cuda.MemPool(allocator)
     with torch.cuda.use_mem_pool(pool):
         tensors = [torch.empty(n, dtype=dt, device=d) for n, dt, d in specs]
     for backend in backends:
@@ -231,6 +229,7 @@ def dtensor_with_local(dtensor, local: torch.Tensor):
     ``local`` as it is, wherever it lives: a copy in host memory, for DCP to write, stays there
     (``DTensor.from_local`` would move it back to the mesh's device). Private constructor."""
     return type(dtensor)(local, dtensor._spec, requires_grad=False)
+
 
 def already_staged_stager():
     """An ``AsyncStager`` for ``dcp.async_save(..., async_stager=...)`` that hands the state dict on

@@ -10,8 +10,8 @@ import torch
 
 from mfsdp.data import DataError, TokenFile
 from mfsdp.models.llama import Llama, LlamaConfig
-from mfsdp.offload import OffloadPolicy
 from mfsdp.models.parallelize import compile_modules, mesh_shape_error, resolve_placements
+from mfsdp.offload import OffloadPolicy
 from mfsdp.train.checkpoint import check_compatible, find_resumable
 from mfsdp.train.config import ConfigError, RunConfig
 
@@ -38,8 +38,9 @@ def validate_run(cfg: RunConfig, world: int, open_data=None, device_type: str = 
     """Check what a user can get wrong before any model is built; raises a USER_ERRORS type.
 
     ``open_data`` opens the token file (None skips the data checks: the launcher does so
-    for the "stdlib" corpus, which the workers build); ``device_type`` is where it will train. Returns the token file (or None),
-    the checkpoint to resume from (or None) and notes on damaged checkpoints skipped.
+    for the "stdlib" corpus, which the workers build); ``device_type`` is where it will train.
+    Returns the token file (or None), the checkpoint to resume from (or None) and notes on damaged
+    checkpoints skipped.
     """
     p = cfg.parallel
     mesh_problem = mesh_shape_error(world, p.placements, p.replicate) or float8_compile_problem(cfg, device_type)
@@ -129,8 +130,8 @@ def build_hf(cfg, device: torch.device, compute_dtype: torch.dtype, world: int):
     else initialised shard-locally with ``--train.seed``.
     """
     from mfsdp.manager import MegatronFSDPConfig, MegatronFSDPManager, build_device_mesh
-    from mfsdp.manager.hf_checkpoint import has_weights, meta_model_from_config
     from mfsdp.manager.core_options import resolve_unit_modules
+    from mfsdp.manager.hf_checkpoint import has_weights, meta_model_from_config
 
     p, path = cfg.parallel, cfg.model.hf
     config = MegatronFSDPConfig(

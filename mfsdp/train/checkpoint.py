@@ -91,7 +91,7 @@ def find_resumable(root: str | os.PathLike) -> tuple[Path | None, list[str]]:
     ``step_N`` directories, newest first.
     """
     root = Path(root)
-    candidates = list(reversed(_complete_checkpoints(root)))
+    candidates = list(reversed(complete_checkpoints(root)))
     marker = root / LATEST
     if marker.is_file():
         named = root / marker.read_text().strip()
@@ -398,10 +398,7 @@ class HostStager:
     def stage(self, state: dict) -> dict:
         leaves: dict[tuple, torch.Tensor] = {}
         _local_tensors(state, (), leaves)
-        layout, total = {}, 0
-        for key, local in leaves.items():
-            layout[key] = (total, local.shape, local.dtype)
-            total += -(-local.numel() * local.element_size() // self._ALIGN) * self._ALIGN
+        layout, total = _staging_layout(leaves)
         if layout != self._layout:  # the first save (or the shapes changed): allocate once
             self.close()
             self._flat = torch.empty(total, dtype=torch.uint8)
@@ -426,8 +423,7 @@ class HostStager:
 
     def _view(self, key: tuple) -> torch.Tensor:
         offset, shape, dtype = self._layout[key]
-        size = shape.numel() * torch.empty((), dtype=dtype).element_size()
-        return self._flat[offset:offset + size].view(dtype).view(shape)
+        return self._flat[offset:offset + shape.numel() * dtype.itemsize].view(dtype).view(shape)
 
 
 def _local_tensors(value, key: tuple, out: dict) -> None:
@@ -465,8 +461,17 @@ def staging_bytes(state: dict) -> int:
     64 bytes."""
     leaves: dict[tuple, torch.Tensor] = {}
     _local_tensors(state, (), leaves)
-    align = HostStager._ALIGN
-    return sum(-(-t.numel() * t.element_size() // align) * align for t in leaves.values())
+    return _staging_layout(leaves)[1]
+
+
+def _staging_layout(leaves: dict) -> tuple[dict, int]:
+    """Where ``HostStager`` puts each tensor of ``leaves`` (key path -> (byte offset, shape,
+    dtype)) in its flat buffer, and the buffer's bytes: each tensor rounded up to 64 bytes."""
+    layout, total, align = {}, 0, HostStager._ALIGN
+    for key, local in leaves.items():
+        layout[key] = (total, local.shape, local.dtype)
+        total += -(-local.numel() * local.element_size() // align) * align
+    return layout, total
 
 
 def planned_staging_bytes(params_per_rank: int, main_bytes: int = 4, optimizer_states: int = 2,
@@ -521,12 +526,7 @@ def _publish(temp: Path, final: Path) -> None:
 
 def complete_checkpoints(root: str | os.PathLike) -> list[Path]:
     """The complete ``step_N`` directories under ``root``, oldest first (what pruning counts)."""
-    return _complete_checkpoints(Path(root))
-
-
-def _complete_checkpoints(root: Path) -> list[Path]:
-    """The complete ``step_N`` directories under ``root``, oldest first."""
-    return sorted((p for p in root.glob(_PREFIX + "*") if p.name[len(_PREFIX):].isdigit() and _is_complete(p)),
+    return sorted((p for p in Path(root).glob(_PREFIX + "*") if p.name[len(_PREFIX):].isdigit() and _is_complete(p)),
                   key=_step_of)
 
 
@@ -534,7 +534,7 @@ def _prune(root: Path, keep: int) -> None:
     """Delete all but the ``keep`` newest complete checkpoints (0 keeps everything)."""
     if keep <= 0:
         return
-    for old in _complete_checkpoints(root)[:-keep]:
+    for old in complete_checkpoints(root)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
 
 

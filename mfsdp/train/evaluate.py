@@ -22,7 +22,6 @@ world size and placement.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Callable
 
 import torch
@@ -83,10 +82,6 @@ class Evaluator:
     def __init__(self, windows: EvalWindows, batches: int, device: torch.device,
                  to_device: Callable[[torch.Tensor, torch.device], torch.Tensor]):
         self.windows, self.batches, self.device, self.to_device = windows, batches, device, to_device
-
-    @property
-    def source(self) -> Path:
-        return self.windows.data.path
 
     @torch.no_grad()
     def __call__(self, model: torch.nn.Module) -> torch.Tensor:

@@ -452,10 +452,11 @@ class Trainer:
         t = self.cfg.train
         asynchronous = t.async_checkpoint_on(self.device.type)
         held = planned_staging_bytes(shard_numel(model))
-        problem = async_staging_problem(held, int(os.environ.get("LOCAL_WORLD_SIZE", "1")), host_memory())
-        if asynchronous and t.async_checkpoint == "auto" and problem:
-            self.log(problem)
-            asynchronous = False
+        if asynchronous and t.async_checkpoint == "auto":  # "true" forces it whatever it pins
+            problem = async_staging_problem(held, int(os.environ.get("LOCAL_WORLD_SIZE", "1")), host_memory())
+            if problem:
+                self.log(problem)
+                asynchronous = False
         if asynchronous:
             size = f"{held / 2**30:.1f} GiB" if held >= 2**30 else f"{held / 2**20:.1f} MiB"
             self.log(f"checkpoints are written in the background (--train.async_checkpoint "
