@@ -107,6 +107,7 @@ PYEOF
 
 section_fp8_8b_profile() {  # what is left of a 600 s call after smoke: one profiled step of each 8B FP8 row
   local left=$((585 - SECONDS)) tr=/tmp/fp8_traces
+  if [ -n "${PROFILE_S:-}" ] && [ "$PROFILE_S" -lt $left ]; then left=$PROFILE_S; fi  # leave room for what follows
   if [ $left -lt 100 ]; then echo "fp8_8b_profile: skipped, ${left} s left"; return; fi
   rm -rf $tr
   timeout $left $RUN benchmarks/throughput.py --impl fsdp2,mfsdp --impl-timeout $((left / 2 - 5)) --preset 8b \
@@ -114,6 +115,15 @@ section_fp8_8b_profile() {  # what is left of a 600 s call after smoke: one prof
     --profile --trace-dir $tr --out "$OUT/fp8_8b_profile.jsonl" >> "$OUT/bench.log" 2>&1; echo "fp8_8b_profile rc=$?"
   ls $tr/*.json >/dev/null 2>&1 && python3 benchmarks/trace_breakdown.py kernels $tr/8b_fsdp2_rank0.json \
     $tr/8b_mfsdp_rank0.json > "$OUT/fp8_8b_breakdown.txt" 2>&1; tail -40 "$OUT/fp8_8b_breakdown.txt" 2>/dev/null
+  for t in $tr/*_rank0.json; do  # the GPU events alone, gzipped, so that the traces come back (16 MiB a file)
+    python3 - "$t" "$OUT/$(basename "$t" .json).gpu.json.gz" <<'PYEOF'
+import gzip, json, sys
+events = json.load(open(sys.argv[1]))["traceEvents"]
+keep = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset", "gpu_user_annotation")]
+with gzip.open(sys.argv[2], "wt") as f:
+    json.dump({"traceEvents": keep}, f)
+PYEOF
+  done
 }
 
 section_fp8_8b() {  # ~1.5 min per compiled implementation, ~1.5 min per train run
