@@ -53,7 +53,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from mfsdp import _compat
+from mfsdp import _compat, float8_kernel
 from mfsdp.runtime import collectives, gather_codec
 
 __all__ = ["convert_to_float8", "enable_fp8_all_gather", "precompute_fp8_scales", "precompute_fp8_scales_after",
@@ -124,6 +124,7 @@ class Float8GatherCodec(gather_codec.GatherCodec):
         self.amax_reductions = 0  # scale all-reduces issued at gather time (precomputed scales skip them)
         self._scales = None  # of the last encode, attached by decode
         self._row_index: dict = {}  # (member sizes, device) -> (first rows, row-to-member index)
+        self._fused = None  # the fused encode's device tables, made on its first use
 
     def wrap(self, index: int, param: nn.Parameter, view: torch.Tensor) -> nn.Parameter:
         ao = _torchao()
@@ -146,13 +147,25 @@ class Float8GatherCodec(gather_codec.GatherCodec):
             scales = self.scales(sources, groups)
             self.amax_reductions += 1
         with torch.no_grad():
-            start = 0
-            for stop in _passes([s.numel() for s in sources], ENCODE_STAGING_NUMEL):
-                self._cast(sources[start:stop], blocks[start:stop], scales[start:stop])
-                start = stop
+            if not self._cast_fused(sources, blocks, scales):
+                start = 0
+                for stop in _passes([s.numel() for s in sources], ENCODE_STAGING_NUMEL):
+                    self._cast_staged(sources[start:stop], blocks[start:stop], scales[start:stop])
+                    start = stop
         self._scales = scales
 
-    def _cast(self, sources, blocks, scales) -> None:
+    def _cast_fused(self, sources, blocks, scales) -> bool:
+        """The whole encode in one kernel, with no staging (``mfsdp.float8_kernel``), where the device
+        has it and the views allow it; False otherwise."""
+        device = sources[0].device
+        if not float8_kernel.available(device.type):
+            return False
+        if self._fused is None:
+            self._fused = float8_kernel.FusedEncode()
+        rows, row_member = self._rows([s.numel() for s in sources], device)
+        return self._fused.run(sources, blocks, scales, rows, row_member, ENCODE_ROW, self.compute_dtype)
+
+    def _cast_staged(self, sources, blocks, scales) -> None:
         """torchao's saturated cast ``(w.to(compute).float() * scale).clamp(-max, max).to(float8)``
         of every source into its block, in four kernels whatever the number of weights:
 
@@ -180,7 +193,7 @@ class Float8GatherCodec(gather_codec.GatherCodec):
         _compat.foreach_copy_(list(blocks), _row_views(encoded, rows, sizes))
 
     def staged_dtype(self, source_dtype: torch.dtype) -> torch.dtype:
-        """The dtype ``_cast`` stages sources of ``source_dtype`` in: the compute dtype, where torchao
+        """The dtype ``_cast_staged`` stages sources of ``source_dtype`` in: the compute dtype, where torchao
         rounds the weight first, else the source's own."""
         return self.compute_dtype if self.compute_dtype != torch.float32 else source_dtype
 
@@ -235,7 +248,7 @@ def enable_fp8_all_gather(module: nn.Module) -> int:
 
 
 def encode_staging_nbytes(sizes: Sequence[int], staged_dtype: torch.dtype) -> int:
-    """Transient bytes of one ``Float8GatherCodec._cast`` pass over members of ``sizes`` at its high
+    """Transient bytes of one ``Float8GatherCodec._cast_staged`` pass over members of ``sizes`` at its high
     point, the multiply: the staged rows, their fp32 scales and the float8 rows (the planner's rule)."""
     rows = sum(-(-n // ENCODE_ROW) for n in sizes)
     return rows * ENCODE_ROW * (staged_dtype.itemsize + 1) + rows * 4

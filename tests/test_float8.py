@@ -378,12 +378,23 @@ def encode_against_torchao(device: str, source_dtype: torch.dtype, compute_dtype
     torchao's scale of each member, in one pass and in several."""
     gen = torch.Generator().manual_seed(0)
     sizes = [1, 7, mf8.ENCODE_ROW - 1, mf8.ENCODE_ROW + 3, 3 * mf8.ENCODE_ROW + 17]
-    sources = []
+    # As the runtime passes them: the sources are views of one main buffer and the blocks views of one
+    # gather buffer, each at its own offset with a gap before it (padding, another rank's block).
+    gap = 5
+    main = torch.zeros(sum(sizes) + gap * len(sizes), dtype=source_dtype, device=device)
+    gathered = torch.full((sum(sizes) + 3 * gap * len(sizes),), 0x55, dtype=torch.uint8, device=device)
+    sources, blocks, at, out_at = [], [], 0, 0
     for k, n in enumerate(sizes):
         w = torch.randn(n, generator=gen) * 10 ** (k - 2)  # scales from 1e-2 to 1e2
         w[-1] = -1.37 * w.abs().max()  # the amax, negative, in the last element of the member
-        sources.append(w.to(device=device, dtype=source_dtype))
-    blocks = [torch.full((n,), 0x55, dtype=torch.uint8, device=device).view(wire_dtype) for n in sizes]
+        at, out_at = at + gap, out_at + 3 * gap
+        sources.append(main[at:at + n])
+        sources[-1].copy_(w)
+        blocks.append(gathered[out_at:out_at + n].view(wire_dtype))
+        at, out_at = at + n, out_at + n
+    outside = torch.ones_like(gathered, dtype=torch.bool)
+    for block in blocks:
+        outside[block.storage_offset():block.storage_offset() + block.numel()] = False
     spec = mf8._Float8WeightSpec(None, wire_dtype, False)
     codec = mf8.Float8GatherCodec([spec] * len(sizes), compute_dtype)
     default, mf8.ENCODE_STAGING_NUMEL = mf8.ENCODE_STAGING_NUMEL, staging_numel
@@ -397,6 +408,7 @@ def encode_against_torchao(device: str, source_dtype: torch.dtype, compute_dtype
         assert torch.equal(codec._scales[k], scale), (k, codec._scales[k], scale)
         expected = to_fp8_saturated(seen * scale, wire_dtype)
         assert torch.equal(block.view(torch.uint8), expected.view(torch.uint8)), (k, sizes[k])
+    assert bool((gathered[outside] == 0x55).all()), "the encode wrote outside its blocks"
 
 
 ENCODE_CASES = [(torch.float32, torch.bfloat16, E4M3, 1 << 26), (torch.bfloat16, torch.bfloat16, E4M3, 1 << 26),
@@ -412,7 +424,14 @@ def test_encode_bytes_equal_torchaos_cast(source, compute, wire, staging):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("source,compute,wire,staging", ENCODE_CASES)
-def test_cuda_encode_bytes_equal_torchaos_cast(source, compute, wire, staging):
+def test_cuda_encode_bytes_equal_torchaos_cast(source, compute, wire, staging, monkeypatch):
+    """On CUDA the fused kernel (``mfsdp.float8_kernel``) writes those bytes, not the staged path."""
+    from mfsdp import float8_kernel
+
+    if float8_kernel.available("cuda"):
+        def refuse(*args):
+            raise AssertionError("the staged encode ran on CUDA where the fused kernel should")
+        monkeypatch.setattr(mf8.Float8GatherCodec, "_cast_staged", refuse)
     encode_against_torchao("cuda", source, compute, wire, staging)
 
 

@@ -23,14 +23,14 @@ POLICIES = {"bf16": (torch.bfloat16, dict(main_params_dtype=torch.float32, main_
 
 
 def _record_staging():
-    """Patch ``Float8GatherCodec._cast`` to record, for each pass, the elements it staged and the
+    """Patch ``Float8GatherCodec._cast_staged`` to record, for each pass, the elements it staged and the
     bytes of every tensor it allocated (all of them are alive at its multiply); returns (records,
     undo)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     import mfsdp.float8 as mf8
 
-    seen, original = [], mf8.Float8GatherCodec._cast
+    seen, original = [], mf8.Float8GatherCodec._cast_staged
 
     class Allocations(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -48,8 +48,8 @@ def _record_staging():
         seen.append((sum(s.numel() for s in sources), mode.nbytes))
         return result
 
-    mf8.Float8GatherCodec._cast = cast
-    return seen, lambda: setattr(mf8.Float8GatherCodec, "_cast", original)
+    mf8.Float8GatherCodec._cast_staged = cast
+    return seen, lambda: setattr(mf8.Float8GatherCodec, "_cast_staged", original)
 
 
 def _live_gathers(model) -> dict:

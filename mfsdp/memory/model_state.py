@@ -16,9 +16,10 @@ FP8 all-gather (``mfsdp.float8``): a group whose parameters carry a gather-codec
 runtime's own ``gather_codec.encoded_gather``, and its unsharded buffer is sized by that object's
 ``ByteLayout`` (float8 members 1 byte per element, the others the compute dtype, each at a 16-byte
 aligned offset) in uint8, as ``FsdpParameterGroup`` allocates it. The encode's transient staging
-(``Float8GatherCodec._cast``: the rows staged in the compute dtype, their scales and the float8 rows,
-``mfsdp.float8.encode_staging_nbytes`` of the largest pass of ``mfsdp.float8._passes``) is
-``GroupBytes.encode_staging``.
+(``Float8GatherCodec._cast_staged``: the rows staged in the compute dtype, their scales and the
+float8 rows, ``mfsdp.float8.encode_staging_nbytes`` of the largest pass of ``mfsdp.float8._passes``) is
+``GroupBytes.encode_staging``. On CUDA the fused encode (``mfsdp.float8_kernel``) stages nothing,
+so there this figure is an upper bound by one pass (at most 192 MiB).
 """
 
 from __future__ import annotations
