@@ -69,7 +69,7 @@ PYEOF
 }
 
 section_smoke() {
-  timeout 230 python3 -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
+  timeout 280 python3 -m pytest -q -m gpu -p no:cacheprovider --durations=8 tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
   local rows="--preset 1b --local-batch 2 --seq 4096 --compile --steps 8 --warmup 3"
   IMPL_TIMEOUT=100 bench "$ROOT" mfsdp,fsdp2 $rows
   IMPL_TIMEOUT=100 bench "$ROOT" mfsdp,fsdp2 $rows --float8 tensorwise --fp8-all-gather
