@@ -53,7 +53,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from mfsdp import _compat, float8_kernel
+from mfsdp import _compat, kernels
 from mfsdp.runtime import collectives, gather_codec
 
 __all__ = ["convert_to_float8", "enable_fp8_all_gather", "precompute_fp8_scales", "precompute_fp8_scales_after",
@@ -155,13 +155,13 @@ class Float8GatherCodec(gather_codec.GatherCodec):
         self._scales = scales
 
     def _cast_fused(self, sources, blocks, scales) -> bool:
-        """The whole encode in one kernel, with no staging (``mfsdp.float8_kernel``), where the device
+        """The whole encode in one kernel, with no staging (``mfsdp.kernels``), where the device
         has it and the views allow it; False otherwise."""
         device = sources[0].device
-        if not float8_kernel.available(device.type):
+        if not kernels.available(device.type):
             return False
         if self._fused is None:
-            self._fused = float8_kernel.FusedEncode()
+            self._fused = kernels.FusedEncode()
         rows, row_member = self._rows([s.numel() for s in sources], device)
         return self._fused.run(sources, blocks, scales, rows, row_member, ENCODE_ROW, self.compute_dtype)
 

@@ -44,7 +44,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from mfsdp import _compat
+from mfsdp import _compat, kernels
 from mfsdp import offload as _offload
 from mfsdp.offload import OffloadPolicy
 from mfsdp.runtime.registry import GROUP_OF_SHARDED
@@ -320,7 +320,9 @@ def _upcast_main_grad(group) -> list:
     views; empty when the main gradient holds no storage (nothing the runtime exposed is live)."""
     if group.main_grad is None or not group.main_grad.is_allocated:
         return []
-    upcast = group.main_grad.tensor.to(group.dtypes.main)
+    flat = group.main_grad.tensor
+    # At copy bandwidth on CUDA (``mfsdp.kernels``: ``Tensor.to`` widens unvectorized), the same bits.
+    upcast = kernels.to_fp32(flat) if group.dtypes.main == torch.float32 else flat.to(group.dtypes.main)
     layout, geometry = group.layout, group.geometry
     return layout.shards(layout.regions(upcast, geometry.num_shards), geometry.shard_index)
 

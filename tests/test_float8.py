@@ -425,10 +425,10 @@ def test_encode_bytes_equal_torchaos_cast(source, compute, wire, staging):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("source,compute,wire,staging", ENCODE_CASES)
 def test_cuda_encode_bytes_equal_torchaos_cast(source, compute, wire, staging, monkeypatch):
-    """On CUDA the fused kernel (``mfsdp.float8_kernel``) writes those bytes, not the staged path."""
-    from mfsdp import float8_kernel
+    """On CUDA the fused kernel (``mfsdp.kernels``) writes those bytes, not the staged path."""
+    from mfsdp import kernels
 
-    if float8_kernel.available("cuda"):
+    if kernels.available("cuda"):
         def refuse(*args):
             raise AssertionError("the staged encode ran on CUDA where the fused kernel should")
         monkeypatch.setattr(mf8.Float8GatherCodec, "_cast_staged", refuse)

@@ -18,7 +18,7 @@ runtime's own ``gather_codec.encoded_gather``, and its unsharded buffer is sized
 aligned offset) in uint8, as ``FsdpParameterGroup`` allocates it. The encode's transient staging
 (``Float8GatherCodec._cast_staged``: the rows staged in the compute dtype, their scales and the
 float8 rows, ``mfsdp.float8.encode_staging_nbytes`` of the largest pass of ``mfsdp.float8._passes``) is
-``GroupBytes.encode_staging``. On CUDA the fused encode (``mfsdp.float8_kernel``) stages nothing,
+``GroupBytes.encode_staging``. On CUDA the fused encode (``mfsdp.kernels``) stages nothing,
 so there this figure is an upper bound by one pass (at most 192 MiB).
 """
 
