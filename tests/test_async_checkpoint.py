@@ -72,20 +72,152 @@ def test_the_staging_buffers_are_reused_from_one_save_to_the_next(tmp_path):
     assert planned_staging_bytes(n) <= staging_bytes(state) <= planned_staging_bytes(n) + 8192
 
 
-def test_on_cuda_the_buffer_is_pinned_once_for_exactly_its_bytes(monkeypatch):
-    """The pinned path's bookkeeping, with the CUDA calls recorded instead of made (CPU only)."""
+def fake_cuda(monkeypatch, pin=None):
+    """The pinned path's CUDA calls recorded instead of made (CPU only): returns the record."""
     calls = []
-    monkeypatch.setattr(ckpt._compat, "pin_host_memory", lambda t: calls.append(("pin", t.numel())))
+    monkeypatch.setattr(ckpt._compat, "pin_host_memory",
+                        pin or (lambda t: calls.append(("pin", t.numel()))))
     monkeypatch.setattr(ckpt._compat, "unpin_host_memory", lambda t: calls.append(("unpin", t.numel())))
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda: type("S", (), {"synchronize": lambda self: None})())
+    monkeypatch.setattr(ckpt, "_wait_for_copies", lambda: calls.append("wait"))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: calls.append(("set_device", device)))
+    return calls
+
+
+def test_on_cuda_the_buffer_is_pinned_once_for_exactly_its_bytes(monkeypatch):
+    calls = fake_cuda(monkeypatch)
     model, optimizer = make(0)
     stager = HostStager(pinned=True)
     for _ in range(3):
         stager.stage(ckpt._state(model, optimizer))
     state = ckpt._state(model, optimizer)
-    assert calls == [("pin", staging_bytes(state))]
+    # One wait for the device per save, not one per tensor.
+    assert calls == [("pin", staging_bytes(state)), "wait", "wait", "wait"]
     stager.close()
     assert calls[-1] == ("unpin", staging_bytes(state)) and stager.nbytes() == 0
+
+
+def test_the_buffer_is_pinned_in_the_background_before_the_first_save(monkeypatch, tmp_path):
+    """Built with an optimizer that has state (as on resume), the Checkpointer starts page-locking
+    at once, on the training's device; the first save finds the buffer ready and pins nothing."""
+    calls = fake_cuda(monkeypatch)
+    model, optimizer = make(0)
+    saver = Checkpointer(tmp_path, keep=2, asynchronous=True, pinned=True, model=model,
+                         optimizer=optimizer)
+    saver._stager._join()  # the background thread has finished
+    state = ckpt._state(model, optimizer)
+    assert calls == [("set_device", 0), ("pin", staging_bytes(state))]
+    saver.save(1, model, optimizer, META)
+    assert calls[2:] == ["wait"] and saver._write.stall.pinning < 0.5
+    saver.close()
+    assert calls[-1] == ("unpin", staging_bytes(state))
+
+
+def test_a_fresh_run_pins_after_its_first_step_without_touching_the_optimizer(tmp_path):
+    """Before the first step AdamW has no state: asking DCP for its state dict then would run a
+    step of its own. The Checkpointer waits for the first poll after a step."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 8)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    saver = Checkpointer(tmp_path, keep=2, asynchronous=True, model=model, optimizer=optimizer)
+    assert not optimizer.state and saver._stager._thread is None and saver._stager.nbytes() == 0
+    model(torch.ones(2, 8)).sum().backward()
+    optimizer.step()
+    saver.poll(1)
+    assert saver._stager.nbytes() == staging_bytes(ckpt._state(model, optimizer))
+    assert optimizer.state[model.weight]["step"].item() == 1  # one step, the training's
+    saver.close()
+
+
+def test_background_pinning_does_not_change_the_bytes_saved(tmp_path):
+    """A checkpoint staged in the buffer made in the background, one staged at the save and a
+    synchronous one hold the same bytes, file for file (``.metadata`` also names its directory and
+    a save id: its tensor entries and where they lie are compared instead, and so its size in
+    meta.json)."""
+    model, optimizer = make(0)
+    prepared = Checkpointer(tmp_path / "prepared", keep=2, asynchronous=True, model=model,
+                            optimizer=optimizer)
+    assert prepared._stager._thread is not None or prepared._stager.nbytes() > 0
+    paths = [prepared.save(3, model, optimizer, META)]
+    prepared.close()
+    at_save = Checkpointer(tmp_path / "at_save", keep=2, asynchronous=True)
+    paths.append(at_save.save(3, model, optimizer, META))
+    at_save.close()
+    paths.append(ckpt.save_checkpoint(tmp_path / "sync", 3, model, optimizer, META))
+    names = sorted(p.name for p in paths[0].iterdir())
+    assert "__0_0.distcp" in names
+    for other in paths[1:]:
+        assert sorted(p.name for p in other.iterdir()) == names
+        for name in names:
+            if name not in (".metadata", "meta.json"):
+                assert (other / name).read_bytes() == (paths[0] / name).read_bytes(), name
+        mine, theirs = (json.loads((p / "meta.json").read_text()) for p in (paths[0], other))
+        assert {**theirs, "files": {**theirs["files"], ".metadata": 0}} == \
+            {**mine, "files": {**mine["files"], ".metadata": 0}}
+        mine, theirs = (dcp.FileSystemReader(p).read_metadata() for p in (paths[0], other))
+        assert theirs.state_dict_metadata == mine.state_dict_metadata
+        assert theirs.storage_data == mine.storage_data
+
+
+def test_staged_tensors_own_exactly_their_bytes_and_the_writer_copies_nothing_ahead(
+        tmp_path, monkeypatch):
+    """DCP's writer clones a CPU tensor whose storage is larger than it (a plain view of the flat
+    buffer would be: a second copy of every byte), and with copy-ahead on it syncs a CUDA stream
+    of its own thread every 10 MB."""
+    model, optimizer = make(0)
+    stager = HostStager(pinned=False)
+    leaves = ckpt._leaves(stager.stage(ckpt._state(model, optimizer)))
+    assert leaves and all(t.untyped_storage().size() == t.nbytes for t in leaves.values())
+    writers = []
+
+    class Recorded(dcp.FileSystemWriter):
+        def write_data(self, plan, planner):
+            writers.append(self.per_thread_copy_ahead)
+            return super().write_data(plan, planner)
+
+    monkeypatch.setattr(ckpt, "_storage_writer", Recorded)
+    saver = Checkpointer(tmp_path, keep=2, asynchronous=True)
+    saver.save(1, model, optimizer, META)
+    saver.close()
+    assert writers == [0]
+
+
+def test_the_save_line_splits_the_stall(tmp_path):
+    lines = []
+    model, optimizer = make(0)
+    saver = Checkpointer(tmp_path, keep=2, asynchronous=True, log=lines.append, model=model,
+                         optimizer=optimizer)
+    saver.save(1, model, optimizer, META)
+    saver.save(2, model, optimizer, META)
+    saver.close()
+    pattern = (r"checkpoint step_{} saved: training waited ([0-9.]+) s to stage it \(previous "
+               r"write ([0-9.]+) s, copy ([0-9.]+) s, planning ([0-9.]+) s\), then it was written "
+               r"in the background in [0-9.]+ s, (over steps 2-2|as the run ended)({})")
+    for step, line in zip((1, 2), lines):
+        made = (r"; its staging buffer \(0.0 GiB\) was allocated in the background in [0-9.]+ s"
+                if step == 1 else "")
+        found = re.fullmatch(pattern.format(step, made), line)
+        assert found, line
+        total, *parts = map(float, found.groups()[:4])
+        assert abs(total - sum(parts)) <= 0.03, line
+
+
+def test_a_failed_background_pinning_is_the_one_line_of_a_failed_save(tmp_path, monkeypatch):
+    def refuse(tensor):
+        raise RuntimeError("pinning 0.0 GiB of host memory failed (cudaError 2)")
+
+    fake_cuda(monkeypatch, pin=refuse)
+    model, optimizer = make(0)
+    saver = Checkpointer(tmp_path, keep=2, asynchronous=True, pinned=True, model=model,
+                         optimizer=optimizer)
+    with pytest.raises(CheckpointError, match=r"saving checkpoint step_1 failed \(RuntimeError: "
+                       r"pinning 0.0 GiB of host memory failed"):
+        saver.save(1, model, optimizer, META)
+    assert find_latest(tmp_path) is None and not (tmp_path / ".tmp-step_1").exists()
+    monkeypatch.setattr(ckpt._compat, "pin_host_memory", lambda t: None)  # the next save retries
+    path = saver.save(2, model, optimizer, META)
+    saver.close()
+    assert find_latest(tmp_path) == path
 
 
 class FullDisk(dcp.FileSystemWriter):
@@ -157,8 +289,9 @@ def test_training_goes_on_while_a_checkpoint_is_written(held_run):
         assert held["steps_logged_while_held"] >= 6
     assert "checkpoints are written in the background" in run.stdout
     # The write of step 4 ended after step 6 was logged, so steps 5-7 at least ran during it.
-    saved = re.search(r"checkpoint step_4 saved: training waited [0-9.]+ s to stage it, then it "
-                      r"was written in the background in [0-9.]+ s, over steps 5-(\d+)", run.stdout)
+    saved = re.search(r"checkpoint step_4 saved: training waited [0-9.]+ s to stage it \(previous "
+                      r"write [0-9.]+ s, copy [0-9.]+ s, planning [0-9.]+ s\), then it was written "
+                      r"in the background in [0-9.]+ s, over steps 5-(\d+)", run.stdout)
     assert saved and int(saved.group(1)) >= 7, run.stdout
     assert (out / "checkpoints" / "latest").read_text() == "step_8\n"
     assert find_latest(out / "checkpoints").name == "step_8"

@@ -33,6 +33,7 @@ import copy
 import json
 import os
 import shutil
+import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -235,7 +236,27 @@ class _Write:
     meta: dict
     future: Future
     started: float  # perf_counter when the write began
-    stall_s: float  # how long training waited for the save
+    stall: "_Stall"  # how long training waited for the save, and for what
+    note: str = ""  # appended to the save's line
+
+
+@dataclass
+class _Stall:
+    """Where the training's wait for an asynchronous save went (seconds)."""
+    previous: float = 0.0  # waiting for the previous save's write to end (and publishing it)
+    pinning: float = 0.0  # the staging buffer's allocation and page-locking: what was left of it
+    #                       in the background, or all of it where the save had to make it
+    copy: float = 0.0  # the copy into the staging buffer (one wait for the device at its end)
+    planning: float = 0.0  # the state dict, the temp directory and handing the save to DCP
+
+    @property
+    def total(self) -> float:
+        return self.previous + self.pinning + self.copy + self.planning
+
+    def line(self) -> str:
+        pinning = f", page-locking {self.pinning:.2f} s" if self.pinning >= 0.005 else ""
+        return (f"training waited {self.total:.2f} s to stage it (previous write {self.previous:.2f} s"
+                f"{pinning}, copy {self.copy:.2f} s, planning {self.planning:.2f} s)")
 
 
 class Checkpointer:
@@ -249,12 +270,20 @@ class Checkpointer:
     2. Rank 0 deletes debris of unfinished saves and creates ``.tmp-step_N``; the ranks agree that
        it worked.
     3. Each rank copies its shards into one host buffer (``HostStager``; page-locked, and filled
-       by non-blocking device-to-host copies, on CUDA). It is allocated at the first save and
-       reused by every later one: the state dict's keys and shapes stay the same for the run. The
-       ranks agree that the copy worked. This copy is all that training waits for.
+       by non-blocking device-to-host copies with one wait at the end, on CUDA). It is allocated
+       and page-locked by a background thread as soon as the state dict's layout is known (when
+       the Checkpointer is built with a model and an optimizer that has state, as on resume;
+       else after the first training step, when AdamW has made its moments), so the first save
+       only waits for that thread if it has not finished; every later save reuses the buffer:
+       the state dict's keys and shapes stay the same for the run. The ranks agree that the copy
+       worked. This copy is all that training waits for.
     4. ``dcp.async_save`` writes the copy from a background thread (the state dict is handed on as
        staged). Its collectives run on a gloo group of their own, created here, so that they never
-       interleave with the training's (on CUDA they also need a CPU backend).
+       interleave with the training's (on CUDA they also need a CPU backend). DCP's planning (local
+       and global plan, dedup, metadata) runs in that thread too, in torch 2.11 and 2.13 alike.
+       The writer copies nothing ahead from the GPU (``per_thread_copy_ahead=0``, as DCP's own
+       staging sets it), so the thread makes no CUDA calls, and each staged tensor owns exactly
+       its bytes, so DCP's loader writes it as it is instead of cloning it.
     5. Every step, ``poll`` asks each rank whether its write has ended: one all-reduce of one
        number over a second gloo group, and only while a write is in flight. Once all have, the
        ranks exchange their outcomes. If every write succeeded, rank 0 writes meta.json and
@@ -269,14 +298,17 @@ class Checkpointer:
     The trade-off: the staging buffer holds this rank's checkpoint bytes of (page-locked) host
     memory for the whole run (``staging_bytes``; ``planned_staging_bytes``: 12 bytes per parameter
     of the rank's shard with fp32 weights and AdamW), so that a save stalls training for a
-    device-to-host copy instead of the whole write (and the first save also for allocating and
-    page-locking it). Synchronous saves hold no host memory and stall for the write. The
-    background write also shares the host's CPU (serialisation) and the disk with training, and
-    a save due while the previous write still runs waits for it.
+    device-to-host copy instead of the whole write. Each save's line splits the stall into
+    waiting for the previous write, for the page-locking (only if it was still running), the
+    copy, and the planning on the training's thread. Synchronous saves hold no host memory and
+    stall for the write. The background write also shares the host's CPU (serialisation) and the
+    disk with training, and a save due while the previous write still runs waits for it.
     """
 
     def __init__(self, root: str | os.PathLike, keep: int, asynchronous: bool,
-                 pinned: bool = False, timeout_s: float = 1800.0, log=None):
+                 pinned: bool = False, timeout_s: float = 1800.0, log=None,
+                 model: torch.nn.Module | None = None,
+                 optimizer: torch.optim.Optimizer | None = None):
         self.root = Path(root)
         self.keep = keep
         self.asynchronous = asynchronous
@@ -284,6 +316,7 @@ class Checkpointer:
         self._write: _Write | None = None
         self._step = 0  # the training step of the last poll
         self._stager = self._write_group = self._poll_group = None
+        self._unprepared = None  # (model, optimizer) whose staging buffer is not yet being made
         if not asynchronous:
             return
         try:
@@ -295,6 +328,20 @@ class Checkpointer:
             timeout = timedelta(seconds=timeout_s)
             self._write_group = dist.new_group(backend="gloo", timeout=timeout)
             self._poll_group = dist.new_group(backend="gloo", timeout=timeout)
+        if model is not None and optimizer is not None:
+            self._unprepared = (model, optimizer)
+            self._prepare()
+
+    def _prepare(self) -> None:
+        """Start making the staging buffer in the background once the state dict's layout is
+        known: the optimizer has state (after loading a checkpoint, or after the first step).
+        Before that, ``get_optimizer_state_dict`` would initialise it with a step of its own,
+        which would change the training."""
+        model, optimizer = self._unprepared
+        if not getattr(optimizer, "state", True):
+            return
+        self._unprepared = None
+        self._stager.prepare(_state(model, optimizer))
 
     @property
     def writing(self) -> str | None:
@@ -312,21 +359,37 @@ class Checkpointer:
             return path
         self._step = step
         self.wait()  # training waits here when the previous write is still running
+        stall = _Stall(previous=time.perf_counter() - start)
         final, temp = _paths(self.root, step)
         if _is_complete(final):  # resumed from this very step (see save_checkpoint)
             return final
+        mark = time.perf_counter()
         _make_temp(self.root, final, temp, self._poll_group)
-        problem, staged = None, None
+        problem, staged, note = None, None, ""
         try:
-            staged = self._stager.stage(_state(model, optimizer))
+            state = _state(model, optimizer)
+            stall.planning = time.perf_counter() - mark
+            staged = self._stager.stage(state)
+            stall.pinning, stall.copy = self._stager.last_wait_s, self._stager.last_copy_s
+            made = self._stager.take_background_s()
+            note = ("" if made is None else f"; its staging buffer ({self._stager.nbytes() / 2**30:.1f} "
+                    f"GiB) was allocated{' and page-locked' if self._stager.pinned else ''} in "
+                    f"the background in {made:.2f} s")
         except (Exception, CheckpointException) as err:
             problem = _describe(err)
+        mark = time.perf_counter()
         _raise_if_any(problem, self.root, final, temp, self._poll_group)
-        future = dcp.async_save(staged, storage_writer=_storage_writer(temp),
-                                process_group=self._write_group,
+        writer = _storage_writer(temp)
+        # Nothing to copy ahead from the GPU: the state is staged in host memory already. DCP's
+        # own staging sets the same (FileSystemWriter.stage); with it left at its default, the
+        # writer's loader would sync the CUDA stream of its thread (device 0 on every rank)
+        # every 10 MB.
+        writer.per_thread_copy_ahead = 0
+        future = dcp.async_save(staged, storage_writer=writer, process_group=self._write_group,
                                 async_stager=self._already_staged)
         now = time.perf_counter()
-        self._write = _Write(step, meta, future, now, now - start)
+        stall.planning += now - mark
+        self._write = _Write(step, meta, future, now, stall, note)
         return final
 
     def poll(self, step: int) -> None:
@@ -334,6 +397,8 @@ class Checkpointer:
         failed anywhere. Call it after every training ``step``, on every rank: it is collective
         while a write is in flight (one all-reduce), and free otherwise."""
         self._step = step
+        if self._unprepared is not None:
+            self._prepare()  # after the first step: AdamW has its moments now
         if self._write is None:
             return
         running = torch.tensor([0 if self._write.future.done() else 1])
@@ -367,9 +432,9 @@ class Checkpointer:
         # write.step and self._step ran while it was written.
         during = (f", over steps {write.step + 1}-{self._step}" if self._step > write.step
                   else ", as the run ended")
-        self.log(f"checkpoint {_PREFIX}{write.step} saved: training waited {write.stall_s:.2f} s "
-                 f"to stage it, then it was written in the background in "
-                 f"{time.perf_counter() - write.started:.1f} s{during}")
+        self.log(f"checkpoint {_PREFIX}{write.step} saved: {write.stall.line()}, then it was "
+                 f"written in the background in {time.perf_counter() - write.started:.1f} s{during}"
+                 f"{write.note}")
 
 
 class HostStager:
@@ -378,9 +443,15 @@ class HostStager:
     All tensors (a DTensor: its shard on this rank) are copied into one flat host buffer, at
     offsets given by their key paths in the state dict, so the second and later saves allocate
     nothing. On CUDA the buffer is page-locked in place (exactly its bytes) and filled by
-    non-blocking copies, then the stream is waited for once. A staged DTensor keeps its global
-    shape and placements, with the host copy as its local shard, so DCP writes the same checkpoint
-    as from the device.
+    non-blocking copies, then one event is waited for. A staged DTensor keeps its global shape and
+    placements, with the host copy as its local shard, so DCP writes the same checkpoint as from
+    the device.
+
+    ``prepare`` allocates and page-locks the buffer in a background thread (16.7 GiB take seconds
+    to fault in and lock), so that ``stage`` only waits for what is left of it. Each staged tensor
+    is a view of the buffer that owns exactly its bytes (through DLPack): DCP's writer clones any
+    CPU tensor whose storage is larger than itself, which for plain views of one flat buffer would
+    be a second copy of every byte.
 
     DCP's own ``DefaultStager`` is not used: it takes a DTensor whose wrapper reports a non-zero
     ``data_ptr`` (mfsdp's parameters are views at an offset into a flat buffer) for a plain
@@ -388,42 +459,115 @@ class HostStager:
     """
 
     _ALIGN = 64  # bytes; every dtype's view of the flat buffer starts aligned
+    _PAGE = 4096  # bytes; the buffer is touched once per page before it is page-locked
 
     def __init__(self, pinned: bool):
         self.pinned = pinned
         self._flat: torch.Tensor | None = None
         self._layout: dict[tuple, tuple] = {}  # key path -> (offset, shape, dtype)
+        self._views: dict[tuple, torch.Tensor] = {}  # key path -> its exact-storage view
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None  # of the background allocation
+        self.allocate_s = 0.0  # how long the last allocation (and page-locking) took
+        self.last_wait_s = 0.0  # how long the last stage waited for the buffer (made or making)
+        self.last_copy_s = 0.0  # how long the last stage's copy took (with its final wait)
+        self._background_s: float | None = None  # of the last allocation in the background
+
+    def prepare(self, state: dict) -> None:
+        """Allocate (and page-lock) the buffer for ``state``'s tensors in a background thread."""
+        layout, total = _staging_layout(_leaves(state))
+        self._join()
+        if layout == self._layout:
+            return
+        self.close()
+        device = torch.cuda.current_device() if self.pinned else None  # the thread's is 0
+
+        def allocate():
+            try:
+                if device is not None:
+                    torch.cuda.set_device(device)
+                self._allocate(layout, total)
+                self._background_s = self.allocate_s
+            except BaseException as err:  # raised by the stage that waits for it
+                self._error = err
+
+        self._thread = threading.Thread(target=allocate, name="mfsdp-staging-pin", daemon=True)
+        self._thread.start()
 
     @torch.no_grad()
     def stage(self, state: dict) -> dict:
-        leaves: dict[tuple, torch.Tensor] = {}
-        _local_tensors(state, (), leaves)
+        start = time.perf_counter()
+        self._join()
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
+        leaves = _leaves(state)
         layout, total = _staging_layout(leaves)
-        if layout != self._layout:  # the first save (or the shapes changed): allocate once
+        if layout != self._layout:  # not prepared (or the shapes changed): allocate now
             self.close()
-            self._flat = torch.empty(total, dtype=torch.uint8)
-            if self.pinned:
-                _compat.pin_host_memory(self._flat)
-            self._layout = layout
-        staged = {key: self._view(key).copy_(local.detach(), non_blocking=self.pinned)
+            self._allocate(layout, total)
+        self.last_wait_s = time.perf_counter() - start
+        start = time.perf_counter()
+        staged = {key: self._views[key].copy_(local.detach(), non_blocking=self.pinned)
                   for key, local in leaves.items()}
         if self.pinned:
-            torch.cuda.current_stream().synchronize()  # the non-blocking copies have landed
+            _wait_for_copies()
+        self.last_copy_s = time.perf_counter() - start
         return _rebuild(state, (), staged)
+
+    def take_background_s(self) -> float | None:
+        """How long the buffer took to make in the background, once after it was (else None)."""
+        self._join()
+        made, self._background_s = self._background_s, None
+        return made
 
     def nbytes(self) -> int:
         """The host bytes held now."""
+        self._join()
         return 0 if self._flat is None else self._flat.numel()
 
     def close(self) -> None:
         """Release the buffer (unpinning it)."""
+        self._join()
+        self._error = None
         if self._flat is not None and self.pinned:
             _compat.unpin_host_memory(self._flat)
-        self._flat, self._layout = None, {}
+        self._flat, self._layout, self._views = None, {}, {}
 
-    def _view(self, key: tuple) -> torch.Tensor:
-        offset, shape, dtype = self._layout[key]
-        return self._flat[offset:offset + shape.numel() * dtype.itemsize].view(dtype).view(shape)
+    def _join(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def _allocate(self, layout: dict, total: int) -> None:
+        start = time.perf_counter()
+        flat = torch.empty(total, dtype=torch.uint8)
+        if self.pinned:
+            # Fault the pages in first, so the driver call that locks them holds its locks for
+            # less time (it runs beside training's kernel launches).
+            flat[::self._PAGE].zero_()
+            _compat.pin_host_memory(flat)
+        views = {}
+        for key, (offset, shape, dtype) in layout.items():
+            view = flat[offset:offset + shape.numel() * dtype.itemsize]
+            # A tensor whose storage is exactly its bytes, aliasing the buffer and keeping it
+            # alive, so that DCP writes it as it is (taken as uint8, then viewed as its dtype).
+            views[key] = torch.from_dlpack(view).view(dtype).view(shape)
+        self._flat, self._layout, self._views = flat, layout, views
+        self.allocate_s = time.perf_counter() - start
+
+
+def _wait_for_copies() -> None:
+    """Wait once for the non-blocking device-to-host copies queued on the current stream."""
+    done = torch.cuda.Event()
+    done.record()
+    done.synchronize()
+
+
+def _leaves(state: dict) -> dict[tuple, torch.Tensor]:
+    leaves: dict[tuple, torch.Tensor] = {}
+    _local_tensors(state, (), leaves)
+    return leaves
 
 
 def _local_tensors(value, key: tuple, out: dict) -> None:
@@ -459,9 +603,7 @@ def staging_bytes(state: dict) -> int:
     """Host bytes that ``HostStager`` holds to stage ``state`` (a state dict as ``Checkpointer``
     saves it): its tensors', a DTensor's counted by its shard on this rank, each rounded up to
     64 bytes."""
-    leaves: dict[tuple, torch.Tensor] = {}
-    _local_tensors(state, (), leaves)
-    return _staging_layout(leaves)[1]
+    return _staging_layout(_leaves(state))[1]
 
 
 def _staging_layout(leaves: dict) -> tuple[dict, int]:

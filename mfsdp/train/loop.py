@@ -323,7 +323,7 @@ class Trainer:
         tensorboard = TensorBoardLog(self.out_dir / "tensorboard",
                                      enabled=self.rank == 0 and self.cfg.metrics.tensorboard,
                                      purge_step=start_step + 1 if start_step else None)
-        self.checkpointer = self._checkpointer(model)
+        self.checkpointer = self._checkpointer(model, optimizer)
         self._install_signal_handlers()
         last = self.train(model, optimizer, sampler, (metrics, tensorboard), start_step,
                           evaluator)
@@ -448,7 +448,7 @@ class Trainer:
         progress.close()
         return step
 
-    def _checkpointer(self, model) -> Checkpointer:
+    def _checkpointer(self, model, optimizer) -> Checkpointer:
         t = self.cfg.train
         asynchronous = t.async_checkpoint_on(self.device.type)
         held = planned_staging_bytes(shard_numel(model))
@@ -464,7 +464,8 @@ class Trainer:
                      f"{'pinned ' if self.device.type == 'cuda' else ''}host memory per rank")
         return Checkpointer(self.checkpoints, t.keep_checkpoints, asynchronous,
                             pinned=self.device.type == "cuda",
-                            timeout_s=self.cfg.parallel.collective_timeout_s, log=self.note)
+                            timeout_s=self.cfg.parallel.collective_timeout_s, log=self.note,
+                            model=model, optimizer=optimizer)  # to pin its staging early
 
     def note(self, message: str) -> None:
         """A line on rank 0 that leaves the progress bar (when there is one) intact."""
