@@ -8,6 +8,8 @@
 #   .carry/base/   a worktree of the commit to compare against (`git worktree add --detach
 #                  .carry/base <commit>`), for the `ab` section only
 # Sections:
+#   final   ONE GPU, <= 8 min, the last call of a session whose time is short: the GPU suite, the
+#           compiled 1b rows in bf16 and FP8, and 8B + AC without offload (bf16 gradients)  issues 19 21 22
 #   smoke   ONE GPU, <= 9 min, first in any session that touches GPU code: `pytest -m gpu tests`,
 #           the compiled 1b rows (mfsdp, FSDP2; bf16 and FP8 with FP8 all-gather), and `mfsdp train`
 #           1b for 10 steps (fp32 reduction, compiled) then --resume to 14 (its bf16 default)  issue 19
@@ -82,6 +84,17 @@ section_smoke() {
   echo "train 1b --resume (bf16 reduction) rc=$?"; grep -v "^W1" "$OUT/train_1b.log" | tail -5
   summarize_train $run 4..10 12..14 | tee -a "$OUT/train_1b.log"
   cp $run/metrics.jsonl "$OUT/train_1b_metrics.jsonl"; rm -rf $run
+}
+
+section_final() {  # ONE GPU, <= 8 min: the GPU suite, the compiled 1b rows (bf16, FP8) and 8B without offload
+  timeout 255 python3 -m pytest -q -m gpu -p no:cacheprovider --durations=8 tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
+  local rows="--preset 1b --local-batch 2 --seq 4096 --compile --steps 8 --warmup 3"
+  IMPL_TIMEOUT=75 bench "$ROOT" mfsdp,fsdp2 $rows
+  IMPL_TIMEOUT=75 bench "$ROOT" mfsdp,fsdp2 $rows --float8 tensorwise --fp8-all-gather
+  # issue 21's first target: 8B on one GPU without offload, bf16 gradients (mfsdp train's default), AC
+  IMPL_TIMEOUT=75 bench "$ROOT" mfsdp,fsdp2 --preset 8b --local-batch 1 --seq 4096 --ac --compile --steps 5 \
+    --warmup 2 --grad-reduce-dtype bf16
+  grep -h '^| \(mfsdp\|fsdp2\) ' "$OUT/bench.log"
 }
 
 section_first_big_run() {  # issue 25's 8b command on one GPU, with what a smoke call leaves (>= 100 s)
