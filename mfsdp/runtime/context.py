@@ -1,4 +1,5 @@
-"""FsdpContext: the runtime state one root shares with every FSDP module under it.
+"""FsdpContext: the scheduling engine of one root, shared with every FSDP module under it: it
+decides when each collective is issued (the streams, the walk over units, prefetch, the final callback).
 
 [Note: streams, events and memory]
 On CUDA, all-gathers run on ``allgather_stream`` and reductions on ``reduce_scatter_stream``; the
@@ -42,7 +43,8 @@ from mfsdp.runtime.tag_check import TagCheck
 
 
 class FsdpContext:
-    """Runtime stream, schedule and cursor state shared by one FSDP subtree."""
+    """The scheduling engine of one FSDP tree: its streams, the cursors walking its ``Schedule``,
+    prefetch and the final callback; it drives units through ``schedule.Unit`` only."""
 
     def __init__(self, device: torch.device, root_module: nn.Module, schedule: Schedule,
                  policy: CommunicationPolicy) -> None:

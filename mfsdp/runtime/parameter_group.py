@@ -36,8 +36,7 @@ from mfsdp import _compat
 from mfsdp.communication import CommunicationPolicy
 from mfsdp.mixed_precision import ResolvedDtypes
 from mfsdp.runtime import gather_codec
-from mfsdp.runtime.collective_check import CollectiveIssuer
-from mfsdp.runtime.collectives import stream_context, sum_in_place
+from mfsdp.runtime.collectives import CollectiveIssuer, stream_context, sum_in_place
 from mfsdp.runtime.flat_buffer import FlatBuffer, FlatLayout
 from mfsdp.runtime.geometry import ShardGeometry, contiguous_stride, fill_region
 from mfsdp.runtime.reducer import GradientReducer
