@@ -28,6 +28,7 @@ from mfsdp.memory.activations import ActivationProfile
 from mfsdp.memory.model_state import UnitBytes, optimizer_state_bytes
 from mfsdp.optimizer import step_transient_bytes
 from mfsdp.runtime.gather_slots import slotted
+from mfsdp.runtime.in_flight import keeps_pending
 from mfsdp.runtime.schedule import Schedule, StepKind
 
 COMPONENTS = (
@@ -255,9 +256,9 @@ def _microbatch(w: _Walk, acts: ActivationProfile, s: StepSettings, which: str, 
     issued = 0
     computed: list[UnitBytes] = []
     for pos, u in enumerate(units):
-        for q in range(issued, min(pos + depth, len(units) - 1) + 1):
+        for q in range(issued, w.schedule.issued_by(pos, depth)):
             w.gather(units[q])
-        issued = max(issued, min(pos + depth, len(units) - 1) + 1)
+        issued = max(issued, w.schedule.issued_by(pos, depth))
         for done in list(computed):  # post_forward of units that are not ancestors of u
             if done is not root and not w.schedule.is_ancestor_or_self(done, u):
                 w.gathered.pop(done.name, None)
@@ -327,7 +328,7 @@ def _microbatch(w: _Walk, acts: ActivationProfile, s: StepSettings, which: str, 
             raw_grads += own
             continue
         incoming = u.total("reduction_nbytes")
-        while pending and not (len(pending) < 2 and 4 * incoming < sum(r for _, r in pending)):
+        while pending and not keeps_pending([r for _, r in pending], incoming):
             pending.pop(0)
         scatter = 0 if (first and all(g.direct for g in u.groups)) else u.total("scatter_out")
         if first or not every:  # the main gradient is allocated by this unit's first reduction
@@ -375,7 +376,7 @@ def _optimizer(w: _Walk, units: list[UnitBytes], s: StepSettings) -> None:
         w.snap("optimizer step", main_grads=main_grads, optimizer_step=step_bytes(units))
         return
     # The first units update, then gather while the rest update.
-    early = units[:1 + s.prefetch_depth]
+    early = units[:w.schedule.issued_by(0, s.prefetch_depth)]
     w.snap("optimizer step: first units", main_grads=main_grads, optimizer_step=step_bytes(early))
     w.gathered = {}
     for u in early:

@@ -28,7 +28,6 @@ from typing import Optional
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from mfsdp.mixed_precision import MixedPrecisionPolicy, ResolvedDtypes
 from mfsdp.runtime import gather_codec
@@ -36,7 +35,7 @@ from mfsdp.runtime.flat_buffer import FlatLayout
 from mfsdp.runtime.geometry import Levels
 from mfsdp.runtime.ownership import collect_owned_parameters, gathers_in_backward, group_parameters
 from mfsdp.runtime.parameter_group import choose_model_buffer, local_tensor
-from mfsdp.runtime.reducer import TAG_COLUMNS
+from mfsdp.runtime.reducer import reduction_nbytes, usage_layout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,12 +120,8 @@ def group_bytes(label: str, shapes, dtypes: ResolvedDtypes, levels: Levels, requ
     main = layout.numel(k) * isz(dtypes.main)
     model = 0 if (main_aliases_model or on_the_fly) else layout.numel(levels.ways(levels.param_level)) * isz(dtypes.compute)
     gathered = levels.param_level > 0
-    encoded = None if params is None else gather_codec.encoded_gather(params, dtypes, layout, label)
-    if encoded is not None and (not gathered or any(isinstance(p, DTensor) for p in params)):
-        raise NotImplementedError(
-            f"parameter group {label} gathers through {type(encoded.codec).__name__} (FP8 all-gather), which "
-            "the runtime refuses for parameters that are not sharded at rest and gathered (ZeRO-3, HSDP, "
-            "HFSDP) or that are tensor-parallel DTensors; plan zero3/hsdp/hfsdp, or without FP8 all-gather")
+    encoded = (None if params is None
+               else gather_codec.encoded_gather(params, dtypes, layout, label, levels.param_level))
     gather_layout, gather_dtype = ((layout, dtypes.compute) if encoded is None
                                    else (encoded.layout, encoded.layout.dtype))  # the runtime's ByteLayout
     unsharded = gather_layout.numel(1) * isz(gather_dtype) if gathered else 0
@@ -134,8 +129,7 @@ def group_bytes(label: str, shapes, dtypes: ResolvedDtypes, levels: Levels, requ
     encode_staging = _encode_staging(encoded, layout, levels, source_dtype) if encoded is not None else 0
     main_grad = accumulator = module_grads = staging = scatter_out = reduction = 0
     if requires_grad:
-        n = len(shapes)
-        usage = FlatLayout([torch.Size((k, n + TAG_COLUMNS))], k)
+        usage = usage_layout(len(shapes), k)
         main_grad = layout.numel(k) * isz(dtypes.grads) + usage.numel(k) * 8
         if levels.into_accumulator:
             ways = levels.ways(levels.grad_level)
@@ -145,7 +139,7 @@ def group_bytes(label: str, shapes, dtypes: ResolvedDtypes, levels: Levels, requ
         staging = sum(m.padded_rows * m.row_numel for m in staged) * isz(dtypes.comm) + usage.numel(1) * 8
         out_level = levels.grad_level or levels.num_levels  # ZeRO-1 scatters on the last microbatch
         scatter_out = layout.numel(levels.ways(out_level)) * isz(dtypes.comm) if out_level else 0
-        reduction = layout.numel(1) * isz(dtypes.comm) + usage.numel(1) * 8  # GradientReducer.reduction_nbytes
+        reduction = reduction_nbytes(layout, dtypes.comm)
     opt = sum(m.rows_of_shard(rank_shard) * m.row_numel for m in layout.members)
     key = (gather_layout.numel(1), gather_dtype) if gathered else None
     return GroupBytes(label, main, model, unsharded, main_grad, accumulator, module_grads, staging,

@@ -124,24 +124,23 @@ class FsdpContext:
             self._open_repeats.append(visit)
             self._visits[key] = visits + 1
             return visits
-        self._issue_forward_through(position - 1, prefetch=False)
+        self._issue_forward(position, prefetch=False)
         self._release_skipped(position)
         module.unshard()
         self._forward_issued = max(self._forward_issued, position + 1)
-        self._issue_forward_through(position + self.prefetch_depth, prefetch=True)
+        self._issue_forward(self.schedule.issued_by(position, self.prefetch_depth), prefetch=True)
         self._visits[key] = 1
         return 0
 
     def end_forward(self) -> None:
         """Root post-forward: the modules no rank-local call reached still take their turn."""
-        last = self.schedule.num_forward - 1
-        self._issue_forward_through(last, prefetch=False)
-        self._release_skipped(last + 1)
+        self._issue_forward(self.schedule.num_forward, prefetch=False)
+        self._release_skipped(self.schedule.num_forward)
 
     # ------------------------------------------------------------- across the optimizer step
     def first_forward_modules(self) -> list[Unit]:
         """The modules the next forward gathers first: the root and the ``prefetch_depth`` after it."""
-        return [self.schedule.forward_module(i) for i in range(min(1 + self.prefetch_depth, self.schedule.num_forward))]
+        return [self.schedule.forward_module(i) for i in range(self.schedule.issued_by(0, self.prefetch_depth))]
 
     def gather_for_next_forward(self, modules: list[Unit]) -> None:
         """Unshard ``modules`` (``first_forward_modules``, their weights final for this step) now,
@@ -174,8 +173,7 @@ class FsdpContext:
                 return issued
         return len(modules)
 
-    def _issue_forward_through(self, last: int, prefetch: bool) -> None:
-        stop = min(last + 1, self.schedule.num_forward)
+    def _issue_forward(self, stop: int, prefetch: bool) -> None:
         modules = [self.schedule.forward_module(i) for i in range(self._forward_issued, stop)]
         self._forward_issued += self._unshard_in_order(modules, prefetch)
 

@@ -85,14 +85,7 @@ class FsdpParameterGroup:
         self.layout = FlatLayout([t.shape for t in locals_], g.num_shards)
         g.check_exposed(params, self.layout.members, specs, label)  # the DTensors describe these shards
         # Tagged parameters (gather_codec): None, and the untouched path below, when none is.
-        self.encoded = gather_codec.encoded_gather(params, dtypes, self.layout, label)
-        if self.encoded is not None and (g.param_level == 0 or any(isinstance(p, DTensor) for p in params)):
-            raise NotImplementedError(
-                f"mfsdp: parameter group {label} asks for an encoded all-gather ({type(self.codec).__name__}), "
-                "which needs parameters that are sharded at rest and gathered for compute (ZeRO-3, HSDP, "
-                "HFSDP) and are not tensor-parallel DTensors; these placements keep them "
-                f"{'replicated' if g.param_level == 0 else 'as DTensors'}. Use such a placement or leave "
-                "the parameters untagged")
+        self.encoded = gather_codec.encoded_gather(params, dtypes, self.layout, label, g.param_level)
 
         # Compute weights at rest. Three cases, cheapest memory first:
         # * main dtype == compute dtype at the same level: the main weights *are* the compute weights;

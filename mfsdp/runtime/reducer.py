@@ -38,6 +38,18 @@ from mfsdp.runtime.geometry import ShardGeometry, contiguous_stride
 
 TAG_COLUMNS = 4  # the reduction tags a, a*a, b, b*b beside the usage counts (see ``tag_check``)
 
+
+def usage_layout(num_params: int, num_shards: int) -> FlatLayout:
+    """The int64 usage rows a group's reductions carry beside its gradients (see ``GradientReducer``)."""
+    return FlatLayout([torch.Size((num_shards, num_params + TAG_COLUMNS))], num_shards)
+
+
+def reduction_nbytes(layout: FlatLayout, comm_dtype: torch.dtype) -> int:
+    """What one backward's reduction of a group holds, which the in-flight release rule counts
+    (``in_flight``): the unsharded gradients in the reduction dtype and the usage rows."""
+    return layout.numel(1) * comm_dtype.itemsize + usage_layout(len(layout.members), layout.num_shards).numel(1) * 8
+
+
 class Source(enum.Enum):
     RAW = "raw"  # the autograd gradients of this backward (or of every microbatch, for ZeRO-1/DDP)
     ACCUMULATOR = "accumulator"  # HFSDP's per-microbatch reductions, within the node
@@ -100,7 +112,7 @@ class ReductionPlan:
         if g.grad_level == 0:  # ZeRO-1, DDP
             return cls(None, False, path(Source.RAW, 0, g.num_levels, deferred, True))
         every = path(Source.RAW, 0, g.grad_level, g.grad_all_reduce_groups, True)
-        if g.grad_level < g.num_levels:  # HFSDP
+        if g.into_accumulator:  # HFSDP
             return cls(every, True, path(Source.ACCUMULATOR, g.grad_level, g.num_levels, deferred, False))
         if deferred:  # HSDP with the replicate reduction deferred
             return cls(every, False, path(Source.MAIN, g.num_levels, g.num_levels, deferred, False))
@@ -122,10 +134,9 @@ class GradientReducer:
         # reduction tag, as int64 scaled so that every average stays an exact integer (see
         # ``tag_check``). Reduced with the gradients, the counts tell every rank whether *any* rank
         # produced a gradient, so a parameter unused everywhere keeps .grad None, as in plain PyTorch.
-        self.usage_layout = FlatLayout([torch.Size((geometry.num_shards, n + TAG_COLUMNS))], geometry.num_shards)
+        self.usage_layout = usage_layout(n, geometry.num_shards)
         self.set_tags(1, 1)
-        # What one backward's reduction holds: the unsharded gradients in the reduction dtype.
-        self.reduction_nbytes = layout.numel(1) * dtypes.comm.itemsize + self.usage_layout.numel(1) * 8
+        self.reduction_nbytes = reduction_nbytes(layout, dtypes.comm)
         self.main_grad: Optional[FlatBuffer] = None
         self._usage_main: Optional[torch.Tensor] = None
         self._accum: Optional[FlatBuffer] = None

@@ -156,6 +156,12 @@ class Schedule:
     def num_forward(self) -> int:
         return len(self._forward)
 
+    def issued_by(self, position: int, depth: int) -> int:
+        """The forward cursor, which ``mfsdp.memory`` plans with too: how many forward positions
+        have their unshard issued once the forward reached ``position`` (prefetching ``depth``).
+        The next forward's first modules are the ``issued_by(0, depth)`` (``mfsdp.optimizer``)."""
+        return min(position + 1 + depth, self.num_forward)
+
     def backward_modules(self) -> list[Unit]:
         """Modules in backward enter order (node first, children reversed)."""
         return [step.module for step in self.backward if step.kind is StepKind.ENTER]
