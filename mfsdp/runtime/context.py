@@ -91,17 +91,19 @@ class FsdpContext:
     # ------------------------------------------------------------------------------ forward walk
     def begin_forward(self) -> None:
         """Root pre-forward: communication may read what the optimizer just wrote, and gradients
-        the user dropped with ``zero_grad()`` stop occupying memory during forward."""
-        current = self.current_stream()
-        if current is not None:
-            self.allgather_stream.wait_stream(current)
+        the user dropped with ``zero_grad()`` stop occupying memory during forward. A gather made
+        during the step whose source changed since (``gather_for_next_forward``) is dropped."""
+        self._gather_after_compute()
         self.tag_check.raise_if_mismatched(wait=False)
-        self._drop_stale_early_gathers()
+        for module, tokens in self._gathered_early:
+            if any(g.weights_token() != t for g, t in zip(module.parameter_groups, tokens)):
+                module.reshard()
+        self._gathered_early.clear()
         self._forward_issued = self._forward_swept = 0
         self._repeats, self._open_repeats, self._visits = [], [], {}
         self._backward_active = False
         for group in self.trainable_groups:
-            group.release_unused_gradient_memory()
+            group.reducer.release_unused_memory()
 
     def forward_reached(self, module: Unit) -> Optional[int]:
         """``module`` is about to run forward: issue the unshards up to it, in schedule order
@@ -149,19 +151,16 @@ class FsdpContext:
         Every rank steps its bound optimizer at the same point, so the gathers keep one order
         everywhere. The next ``begin_forward`` drops a gather whose source changed since (a state
         load, an in-place edit followed by ``refresh_model_weights``) and the walk gathers afresh."""
-        current = self.current_stream()
-        if current is not None:
-            self.allgather_stream.wait_stream(current)  # after the update and refresh just enqueued
+        self._gather_after_compute()  # after the update and refresh just enqueued
         with torch.profiler.record_function("mfsdp::gather_for_next_forward"):
             held = next((i for i, m in enumerate(modules) if m.is_unsharded()), len(modules))
             gathered = modules[:self._unshard_in_order(modules[:held])]  # the forward walk gathers the rest
             self._gathered_early += [(m, [g.weights_token() for g in m.parameter_groups]) for m in gathered]
 
-    def _drop_stale_early_gathers(self) -> None:
-        for module, tokens in self._gathered_early:
-            if any(g.weights_token() != t for g, t in zip(module.parameter_groups, tokens)):
-                module.reshard()
-        self._gathered_early.clear()
+    def _gather_after_compute(self) -> None:
+        """Order the gathers issued next after what the compute stream has enqueued."""
+        if self.allgather_stream is not None:
+            self.allgather_stream.wait_stream(self.current_stream())
 
     @staticmethod
     def _unshard_in_order(modules: Sequence[Unit], prefetch: bool = True) -> int:
@@ -220,8 +219,8 @@ class FsdpContext:
         with torch.profiler.record_function("mfsdp::post_backward_final_callback"):
             self._advance_backward(len(self._walk.steps) - 1, None)  # what no hook reached
             self._backward_active = False
-            self.pending_reductions.release(self.current_stream())
             current = self.current_stream()
+            self.pending_reductions.release(current)
             if current is not None:
                 current.wait_stream(self.reduce_scatter_stream)
                 current.wait_stream(self.allgather_stream)
@@ -256,5 +255,5 @@ class FsdpContext:
         more = f" and {len(bad) - 8} more" if len(bad) > 8 else ""
         raise FloatingPointError(
             f"mfsdp: NaN or Inf in the reduced gradients after backward {self.backward_count} in "
-            f"{sorted({g.module_name for g in hit})}, parameters {bad[:8]}{more}; lower the learning rate, "
+            f"{sorted({g.issue.name for g in hit})}, parameters {bad[:8]}{more}; lower the learning rate, "
             "check the loss and inputs, or clip gradients")

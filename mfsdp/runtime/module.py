@@ -146,6 +146,10 @@ class FsdpModule:
         """Whether this module's unshard was issued (prefetched or gathered) and not yet undone."""
         return self._unshard_event is not None
 
+    def fsdp_parent(self) -> Optional["FsdpModule"]:
+        """The nearest FSDP module above this one (None for a root)."""
+        return self._fsdp_parent() if self._fsdp_parent is not None else None
+
     def is_root(self) -> bool:
         """Whether this module is the outermost FsdpModule in its context (before the context is
         built: has no FSDP parent). The one rule; ``fsdp_roots`` finds the roots by it."""
@@ -287,8 +291,7 @@ class FsdpModule:
         ctx = build_context(self)
         with record_function(self._nvtx_label("pre_forward")):
             if _compat.backward_is_running():  # a checkpoint's recompute: backward needs the weights
-                if self._phase is not ModulePhase.BACKWARD:
-                    self._signal_enter_backward()
+                self.pre_backward()
                 self._use_for_compute()
                 return args, kwargs
             if self.is_root():
@@ -351,12 +354,9 @@ class FsdpModule:
 
     # ------------------------------------------------------------------------------- backward
     def pre_backward(self) -> None:
-        """A gradient reached this module's outputs: the backward walk may enter it."""
-        if self._phase is not ModulePhase.BACKWARD:
-            self._signal_enter_backward()
-
-    def _signal_enter_backward(self) -> None:
-        if not self.context.backward_reached(StepKind.ENTER, self):
+        """A gradient reached this module's outputs (or its recompute began): the backward walk may
+        enter it."""
+        if self._phase is not ModulePhase.BACKWARD and not self.context.backward_reached(StepKind.ENTER, self):
             raise RuntimeError(
                 f"mfsdp: {self.name or 'the root'} started its backward after the backward schedule had "
                 f"passed it (its gradients were already reduced, as zeros, in this backward). {_ORDER_HELP}")
@@ -478,7 +478,7 @@ def build_context(root: FsdpModule) -> FsdpContext:
     """
     if root._context is not None:
         return root._context
-    parent = root._fsdp_parent() if root._fsdp_parent is not None else None
+    parent = root.fsdp_parent()
     if parent is not None:
         raise RuntimeError(
             f"{type(root).__name__} ran forward before its FSDP root {type(parent).__name__} ever "
@@ -496,17 +496,16 @@ def build_context(root: FsdpModule) -> FsdpContext:
                 "was sharded; shard bottom-up and only then run the model"
             )
         if module is not root:
-            parent = module._fsdp_parent() if module._fsdp_parent is not None else None
+            parent = parent_of[id(module)] = module.fsdp_parent()
             if parent is None:
                 raise RuntimeError(f"FSDP module {name!r} has no FSDP parent under {type(root).__name__}; "
                                    "apply fully_shard bottom-up, the root last")
-            parent_of[id(module)] = parent
     policy = root._communication_policy
     ctx = FsdpContext(device, root, Schedule([m for _, m in modules], parent_of), policy)
     for name, module in modules:
         module._context, module._name = ctx, name
         for group in module.parameter_groups:
-            group.module_name = name or "<root>"
+            group.issue.name = name or "<root>"
             if group.requires_grad:
                 group.reducer.set_tags(*ctx.schedule.reduction_tags(module, name))
     check_parameter_locations(root, FsdpModule)
