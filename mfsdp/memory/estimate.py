@@ -264,8 +264,7 @@ def _microbatch(w: _Walk, acts: ActivationProfile, s: StepSettings, which: str, 
                 w.gathered.pop(done.name, None)
                 computed.remove(done)
         kind = w.kind[u.name]
-        i = w.blocks.index(w._block_of(u)) if kind == "block" else 0
-        saved = {"root": 0, "pre": embed, "block": embed + i * block, "post": embed + n_blocks * block}[kind]
+        saved = _saved_before(w, u, acts)
         transient = acts.block_forward_transient + block if kind == "block" else 0
         w.snap(f"forward: {u.name or 'root'}{tag}", unsharded_fwd=sum(w.gathered.values()),
                main_grads=main_grads, module_grads=raw_grads, act_saved=saved, act_transient=transient,
@@ -339,26 +338,24 @@ def _microbatch(w: _Walk, acts: ActivationProfile, s: StepSettings, which: str, 
             arrived = {"head": 0, "blocks": 0, "embed": 0}
         w.snap(f"backward: reduce {u.name or 'root'}{tag}", unsharded_bwd=sum(w.gathered.values()),
                main_grads=main_grads, module_grads=raw_grads + sum(arrived.values()),
-               act_saved=_saved_at_exit(w, u, acts),
+               act_saved=0 if w.kind[u.name] == "pre" else _saved_before(w, u, acts),
                reduction_staging=own + u.total("staging") + scatter + sum(b for b, _ in pending))
         pending.append((own + u.total("staging"), incoming))
     w.snap(f"backward: end{tag}", main_grads=main_grads, module_grads=raw_grads)
 
 
-def _saved_at_exit(w: _Walk, u: UnitBytes, acts: ActivationProfile) -> int:
+def _saved_before(w: _Walk, u: UnitBytes, acts: ActivationProfile) -> int:
+    """Activations saved when ``u``'s forward begins (a block's: those of the blocks before it)."""
     kind = w.kind[u.name]
-    if kind == "block":
-        return acts.embed_bytes + w.blocks.index(w._block_of(u)) * acts.block_bytes
-    if kind == "post":
-        return acts.embed_bytes + len(w.blocks) * acts.block_bytes
-    return 0
+    blocks = w.blocks.index(w._block_of(u)) if kind == "block" else len(w.blocks) if kind == "post" else 0
+    return 0 if kind == "root" else acts.embed_bytes + blocks * acts.block_bytes
 
 
 def _root_grads(root: UnitBytes, acts: ActivationProfile) -> dict:
     out = {"head": 0, "blocks": 0, "embed": 0}
     for name, nbytes in zip(root.param_names, root.param_grad_bytes):
         out[acts.grad_window.get(name, "head")] += nbytes
-    return {"head": out["head"], "blocks": out["blocks"], "embed": out["embed"]}
+    return out
 
 
 def _optimizer(w: _Walk, units: list[UnitBytes], s: StepSettings) -> None:

@@ -181,11 +181,11 @@ def describe_units(model: nn.Module, units: list, policy: MixedPrecisionPolicy, 
     marker = _UnitMarker("Unit", (), {"ids": set()})
     names = {id(m): n for n, m in model.named_modules()}
     param_names = {p: n for n, p in model.named_parameters(remove_duplicate=False)}
-    out, done = [], []
+    out, parent_of = [], {}
     for unit in [*units, model]:
-        owned, _ = collect_owned_parameters(unit, marker)
+        owned, children = collect_owned_parameters(unit, marker)
         marker.ids.add(id(unit))
-        done.append(unit)
+        parent_of.update((id(child), unit) for child in children)  # the runtime's FSDP parent rule
         groups = []
         for params, _ in group_parameters(owned):
             dtypes = policy.resolve(params[0].dtype)
@@ -195,13 +195,6 @@ def describe_units(model: nn.Module, units: list, policy: MixedPrecisionPolicy, 
         out.append((unit, groups, tuple(param_names.get(p, "?") for p in owned),
                     tuple(local_tensor(p).numel() * p.element_size() if p.requires_grad else 0 for p in owned),
                     gathers_in_backward(unit, owned)))
-    parent_of = {}
-    for unit in done:  # the nearest unit strictly above each unit
-        for other in done:
-            if other is not unit and any(m is unit for m in other.modules()):
-                best = parent_of.get(id(unit))
-                if best is None or any(m is other for m in best.modules()):
-                    parent_of[id(unit)] = other
     order = {id(m): i for i, m in enumerate(model.modules())}
     out.sort(key=lambda entry: order[id(entry[0])])  # forward order: registration pre-order, root first
     return [UnitBytes(names.get(id(u), ""), tuple(g),

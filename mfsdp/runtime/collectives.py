@@ -163,32 +163,25 @@ def all_reduce(
         if size == 1:
             return
         op = dist.ReduceOp.AVG if _native_average(group) else dist.ReduceOp.SUM
-        # Coalesced all-reduces want one dtype (NCCL and gloo both check): the int64 usage counts
-        # beside the gradients get a launch of their own. Reduce-scatters mix dtypes in one launch.
-        batches = _by_dtype(tensors)
-        for batch in batches:
-            with _coalesced(group, len(batch), coalesce):
-                for t in batch:
-                    dist.all_reduce(t, op=op, group=group)
+        _all_reduce_by_dtype(tensors, group, op, coalesce)
         if op == dist.ReduceOp.SUM:
             _divide(tensors, size)
 
 
 def sum_in_place(tensors: Sequence[torch.Tensor], group, coalesce: bool = True) -> None:
     """Sum each tensor in place over ``group`` (one coalesced launch per dtype), on the current stream."""
-    if not tensors or dist.get_world_size(group) == 1:
-        return
-    for batch in _by_dtype(tensors):
+    if tensors and dist.get_world_size(group) > 1:
+        _all_reduce_by_dtype(tensors, group, dist.ReduceOp.SUM, coalesce)
+
+
+def _all_reduce_by_dtype(tensors: Sequence[torch.Tensor], group, op, coalesce: bool) -> None:
+    """Coalesced all-reduces want one dtype (NCCL and gloo both check): the int64 usage counts beside
+    the gradients get a launch of their own. Reduce-scatters mix dtypes in one launch."""
+    for dtype in dict.fromkeys(t.dtype for t in tensors):
+        batch = [t for t in tensors if t.dtype == dtype]
         with _coalesced(group, len(batch), coalesce):
             for t in batch:
-                dist.all_reduce(t, group=group)
-
-
-def _by_dtype(tensors: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
-    batches: dict[torch.dtype, list[torch.Tensor]] = {}
-    for t in tensors:
-        batches.setdefault(t.dtype, []).append(t)
-    return list(batches.values())
+                dist.all_reduce(t, op=op, group=group)
 
 
 # ------------------------------------------------------------------ the issuer and its debug check

@@ -488,18 +488,15 @@ def build_context(root: FsdpModule) -> FsdpContext:
     device = next((g.params[0].device for _, m in modules for g in m.parameter_groups), None)
     if device is None:
         raise RuntimeError(f"{type(root).__name__}: no parameters under this FSDP root")
-    parent_of = {}
     for name, module in modules:
         if module._context is not None:
             raise RuntimeError(
                 f"FSDP module {name!r} already ran forward as its own root before {type(root).__name__} "
-                "was sharded; shard bottom-up and only then run the model"
-            )
-        if module is not root:
-            parent = parent_of[id(module)] = module.fsdp_parent()
-            if parent is None:
-                raise RuntimeError(f"FSDP module {name!r} has no FSDP parent under {type(root).__name__}; "
-                                   "apply fully_shard bottom-up, the root last")
+                "was sharded; shard bottom-up and only then run the model")
+        if module is not root and module.fsdp_parent() is None:
+            raise RuntimeError(f"FSDP module {name!r} has no FSDP parent under {type(root).__name__}; "
+                               "apply fully_shard bottom-up, the root last")
+    parent_of = {id(m): m.fsdp_parent() for _, m in modules[1:]}
     policy = root._communication_policy
     ctx = FsdpContext(device, root, Schedule([m for _, m in modules], parent_of), policy)
     for name, module in modules:

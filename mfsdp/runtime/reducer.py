@@ -79,11 +79,6 @@ class ReductionPath:
         """Whether the first collective overwrites the path's inputs (an all-reduce, as DDP's)."""
         return not self.stages or self.stages[0].kind == "all_reduce"
 
-    @property
-    def last_scatter(self) -> int:
-        """Index of the last reduce-scatter (-1: none), which may write straight into the target."""
-        return max((i for i, s in enumerate(self.stages) if s.kind == "reduce_scatter"), default=-1)
-
 
 @dataclasses.dataclass(frozen=True)
 class ReductionPlan:
@@ -283,7 +278,8 @@ class GradientReducer:
         nothing there must be kept and the dtypes agree; where a later path reads ``target``, its tag
         columns are then set, not summed, to what that path must contribute."""
         direct = overwrite and target[0].dtype == self.dtypes.comm
-        regions, last_scatter = inputs, path.last_scatter
+        regions = inputs  # the last reduce-scatter may write straight into the target
+        last_scatter = max((i for i, s in enumerate(path.stages) if s.kind == "reduce_scatter"), default=-1)
         for i, stage in enumerate(path.stages):
             if stage.kind == "all_reduce":
                 self._collective("all_reduce", regions, None, stage.group)
