@@ -289,15 +289,13 @@ def _microbatch(w: _Walk, acts: ActivationProfile, s: StepSettings, which: str, 
         if step.kind is StepKind.ENTER:
             if u.gathers_in_backward:
                 w.gather(u)
-            for following in w.schedule.walk.next_enters(position, depth):
-                if following.gathers_in_backward:
-                    w.gather(following)
+            for following in w.schedule.walk.prefetched_at(position, depth):
+                w.gather(following)
             kind = w.kind[u.name]
             own = sum(u.param_grad_bytes) if u is not root else 0
             if kind == "block":
-                i = w.blocks.index(w._block_of(u))
                 arrived["blocks"] = root_grads["blocks"]
-                parts = dict(act_saved=embed + (i + 1) * block,
+                parts = dict(act_saved=_saved_before(w, u, acts) + block,
                              act_transient=acts.block_backward_peak - acts.block_weight_grad_bytes,
                              grads_now=acts.block_weight_grad_bytes if u.name in w.blocks else own)
             elif kind == "pre":

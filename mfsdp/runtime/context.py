@@ -210,8 +210,7 @@ class FsdpContext:
             if step.kind is StepKind.ENTER:
                 ran = signalled is not None and self.schedule.is_ancestor_or_self(module, signalled)
                 module.enter_backward(ran)
-                following = self._walk.next_enters(self._backward_cursor - 1, self.prefetch_depth)
-                self._unshard_in_order([m for m in following if m.gathers_in_backward])
+                self._unshard_in_order(self._walk.prefetched_at(self._backward_cursor - 1, self.prefetch_depth))
             else:
                 module.exit_backward(step.reduces)
 
