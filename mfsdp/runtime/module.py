@@ -51,16 +51,11 @@ _ORDER_HELP = (
 
 
 class ModulePhase(enum.Enum):
+    """A module's phase; every transition goes from IDLE or back to it (``_set_phase``)."""
+
     IDLE = "idle"  # between passes; sharded (the root may keep its storage until backward)
     FORWARD = "forward"  # between pre_forward and post_forward
     BACKWARD = "backward"  # between the ENTER and EXIT steps of the backward walk (recompute included)
-
-
-_TRANSITIONS = {
-    ModulePhase.IDLE: {ModulePhase.FORWARD, ModulePhase.BACKWARD},
-    ModulePhase.FORWARD: {ModulePhase.IDLE},
-    ModulePhase.BACKWARD: {ModulePhase.IDLE},
-}
 
 
 class _InputsBackward(torch.autograd.Function):
@@ -225,7 +220,7 @@ class FsdpModule:
                     f"through MixedPrecisionPolicy (main_params_dtype) and the model's dtype, not .to()")
 
     def _set_phase(self, phase: ModulePhase) -> None:
-        if phase not in _TRANSITIONS[self._phase]:
+        if (phase is ModulePhase.IDLE) == (self._phase is ModulePhase.IDLE):  # IDLE <-> FORWARD, BACKWARD
             raise RuntimeError(f"mfsdp: illegal phase transition {self._phase.name} -> {phase.name} in {self.name}")
         self._phase = phase
 
@@ -244,12 +239,9 @@ class FsdpModule:
         def post_hook(module, args, output):
             return module.post_forward(output)
 
-        def load_hook(module, incompatible_keys):
-            module._after_load_state_dict()
-
         self.register_forward_pre_hook(pre_hook, prepend=True, with_kwargs=True)
         self.register_forward_hook(post_hook)
-        self.register_load_state_dict_post_hook(load_hook)
+        self.register_load_state_dict_post_hook(lambda module, incompatible_keys: module._after_load_state_dict())
         for group in self._parameter_groups:
             if group.requires_grad:
                 for param in group.params:

@@ -51,16 +51,16 @@ class TagCheck:
     def end_backward(self, backward_count: int, stream: Optional[torch.Stream]) -> None:
         """After the compute stream ``stream`` (None without streams) has waited for every reduction
         of this backward."""
-        if stream is None:
-            self._pending.append((self._flags.clone(), None, backward_count))
-            self._flags.zero_()
-            self.raise_if_mismatched(wait=True)
-            return
-        host = torch.empty(self._flags.shape, dtype=self._flags.dtype, pin_memory=True)
-        host.copy_(self._flags, non_blocking=True)
-        event = stream.record_event()
+        if stream is None:  # read at once
+            host, event = self._flags.clone(), None
+        else:
+            host = torch.empty(self._flags.shape, dtype=self._flags.dtype, pin_memory=True)
+            host.copy_(self._flags, non_blocking=True)
+            event = stream.record_event()
         self._flags.zero_()
         self._pending.append((host, event, backward_count))
+        if stream is None:
+            self.raise_if_mismatched(wait=True)
         while len(self._pending) > 2:  # never more than a step late
             self._check(*self._pending.popleft())
 
