@@ -265,6 +265,13 @@ def mesh_device(mesh: DeviceMesh) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device(mesh.device_type)
 
 
+def exposed_dtensors(params, shards, specs) -> list[DTensor]:
+    """DTensors over ``shards`` (this rank's, from the flat buffers) with each parameter's global
+    shape and its exposed (mesh, placements) of ``specs``: the sharded parameters and their ``.grad``."""
+    return [DTensor.from_local(t, mesh, placements, run_check=False, shape=p.shape, stride=contiguous_stride(p.shape))
+            for p, t, (mesh, placements) in zip(params, shards, specs)]
+
+
 def contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
     stride, acc = [], 1
     for size in reversed(shape):

@@ -37,7 +37,7 @@ from mfsdp.mixed_precision import ResolvedDtypes
 from mfsdp.runtime import gather_codec
 from mfsdp.runtime.collectives import CollectiveIssuer, stream_context, sum_in_place
 from mfsdp.runtime.flat_buffer import FlatBuffer, FlatLayout
-from mfsdp.runtime.geometry import ShardGeometry, contiguous_stride, fill_region
+from mfsdp.runtime.geometry import ShardGeometry, exposed_dtensors, fill_region
 from mfsdp.runtime.reducer import GradientReducer
 
 
@@ -132,15 +132,8 @@ class FsdpParameterGroup:
             self.unsharded.release()  # views stay valid: the storage object is kept
 
         self._specs = [(mesh, placements) for mesh, placements, _ in specs]
-        self.sharded_params = [
-            nn.Parameter(
-                DTensor.from_local(local, mesh, placements, run_check=False, shape=p.shape,
-                                   stride=contiguous_stride(p.shape)),
-                requires_grad=p.requires_grad,
-            )
-            for p, local, (mesh, placements) in zip(
-                params, self.layout.shards(self._main_regions, g.shard_index), self._specs)
-        ]
+        self.sharded_params = [nn.Parameter(t, requires_grad=p.requires_grad) for p, t in zip(
+            params, exposed_dtensors(params, self.layout.shards(self._main_regions, g.shard_index), self._specs))]
         if self.requires_grad:  # the gradient half: ``self.reducer``
             self.reducer = GradientReducer(params, self.sharded_params, self._specs, self.layout, g, dtypes,
                                            policy.gradient_divide_factor, self.issue, device)

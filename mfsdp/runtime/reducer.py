@@ -34,7 +34,7 @@ from torch.distributed.tensor import DTensor
 from mfsdp import _compat
 from mfsdp.mixed_precision import ResolvedDtypes
 from mfsdp.runtime.flat_buffer import FlatBuffer, FlatLayout, pack_gradients
-from mfsdp.runtime.geometry import ShardGeometry, contiguous_stride
+from mfsdp.runtime.geometry import ShardGeometry, exposed_dtensors
 
 TAG_COLUMNS = 4  # the reduction tags a, a*a, b, b*b beside the usage counts (see ``tag_check``)
 
@@ -192,12 +192,7 @@ class GradientReducer:
                                            device=self._device)
             regions = self.layout.regions(self.main_grad.tensor, g.num_shards)
             self._main_grad_views = regions + [self._usage_main]
-            self._grad_dtensors = [
-                DTensor.from_local(local, mesh, placements, run_check=False,
-                                   shape=p.shape, stride=contiguous_stride(p.shape))
-                for p, local, (mesh, placements) in zip(
-                    self.params, self.layout.shards(regions, g.shard_index), self._specs)
-            ]
+            self._grad_dtensors = exposed_dtensors(self.params, self.layout.shards(regions, g.shard_index), self._specs)
         return self._main_grad_views
 
     def _claim_main_grad(self) -> tuple[list[torch.Tensor], bool]:
