@@ -139,11 +139,11 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 def choose_groups(model: nn.Module, groups: Sequence, policy: OffloadPolicy) -> list:
     """The parameter groups ``policy`` offloads among ``groups`` (the optimizer's), unit by unit."""
-    from mfsdp.runtime.module import FsdpModule
+    from mfsdp.runtime.module import fsdp_modules
 
     own = {id(g) for g in groups}
     units = [(name, [g for g in m.parameter_groups if id(g) in own and g.requires_grad])
-             for name, m in model.named_modules() if isinstance(m, FsdpModule)]
+             for name, m in fsdp_modules(model)]
     units = [(name, gs) for name, gs in units if gs]
     if policy.units is not None:
         by_name = dict(units)

@@ -88,7 +88,7 @@ def _free_gradients_on_zero_grad(optimizer: torch.optim.Optimizer, groups: list)
         if set_to_none:
             for group in groups:
                 if group.requires_grad:
-                    group.release_unused_gradient_memory()
+                    group.reducer.release_unused_memory()
 
     optimizer.zero_grad = zero_grad_and_free
 
@@ -173,7 +173,7 @@ def _upcast_gradients(group) -> list:
         if fused is None:
             fused = _upcast_main_grad(group)
         local = grad.to_local() if isinstance(grad, DTensor) else grad
-        if fused and _shares_storage(local, group.main_grad.tensor):
+        if fused and _shares_storage(local, group.reducer.main_grad.tensor):
             upcast = fused[i]  # the runtime's gradient: a view of the one fused cast
         else:  # a gradient the user attached: cast on its own
             upcast = local.to(main_dtype)
@@ -318,9 +318,10 @@ def _restore(hidden) -> None:
 def _upcast_main_grad(group) -> list:
     """The group's main gradient cast to the main dtype (one fused cast), as per-parameter shard
     views; empty when the main gradient holds no storage (nothing the runtime exposed is live)."""
-    if group.main_grad is None or not group.main_grad.is_allocated:
+    main_grad = group.reducer.main_grad
+    if main_grad is None or not main_grad.is_allocated:
         return []
-    flat = group.main_grad.tensor
+    flat = main_grad.tensor
     # At copy bandwidth on CUDA (``mfsdp.kernels``: ``Tensor.to`` widens unvectorized), the same bits.
     upcast = kernels.to_fp32(flat) if group.dtypes.main == torch.float32 else flat.to(group.dtypes.main)
     layout, geometry = group.layout, group.geometry

@@ -328,7 +328,7 @@ def bf16_resting_memory(rank, ws):
     def resting_bytes():
         size = 0
         for g in groups:
-            for buf in {id(b): b for b in (g.main, g.model, g.unsharded, g.main_grad) if b is not None}.values():
+            for buf in {id(b): b for b in (g.main, g.model, g.unsharded, g.reducer.main_grad) if b is not None}.values():
                 size += buf.tensor.untyped_storage().size()
         return size
 

@@ -114,7 +114,7 @@ def measured_step_transient(rank, ws, kind, opt, one_call=False, prefetch_across
         _train_step(model, optim, step, rank, ws)
     mode = LiveStorages()
     _train_step(model, optim, 2, rank, ws, measure=mode)
-    fp32_grads = [g.main_grad.tensor.numel() * 4 for g in groups if g.requires_grad]
+    fp32_grads = [g.reducer.main_grad.tensor.numel() * 4 for g in groups if g.requires_grad]
     return mode.peak, fp32_grads, len(mode.live)
 
 

@@ -28,6 +28,7 @@ from mfsdp.memory.activations import ActivationProfile
 from mfsdp.memory.model_state import UnitBytes, optimizer_state_bytes
 from mfsdp.optimizer import step_transient_bytes
 from mfsdp.runtime.gather_slots import slotted
+from mfsdp.runtime.in_flight import keeps_pending
 from mfsdp.runtime.schedule import Schedule, StepKind
 
 COMPONENTS = (
@@ -255,16 +256,15 @@ def _microbatch(w: _Walk, acts: ActivationProfile, s: StepSettings, which: str, 
     issued = 0
     computed: list[UnitBytes] = []
     for pos, u in enumerate(units):
-        for q in range(issued, min(pos + depth, len(units) - 1) + 1):
+        for q in range(issued, w.schedule.issued_by(pos, depth)):
             w.gather(units[q])
-        issued = max(issued, min(pos + depth, len(units) - 1) + 1)
+        issued = max(issued, w.schedule.issued_by(pos, depth))
         for done in list(computed):  # post_forward of units that are not ancestors of u
             if done is not root and not w.schedule.is_ancestor_or_self(done, u):
                 w.gathered.pop(done.name, None)
                 computed.remove(done)
         kind = w.kind[u.name]
-        i = w.blocks.index(w._block_of(u)) if kind == "block" else 0
-        saved = {"root": 0, "pre": embed, "block": embed + i * block, "post": embed + n_blocks * block}[kind]
+        saved = _saved_before(w, u, acts)
         transient = acts.block_forward_transient + block if kind == "block" else 0
         w.snap(f"forward: {u.name or 'root'}{tag}", unsharded_fwd=sum(w.gathered.values()),
                main_grads=main_grads, module_grads=raw_grads, act_saved=saved, act_transient=transient,
@@ -289,15 +289,13 @@ def _microbatch(w: _Walk, acts: ActivationProfile, s: StepSettings, which: str, 
         if step.kind is StepKind.ENTER:
             if u.gathers_in_backward:
                 w.gather(u)
-            for following in w.schedule.walk.next_enters(position, depth):
-                if following.gathers_in_backward:
-                    w.gather(following)
+            for following in w.schedule.walk.prefetched_at(position, depth):
+                w.gather(following)
             kind = w.kind[u.name]
             own = sum(u.param_grad_bytes) if u is not root else 0
             if kind == "block":
-                i = w.blocks.index(w._block_of(u))
                 arrived["blocks"] = root_grads["blocks"]
-                parts = dict(act_saved=embed + (i + 1) * block,
+                parts = dict(act_saved=_saved_before(w, u, acts) + block,
                              act_transient=acts.block_backward_peak - acts.block_weight_grad_bytes,
                              grads_now=acts.block_weight_grad_bytes if u.name in w.blocks else own)
             elif kind == "pre":
@@ -327,7 +325,7 @@ def _microbatch(w: _Walk, acts: ActivationProfile, s: StepSettings, which: str, 
             raw_grads += own
             continue
         incoming = u.total("reduction_nbytes")
-        while pending and not (len(pending) < 2 and 4 * incoming < sum(r for _, r in pending)):
+        while pending and not keeps_pending([r for _, r in pending], incoming):
             pending.pop(0)
         scatter = 0 if (first and all(g.direct for g in u.groups)) else u.total("scatter_out")
         if first or not every:  # the main gradient is allocated by this unit's first reduction
@@ -338,26 +336,24 @@ def _microbatch(w: _Walk, acts: ActivationProfile, s: StepSettings, which: str, 
             arrived = {"head": 0, "blocks": 0, "embed": 0}
         w.snap(f"backward: reduce {u.name or 'root'}{tag}", unsharded_bwd=sum(w.gathered.values()),
                main_grads=main_grads, module_grads=raw_grads + sum(arrived.values()),
-               act_saved=_saved_at_exit(w, u, acts),
+               act_saved=0 if w.kind[u.name] == "pre" else _saved_before(w, u, acts),
                reduction_staging=own + u.total("staging") + scatter + sum(b for b, _ in pending))
         pending.append((own + u.total("staging"), incoming))
     w.snap(f"backward: end{tag}", main_grads=main_grads, module_grads=raw_grads)
 
 
-def _saved_at_exit(w: _Walk, u: UnitBytes, acts: ActivationProfile) -> int:
+def _saved_before(w: _Walk, u: UnitBytes, acts: ActivationProfile) -> int:
+    """Activations saved when ``u``'s forward begins (a block's: those of the blocks before it)."""
     kind = w.kind[u.name]
-    if kind == "block":
-        return acts.embed_bytes + w.blocks.index(w._block_of(u)) * acts.block_bytes
-    if kind == "post":
-        return acts.embed_bytes + len(w.blocks) * acts.block_bytes
-    return 0
+    blocks = w.blocks.index(w._block_of(u)) if kind == "block" else len(w.blocks) if kind == "post" else 0
+    return 0 if kind == "root" else acts.embed_bytes + blocks * acts.block_bytes
 
 
 def _root_grads(root: UnitBytes, acts: ActivationProfile) -> dict:
     out = {"head": 0, "blocks": 0, "embed": 0}
     for name, nbytes in zip(root.param_names, root.param_grad_bytes):
         out[acts.grad_window.get(name, "head")] += nbytes
-    return {"head": out["head"], "blocks": out["blocks"], "embed": out["embed"]}
+    return out
 
 
 def _optimizer(w: _Walk, units: list[UnitBytes], s: StepSettings) -> None:
@@ -375,7 +371,7 @@ def _optimizer(w: _Walk, units: list[UnitBytes], s: StepSettings) -> None:
         w.snap("optimizer step", main_grads=main_grads, optimizer_step=step_bytes(units))
         return
     # The first units update, then gather while the rest update.
-    early = units[:1 + s.prefetch_depth]
+    early = units[:w.schedule.issued_by(0, s.prefetch_depth)]
     w.snap("optimizer step: first units", main_grads=main_grads, optimizer_step=step_bytes(early))
     w.gathered = {}
     for u in early:

@@ -29,7 +29,6 @@ from typing import Optional
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from mfsdp.mixed_precision import MixedPrecisionPolicy, ResolvedDtypes
 from mfsdp.runtime import gather_codec
@@ -37,7 +36,7 @@ from mfsdp.runtime.flat_buffer import FlatLayout
 from mfsdp.runtime.geometry import Levels
 from mfsdp.runtime.ownership import collect_owned_parameters, gathers_in_backward, group_parameters
 from mfsdp.runtime.parameter_group import choose_model_buffer, local_tensor
-from mfsdp.runtime.reducer import TAG_COLUMNS
+from mfsdp.runtime.reducer import reduction_nbytes, usage_layout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,12 +121,8 @@ def group_bytes(label: str, shapes, dtypes: ResolvedDtypes, levels: Levels, requ
     main = layout.numel(k) * isz(dtypes.main)
     model = 0 if (main_aliases_model or on_the_fly) else layout.numel(levels.ways(levels.param_level)) * isz(dtypes.compute)
     gathered = levels.param_level > 0
-    encoded = None if params is None else gather_codec.encoded_gather(params, dtypes, layout, label)
-    if encoded is not None and (not gathered or any(isinstance(p, DTensor) for p in params)):
-        raise NotImplementedError(
-            f"parameter group {label} gathers through {type(encoded.codec).__name__} (FP8 all-gather), which "
-            "the runtime refuses for parameters that are not sharded at rest and gathered (ZeRO-3, HSDP, "
-            "HFSDP) or that are tensor-parallel DTensors; plan zero3/hsdp/hfsdp, or without FP8 all-gather")
+    encoded = (None if params is None
+               else gather_codec.encoded_gather(params, dtypes, layout, label, levels.param_level))
     gather_layout, gather_dtype = ((layout, dtypes.compute) if encoded is None
                                    else (encoded.layout, encoded.layout.dtype))  # the runtime's ByteLayout
     unsharded = gather_layout.numel(1) * isz(gather_dtype) if gathered else 0
@@ -135,8 +130,7 @@ def group_bytes(label: str, shapes, dtypes: ResolvedDtypes, levels: Levels, requ
     encode_staging = _encode_staging(encoded, layout, levels, source_dtype) if encoded is not None else 0
     main_grad = accumulator = module_grads = staging = scatter_out = reduction = 0
     if requires_grad:
-        n = len(shapes)
-        usage = FlatLayout([torch.Size((k, n + TAG_COLUMNS))], k)
+        usage = usage_layout(len(shapes), k)
         main_grad = layout.numel(k) * isz(dtypes.grads) + usage.numel(k) * 8
         if levels.into_accumulator:
             ways = levels.ways(levels.grad_level)
@@ -146,7 +140,7 @@ def group_bytes(label: str, shapes, dtypes: ResolvedDtypes, levels: Levels, requ
         staging = sum(m.padded_rows * m.row_numel for m in staged) * isz(dtypes.comm) + usage.numel(1) * 8
         out_level = levels.grad_level or levels.num_levels  # ZeRO-1 scatters on the last microbatch
         scatter_out = layout.numel(levels.ways(out_level)) * isz(dtypes.comm) if out_level else 0
-        reduction = layout.numel(1) * isz(dtypes.comm) + usage.numel(1) * 8  # GradientReducer.reduction_nbytes
+        reduction = reduction_nbytes(layout, dtypes.comm)
     opt = sum(m.rows_of_shard(rank_shard) * m.row_numel for m in layout.members)
     key = (gather_layout.numel(1), gather_dtype) if gathered else None
     return GroupBytes(label, main, model, unsharded, main_grad, accumulator, module_grads, staging,
@@ -188,11 +182,11 @@ def describe_units(model: nn.Module, units: list, policy: MixedPrecisionPolicy, 
     marker = _UnitMarker("Unit", (), {"ids": set()})
     names = {id(m): n for n, m in model.named_modules()}
     param_names = {p: n for n, p in model.named_parameters(remove_duplicate=False)}
-    out, done = [], []
+    out, parent_of = [], {}
     for unit in [*units, model]:
-        owned, _ = collect_owned_parameters(unit, marker)
+        owned, children = collect_owned_parameters(unit, marker)
         marker.ids.add(id(unit))
-        done.append(unit)
+        parent_of.update((id(child), unit) for child in children)  # the runtime's FSDP parent rule
         groups = []
         for params, _ in group_parameters(owned):
             dtypes = policy.resolve(params[0].dtype)
@@ -202,13 +196,6 @@ def describe_units(model: nn.Module, units: list, policy: MixedPrecisionPolicy, 
         out.append((unit, groups, tuple(param_names.get(p, "?") for p in owned),
                     tuple(local_tensor(p).numel() * p.element_size() if p.requires_grad else 0 for p in owned),
                     gathers_in_backward(unit, owned)))
-    parent_of = {}
-    for unit in done:  # the nearest unit strictly above each unit
-        for other in done:
-            if other is not unit and any(m is unit for m in other.modules()):
-                best = parent_of.get(id(unit))
-                if best is None or any(m is other for m in best.modules()):
-                    parent_of[id(unit)] = other
     order = {id(m): i for i, m in enumerate(model.modules())}
     out.sort(key=lambda entry: order[id(entry[0])])  # forward order: registration pre-order, root first
     return [UnitBytes(names.get(id(u), ""), tuple(g),

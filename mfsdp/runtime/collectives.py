@@ -13,12 +13,15 @@ the cost of a few extra NCCL work items inside a single launch.
 from __future__ import annotations
 
 import contextlib
+import traceback
+import zlib
 from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from mfsdp import _compat
+from mfsdp.runtime.errors import MISMATCH_HELP, CollectiveMismatchError
 
 
 def stream_context(stream: Optional[torch.Stream]):
@@ -160,29 +163,87 @@ def all_reduce(
         if size == 1:
             return
         op = dist.ReduceOp.AVG if _native_average(group) else dist.ReduceOp.SUM
-        # Coalesced all-reduces want one dtype (NCCL and gloo both check): the int64 usage counts
-        # beside the gradients get a launch of their own. Reduce-scatters mix dtypes in one launch.
-        batches = _by_dtype(tensors)
-        for batch in batches:
-            with _coalesced(group, len(batch), coalesce):
-                for t in batch:
-                    dist.all_reduce(t, op=op, group=group)
+        _all_reduce_by_dtype(tensors, group, op, coalesce)
         if op == dist.ReduceOp.SUM:
             _divide(tensors, size)
 
 
 def sum_in_place(tensors: Sequence[torch.Tensor], group, coalesce: bool = True) -> None:
     """Sum each tensor in place over ``group`` (one coalesced launch per dtype), on the current stream."""
-    if not tensors or dist.get_world_size(group) == 1:
-        return
-    for batch in _by_dtype(tensors):
+    if tensors and dist.get_world_size(group) > 1:
+        _all_reduce_by_dtype(tensors, group, dist.ReduceOp.SUM, coalesce)
+
+
+def _all_reduce_by_dtype(tensors: Sequence[torch.Tensor], group, op, coalesce: bool) -> None:
+    """Coalesced all-reduces want one dtype (NCCL and gloo both check): the int64 usage counts beside
+    the gradients get a launch of their own. Reduce-scatters mix dtypes in one launch."""
+    for dtype in dict.fromkeys(t.dtype for t in tensors):
+        batch = [t for t in tensors if t.dtype == dtype]
         with _coalesced(group, len(batch), coalesce):
             for t in batch:
-                dist.all_reduce(t, group=group)
+                dist.all_reduce(t, op=op, group=group)
 
 
-def _by_dtype(tensors: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
-    batches: dict[torch.dtype, list[torch.Tensor]] = {}
-    for t in tensors:
-        batches.setdefault(t.dtype, []).append(t)
-    return list(batches.values())
+# ------------------------------------------------------------------ the issuer and its debug check
+_KINDS = {"all_gather": 1, "reduce_scatter": 2, "all_reduce": 3}
+_FIELDS = 5
+
+
+class CollectiveIssuer:
+    """Issues one parameter group's coalesced collectives; in debug mode (``check``), first checks
+    that every rank of the group is about to issue the same one. A small object of its own, so the
+    group's reducer can hold it without a reference cycle through the group."""
+
+    def __init__(self, name: str, coalesce: bool, check: bool) -> None:
+        self.name = name  # the owning module's name once its context is built
+        self.coalesce = coalesce
+        self.check = check
+
+    def __call__(self, kind: str, outputs, inputs, process_group, stream=None) -> None:
+        if self.check:
+            verify(process_group, kind, self.name, outputs if inputs is None else inputs)
+        if kind == "all_gather":
+            all_gather(outputs, inputs, process_group, stream, self.coalesce)
+        elif kind == "reduce_scatter":
+            reduce_scatter(outputs, inputs, process_group, coalesce=self.coalesce)
+        else:
+            all_reduce(outputs, process_group, coalesce=self.coalesce)
+
+
+def fingerprint(kind: str, name: str, tensors: Sequence[torch.Tensor]) -> list[int]:
+    """(kind, crc32 of the module name, elements, tensors, dtype) of one coalesced collective."""
+    return [_KINDS[kind], zlib.crc32(name.encode()), sum(t.numel() for t in tensors), len(tensors),
+            zlib.crc32(str(tensors[0].dtype).encode())]
+
+
+def verify(process_group, kind: str, name: str, tensors: Sequence[torch.Tensor]) -> None:
+    """Raise ``CollectiveMismatchError`` on every rank of ``process_group`` unless all of them are
+    about to issue the same collective."""
+    size = dist.get_world_size(process_group)
+    if size == 1 or not tensors:
+        return
+    device = tensors[0].device
+    mine = torch.tensor(fingerprint(kind, name, tensors), dtype=torch.int64, device=device)
+    gathered = torch.empty(size * _FIELDS, dtype=torch.int64, device=device)
+    _compat.all_gather_into_tensor(gathered, mine, process_group)
+    rows = gathered.view(size, _FIELDS).tolist()
+    if all(row == rows[0] for row in rows):
+        return
+    description = (f"{kind} of {name!r}: {sum(t.numel() for t in tensors)} elements in {len(tensors)} "
+                   f"tensor(s) of {tensors[0].dtype}, called from\n{_call_path()}")
+    descriptions: list = [None] * size
+    dist.all_gather_object(descriptions, description, group=process_group)
+    ranks = dist.get_process_group_ranks(process_group)
+    lines = "\n".join(f"  rank {rank}: {text}" for rank, text in zip(ranks, descriptions))
+    raise CollectiveMismatchError(
+        f"mfsdp: ranks {ranks} are about to issue different collectives:\n{lines}\n{MISMATCH_HELP}")
+
+
+def _call_path(limit: int = 6) -> str:
+    """The user's frames (outside torch and mfsdp), newest last, then the mfsdp entry point (the
+    hook or optimizer step that issued the collective)."""
+    frames = [f for f in traceback.extract_stack()[:-2] if "torch/" not in f.filename.replace("\\", "/")]
+    inside = [i for i, f in enumerate(frames) if "mfsdp/" in f.filename.replace("\\", "/")]
+    user = frames[:inside[0]] if inside else frames
+    entry = [frames[inside[0]]] if inside else []
+    return "\n".join(f"      {f.filename}:{f.lineno} in {f.name}" for f in user[-limit:] + entry)

@@ -1,4 +1,5 @@
-"""FsdpContext: the runtime state one root shares with every FSDP module under it.
+"""FsdpContext: the scheduling engine of one root, shared with every FSDP module under it: it
+decides when each collective is issued (the streams, the walk over units, prefetch, the final callback).
 
 [Note: streams, events and memory]
 On CUDA, all-gathers run on ``allgather_stream`` and reductions on ``reduce_scatter_stream``; the
@@ -42,7 +43,8 @@ from mfsdp.runtime.tag_check import TagCheck
 
 
 class FsdpContext:
-    """Runtime stream, schedule and cursor state shared by one FSDP subtree."""
+    """The scheduling engine of one FSDP tree: its streams, the cursors walking its ``Schedule``,
+    prefetch and the final callback; it drives units through ``schedule.Unit`` only."""
 
     def __init__(self, device: torch.device, root_module: nn.Module, schedule: Schedule,
                  policy: CommunicationPolicy) -> None:
@@ -89,17 +91,19 @@ class FsdpContext:
     # ------------------------------------------------------------------------------ forward walk
     def begin_forward(self) -> None:
         """Root pre-forward: communication may read what the optimizer just wrote, and gradients
-        the user dropped with ``zero_grad()`` stop occupying memory during forward."""
-        current = self.current_stream()
-        if current is not None:
-            self.allgather_stream.wait_stream(current)
+        the user dropped with ``zero_grad()`` stop occupying memory during forward. A gather made
+        during the step whose source changed since (``gather_for_next_forward``) is dropped."""
+        self._gather_after_compute()
         self.tag_check.raise_if_mismatched(wait=False)
-        self._drop_stale_early_gathers()
+        for module, tokens in self._gathered_early:
+            if any(g.weights_token() != t for g, t in zip(module.parameter_groups, tokens)):
+                module.reshard()
+        self._gathered_early.clear()
         self._forward_issued = self._forward_swept = 0
         self._repeats, self._open_repeats, self._visits = [], [], {}
         self._backward_active = False
         for group in self.trainable_groups:
-            group.release_unused_gradient_memory()
+            group.reducer.release_unused_memory()
 
     def forward_reached(self, module: Unit) -> Optional[int]:
         """``module`` is about to run forward: issue the unshards up to it, in schedule order
@@ -122,24 +126,23 @@ class FsdpContext:
             self._open_repeats.append(visit)
             self._visits[key] = visits + 1
             return visits
-        self._issue_forward_through(position - 1, prefetch=False)
+        self._issue_forward(position, prefetch=False)
         self._release_skipped(position)
         module.unshard()
         self._forward_issued = max(self._forward_issued, position + 1)
-        self._issue_forward_through(position + self.prefetch_depth, prefetch=True)
+        self._issue_forward(self.schedule.issued_by(position, self.prefetch_depth), prefetch=True)
         self._visits[key] = 1
         return 0
 
     def end_forward(self) -> None:
         """Root post-forward: the modules no rank-local call reached still take their turn."""
-        last = self.schedule.num_forward - 1
-        self._issue_forward_through(last, prefetch=False)
-        self._release_skipped(last + 1)
+        self._issue_forward(self.schedule.num_forward, prefetch=False)
+        self._release_skipped(self.schedule.num_forward)
 
     # ------------------------------------------------------------- across the optimizer step
     def first_forward_modules(self) -> list[Unit]:
         """The modules the next forward gathers first: the root and the ``prefetch_depth`` after it."""
-        return [self.schedule.forward_module(i) for i in range(min(1 + self.prefetch_depth, self.schedule.num_forward))]
+        return [self.schedule.forward_module(i) for i in range(self.schedule.issued_by(0, self.prefetch_depth))]
 
     def gather_for_next_forward(self, modules: list[Unit]) -> None:
         """Unshard ``modules`` (``first_forward_modules``, their weights final for this step) now,
@@ -148,19 +151,16 @@ class FsdpContext:
         Every rank steps its bound optimizer at the same point, so the gathers keep one order
         everywhere. The next ``begin_forward`` drops a gather whose source changed since (a state
         load, an in-place edit followed by ``refresh_model_weights``) and the walk gathers afresh."""
-        current = self.current_stream()
-        if current is not None:
-            self.allgather_stream.wait_stream(current)  # after the update and refresh just enqueued
+        self._gather_after_compute()  # after the update and refresh just enqueued
         with torch.profiler.record_function("mfsdp::gather_for_next_forward"):
             held = next((i for i, m in enumerate(modules) if m.is_unsharded()), len(modules))
             gathered = modules[:self._unshard_in_order(modules[:held])]  # the forward walk gathers the rest
             self._gathered_early += [(m, [g.weights_token() for g in m.parameter_groups]) for m in gathered]
 
-    def _drop_stale_early_gathers(self) -> None:
-        for module, tokens in self._gathered_early:
-            if any(g.weights_token() != t for g, t in zip(module.parameter_groups, tokens)):
-                module.reshard()
-        self._gathered_early.clear()
+    def _gather_after_compute(self) -> None:
+        """Order the gathers issued next after what the compute stream has enqueued."""
+        if self.allgather_stream is not None:
+            self.allgather_stream.wait_stream(self.current_stream())
 
     @staticmethod
     def _unshard_in_order(modules: Sequence[Unit], prefetch: bool = True) -> int:
@@ -172,8 +172,7 @@ class FsdpContext:
                 return issued
         return len(modules)
 
-    def _issue_forward_through(self, last: int, prefetch: bool) -> None:
-        stop = min(last + 1, self.schedule.num_forward)
+    def _issue_forward(self, stop: int, prefetch: bool) -> None:
         modules = [self.schedule.forward_module(i) for i in range(self._forward_issued, stop)]
         self._forward_issued += self._unshard_in_order(modules, prefetch)
 
@@ -211,8 +210,7 @@ class FsdpContext:
             if step.kind is StepKind.ENTER:
                 ran = signalled is not None and self.schedule.is_ancestor_or_self(module, signalled)
                 module.enter_backward(ran)
-                following = self._walk.next_enters(self._backward_cursor - 1, self.prefetch_depth)
-                self._unshard_in_order([m for m in following if m.gathers_in_backward])
+                self._unshard_in_order(self._walk.prefetched_at(self._backward_cursor - 1, self.prefetch_depth))
             else:
                 module.exit_backward(step.reduces)
 
@@ -220,8 +218,8 @@ class FsdpContext:
         with torch.profiler.record_function("mfsdp::post_backward_final_callback"):
             self._advance_backward(len(self._walk.steps) - 1, None)  # what no hook reached
             self._backward_active = False
-            self.pending_reductions.release(self.current_stream())
             current = self.current_stream()
+            self.pending_reductions.release(current)
             if current is not None:
                 current.wait_stream(self.reduce_scatter_stream)
                 current.wait_stream(self.allgather_stream)
@@ -256,5 +254,5 @@ class FsdpContext:
         more = f" and {len(bad) - 8} more" if len(bad) > 8 else ""
         raise FloatingPointError(
             f"mfsdp: NaN or Inf in the reduced gradients after backward {self.backward_count} in "
-            f"{sorted({g.module_name for g in hit})}, parameters {bad[:8]}{more}; lower the learning rate, "
+            f"{sorted({g.issue.name for g in hit})}, parameters {bad[:8]}{more}; lower the learning rate, "
             "check the loss and inputs, or clip gradients")

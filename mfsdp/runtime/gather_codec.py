@@ -28,6 +28,7 @@ from typing import Optional, Sequence
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from mfsdp import _compat
 from mfsdp.mixed_precision import ResolvedDtypes
@@ -85,8 +86,10 @@ def spec_of(param: nn.Parameter) -> Optional[CodecSpec]:
 
 
 def encoded_gather(params: Sequence[nn.Parameter], dtypes: ResolvedDtypes, layout: FlatLayout,
-                   label: str) -> Optional["EncodedGather"]:
-    """How a group made of ``params`` gathers through a codec: None where no parameter is tagged."""
+                   label: str, param_level: int = 1) -> Optional["EncodedGather"]:
+    """How a group made of ``params`` gathers through a codec: None where no parameter is tagged.
+    Refused, by the one rule that ``mfsdp.memory`` plans with too, where the placement keeps the
+    parameters replicated at rest (``param_level`` 0) or they are tensor-parallel DTensors."""
     specs = [spec_of(p) for p in params]
     tagged = [i for i, s in enumerate(specs) if s is not None]
     if not tagged:
@@ -97,6 +100,13 @@ def encoded_gather(params: Sequence[nn.Parameter], dtypes: ResolvedDtypes, layou
             f"mfsdp: parameter group {label} mixes parameters gathered through {sorted(k.__name__ for k in kinds)}; "
             "a group gathers through one codec. Give them separate fully_shard calls")
     codec = specs[tagged[0]].build([specs[i] for i in tagged], dtypes, label)
+    if param_level == 0 or any(isinstance(p, DTensor) for p in params):
+        raise NotImplementedError(
+            f"mfsdp: parameter group {label} asks for an encoded all-gather ({type(codec).__name__}: FP8 "
+            "all-gather for float8 weights), which needs parameters that are sharded at rest and gathered for "
+            "compute (ZeRO-3, HSDP, HFSDP) and are not tensor-parallel DTensors; these placements keep them "
+            f"{'replicated' if param_level == 0 else 'as DTensors'}. Use such a placement or leave the "
+            "parameters untagged")
     return EncodedGather(codec, tagged, layout, dtypes.compute)
 
 

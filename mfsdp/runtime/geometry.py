@@ -73,9 +73,7 @@ class ShardGeometry(Levels):
     @property
     def device(self) -> torch.device:
         """This rank's device on the mesh's device type (where meta parameters get their shards)."""
-        if self.mesh.device_type == "cuda":
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device(self.mesh.device_type)
+        return mesh_device(self.mesh)
 
     def index(self, level: int) -> int:
         """This rank's block at ``level`` (mixed radix over the first ``level`` sharded axes)."""
@@ -242,7 +240,7 @@ def shard_order_mesh(mesh: DeviceMesh, order_dims: Sequence[int]) -> DeviceMesh:
             group, my_slice = created, slice_ranks
     # A backend that quietly sorted the ranks would make every exposed DTensor wrong without an
     # error; one tiny all-gather, once per mesh, proves the order.
-    device = torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else mesh.device_type
+    device = mesh_device(mesh)
     seen = torch.empty(len(my_slice), dtype=torch.int64, device=device)
     _compat.all_gather_into_tensor(seen, torch.tensor([dist.get_rank()], dtype=torch.int64, device=device), group)
     if seen.tolist() != list(my_slice):
@@ -259,6 +257,19 @@ def shard_order_mesh(mesh: DeviceMesh, order_dims: Sequence[int]) -> DeviceMesh:
         exposed = DeviceMesh.from_group(group, mesh.device_type, mesh=ranks, mesh_dim_names=(flat_name,))
     _SHARD_ORDER_MESHES[key] = (dist.group.WORLD, exposed)
     return exposed
+
+
+def mesh_device(mesh: DeviceMesh) -> torch.device:
+    """This rank's device on ``mesh``'s device type."""
+    cuda = mesh.device_type == "cuda"
+    return torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device(mesh.device_type)
+
+
+def exposed_dtensors(params, shards, specs) -> list[DTensor]:
+    """DTensors over ``shards`` (this rank's, from the flat buffers) with each parameter's global
+    shape and its exposed (mesh, placements) of ``specs``: the sharded parameters and their ``.grad``."""
+    return [DTensor.from_local(t, mesh, placements, run_check=False, shape=p.shape, stride=contiguous_stride(p.shape))
+            for p, t, (mesh, placements) in zip(params, shards, specs)]
 
 
 def contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:

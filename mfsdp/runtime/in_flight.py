@@ -27,6 +27,13 @@ class InFlightReduction:
     nbytes: int
 
 
+def keeps_pending(pending_nbytes: list[int], incoming_bytes: int) -> bool:
+    """The release rule, which ``mfsdp.memory`` plans with too: before a reduction of
+    ``incoming_bytes``, the pending ones (``pending_nbytes``, oldest first) stay while there is only
+    one and it is over 4x that size; otherwise the oldest is released."""
+    return len(pending_nbytes) < 2 and 4 * incoming_bytes < sum(pending_nbytes)
+
+
 class PendingReductions:
     """The reductions of one context whose inputs the compute stream has not released yet."""
 
@@ -47,14 +54,12 @@ class PendingReductions:
     def release(self, current: Optional[torch.Stream], incoming_bytes: Optional[int] = None) -> None:
         """Let the compute stream ``current`` wait for pending reductions and drop their inputs.
 
-        ``incoming_bytes``: the size of the reduction about to be issued; reductions are kept
-        pending while there is only one and it is over 4x that size. None releases everything
-        (end of backward).
+        ``incoming_bytes``: the size of the reduction about to be issued (``keeps_pending``); None
+        releases everything (end of backward).
         """
         pending = self._pending
         while pending:
-            if (incoming_bytes is not None and len(pending) < 2
-                    and 4 * incoming_bytes < sum(r.nbytes for r in pending)):
+            if incoming_bytes is not None and keeps_pending([r.nbytes for r in pending], incoming_bytes):
                 break
             reduction = pending.popleft()
             if reduction.event is not None and current is not None:

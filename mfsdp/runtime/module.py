@@ -51,16 +51,11 @@ _ORDER_HELP = (
 
 
 class ModulePhase(enum.Enum):
+    """A module's phase; every transition goes from IDLE or back to it (``_set_phase``)."""
+
     IDLE = "idle"  # between passes; sharded (the root may keep its storage until backward)
     FORWARD = "forward"  # between pre_forward and post_forward
     BACKWARD = "backward"  # between the ENTER and EXIT steps of the backward walk (recompute included)
-
-
-_TRANSITIONS = {
-    ModulePhase.IDLE: {ModulePhase.FORWARD, ModulePhase.BACKWARD},
-    ModulePhase.FORWARD: {ModulePhase.IDLE},
-    ModulePhase.BACKWARD: {ModulePhase.IDLE},
-}
 
 
 class _InputsBackward(torch.autograd.Function):
@@ -146,6 +141,10 @@ class FsdpModule:
         """Whether this module's unshard was issued (prefetched or gathered) and not yet undone."""
         return self._unshard_event is not None
 
+    def fsdp_parent(self) -> Optional["FsdpModule"]:
+        """The nearest FSDP module above this one (None for a root)."""
+        return self._fsdp_parent() if self._fsdp_parent is not None else None
+
     def is_root(self) -> bool:
         """Whether this module is the outermost FsdpModule in its context (before the context is
         built: has no FSDP parent). The one rule; ``fsdp_roots`` finds the roots by it."""
@@ -221,7 +220,7 @@ class FsdpModule:
                     f"through MixedPrecisionPolicy (main_params_dtype) and the model's dtype, not .to()")
 
     def _set_phase(self, phase: ModulePhase) -> None:
-        if phase not in _TRANSITIONS[self._phase]:
+        if (phase is ModulePhase.IDLE) == (self._phase is ModulePhase.IDLE):  # IDLE <-> FORWARD, BACKWARD
             raise RuntimeError(f"mfsdp: illegal phase transition {self._phase.name} -> {phase.name} in {self.name}")
         self._phase = phase
 
@@ -240,12 +239,9 @@ class FsdpModule:
         def post_hook(module, args, output):
             return module.post_forward(output)
 
-        def load_hook(module, incompatible_keys):
-            module._after_load_state_dict()
-
         self.register_forward_pre_hook(pre_hook, prepend=True, with_kwargs=True)
         self.register_forward_hook(post_hook)
-        self.register_load_state_dict_post_hook(load_hook)
+        self.register_load_state_dict_post_hook(lambda module, incompatible_keys: module._after_load_state_dict())
         for group in self._parameter_groups:
             if group.requires_grad:
                 for param in group.params:
@@ -287,8 +283,7 @@ class FsdpModule:
         ctx = build_context(self)
         with record_function(self._nvtx_label("pre_forward")):
             if _compat.backward_is_running():  # a checkpoint's recompute: backward needs the weights
-                if self._phase is not ModulePhase.BACKWARD:
-                    self._signal_enter_backward()
+                self.pre_backward()
                 self._use_for_compute()
                 return args, kwargs
             if self.is_root():
@@ -351,12 +346,9 @@ class FsdpModule:
 
     # ------------------------------------------------------------------------------- backward
     def pre_backward(self) -> None:
-        """A gradient reached this module's outputs: the backward walk may enter it."""
-        if self._phase is not ModulePhase.BACKWARD:
-            self._signal_enter_backward()
-
-    def _signal_enter_backward(self) -> None:
-        if not self.context.backward_reached(StepKind.ENTER, self):
+        """A gradient reached this module's outputs (or its recompute began): the backward walk may
+        enter it."""
+        if self._phase is not ModulePhase.BACKWARD and not self.context.backward_reached(StepKind.ENTER, self):
             raise RuntimeError(
                 f"mfsdp: {self.name or 'the root'} started its backward after the backward schedule had "
                 f"passed it (its gradients were already reduced, as zeros, in this backward). {_ORDER_HELP}")
@@ -478,7 +470,7 @@ def build_context(root: FsdpModule) -> FsdpContext:
     """
     if root._context is not None:
         return root._context
-    parent = root._fsdp_parent() if root._fsdp_parent is not None else None
+    parent = root.fsdp_parent()
     if parent is not None:
         raise RuntimeError(
             f"{type(root).__name__} ran forward before its FSDP root {type(parent).__name__} ever "
@@ -488,25 +480,21 @@ def build_context(root: FsdpModule) -> FsdpContext:
     device = next((g.params[0].device for _, m in modules for g in m.parameter_groups), None)
     if device is None:
         raise RuntimeError(f"{type(root).__name__}: no parameters under this FSDP root")
-    parent_of = {}
     for name, module in modules:
         if module._context is not None:
             raise RuntimeError(
                 f"FSDP module {name!r} already ran forward as its own root before {type(root).__name__} "
-                "was sharded; shard bottom-up and only then run the model"
-            )
-        if module is not root:
-            parent = module._fsdp_parent() if module._fsdp_parent is not None else None
-            if parent is None:
-                raise RuntimeError(f"FSDP module {name!r} has no FSDP parent under {type(root).__name__}; "
-                                   "apply fully_shard bottom-up, the root last")
-            parent_of[id(module)] = parent
+                "was sharded; shard bottom-up and only then run the model")
+        if module is not root and module.fsdp_parent() is None:
+            raise RuntimeError(f"FSDP module {name!r} has no FSDP parent under {type(root).__name__}; "
+                               "apply fully_shard bottom-up, the root last")
+    parent_of = {id(m): m.fsdp_parent() for _, m in modules[1:]}
     policy = root._communication_policy
     ctx = FsdpContext(device, root, Schedule([m for _, m in modules], parent_of), policy)
     for name, module in modules:
         module._context, module._name = ctx, name
         for group in module.parameter_groups:
-            group.module_name = name or "<root>"
+            group.issue.name = name or "<root>"
             if group.requires_grad:
                 group.reducer.set_tags(*ctx.schedule.reduction_tags(module, name))
     check_parameter_locations(root, FsdpModule)

@@ -24,7 +24,6 @@ context's business, so every method takes the stream it runs on.
 
 from __future__ import annotations
 
-import enum
 import os
 from typing import Callable, Optional
 
@@ -36,16 +35,10 @@ from mfsdp import _compat
 from mfsdp.communication import CommunicationPolicy
 from mfsdp.mixed_precision import ResolvedDtypes
 from mfsdp.runtime import gather_codec
-from mfsdp.runtime.collective_check import CollectiveIssuer
-from mfsdp.runtime.collectives import stream_context, sum_in_place
+from mfsdp.runtime.collectives import CollectiveIssuer, stream_context, sum_in_place
 from mfsdp.runtime.flat_buffer import FlatBuffer, FlatLayout
-from mfsdp.runtime.geometry import ShardGeometry, contiguous_stride, fill_region
+from mfsdp.runtime.geometry import ShardGeometry, exposed_dtensors, fill_region
 from mfsdp.runtime.reducer import GradientReducer
-
-
-class GroupState(enum.Enum):
-    SHARDED = "sharded"  # compute weights at rest (whole only where the placement replicates them)
-    UNSHARDED = "unsharded"  # gathered; module attributes point at the unsharded parameters
 
 
 class FsdpParameterGroup:
@@ -67,7 +60,6 @@ class FsdpParameterGroup:
         self.label = label
         self.policy = policy
         self.requires_grad = params[0].requires_grad
-        self.state = GroupState.SHARDED
         # Weight staleness, written only by ``weights_written`` and ``refresh_if_stale``.
         self._stale = False  # main weights written since the compute weights were derived
         # Bumped whenever the main weights are (about to be) written: a step, a load, an init, an
@@ -86,14 +78,7 @@ class FsdpParameterGroup:
         self.layout = FlatLayout([t.shape for t in locals_], g.num_shards)
         g.check_exposed(params, self.layout.members, specs, label)  # the DTensors describe these shards
         # Tagged parameters (gather_codec): None, and the untouched path below, when none is.
-        self.encoded = gather_codec.encoded_gather(params, dtypes, self.layout, label)
-        if self.encoded is not None and (g.param_level == 0 or any(isinstance(p, DTensor) for p in params)):
-            raise NotImplementedError(
-                f"mfsdp: parameter group {label} asks for an encoded all-gather ({type(self.codec).__name__}), "
-                "which needs parameters that are sharded at rest and gathered for compute (ZeRO-3, HSDP, "
-                "HFSDP) and are not tensor-parallel DTensors; these placements keep them "
-                f"{'replicated' if g.param_level == 0 else 'as DTensors'}. Use such a placement or leave "
-                "the parameters untagged")
+        self.encoded = gather_codec.encoded_gather(params, dtypes, self.layout, label, g.param_level)
 
         # Compute weights at rest. Three cases, cheapest memory first:
         # * main dtype == compute dtype at the same level: the main weights *are* the compute weights;
@@ -147,17 +132,21 @@ class FsdpParameterGroup:
             self.unsharded.release()  # views stay valid: the storage object is kept
 
         self._specs = [(mesh, placements) for mesh, placements, _ in specs]
-        self.sharded_params = [
-            nn.Parameter(
-                DTensor.from_local(local, mesh, placements, run_check=False, shape=p.shape,
-                                   stride=contiguous_stride(p.shape)),
-                requires_grad=p.requires_grad,
-            )
-            for p, local, (mesh, placements) in zip(
-                params, self.layout.shards(self._main_regions, g.shard_index), self._specs)
-        ]
-        if self.requires_grad:
-            self._init_gradient_state(device)
+        self.sharded_params = [nn.Parameter(t, requires_grad=p.requires_grad) for p, t in zip(
+            params, exposed_dtensors(params, self.layout.shards(self._main_regions, g.shard_index), self._specs))]
+        if self.requires_grad:  # the gradient half: ``self.reducer``
+            self.reducer = GradientReducer(params, self.sharded_params, self._specs, self.layout, g, dtypes,
+                                           policy.gradient_divide_factor, self.issue, device)
+            if dtypes.grads != dtypes.main:
+                if not _compat.supports_grad_dtype():
+                    raise NotImplementedError(
+                        f"main_grads_dtype={dtypes.grads} differs from main_params_dtype={dtypes.main}, which "
+                        "needs Tensor.grad_dtype (torch >= 2.10); set them equal")
+                # Autograd never produces a gradient for a sharded parameter, so grad_dtype only checks
+                # assignments: None accepts our main gradient and the main-dtype zeros that torch's
+                # get/set_optimizer_state_dict attach to a fresh optimizer.
+                for p in self.sharded_params:
+                    _compat.set_grad_dtype(p, None)
         self.use_sharded_params()
 
     # ------------------------------------------------------------------------------ weights
@@ -185,7 +174,7 @@ class FsdpParameterGroup:
 
     def bind_gather_slot(self, slot) -> None:
         """Gather into ``slot`` (see ``gather_slots``) from now on: re-point the parameters once."""
-        assert self.state is GroupState.SHARDED and self.gather_key() == (
+        assert self.gather_key() == (
             slot.tensor.numel(), slot.tensor.dtype, slot.tensor.device), (self.label, slot.label)
         self.unsharded.release()
         self.unsharded = FlatBuffer.over(slot.tensor)
@@ -201,12 +190,11 @@ class FsdpParameterGroup:
 
     def can_unshard(self) -> bool:
         """False while this group's gather slot is held by another group (prefetch must wait)."""
-        return self._slot is None or self.state is GroupState.UNSHARDED or self._slot.is_free_for(self)
+        return self._slot is None or self._slot.is_free_for(self)
 
     def unshard(self, stream: Optional[torch.Stream]) -> None:
-        """Gather the compute weights into the unsharded buffer, on ``stream``."""
-        if self.state is GroupState.UNSHARDED:
-            return
+        """Gather the compute weights into the unsharded buffer, on ``stream``. Whether the group is
+        unsharded is its module's to know (``FsdpModule.is_unsharded``), which calls this once."""
         g = self.geometry
         if self._slot is not None:
             self._slot.acquire(self)
@@ -221,18 +209,14 @@ class FsdpParameterGroup:
                     self._gather(self._main_regions, g.param_level, self._unsharded_regions, stream)
                 if self.encoded is not None:
                     self.encoded.decode(self.params)
-        self.state = GroupState.UNSHARDED
 
     def reshard(self, stream: Optional[torch.Stream]) -> None:
         """Release the unsharded buffer; the caller has made ``stream`` wait for compute."""
-        if self.state is GroupState.SHARDED:
-            return
         if self.unsharded is not self.model:
             with stream_context(stream):
                 self.unsharded.release()
         if self._slot is not None:
             self._slot.release(self)  # the next holder gathers on ``stream``, after this compute
-        self.state = GroupState.SHARDED
 
     @property
     def weights_epoch(self) -> int:
@@ -293,30 +277,6 @@ class FsdpParameterGroup:
             regions = outs
 
     # -------------------------------------------------------------------------- gradients
-    def _init_gradient_state(self, device: torch.device) -> None:
-        d = self.dtypes
-        self.reducer = GradientReducer(self.params, self.sharded_params, self._specs, self.layout, self.geometry,
-                                       d, self.policy.gradient_divide_factor, self.issue, device)
-        if d.grads != d.main:
-            if not _compat.supports_grad_dtype():
-                raise NotImplementedError(
-                    f"main_grads_dtype={d.grads} differs from main_params_dtype={d.main}, which "
-                    "needs Tensor.grad_dtype (torch >= 2.10); set them equal"
-                )
-            # Autograd never produces a gradient for a sharded parameter, so grad_dtype only checks
-            # assignments: None accepts our main gradient and the main-dtype zeros that torch's
-            # get/set_optimizer_state_dict attach to a fresh optimizer.
-            for p in self.sharded_params:
-                _compat.set_grad_dtype(p, None)
-
-    @property
-    def main_grad(self) -> Optional[FlatBuffer]:
-        """The reduced gradients at the optimizer level (None before the first reduction)."""
-        return self.reducer.main_grad
-
-    def release_unused_gradient_memory(self) -> None:
-        self.reducer.release_unused_memory()
-
     def reduce_gradients(self, is_last: bool, stream: Optional[torch.Stream],
                          record_tag: Callable[[torch.Tensor, torch.Tensor], None]) -> list[torch.Tensor]:
         """Reduce this backward's gradients on ``stream`` (see ``reducer``); on the last microbatch,
@@ -338,15 +298,6 @@ class FsdpParameterGroup:
             stream.wait_stream(torch.accelerator.current_stream(stream.device))  # grads are ready
         with torch.no_grad(), stream_context(stream):
             return self.reducer.reduce(grads, is_last, record_tag)
-
-    @property
-    def module_name(self) -> str:
-        """The owning module's name once its context is built (the debug mode names it)."""
-        return self.issue.name
-
-    @module_name.setter
-    def module_name(self, name: str) -> None:
-        self.issue.name = name
 
 
 def choose_model_buffer(dtypes: ResolvedDtypes, num_levels: int, param_level: int) -> tuple[bool, bool]:

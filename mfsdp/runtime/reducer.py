@@ -34,9 +34,21 @@ from torch.distributed.tensor import DTensor
 from mfsdp import _compat
 from mfsdp.mixed_precision import ResolvedDtypes
 from mfsdp.runtime.flat_buffer import FlatBuffer, FlatLayout, pack_gradients
-from mfsdp.runtime.geometry import ShardGeometry, contiguous_stride
+from mfsdp.runtime.geometry import ShardGeometry, exposed_dtensors
 
 TAG_COLUMNS = 4  # the reduction tags a, a*a, b, b*b beside the usage counts (see ``tag_check``)
+
+
+def usage_layout(num_params: int, num_shards: int) -> FlatLayout:
+    """The int64 usage rows a group's reductions carry beside its gradients (see ``GradientReducer``)."""
+    return FlatLayout([torch.Size((num_shards, num_params + TAG_COLUMNS))], num_shards)
+
+
+def reduction_nbytes(layout: FlatLayout, comm_dtype: torch.dtype) -> int:
+    """What one backward's reduction of a group holds, which the in-flight release rule counts
+    (``in_flight``): the unsharded gradients in the reduction dtype and the usage rows."""
+    return layout.numel(1) * comm_dtype.itemsize + usage_layout(len(layout.members), layout.num_shards).numel(1) * 8
+
 
 class Source(enum.Enum):
     RAW = "raw"  # the autograd gradients of this backward (or of every microbatch, for ZeRO-1/DDP)
@@ -67,11 +79,6 @@ class ReductionPath:
         """Whether the first collective overwrites the path's inputs (an all-reduce, as DDP's)."""
         return not self.stages or self.stages[0].kind == "all_reduce"
 
-    @property
-    def last_scatter(self) -> int:
-        """Index of the last reduce-scatter (-1: none), which may write straight into the target."""
-        return max((i for i, s in enumerate(self.stages) if s.kind == "reduce_scatter"), default=-1)
-
 
 @dataclasses.dataclass(frozen=True)
 class ReductionPlan:
@@ -100,7 +107,7 @@ class ReductionPlan:
         if g.grad_level == 0:  # ZeRO-1, DDP
             return cls(None, False, path(Source.RAW, 0, g.num_levels, deferred, True))
         every = path(Source.RAW, 0, g.grad_level, g.grad_all_reduce_groups, True)
-        if g.grad_level < g.num_levels:  # HFSDP
+        if g.into_accumulator:  # HFSDP
             return cls(every, True, path(Source.ACCUMULATOR, g.grad_level, g.num_levels, deferred, False))
         if deferred:  # HSDP with the replicate reduction deferred
             return cls(every, False, path(Source.MAIN, g.num_levels, g.num_levels, deferred, False))
@@ -122,10 +129,9 @@ class GradientReducer:
         # reduction tag, as int64 scaled so that every average stays an exact integer (see
         # ``tag_check``). Reduced with the gradients, the counts tell every rank whether *any* rank
         # produced a gradient, so a parameter unused everywhere keeps .grad None, as in plain PyTorch.
-        self.usage_layout = FlatLayout([torch.Size((geometry.num_shards, n + TAG_COLUMNS))], geometry.num_shards)
+        self.usage_layout = usage_layout(n, geometry.num_shards)
         self.set_tags(1, 1)
-        # What one backward's reduction holds: the unsharded gradients in the reduction dtype.
-        self.reduction_nbytes = layout.numel(1) * dtypes.comm.itemsize + self.usage_layout.numel(1) * 8
+        self.reduction_nbytes = reduction_nbytes(layout, dtypes.comm)
         self.main_grad: Optional[FlatBuffer] = None
         self._usage_main: Optional[torch.Tensor] = None
         self._accum: Optional[FlatBuffer] = None
@@ -186,12 +192,7 @@ class GradientReducer:
                                            device=self._device)
             regions = self.layout.regions(self.main_grad.tensor, g.num_shards)
             self._main_grad_views = regions + [self._usage_main]
-            self._grad_dtensors = [
-                DTensor.from_local(local, mesh, placements, run_check=False,
-                                   shape=p.shape, stride=contiguous_stride(p.shape))
-                for p, local, (mesh, placements) in zip(
-                    self.params, self.layout.shards(regions, g.shard_index), self._specs)
-            ]
+            self._grad_dtensors = exposed_dtensors(self.params, self.layout.shards(regions, g.shard_index), self._specs)
         return self._main_grad_views
 
     def _claim_main_grad(self) -> tuple[list[torch.Tensor], bool]:
@@ -272,7 +273,8 @@ class GradientReducer:
         nothing there must be kept and the dtypes agree; where a later path reads ``target``, its tag
         columns are then set, not summed, to what that path must contribute."""
         direct = overwrite and target[0].dtype == self.dtypes.comm
-        regions, last_scatter = inputs, path.last_scatter
+        regions = inputs  # the last reduce-scatter may write straight into the target
+        last_scatter = max((i for i, s in enumerate(path.stages) if s.kind == "reduce_scatter"), default=-1)
         for i, stage in enumerate(path.stages):
             if stage.kind == "all_reduce":
                 self._collective("all_reduce", regions, None, stage.group)

@@ -114,10 +114,12 @@ class Walk:
         for i, step in enumerate(self.steps):
             (self.enters if step.kind is StepKind.ENTER else self.exits).setdefault(id(step.module), []).append(i)
 
-    def next_enters(self, position: int, count: int) -> list[Unit]:
-        """The modules of the ``count`` ENTER steps after the one at ``position``."""
+    def prefetched_at(self, position: int, count: int) -> list[Unit]:
+        """What the ENTER step at ``position`` prefetches (the engine, and ``mfsdp.memory``, gather
+        them): the modules of the ``count`` ENTER steps after it whose backward gathers."""
         rank = bisect.bisect_right(self._enter_steps, position)
-        return [self.steps[i].module for i in self._enter_steps[rank:rank + count]]
+        following = (self.steps[i].module for i in self._enter_steps[rank:rank + count])
+        return [m for m in following if m.gathers_in_backward]
 
 
 class Schedule:
@@ -155,6 +157,12 @@ class Schedule:
     @property
     def num_forward(self) -> int:
         return len(self._forward)
+
+    def issued_by(self, position: int, depth: int) -> int:
+        """The forward cursor, which ``mfsdp.memory`` plans with too: how many forward positions
+        have their unshard issued once the forward reached ``position`` (prefetching ``depth``).
+        The next forward's first modules are the ``issued_by(0, depth)`` (``mfsdp.optimizer``)."""
+        return min(position + 1 + depth, self.num_forward)
 
     def backward_modules(self) -> list[Unit]:
         """Modules in backward enter order (node first, children reversed)."""

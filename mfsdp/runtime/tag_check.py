@@ -41,24 +41,26 @@ class TagCheck:
         self._flags = torch.zeros(num_steps, dtype=torch.int32, device=device)
         self._pending: collections.deque = collections.deque()  # (host flags, event or None, backward)
 
-    def record(self, position: int, received: torch.Tensor, expected: torch.Tensor) -> None:
-        """Flag the module whose EXIT step is at ``position`` if the reduced tag columns ``received``
-        differ from ``expected`` (called on the stream that ran the reduction)."""
-        self._flags[position:position + 1].add_((received != expected).any().view(1))
+    def record_for(self, position: int) -> Callable[[torch.Tensor, torch.Tensor], None]:
+        """What the groups running the reductions of the module whose EXIT step is at ``position``
+        call on the stream that ran each: it flags the module if the reduced tag columns
+        ``received`` differ from ``expected``."""
+        flag = self._flags[position:position + 1]
+        return lambda received, expected: flag.add_((received != expected).any().view(1))
 
     def end_backward(self, backward_count: int, stream: Optional[torch.Stream]) -> None:
         """After the compute stream ``stream`` (None without streams) has waited for every reduction
         of this backward."""
-        if stream is None:
-            self._pending.append((self._flags.clone(), None, backward_count))
-            self._flags.zero_()
-            self.raise_if_mismatched(wait=True)
-            return
-        host = torch.empty(self._flags.shape, dtype=self._flags.dtype, pin_memory=True)
-        host.copy_(self._flags, non_blocking=True)
-        event = stream.record_event()
+        if stream is None:  # read at once
+            host, event = self._flags.clone(), None
+        else:
+            host = torch.empty(self._flags.shape, dtype=self._flags.dtype, pin_memory=True)
+            host.copy_(self._flags, non_blocking=True)
+            event = stream.record_event()
         self._flags.zero_()
         self._pending.append((host, event, backward_count))
+        if stream is None:
+            self.raise_if_mismatched(wait=True)
         while len(self._pending) > 2:  # never more than a step late
             self._check(*self._pending.popleft())
 
@@ -83,7 +85,3 @@ class TagCheck:
             f"of {names} was combined with another module's on some other rank (the reduction tags "
             f"differ), so the gradients of that step are wrong. {MISMATCH_HELP}"
         )
-
-    def record_for(self, position: int) -> Callable[[torch.Tensor, torch.Tensor], None]:
-        """``record`` bound to the module at ``position``, for the groups that run its reductions."""
-        return lambda received, expected: self.record(position, received, expected)
