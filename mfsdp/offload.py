@@ -266,7 +266,7 @@ def copy_gradient_down(sources: Sequence[Optional[torch.Tensor]], destinations: 
         stream.wait_event(after)
     else:
         stream.wait_stream(torch.cuda.current_stream(stream.device))  # the gradients are written
-    with torch.cuda.stream(stream):
+    with torch.cuda.device(stream.device), torch.cuda.stream(stream):  # also from the worker thread
         for src, dst in zip(sources, destinations):
             if src is not None:
                 src.record_stream(stream)  # read here; the caller may free it once the event is done
