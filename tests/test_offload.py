@@ -30,10 +30,12 @@ CLIP = 0.05  # well below the gradients' norm: every step clips
 MICROBATCHES = 2
 
 
-def _build(rank, ws, kind, opt="fused", offload=None, seed=0):
+def _build(rank, ws, kind, opt="fused", offload=None, seed=0, device="cpu", grads=None):
     torch.manual_seed(seed)
-    model = Net(vocab=16, dim=8, hidden=12, n_blocks=3).to(torch.bfloat16)  # bf16 compute, fp32 masters
-    shard_net(model, make_mesh(kind, ws), make_placements(kind))
+    model = Net(vocab=16, dim=8, hidden=12, n_blocks=3).to(device, torch.bfloat16)  # bf16 compute, fp32 masters
+    policy = None if grads is None else mfsdp.MixedPrecisionPolicy(main_params_dtype=torch.float32,
+                                                                   main_grads_dtype=grads)
+    shard_net(model, make_mesh(kind, ws, device), make_placements(kind), policy=policy)
     kw = {"fused": True} if opt == "fused" else {"foreach": True}
     decay = [p for p in model.parameters() if p.ndim >= 2]
     rest = [p for p in model.parameters() if p.ndim < 2]
@@ -43,7 +45,7 @@ def _build(rank, ws, kind, opt="fused", offload=None, seed=0):
 
 
 def _step(model, optim, step, rank, ws, after_microbatch=None, clip=CLIP):
-    x, y = global_batch(step, 4 * ws, 5, model.embed.num_embeddings)
+    x, y = global_batch(step, 4 * ws, 5, model.embed.num_embeddings, model.embed.weight.device)
     x, y = x.chunk(ws)[rank], y.chunk(ws)[rank]
     for i, (mx, my) in enumerate(zip(x.chunk(MICROBATCHES), y.chunk(MICROBATCHES))):
         with mfsdp.microbatch(model, is_last=i == MICROBATCHES - 1):
@@ -76,10 +78,10 @@ def _offloaded_units(model, optim):
     return [names[id(g)] for g in engine.groups]
 
 
-def parity(rank, ws, kind, opt, fraction, steps=3, overlap="step", clip=CLIP):
+def parity(rank, ws, kind, opt, fraction, steps=3, overlap="step", clip=CLIP, device="cpu", grads=None):
     out = []
     for offload in (None, mfsdp.OffloadPolicy(fraction=fraction, overlap=overlap)):
-        model, optim = _build(rank, ws, kind, opt, offload)
+        model, optim = _build(rank, ws, kind, opt, offload, device=device, grads=grads)
         for step in range(steps):
             _step(model, optim, step, rank, ws, clip=clip)
         out.append(_snapshot(model, optim))
@@ -108,6 +110,16 @@ def test_offload_is_bit_identical_with_fused_adamw(world, kind, clip, overlap):
     assert len(offloaded[1]) == 3 * len(offloaded[0])  # step, exp_avg, exp_avg_sq of every parameter
     kept = 6 if overlap == "step" and clip > 1 else 0  # two groups, three steps
     assert counts["kept"] == kept and counts["serialized"] == 6 - kept, counts
+
+
+@pytest.mark.parametrize("overlap", ["step", "copy"])
+def test_offload_with_bf16_main_gradients(world, overlap):
+    """mfsdp train's default: bf16 main gradients, cast to fp32 on their way to the host."""
+    (plain, offloaded), _, counts = world(2).run(parity, kind="zero3", opt="fused", fraction=1.0, overlap=overlap,
+                                                 clip=1e6, grads=torch.bfloat16)[0]
+    for got, want in zip(offloaded, plain):
+        _compare(got, want, 0)
+    assert counts["kept"] == (12 if overlap == "step" else 0), counts
 
 
 def test_offload_everything_with_foreach_adamw(world):
@@ -238,7 +250,7 @@ class _Delayed:
         self.thread.join()
 
 
-def overlapped(rank, ws, clip, early=False, trust=False, skip=None, steps=3):
+def overlapped(rank, ws, clip, early=False, trust=False, skip=None, steps=3, device="cpu", delay=True):
     """Every unit offloaded, every copy delayed, against no offload. ``early``: the hook fires
     after the first of two microbatches instead of the last (an overlapped step hooked one
     microbatch too early); ``trust``: the step's check of the speculated steps is switched off
@@ -246,24 +258,25 @@ def overlapped(rank, ws, clip, early=False, trust=False, skip=None, steps=3):
     (backward, then ``zero_grad``, as after a NaN check)."""
     out, counts = [], None
     for offload in (None, mfsdp.OffloadPolicy()):
-        model, optim = _build(rank, ws, "zero3", offload=offload)
+        model, optim = _build(rank, ws, "zero3", offload=offload, device=device)
         engine = offload_mod.offload_of(optim)
         hooked = None
-        if engine is not None:
+        if engine is not None and delay:
             engine.copy_down = lambda sources, destinations, stream, after=None: _Delayed(sources, destinations)
-            if trust:
-                engine._changed = lambda: set()
-            if early:
-                hooked = [(g, g.gradient_final_hooks[:]) for g in engine.groups]
-                for g in engine.groups:
-                    g.gradient_final_hooks.clear()
+        if engine is not None and trust:
+            engine._changed = lambda: set()
+        if engine is not None and early:
+            hooked = [(g, g.gradient_final_hooks[:]) for g in engine.groups]
+            for g in engine.groups:
+                g.gradient_final_hooks.clear()
         for step in range(steps):
             if step == skip:
-                x, y = global_batch(step, 4 * ws, 5, model.embed.num_embeddings)
+                x, y = global_batch(step, 4 * ws, 5, model.embed.num_embeddings, device)
                 loss_fn(model(x.chunk(ws)[rank]), y.chunk(ws)[rank]).backward()
                 optim.zero_grad()
                 continue
-            fire = (lambda i: i == 0 and [h(g, None) for g, hs in hooked for h in hs]) if hooked else None
+            stream = torch.cuda.current_stream() if device == "cuda" else None
+            fire = (lambda i: i == 0 and [h(g, stream) for g, hs in hooked for h in hs]) if hooked else None
             _step(model, optim, step, rank, ws, after_microbatch=fire, clip=clip)
         out.append(_snapshot(model, optim))
         counts = None if engine is None else dict(engine.counts)
