@@ -373,7 +373,8 @@ class OffloadedStep:
         self._pinned: Optional[list] = [] if policy.pin_memory and self._cuda else None
         if self._pinned is not None:
             weakref.finalize(self, _unpin, self._pinned)
-        self._stream = torch.cuda.Stream(device) if self._cuda else None
+        self._stream = torch.cuda.Stream(device) if self._cuda else None  # copies down
+        self._up = torch.cuda.Stream(device) if self._cuda else None  # copies up, beside the ones down
         self._optimizer = weakref.ref(optimizer)
         self._cls = type(optimizer)
         self._flags = _cpu_flags(self._cls, optimizer.defaults)
@@ -687,6 +688,8 @@ class OffloadedStep:
     def _stage_now(self, group, optimizer, entries) -> _Job:
         """Stage a group in ``step`` (not speculated): its gradient as it is now."""
         job = _Job(group, self._host[id(group)], entries, [dict(optimizer.param_groups[i]) for i, _ in entries], None)
+        if self._cuda:  # the copy may be issued from the worker thread: it waits for this point
+            job.event = torch.cuda.current_stream(_main_flat(group).device).record_event()
         self._jobs[id(group)] = job
         with self._lock:
             self._waiting.append(job)
@@ -698,11 +701,11 @@ class OffloadedStep:
         if self._stream is None:
             main.copy_(host.master)
             return
-        self._stream.wait_stream(torch.cuda.current_stream(main.device))  # nothing still reads the old weights
-        with torch.cuda.stream(self._stream):
+        self._up.wait_stream(torch.cuda.current_stream(main.device))  # nothing still reads the old weights
+        with torch.cuda.stream(self._up):
             main.copy_(host.master, non_blocking=True)
             event = torch.cuda.Event()
-            event.record(self._stream)
+            event.record(self._up)
         host.copied_up = event
         _weights_ready(group, event)
         self._pending_up.append(event)
