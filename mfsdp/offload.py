@@ -381,12 +381,16 @@ class OffloadedStep:
         self._host: dict[int, _HostGroup] = {}
         self._slots: list[torch.Tensor] = []
         self._free: list[int] = []
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the staging ring and its queue
+        # The CPU optimizer's param groups and states: one group steps, saves or restores at a time
+        # (the worker's speculation beside the step's redo of another group).
+        self._cpu_lock = threading.RLock()
         self._waiting: list[_Job] = []  # staged, their copy not yet issued (no free buffer)
         self._jobs: dict[int, _Job] = {}  # id(group) -> the group's job since its hook
         self._pending_up: list = []  # the events of the last step's copies up
-        self.counts = {"kept": 0, "redone": 0, "serialized": 0}
-        """Group steps so far: speculated and kept, speculated and redone (or undone), stepped in
+        self.counts = {"kept": 0, "redone": 0, "dropped": 0, "serialized": 0}
+        """Group steps so far: speculated and kept; speculated and undone (redone in ``step``, or
+        dropped by ``zero_grad``); queued for speculation but dropped before it started; stepped in
         ``step`` (not speculated)."""
         threads = policy.threads
         self._pool = concurrent.futures.ThreadPoolExecutor(
@@ -464,6 +468,7 @@ class OffloadedStep:
             return
         self._cancel(group)
         host = self._host_of(group)
+        self._cpu()  # made here, not on the worker
         optimizer = self._optimizer()
         event = None
         job = _Job(group, host, entries, [dict(optimizer.param_groups[i]) for i, _ in entries], None)
@@ -520,22 +525,25 @@ class OffloadedStep:
             host.copied_up.synchronize()  # the last copy up has read the master
         grads = self._slot_views(job.group, job.slot)
         cpu = self._cpu()
-        cpu_groups = []
-        for (i, params), settings in zip(job.entries, job.settings):
-            hp = []
-            for p in params:
-                j = host.index[id(p)]
-                host.params[j].grad = grads[j] if job.present[j] else None
-                hp.append(host.params[j])
-            cpu_groups.append({**settings, **self._flags, "params": hp})
-        cpu.param_groups = cpu_groups
-        job.stepped = True
         try:
-            with torch.no_grad():
-                cpu.step()
+            with self._cpu_lock:
+                cpu_groups = []
+                for (i, params), settings in zip(job.entries, job.settings):
+                    hp = []
+                    for p in params:
+                        j = host.index[id(p)]
+                        host.params[j].grad = grads[j] if job.present[j] else None
+                        hp.append(host.params[j])
+                    cpu_groups.append({**settings, **self._flags, "params": hp})
+                cpu.param_groups = cpu_groups
+                job.stepped = True
+                try:
+                    with torch.no_grad():
+                        cpu.step()
+                finally:
+                    for p in host.params:
+                        p.grad = None
         finally:
-            for p in host.params:
-                p.grad = None
             self._release(job)
 
     def _speculate(self, job: _Job) -> None:  # on the worker thread
@@ -547,6 +555,10 @@ class OffloadedStep:
         """The backup of the host master and states (in place after the first time)."""
         if host.copied_up is not None:
             host.copied_up.synchronize()
+        with self._cpu_lock:
+            self._save_locked(host)
+
+    def _save_locked(self, host: _HostGroup) -> None:
         if host.backup_master is None:
             host.backup_master = torch.empty_like(host.master)
         host.backup_master.copy_(host.master)
@@ -571,6 +583,10 @@ class OffloadedStep:
     def _restore(self, host: _HostGroup) -> None:
         """Undo a speculative step: master and states back to the backup (in place: exposed states
         stay the same tensors)."""
+        with self._cpu_lock:
+            self._restore_locked(host)
+
+    def _restore_locked(self, host: _HostGroup) -> None:
         host.master.copy_(host.backup_master)
         cpu = self._cpu()
         for j, p in enumerate(host.params):
@@ -599,7 +615,9 @@ class OffloadedStep:
         with self._lock:
             if job in self._waiting:
                 self._waiting.remove(job)
-        if job.future is not None:
+        if job.future is not None and job.future.cancel():
+            self.counts["dropped"] += 1
+        elif job.future is not None:  # it has started: let it finish
             try:
                 job.future.result()
             except Exception:  # noqa: BLE001 - undone below either way

@@ -44,7 +44,7 @@ def _build(rank, ws, kind, opt="fused", offload=None, seed=0, device="cpu", grad
     return model, mfsdp.fully_shard_optimizer(model, optim, offload=offload)
 
 
-def _step(model, optim, step, rank, ws, after_microbatch=None, clip=CLIP):
+def _step(model, optim, step, rank, ws, after_microbatch=None, clip=CLIP, edit=False):
     x, y = global_batch(step, 4 * ws, 5, model.embed.num_embeddings, model.embed.weight.device)
     x, y = x.chunk(ws)[rank], y.chunk(ws)[rank]
     for i, (mx, my) in enumerate(zip(x.chunk(MICROBATCHES), y.chunk(MICROBATCHES))):
@@ -52,6 +52,8 @@ def _step(model, optim, step, rank, ws, after_microbatch=None, clip=CLIP):
             (loss_fn(model(mx), my) / MICROBATCHES).backward()
         if after_microbatch is not None:
             after_microbatch(i)
+    if edit:  # an in-place edit of one parameter's gradient (no version counter sees it on a DTensor)
+        model.blocks[1].w1.weight.grad.mul_(0.5)
     params = [p for p in model.parameters() if p.grad is not None]
     norm = torch.nn.utils.get_total_norm([p.grad for p in params])
     norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
@@ -59,6 +61,14 @@ def _step(model, optim, step, rank, ws, after_microbatch=None, clip=CLIP):
     torch.nn.utils.clip_grads_with_norm_(params, clip, norm)  # a coefficient of 1 leaves the bits
     optim.step()
     optim.zero_grad(set_to_none=step % 2 == 0)
+
+
+def _counts(engine) -> dict:
+    """The engine's counts with the speculations dropped before they started counted as undone
+    (which of the two a late one is depends on timing)."""
+    counts = dict(engine.counts)
+    counts["redone"] += counts.pop("dropped")
+    return counts
 
 
 def _full(v):
@@ -85,7 +95,7 @@ def parity(rank, ws, kind, opt, fraction, steps=3, overlap="step", clip=CLIP, de
         for step in range(steps):
             _step(model, optim, step, rank, ws, clip=clip)
         out.append(_snapshot(model, optim))
-    return out, _offloaded_units(model, optim), dict(offload_mod.offload_of(optim).counts)
+    return out, _offloaded_units(model, optim), _counts(offload_mod.offload_of(optim))
 
 
 def _compare(a, b, rel):
@@ -211,7 +221,7 @@ def staging(rank, ws, overlap):
     main_bytes = [g.main.tensor.numel() * 4 for g in engine.groups]
     return engine.host_nbytes(), main_bytes, len(seen), len(set().union(*seen)), \
         sum(p.to_local().numel() for g in engine.groups for p in g.sharded_params), \
-        sum(len(g.sharded_params) for g in engine.groups), dict(engine.counts)
+        sum(len(g.sharded_params) for g in engine.groups), _counts(engine)
 
 
 @pytest.mark.parametrize("overlap", ["step", "copy", "none"])
@@ -219,7 +229,8 @@ def test_host_memory_is_masters_states_and_a_staging_ring(world, overlap):
     nbytes, main_bytes, copies, storages, shard_numel, tensors, counts = world(2).run(staging, overlap=overlap)[0]
     redone = 3 * len(main_bytes) if overlap == "step" else 0  # every step clips: every speculation is redone
     restaged = 0 if overlap == "none" else 3 * len(main_bytes)  # staged in backward, again after the clip
-    assert copies == 3 * len(main_bytes) + restaged  # every copy went through the ring
+    # every copy went through the ring (one staged in backward may be dropped before its copy)
+    assert 3 * len(main_bytes) + (restaged if overlap == "copy" else 0) <= copies <= 3 * len(main_bytes) + restaged
     assert storages <= (1 if overlap == "none" else 2)  # serialized: the buffer is free again for the next
     assert nbytes["staging"] == storages * max(main_bytes) < sum(main_bytes)  # not one buffer per group
     assert nbytes["master"] == sum(main_bytes)
@@ -250,7 +261,7 @@ class _Delayed:
         self.thread.join()
 
 
-def overlapped(rank, ws, clip, early=False, trust=False, skip=None, steps=3, device="cpu", delay=True):
+def overlapped(rank, ws, clip, early=False, trust=False, skip=None, steps=3, device="cpu", delay=True, edit=False):
     """Every unit offloaded, every copy delayed, against no offload. ``early``: the hook fires
     after the first of two microbatches instead of the last (an overlapped step hooked one
     microbatch too early); ``trust``: the step's check of the speculated steps is switched off
@@ -277,9 +288,9 @@ def overlapped(rank, ws, clip, early=False, trust=False, skip=None, steps=3, dev
                 continue
             stream = torch.cuda.current_stream() if device == "cuda" else None
             fire = (lambda i: i == 0 and [h(g, stream) for g, hs in hooked for h in hs]) if hooked else None
-            _step(model, optim, step, rank, ws, after_microbatch=fire, clip=clip)
+            _step(model, optim, step, rank, ws, after_microbatch=fire, clip=clip, edit=edit)
         out.append(_snapshot(model, optim))
-        counts = None if engine is None else dict(engine.counts)
+        counts = None if engine is None else _counts(engine)
     return out, counts
 
 
@@ -304,6 +315,13 @@ def test_a_unit_stepped_before_its_gradient_is_final_is_caught(world):
     assert _same(got, want) and counts == {"kept": 0, "redone": 12, "serialized": 12}, counts
     (want, got), counts = world(2).run(overlapped, clip=1e6, early=True, trust=True)[0]
     assert not _same(got, want) and counts["kept"] == 12
+
+
+def test_an_edited_gradient_redoes_only_its_group(world):
+    """One group's gradient edited in place between backward and step: that group is redone in
+    ``step`` while the others' speculated steps are kept (and may still be running)."""
+    (want, got), counts = world(2).run(overlapped, clip=1e6, edit=True)[0]
+    assert _same(got, want) and counts == {"kept": 9, "redone": 3, "serialized": 3}, counts
 
 
 def test_a_skipped_step_leaves_no_trace(world):
