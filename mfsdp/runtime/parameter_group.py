@@ -263,8 +263,8 @@ class FsdpParameterGroup:
     def refresh_if_stale(self, stream: Optional[torch.Stream] = None) -> None:
         """Where the main weights were written since, cast them into the compute weights on
         ``stream`` (one kernel), re-gathering if needed."""
-        if self.weights_ready is not None:  # main is being written asynchronously (offload's copy up)
-            (stream or torch.accelerator.current_stream()).wait_event(self.weights_ready)
+        if self.weights_ready is not None:  # a CUDA event: main is being written (offload's copy up)
+            (stream or torch.cuda.current_stream(self.main.tensor.device)).wait_event(self.weights_ready)
             self.weights_ready = None
         stale, self._stale = self._stale, False
         if not stale or self.main_aliases_model or self.model_on_the_fly:
