@@ -17,6 +17,11 @@ something when the model code, data, optimizer and precision are the same for ev
   ``mfsdp-db`` adds persistent gather buffers (``double_buffer``); ``mfsdp-ub`` also registers
   them with NCCL (``use_symm_mem``); ``mfsdp-step1`` steps the optimizer in one call, without the
   next forward's first gathers during the step (``prefetch_across_step=False``: that lever alone).
+  ``mfsdp-offload`` steps the optimizer of ``--offload``'s share of the units on the host
+  (``mfsdp.OffloadPolicy(fraction=...)``: fp32 masters and AdamW states in pinned host memory,
+  torch's fused CPU AdamW, overlapped with backward and validated at the step).
+- ``fsdp2-offload``: ``fsdp2`` with ``CPUOffloadPolicy()`` on every ``fully_shard`` (parameters,
+  gradients and optimizer states on the host, all of them; fused CPU AdamW after backward).
 - ``megatron-fsdp``: ``megatron_fsdp.fully_shard`` (v1) with ``fsdp_unit_modules=[Block]``, ZeRO-3,
   package defaults otherwise; its reduce-scatter runs in the main-grad dtype.
 - ``megatron-fsdp-exp``: ``megatron_fsdp.experimental.fully_shard`` bottom-up with all-Flat
@@ -33,6 +38,7 @@ for it and is skipped.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Callable, Optional
 
@@ -65,6 +71,8 @@ class Ctx:
     lr: float = 1e-4
     replicate: int = 1              # HSDP replica groups (a divisor of world_size; 1 = plain ZeRO-3)
     convert: Optional[Callable[[nn.Module], None]] = None  # applied to each fresh model first (float8)
+    offload_fraction: float = 1.0   # mfsdp-offload's share of units stepped on the host (0: none)
+    offload_threads: Optional[int] = None  # its host step's CPU threads (None: torch's)
 
     @property
     def hsdp(self) -> bool:
@@ -89,6 +97,10 @@ class Built:
     grad_reduce_dtype: str  # "fp32", "bf16", or "none" (no gradient communication)
     setup: str              # one line: how the implementation was applied
     extra: dict = dataclasses.field(default_factory=dict)
+    microbatch: Callable = lambda is_last: contextlib.nullcontext()  # around each microbatch
+    offload: Optional[str] = None  # what is offloaded, for the JSON line (None: nothing)
+    offload_counts: Optional[Callable[[], dict]] = None  # mfsdp: its speculated steps kept/redone
+    step_call_s: list = dataclasses.field(default_factory=list)  # host time in optimizer.step()
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -126,10 +138,11 @@ def build_none(ctx: Ctx) -> Built:
                  "AdamW states, no communication (each rank independent)")
 
 
-def build_fsdp2(ctx: Ctx) -> Built:
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+def build_fsdp2(ctx: Ctx, cpu_offload: bool = False) -> Built:
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     policy = MixedPrecisionPolicy(param_dtype=ctx.compute_dtype, reduce_dtype=ctx.grad_reduce_dtype)
+    offload = CPUOffloadPolicy(pin_memory=ctx.device.type == "cuda") if cpu_offload else OffloadPolicy()
     mesh = ctx.mesh()
     # Meta init, then shard, then materialise only the local shards: the fp32 full model is
     # never allocated, as in the anchor run.
@@ -137,22 +150,25 @@ def build_fsdp2(ctx: Ctx) -> Built:
         model = build_model(ctx.cfg, dtype=torch.float32)
     _prepare(model, ctx)
     for block in model.layers:
-        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=True)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
+        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=True, offload_policy=offload)
+    fully_shard(model, mesh=mesh, mp_policy=policy, offload_policy=offload)
     if ctx.cfg.num_experts and hasattr(model, "set_reduce_scatter_unused_params"):
         # Ranks route tokens to different experts: zeros for the unused expert weights keep FSDP2's
         # reduce-scatters the same size on every rank (torch 2.11 has no such switch).
         model.set_reduce_scatter_unused_params(True)
-    model.to_empty(device=ctx.device)
+    # With CPU offload the sharded parameters live on the host (the rotary tables stay on the GPU).
+    model.to_empty(device="cpu" if cpu_offload else ctx.device)
     model.init_weights(buffer_device=ctx.device, seed=INIT_SEED)
     return Built(model, make_adamw(model.parameters(), ctx), dtype_name(ctx.grad_reduce_dtype),
                  f"torch fully_shard(block) x n_layers + root, {ctx.layout()}; fp32 sharded params, "
                  f"param_dtype={dtype_name(ctx.compute_dtype)}, "
-                 f"reduce_dtype={dtype_name(ctx.grad_reduce_dtype)}")
+                 f"reduce_dtype={dtype_name(ctx.grad_reduce_dtype)}"
+                 + (f"; CPUOffloadPolicy(pin_memory={offload.pin_memory}), fused CPU AdamW" if cpu_offload else ""),
+                 offload="all (CPUOffloadPolicy)" if cpu_offload else None)  # reduces every microbatch
 
 
 def build_mfsdp(ctx: Ctx, double_buffer: bool = False, use_symm_mem: bool = False,
-                prefetch_across_step: bool = True) -> Built:
+                prefetch_across_step: bool = True, offload: bool = False) -> Built:
     import mfsdp
 
     placements = (mfsdp.Placements.hsdp("dp_replicate", "dp_shard") if ctx.hsdp
@@ -169,15 +185,24 @@ def build_mfsdp(ctx: Ctx, double_buffer: bool = False, use_symm_mem: bool = Fals
     for unit in sharding_units(model):  # embedding, blocks, head: mfsdp's recommended wrapping
         mfsdp.fully_shard(unit, mesh, **options)
     mfsdp.fully_shard(model, mesh, **options)
-    optimizer = mfsdp.fully_shard_optimizer(model, make_adamw(model.parameters(), ctx))
+    fraction = ctx.offload_fraction if offload else 0.0
+    on_host = mfsdp.OffloadPolicy(fraction=fraction, threads=ctx.offload_threads) if fraction else None
+    optimizer = mfsdp.fully_shard_optimizer(model, make_adamw(model.parameters(), ctx), offload=on_host)
+    engine = mfsdp.offload.offload_of(optimizer) if on_host else None
     return Built(model, optimizer, dtype_name(ctx.grad_reduce_dtype),
                  "mfsdp.fully_shard(embedding, each block, head) + root, "
                  f"{'Placements.hsdp' if ctx.hsdp else 'Placements.zero3'}; "
                  f"{dtype_name(ctx.compute_dtype)} model, fp32 main params, "
                  f"main grads {dtype_name(ctx.grad_reduce_dtype)}; fully_shard_optimizer"
                  + ("; double_buffer" if double_buffer else "") + ("; use_symm_mem" if use_symm_mem else "")
-                 + ("" if prefetch_across_step else "; prefetch_across_step=False"),
-                 {"mfsdp_version": getattr(mfsdp, "__version__", None)})
+                 + ("" if prefetch_across_step else "; prefetch_across_step=False")
+                 + (f"; OffloadPolicy(fraction={fraction:g}, threads={ctx.offload_threads}): "
+                    f"{len(engine.groups)} groups' AdamW on the host"
+                    if engine else ""),
+                 {"mfsdp_version": getattr(mfsdp, "__version__", None)},
+                 microbatch=lambda is_last: mfsdp.microbatch(model, is_last=is_last),
+                 offload=f"fraction {fraction:g}" if engine else None,
+                 offload_counts=(lambda: engine.counts) if engine else None)
 
 
 def _import_megatron(ctx=None):
@@ -245,7 +270,9 @@ BUILDERS: dict[str, Callable[[Ctx], Built]] = {
     "mfsdp-db": lambda ctx: build_mfsdp(ctx, double_buffer=True),  # persistent gather buffers
     "mfsdp-ub": lambda ctx: build_mfsdp(ctx, double_buffer=True, use_symm_mem=True),  # NCCL-registered
     "mfsdp-step1": lambda ctx: build_mfsdp(ctx, prefetch_across_step=False),  # one-call step, no early gathers
+    "mfsdp-offload": lambda ctx: build_mfsdp(ctx, offload=True),  # --offload's share on the host
     "fsdp2": build_fsdp2,
+    "fsdp2-offload": lambda ctx: build_fsdp2(ctx, cpu_offload=True),  # CPUOffloadPolicy
     "megatron-fsdp": build_megatron_fsdp,
     "megatron-fsdp-exp": build_megatron_fsdp_exp,
     "none": build_none,

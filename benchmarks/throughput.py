@@ -15,6 +15,15 @@ their weights in FP8 (see ``_float8.py``). The issue-16 rows:
 
     torchrun --standalone --nproc-per-node 2 benchmarks/throughput.py --preset 8b --local-batch 1 \
         --seq 4096 --compile --float8 tensorwise --fp8-all-gather --impl mfsdp,fsdp2,none
+The issue-21 rows (Llama-3-8B on one H200: mfsdp without and with optimizer offload against FSDP2
+without and with ``CPUOffloadPolicy``, 16k tokens per optimizer step, all compiled, exact AdamW):
+
+    torchrun --standalone --nproc-per-node 1 benchmarks/throughput.py --preset 8b --local-batch 1 \
+        --microbatches 4 --seq 4096 --compile --offload 0.5 --impl mfsdp-offload,fsdp2-offload
+
+``--microbatches N`` accumulates N microbatches of ``--local-batch`` sequences per optimizer step
+(tokens/s count all of them); ``--offload none|optimizer|F`` is the ``mfsdp-offload`` row's
+``mfsdp.OffloadPolicy`` (all units, or a fraction F of them; ``mfsdp`` never offloads).
 See benchmarks/README.md for the columns and the FLOP convention.
 """
 
@@ -70,6 +79,11 @@ def parse_args(argv=None):
                    help="cut the preset to this many blocks (the 8b layer shape on one GPU: --n-layers 16)")
     p.add_argument("--local-batch", type=int, default=2)
     p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--microbatches", type=int, default=1, help="microbatches accumulated per optimizer step")
+    p.add_argument("--offload", default="optimizer",
+                   help="the mfsdp-offload row's offload: none, optimizer (every unit) or a fraction in (0, 1]")
+    p.add_argument("--offload-threads", type=int, default=None,
+                   help="mfsdp-offload: CPU threads of the host step (OffloadPolicy.threads; default torch's)")
     p.add_argument("--ac", action="store_true", help="activation checkpointing per block")
     p.add_argument("--compile", action="store_true", help="torch.compile each block before wrapping")
     p.add_argument("--steps", type=int, default=10, help="timed steps")
@@ -107,6 +121,15 @@ def parse_args(argv=None):
         p.error("--n-layers must be at least 1")
     if args.fp8_all_gather and args.float8 != "tensorwise":
         p.error("--fp8-all-gather needs --float8 tensorwise")
+    if args.microbatches < 1:
+        p.error("--microbatches must be at least 1")
+    try:
+        args.offload_fraction = {"none": 0.0, "optimizer": 1.0}.get(args.offload) or float(args.offload)
+    except ValueError:
+        p.error(f"--offload {args.offload!r}: none, optimizer or a fraction in (0, 1]")
+    if not 0.0 <= args.offload_fraction <= 1.0 or (args.offload not in ("none", "optimizer")
+                                                    and args.offload_fraction == 0.0):
+        p.error(f"--offload {args.offload!r}: a fraction must be in (0, 1]")
     return args
 
 
@@ -118,30 +141,42 @@ def sync(device):
 
 
 def make_batches(args, cfg, device, n):
-    """Uniform random tokens, fixed seed, different on each rank, made before any timing."""
+    """Uniform random tokens, fixed seed, different on each rank, made before any timing: ``n``
+    steps of ``--microbatches`` (inputs, targets) pairs each."""
     gen = torch.Generator(device=device).manual_seed(args.seed + 1000 * dist.get_rank())
     out = []
     for _ in range(n):
-        t = torch.randint(0, cfg.vocab_size, (args.local_batch, args.seq + 1), device=device,
-                          generator=gen)
-        out.append((t[:, :-1].contiguous(), t[:, 1:].contiguous()))
+        step = []
+        for _ in range(args.microbatches):
+            t = torch.randint(0, cfg.vocab_size, (args.local_batch, args.seq + 1), device=device,
+                              generator=gen)
+            step.append((t[:, :-1].contiguous(), t[:, 1:].contiguous()))
+        out.append(step)
     return out
 
 
 def train_step(built, batch, phase_mark=lambda name: None):
-    inp, tgt = batch
-    logits = built.model(inp)
-    # Loss in fp32 over the full vocabulary, as in the anchors.
-    loss = F.cross_entropy(logits.flatten(0, 1).float(), tgt.flatten())
-    if hasattr(built.model, "aux_loss"):  # MoE: the load-balancing loss, as mfsdp train adds it
-        loss = loss + built.model.cfg.moe_aux_loss_coef * built.model.aux_loss()
-    phase_mark("forward")
-    loss.backward()
+    """One optimizer step over the microbatches of ``batch``; the mean loss. ``phase_mark`` marks
+    the first microbatch's forward, the last one's backward, and the step."""
+    total, n = None, len(batch)
+    for i, (inp, tgt) in enumerate(batch):
+        with built.microbatch(i == n - 1):
+            logits = built.model(inp)
+            # Loss in fp32 over the full vocabulary, as in the anchors.
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), tgt.flatten())
+            if hasattr(built.model, "aux_loss"):  # MoE: the load-balancing loss, as mfsdp train adds it
+                loss = loss + built.model.cfg.moe_aux_loss_coef * built.model.aux_loss()
+            if i == 0:
+                phase_mark("forward")
+            (loss / n if n > 1 else loss).backward()
+        total = loss.detach() if total is None else total + loss.detach()
     phase_mark("backward")
+    t0 = time.perf_counter()
     built.optimizer.step()
+    built.step_call_s.append(time.perf_counter() - t0)
     built.optimizer.zero_grad(set_to_none=True)
     phase_mark("optimizer")
-    return loss.detach()
+    return total / n
 
 
 def max_over_ranks(values, device):
@@ -158,6 +193,7 @@ def measure(args, impl, built, cfg, device) -> dict:
     if cuda:  # peaks below cover the timed steps only, not setup or warm-up
         torch.cuda.reset_peak_memory_stats(device)
     times = []
+    built.step_call_s.clear()
     for b in batches[args.warmup:-2]:
         sync(device)
         t0 = time.perf_counter()
@@ -171,7 +207,7 @@ def measure(args, impl, built, cfg, device) -> dict:
     # Step times are global (collectives keep ranks in step), so rank 0's stand for all.
     q = statistics.quantiles(times, n=10, method="inclusive") if len(times) > 1 else times * 9
     med = statistics.median(times)
-    tps = args.local_batch * args.seq / med
+    tps = args.local_batch * args.microbatches * args.seq / med
     tflops = flops_per_token(cfg, args.seq) * tps / 1e12
     peak = peak_flops(device)
     rec = {
@@ -184,7 +220,12 @@ def measure(args, impl, built, cfg, device) -> dict:
         "peak_mem_reserved_gib": round(reserved / GIB, 2) if cuda else None,
         "loss_first": round(loss_vals[0], 4), "loss_last": round(loss_vals[-1], 4),
         "loss_finite": all(abs(x) < float("inf") for x in loss_vals),
+        # Host time inside optimizer.step() (no sync around it): with offload, mostly the wait for
+        # the CPU steps that backward did not hide; the trace (--profile) gives the exact figure.
+        "optimizer_step_call_s_median": round(statistics.median(built.step_call_s), 5) if built.step_call_s else None,
     }
+    if built.offload_counts is not None:
+        rec["offload_counts"] = dict(built.offload_counts())
     if args.profile:
         rec["profile"] = profile_step(args, impl, built, batches[-2:], device)
     return rec
@@ -259,7 +300,8 @@ def run_one(args, impl, device) -> dict:
                      **({"n_layers": args.n_layers} if args.n_layers is not None else {}))
     rec = {"impl": impl, "preset": args.preset, "n_layers": cfg.n_layers, "world_size": dist.get_world_size(),
            "local_batch": args.local_batch, "seq": args.seq, "ac": args.ac, "compile": args.compile,
-           "replicate": args.replicate, "float8": args.float8, "fp8_all_gather": args.fp8_all_gather,
+           "microbatches": args.microbatches, "tokens_per_step_per_gpu": args.local_batch * args.microbatches * args.seq,
+           "offload": None, "replicate": args.replicate, "float8": args.float8, "fp8_all_gather": args.fp8_all_gather,
            **dict.fromkeys(METRICS), "status": "failed",
            "compute_dtype": args.dtype, "grad_reduce_dtype": args.grad_reduce_dtype,
            "warmup_steps": args.warmup, "timed_steps": args.steps,
@@ -275,12 +317,13 @@ def run_one(args, impl, device) -> dict:
         convert, float8 = float8_converter(args, impl)
         ctx = Ctx(cfg=cfg, device=device, world_size=dist.get_world_size(),
                   compute_dtype=DTYPES[args.dtype], grad_reduce_dtype=DTYPES[args.grad_reduce_dtype],
-                  ac=args.ac, compile=args.compile, lr=args.lr, replicate=args.replicate, convert=convert)
+                  ac=args.ac, compile=args.compile, lr=args.lr, replicate=args.replicate, convert=convert,
+                  offload_fraction=args.offload_fraction, offload_threads=args.offload_threads)
         built = BUILDERS[impl](ctx)
         setup = "; ".join(x for x in (built.setup, float8 and f"torchao float8 {args.float8} "
                                       f"({float8['float8_linears']} linears)",
                                       precompute_scales_after_step(args, impl, built)) if x)
-        rec.update(grad_reduce_dtype=built.grad_reduce_dtype, setup=setup, **built.extra)
+        rec.update(grad_reduce_dtype=built.grad_reduce_dtype, setup=setup, offload=built.offload, **built.extra)
         sync(device)
         rec["setup_s"] = round(time.perf_counter() - t0, 1)
         rec.update(measure(args, impl, built, cfg, device))
@@ -458,7 +501,8 @@ def write_report(args, records, text, identity):
     first = next((r for r in records if "gpu" in r), {})
     gpu = "".join(c if c.isalnum() else "-" for c in first.get("gpu", "unknown").lower()
                   .replace("nvidia", "").strip())
-    config = (f"{args.preset}{f'-l{args.n_layers}' if args.n_layers else ''}-b{args.local_batch}-s{args.seq}"
+    config = (f"{args.preset}{f'-l{args.n_layers}' if args.n_layers else ''}-b{args.local_batch}"
+              f"{f'x{args.microbatches}' if args.microbatches > 1 else ''}-s{args.seq}"
               f"{'-ac' * args.ac}"
               f"{'-compile' * args.compile}{f'-fp8{args.float8}' if args.float8 != 'none' else ''}"
               f"{'-ag' * args.fp8_all_gather}-w{first.get('world_size', '?')}"

@@ -74,7 +74,8 @@ def _mark_stale_before_step(optimizer, args, kwargs) -> None:
 register_optimizer_step_pre_hook(_mark_stale_before_step)
 
 
-def _free_gradients_on_zero_grad(optimizer: torch.optim.Optimizer, groups: list) -> None:
+def _free_gradients_on_zero_grad(optimizer: torch.optim.Optimizer, groups: list,
+                                 offloaded: Optional[_offload.OffloadedStep] = None) -> None:
     """``zero_grad(set_to_none=True)`` frees the gradient buffers right away.
 
     Otherwise they would stay allocated until the next forward (where the root frees them), and
@@ -84,6 +85,8 @@ def _free_gradients_on_zero_grad(optimizer: torch.optim.Optimizer, groups: list)
     zero_grad = optimizer.zero_grad
 
     def zero_grad_and_free(set_to_none: bool = True) -> None:
+        if offloaded is not None:
+            offloaded.discard()  # a group staged or speculated in backward and not stepped
         zero_grad(set_to_none=set_to_none)
         if set_to_none:
             for group in groups:
@@ -121,6 +124,8 @@ def fully_shard_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer,
                              f"({', '.join(c.__name__ for c in _PER_PARAMETER_OPTIMIZERS)}), got "
                              f"{type(optimizer).__name__}")
         grouped.offloaded = _offload.bind(model, optimizer, groups, offload)
+        params = grouped._params
+        grouped.offloaded.entries_of = lambda group: params(optimizer).get(id(group))
 
     def pre_step(opt, args, kwargs):
         if grouped.offloaded is not None:
@@ -142,7 +147,7 @@ def fully_shard_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer,
 
     pre_hook = optimizer.register_step_pre_hook(pre_step)
     optimizer.register_step_post_hook(post_step)
-    _free_gradients_on_zero_grad(optimizer, groups)
+    _free_gradients_on_zero_grad(optimizer, groups, grouped.offloaded)
     _BOUND_OPTIMIZERS.add(optimizer)
     return optimizer
 
@@ -257,6 +262,9 @@ class _GroupedStep:
                 if id(group) not in early_ids:
                     self._step_group(optimizer, group, params_of, args, kwargs)
         self._hidden = _hide(p for entries in params_of.values() for _, params in entries for p in params)
+        if self.offloaded is not None and self.offloaded.defers_refresh:
+            # Refreshed by their next unshard, on the all-gather stream, after their copy up.
+            self._refreshed |= {id(g) for g in self.offloaded.groups}
         return True
 
     def _step_group(self, optimizer, group, params_of, args, kwargs) -> None:

@@ -1,12 +1,16 @@
 """Optimizer offload (``mfsdp.offload``): the chosen units' master weights and AdamW states live on
-the host and step there, after backward (the first, serialized version). On CPU the "host" is the
-same device, but every copy, the staging buffer and the separate CPU optimizer still run.
+the host and step there: speculatively during backward, from the reduction hook, on a worker
+thread, validated in ``step`` ("step"), or staged in backward and stepped in ``step`` ("copy"),
+or all in ``step`` ("none"). On CPU the "host" is the same device, but the hook, every copy, the
+staging ring, the worker thread and the separate CPU optimizer still run.
 
-Parity against the same run without offload, with global-norm clipping, 2 microbatches, bf16
-compute and bf16 main gradients, on zero3/zero2/zero1/ddp: bit-identical with fused AdamW (the
-host optimizer is fused too), ≤1e-6 relative with foreach AdamW; DCP resume equals the
-uninterrupted run, and resharding (zero3 -> ddp) loads the states exactly; the staging buffer is
-one group's; a delayed copy hook catches a gradient read before it is final. CPU, gloo, 2 ranks.
+Parity against the same run without offload, with global-norm clipping that bites (speculation
+redone) or not (kept), 2 microbatches, bf16 compute, on zero3/zero2/zero1/ddp: bit-identical with
+fused AdamW (the host optimizer is fused too), ≤1e-6 relative with foreach AdamW; DCP resume
+equals the uninterrupted run, and resharding (zero3 -> ddp) loads the states exactly; staging is
+a ring of at most two group-sized buffers; delayed copies are waited for; a hook fired one
+microbatch early is caught by the step's check (and without the check the run differs); a skipped
+step leaves no trace. CPU, gloo, 2 ranks.
 """
 
 from __future__ import annotations
@@ -26,10 +30,12 @@ CLIP = 0.05  # well below the gradients' norm: every step clips
 MICROBATCHES = 2
 
 
-def _build(rank, ws, kind, opt="fused", offload=None, seed=0):
+def _build(rank, ws, kind, opt="fused", offload=None, seed=0, device="cpu", grads=None):
     torch.manual_seed(seed)
-    model = Net(vocab=16, dim=8, hidden=12, n_blocks=3).to(torch.bfloat16)  # bf16 compute, fp32 masters
-    shard_net(model, make_mesh(kind, ws), make_placements(kind))
+    model = Net(vocab=16, dim=8, hidden=12, n_blocks=3).to(device, torch.bfloat16)  # bf16 compute, fp32 masters
+    policy = None if grads is None else mfsdp.MixedPrecisionPolicy(main_params_dtype=torch.float32,
+                                                                   main_grads_dtype=grads)
+    shard_net(model, make_mesh(kind, ws, device), make_placements(kind), policy=policy)
     kw = {"fused": True} if opt == "fused" else {"foreach": True}
     decay = [p for p in model.parameters() if p.ndim >= 2]
     rest = [p for p in model.parameters() if p.ndim < 2]
@@ -38,21 +44,31 @@ def _build(rank, ws, kind, opt="fused", offload=None, seed=0):
     return model, mfsdp.fully_shard_optimizer(model, optim, offload=offload)
 
 
-def _step(model, optim, step, rank, ws, after_microbatch=None):
-    x, y = global_batch(step, 4 * ws, 5, model.embed.num_embeddings)
+def _step(model, optim, step, rank, ws, after_microbatch=None, clip=CLIP, edit=False):
+    x, y = global_batch(step, 4 * ws, 5, model.embed.num_embeddings, model.embed.weight.device)
     x, y = x.chunk(ws)[rank], y.chunk(ws)[rank]
     for i, (mx, my) in enumerate(zip(x.chunk(MICROBATCHES), y.chunk(MICROBATCHES))):
         with mfsdp.microbatch(model, is_last=i == MICROBATCHES - 1):
             (loss_fn(model(mx), my) / MICROBATCHES).backward()
         if after_microbatch is not None:
             after_microbatch(i)
+    if edit:  # an in-place edit of one parameter's gradient (no version counter sees it on a DTensor)
+        model.blocks[1].w1.weight.grad.mul_(0.5)
     params = [p for p in model.parameters() if p.grad is not None]
     norm = torch.nn.utils.get_total_norm([p.grad for p in params])
     norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
     assert float(norm) > CLIP
-    torch.nn.utils.clip_grads_with_norm_(params, CLIP, norm)
+    torch.nn.utils.clip_grads_with_norm_(params, clip, norm)  # a coefficient of 1 leaves the bits
     optim.step()
     optim.zero_grad(set_to_none=step % 2 == 0)
+
+
+def _counts(engine) -> dict:
+    """The engine's counts with the speculations dropped before they started counted as undone
+    (which of the two a late one is depends on timing)."""
+    counts = dict(engine.counts)
+    counts["redone"] += counts.pop("dropped")
+    return counts
 
 
 def _full(v):
@@ -72,14 +88,14 @@ def _offloaded_units(model, optim):
     return [names[id(g)] for g in engine.groups]
 
 
-def parity(rank, ws, kind, opt, fraction, steps=3):
+def parity(rank, ws, kind, opt, fraction, steps=3, overlap="step", clip=CLIP, device="cpu", grads=None):
     out = []
-    for offload in (None, mfsdp.OffloadPolicy(fraction=fraction)):
-        model, optim = _build(rank, ws, kind, opt, offload)
+    for offload in (None, mfsdp.OffloadPolicy(fraction=fraction, overlap=overlap)):
+        model, optim = _build(rank, ws, kind, opt, offload, device=device, grads=grads)
         for step in range(steps):
-            _step(model, optim, step, rank, ws)
+            _step(model, optim, step, rank, ws, clip=clip)
         out.append(_snapshot(model, optim))
-    return out, _offloaded_units(model, optim)
+    return out, _offloaded_units(model, optim), _counts(offload_mod.offload_of(optim))
 
 
 def _compare(a, b, rel):
@@ -93,17 +109,32 @@ def _compare(a, b, rel):
 
 
 @pytest.mark.parametrize("kind", PLACEMENTS)
-def test_offload_is_bit_identical_with_fused_adamw(world, kind):
-    (plain, offloaded), units = world(2).run(parity, kind=kind, opt="fused", fraction=0.5)[0]
+@pytest.mark.parametrize("clip, overlap", [(CLIP, "step"), (1e6, "step"), (CLIP, "copy"), (CLIP, "none")])
+def test_offload_is_bit_identical_with_fused_adamw(world, kind, clip, overlap):
+    """Clipping that bites (speculation redone) or not (kept), or no speculation."""
+    (plain, offloaded), units, counts = world(2).run(parity, kind=kind, opt="fused", fraction=0.5,
+                                                     overlap=overlap, clip=clip)[0]
     assert units == ["blocks.2", "blocks.1"], units  # the last blocks first: their gradients finish first
     for got, want in zip(offloaded, plain):
         _compare(got, want, 0)
     assert len(offloaded[1]) == 3 * len(offloaded[0])  # step, exp_avg, exp_avg_sq of every parameter
+    kept = 6 if overlap == "step" and clip > 1 else 0  # two groups, three steps
+    assert counts["kept"] == kept and counts["serialized"] == 6 - kept, counts
+
+
+@pytest.mark.parametrize("overlap", ["step", "copy"])
+def test_offload_with_bf16_main_gradients(world, overlap):
+    """mfsdp train's default: bf16 main gradients, cast to fp32 on their way to the host."""
+    (plain, offloaded), _, counts = world(2).run(parity, kind="zero3", opt="fused", fraction=1.0, overlap=overlap,
+                                                 clip=1e6, grads=torch.bfloat16)[0]
+    for got, want in zip(offloaded, plain):
+        _compare(got, want, 0)
+    assert counts["kept"] == (12 if overlap == "step" else 0), counts
 
 
 def test_offload_everything_with_foreach_adamw(world):
     """The user's foreach AdamW against the host's fused kernel: the same math to rounding."""
-    (plain, offloaded), units = world(2).run(parity, kind="zero3", opt="foreach", fraction=1.0)[0]
+    (plain, offloaded), units, _ = world(2).run(parity, kind="zero3", opt="foreach", fraction=1.0)[0]
     assert units == ["blocks.2", "blocks.1", "blocks.0", ""], units
     for got, want in zip(offloaded, plain):
         _compare(got, want, 1e-6)
@@ -173,15 +204,16 @@ def test_resume_from_offloaded_states(world, tmp_path, load_kind, load_fraction)
 
 # ------------------------------------------------------------------------------- memory
 
-def staging(rank, ws):
-    model, optim = _build(rank, ws, "zero3", offload=mfsdp.OffloadPolicy(units=("blocks.2", "blocks.0", "")))
+def staging(rank, ws, overlap):
+    policy = mfsdp.OffloadPolicy(units=("blocks.2", "blocks.0", ""), overlap=overlap)
+    model, optim = _build(rank, ws, "zero3", offload=policy)
     engine = offload_mod.offload_of(optim)
     seen = []
     original = engine.copy_down
 
-    def recording(sources, destinations, stream):
+    def recording(sources, destinations, stream, after=None):
         seen.append({d.untyped_storage().data_ptr() for d in destinations if d.numel()})
-        return original(sources, destinations, stream)
+        return original(sources, destinations, stream, after)
 
     engine.copy_down = recording
     for step in range(3):
@@ -189,27 +221,32 @@ def staging(rank, ws):
     main_bytes = [g.main.tensor.numel() * 4 for g in engine.groups]
     return engine.host_nbytes(), main_bytes, len(seen), len(set().union(*seen)), \
         sum(p.to_local().numel() for g in engine.groups for p in g.sharded_params), \
-        sum(len(g.sharded_params) for g in engine.groups)
+        sum(len(g.sharded_params) for g in engine.groups), _counts(engine)
 
 
-def test_host_memory_is_masters_states_and_one_staging_buffer(world):
-    nbytes, main_bytes, copies, storages, shard_numel, tensors = world(2).run(staging)[0]
-    assert copies == 3 * len(main_bytes) and storages == 1  # every copy went through one buffer
-    assert nbytes["staging"] == max(main_bytes) < sum(main_bytes)  # one group's, not all of them
+@pytest.mark.parametrize("overlap", ["step", "copy", "none"])
+def test_host_memory_is_masters_states_and_a_staging_ring(world, overlap):
+    nbytes, main_bytes, copies, storages, shard_numel, tensors, counts = world(2).run(staging, overlap=overlap)[0]
+    redone = 3 * len(main_bytes) if overlap == "step" else 0  # every step clips: every speculation is redone
+    restaged = 0 if overlap == "none" else 3 * len(main_bytes)  # staged in backward, again after the clip
+    # every copy went through the ring (one staged in backward may be dropped before its copy)
+    assert 3 * len(main_bytes) + (restaged if overlap == "copy" else 0) <= copies <= 3 * len(main_bytes) + restaged
+    assert storages <= (1 if overlap == "none" else 2)  # serialized: the buffer is free again for the next
+    assert nbytes["staging"] == storages * max(main_bytes) < sum(main_bytes)  # not one buffer per group
     assert nbytes["master"] == sum(main_bytes)
     assert tensors == 12  # two blocks' w1, w2 (weights and biases); embedding, norm (2), head
     assert nbytes["states"] == 2 * 4 * shard_numel + 4 * tensors, nbytes  # exp_avg, exp_avg_sq, steps
+    assert nbytes["backup"] == (nbytes["master"] + nbytes["states"] if overlap == "step" else 0)
+    assert counts == {"kept": 0, "redone": redone, "serialized": 3 * len(main_bytes)}, counts
 
 
 # ------------------------------------------------------------------------------- gradient final
 
 class _Delayed:
     """A copy that lands late: it reads the gradients when it is issued (as a copy queued on a
-    stream does) and writes the staging buffer 50 ms later; ``synchronize`` checks that what it
-    read is the gradient as it is now, when the group steps (the final, clipped one)."""
+    stream does) and writes the staging buffer 50 ms later; ``synchronize`` waits for it."""
 
     def __init__(self, sources, destinations) -> None:
-        self.sources = sources
         self.read = [None if s is None else s.clone() for s in sources]
         self.thread = threading.Thread(target=self._land, args=(destinations,))
         self.thread.start()
@@ -222,40 +259,76 @@ class _Delayed:
 
     def synchronize(self) -> None:
         self.thread.join()
-        for r, s in zip(self.read, self.sources):
-            assert (r is None) == (s is None) and (r is None or r.equal(s)), \
-                "a unit was copied down before its gradient was final"
 
 
-def delayed_copy(rank, ws, early):
-    """With every copy delayed, offloading everything equals no offload (the step waits for each
-    copy); ``early``: the seam is called for the last block after the first of two microbatches
-    (as an overlapped step hooked one microbatch too early would), which must fail."""
-    policy = mfsdp.OffloadPolicy(units=("blocks.2",)) if early else mfsdp.OffloadPolicy()
-    model, optim = _build(rank, ws, "zero3", offload=policy)
-    engine = offload_mod.offload_of(optim)
-    engine.copy_down = lambda sources, destinations, stream: _Delayed(sources, destinations)
-    if early:
-        first = engine.groups[0]
-        try:
-            _step(model, optim, 0, rank, ws, after_microbatch=lambda i: i == 0 and engine.gradient_final(first))
-        except AssertionError as e:
-            return str(e)
-        return None
-    for step in range(3):
-        _step(model, optim, step, rank, ws)
-    got = _snapshot(model, optim)
-    model, optim = _build(rank, ws, "zero3")
-    for step in range(3):
-        _step(model, optim, step, rank, ws)
-    return got, _snapshot(model, optim)
+def overlapped(rank, ws, clip, early=False, trust=False, skip=None, steps=3, device="cpu", delay=True, edit=False):
+    """Every unit offloaded, every copy delayed, against no offload. ``early``: the hook fires
+    after the first of two microbatches instead of the last (an overlapped step hooked one
+    microbatch too early); ``trust``: the step's check of the speculated steps is switched off
+    (what a step that trusts its speculation would do); ``skip``: the step that is skipped
+    (backward, then ``zero_grad``, as after a NaN check)."""
+    out, counts = [], None
+    for offload in (None, mfsdp.OffloadPolicy()):
+        model, optim = _build(rank, ws, "zero3", offload=offload, device=device)
+        engine = offload_mod.offload_of(optim)
+        hooked = None
+        if engine is not None and delay:
+            engine.copy_down = lambda sources, destinations, stream, after=None: _Delayed(sources, destinations)
+        if engine is not None and trust:
+            engine._changed = lambda: set()
+        if engine is not None and early:
+            hooked = [(g, g.gradient_final_hooks[:]) for g in engine.groups]
+            for g in engine.groups:
+                g.gradient_final_hooks.clear()
+        for step in range(steps):
+            if step == skip:
+                x, y = global_batch(step, 4 * ws, 5, model.embed.num_embeddings, device)
+                loss_fn(model(x.chunk(ws)[rank]), y.chunk(ws)[rank]).backward()
+                optim.zero_grad()
+                continue
+            stream = torch.cuda.current_stream() if device == "cuda" else None
+            fire = (lambda i: i == 0 and [h(g, stream) for g, hs in hooked for h in hs]) if hooked else None
+            _step(model, optim, step, rank, ws, after_microbatch=fire, clip=clip, edit=edit)
+        out.append(_snapshot(model, optim))
+        counts = None if engine is None else _counts(engine)
+    return out, counts
 
 
-def test_a_delayed_copy_is_waited_for_and_an_early_one_is_caught(world):
-    got, want = world(2).run(delayed_copy, early=False)[0]
-    for a, b in zip(got, want):
-        _compare(a, b, 0)
-    assert world(2).run(delayed_copy, early=True) == ["a unit was copied down before its gradient was final"] * 2
+def _same(got, want) -> bool:
+    return all(a[k].equal(b[k]) for a, b in zip(got, want) for k in b)
+
+
+def test_an_unclipped_update_never_gets_through(world):
+    """The clip bites every step: each speculated step is redone from the backup, bit-identical
+    to no offload; where it does not bite (a coefficient of exactly 1), the speculation is kept."""
+    (want, got), counts = world(2).run(overlapped, clip=CLIP)[0]
+    assert _same(got, want) and counts == {"kept": 0, "redone": 12, "serialized": 12}, counts
+    (want, got), counts = world(2).run(overlapped, clip=1e6)[0]
+    assert _same(got, want) and counts == {"kept": 12, "redone": 0, "serialized": 0}, counts
+
+
+def test_a_unit_stepped_before_its_gradient_is_final_is_caught(world):
+    """Hooked one microbatch early, every speculated step read a gradient that was not final: the
+    check redoes each, and the run is still exact. Trusting the speculation instead gives another
+    run: the check is what catches it."""
+    (want, got), counts = world(2).run(overlapped, clip=1e6, early=True)[0]
+    assert _same(got, want) and counts == {"kept": 0, "redone": 12, "serialized": 12}, counts
+    (want, got), counts = world(2).run(overlapped, clip=1e6, early=True, trust=True)[0]
+    assert not _same(got, want) and counts["kept"] == 12
+
+
+def test_an_edited_gradient_redoes_only_its_group(world):
+    """One group's gradient edited in place between backward and step: that group is redone in
+    ``step`` while the others' speculated steps are kept (and may still be running)."""
+    (want, got), counts = world(2).run(overlapped, clip=1e6, edit=True)[0]
+    assert _same(got, want) and counts == {"kept": 9, "redone": 3, "serialized": 3}, counts
+
+
+def test_a_skipped_step_leaves_no_trace(world):
+    """A backward whose step is skipped (zero_grad instead, as after a NaN check) undoes the
+    speculated steps: the run equals the one without offload that skips the same step."""
+    (want, got), counts = world(2).run(overlapped, clip=1e6, skip=1, steps=4)[0]
+    assert _same(got, want) and counts == {"kept": 12, "redone": 4, "serialized": 0}, counts
 
 
 # ------------------------------------------------------------------------------- policy
@@ -266,7 +339,8 @@ def test_policy_is_validated():
     for kwargs, message in [({"fraction": 0.0}, "fraction must be in"), ({"fraction": 1.5}, "fraction must be in"),
                             ({"fraction": 0.5, "units": ("a",)}, "not both"), ({"units": "blocks.0"}, "not one string"),
                             ({"units": ()}, "non-empty"), ({"threads": 0}, "threads must be"),
-                            ({"pin_memory": "yes"}, "pin_memory must be")]:
+                            ({"pin_memory": "yes"}, "pin_memory must be"), ({"overlap": "yes"}, "overlap must be"),
+                            ({"staging_buffers": 0}, "staging_buffers must be")]:
         with pytest.raises(ValueError, match=message):
             mfsdp.OffloadPolicy(**kwargs)
 

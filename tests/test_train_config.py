@@ -36,7 +36,8 @@ def test_the_shipped_configs_load():
     (["--parallel.placements", "zero4"], "parallel.placements must be one of"),
     (["--parallel.replicate", "2"], "needs --parallel.placements hsdp or hfsdp"),
     (["steps=3"], "unexpected argument"),
-    (["--parallel.offload", "auto"], "parallel.offload must be one of none, optimizer"),
+    (["--parallel.offload", "gpu"], "parallel.offload must be one of none, optimizer, auto"),
+    (["--parallel.offload", "auto", "--parallel.offload_fraction", "0.5"], "--parallel.offload_fraction needs --parallel.offload optimizer"),
     (["--parallel.offload", "optimizer", "--parallel.offload_fraction", "0"], "offload_fraction must be in (0, 1]"),
     (["--parallel.offload_fraction", "0.5"], "--parallel.offload_fraction needs --parallel.offload optimizer"),
 ])

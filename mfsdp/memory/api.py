@@ -44,7 +44,8 @@ def estimate(model_or_config, *, world_size: Optional[int] = None, mesh_shape: O
              activation_checkpointing: bool = False, optimizer: str = "adamw", foreach: bool = True,
              compute_dtype: torch.dtype = torch.bfloat16, expert_units: bool = False,
              tensor_parallel: Union[int, TensorParallel] = 1, tp_in_process: bool = False,
-             float8: str = "none", device: str = "cuda") -> MemoryEstimate:
+             float8: str = "none", device: str = "cuda", offload_fraction: float = 0.0,
+             offload_overlap: str = "step") -> MemoryEstimate:
     """Predict one rank's memory over a training step and its peak.
 
     ``model_or_config``: a bundled preset name ("8b", "moe-1b"), a ``LlamaConfig``, a model built on
@@ -63,7 +64,10 @@ def estimate(model_or_config, *, world_size: Optional[int] = None, mesh_shape: O
     gather is issued), and the activations are measured on the converted blocks. A given model
     whose linears are already ``Float8Linear`` is sized as it is (its tags decide the gathers); pass
     its recipe as ``float8`` for the activations. ``device``: "cuda" counts the
-    cuBLAS workspaces, the allocator reserve and the CUDA context.
+    cuBLAS workspaces, the allocator reserve and the CUDA context. ``offload_fraction`` > 0: the
+    optimizer states of that share of the units live on the host (``mfsdp.OffloadPolicy``, with
+    ``offload_overlap`` its ``overlap``); the result is then an ``OffloadedEstimate``, with the
+    host bytes.
     """
     tp = TensorParallel.of(tensor_parallel)
     if tp.enabled and (default_group_exists() or not tp_in_process):
@@ -97,7 +101,45 @@ def estimate(model_or_config, *, world_size: Optional[int] = None, mesh_shape: O
                             optimizer, foreach, prefetch_depth=comm.prefetch_depth if comm.overlap else 0,
                             prefetch_across_step=comm.prefetch_across_step and comm.overlap,
                             double_buffer=comm.double_buffer, cuda=device == "cuda", tp=tp.size, float8=float8)
-    return dataclasses.replace(simulate(unit_bytes, acts, settings, blocks), notes=tuple(notes))
+    e = dataclasses.replace(simulate(unit_bytes, acts, settings, blocks), notes=tuple(notes))
+    return offloaded(e, unit_bytes, offload_fraction, offload_overlap) if offload_fraction > 0 else e
+
+
+@dataclasses.dataclass(frozen=True)
+class OffloadedEstimate(MemoryEstimate):
+    """A ``MemoryEstimate`` with the optimizer of some units offloaded (``mfsdp.offload``)."""
+
+    offloaded_units: tuple = ()
+    """The offloaded units' names, in the order ``OffloadPolicy.fraction`` picks them."""
+    host_bytes: dict = dataclasses.field(default_factory=dict)
+    """This rank's host bytes: "master" (fp32 weights), "states", "backup" (``overlap="step"``'s
+    copy of both), "staging" (the pinned ring: two of the largest offloaded group)."""
+
+
+def offloaded(e: MemoryEstimate, units: list, fraction: float, overlap: str = "step") -> OffloadedEstimate:
+    """``e`` with the optimizer states of ``fraction`` of ``units`` (``describe_units``' order, root
+    last) on the host: the units whose gradients finish first, as ``mfsdp.offload.choose_groups``
+    picks them (reverse registration order, the root last). The device keeps their fp32 main
+    weights (the runtime gathers from them), so only the states leave every phase."""
+    import math
+
+    trainable = [u for u in units if any(g.requires_grad for g in u.groups)]
+    order = [u for u in reversed(trainable) if u.parent is not None] + [u for u in trainable if u.parent is None]
+    chosen = order[:min(len(order), math.ceil(fraction * len(order) - 1e-9))]
+    states = optimizer_state_bytes(chosen, e.settings.optimizer)
+    master = sum(g.optimizer_numel * g.main_itemsize for u in chosen for g in u.groups if g.requires_grad)
+    largest = max((g.optimizer_numel * g.main_itemsize for u in chosen for g in u.groups if g.requires_grad), default=0)
+    phases = tuple(dataclasses.replace(p, components={**p.components, "optimizer states":
+                                                      p.components.get("optimizer states", 0) - states})
+                   for p in e.phases)
+    peak = max(phases, key=lambda p: p.total)
+    reserve = int(e.allocator_reserve * peak.total / e.peak_bytes) if e.peak_bytes else e.allocator_reserve
+    host = {"master": master, "states": states, "backup": master + states if overlap == "step" else 0,
+            "staging": 2 * largest}
+    base = {f.name: getattr(e, f.name) for f in dataclasses.fields(MemoryEstimate)}
+    base.update(phases=phases, peak_bytes=peak.total, peak_phase=peak.name, breakdown=dict(peak.components),
+                allocator_reserve=reserve)
+    return OffloadedEstimate(**base, offloaded_units=tuple(u.name for u in chosen), host_bytes=host)
 
 
 def checkpoint_bytes(model_or_config, *, optimizer: str = "adamw", main_params_dtype: torch.dtype = torch.float32,

@@ -39,21 +39,48 @@ class Setting:
     main_grads_dtype: str = "auto"
     """fp32, bf16 or "auto" (``--parallel.main_grads_dtype``). bf16 halves the gradient buffers; the
     optimizer step upcasts them to fp32 one group at a time (the largest group's bytes at most)."""
-    # The search's seam: a knob that trades memory for speed (CPU offload, once the core has it)
-    # is one more field here, one more option in candidates() and one more flag in flags().
+    offload: float = 0.0
+    """Share of the units whose optimizer steps on the host (``--parallel.offload optimizer
+    --parallel.offload_fraction``); 0: none."""
+    tokens: int = 0
+    """Tokens per optimizer step on one GPU (what decides whether offload can hide its CPU step)."""
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.offload <= 1.0:
+            raise ValueError(f"Setting.offload must be in [0, 1], got {self.offload}")
 
     def flags(self) -> str:
+        off = (f" --parallel.offload optimizer --parallel.offload_fraction {self.offload:g}" if self.offload else "")
         return (f"--parallel.placements {self.placements} --parallel.activation_checkpointing "
                 f"{str(self.activation_checkpointing).lower()} --data.local_batch {self.local_batch} "
-                f"--data.microbatches {self.microbatches} --parallel.main_grads_dtype {self.main_grads_dtype}")
+                f"--data.microbatches {self.microbatches} --parallel.main_grads_dtype {self.main_grads_dtype}{off}")
 
     def knobs(self) -> tuple:
         """What a user changes to go from one setting to another (the microbatches follow the batch)."""
-        return (self.placements, self.activation_checkpointing, self.local_batch, self.main_grads_dtype)
+        return (self.placements, self.activation_checkpointing, self.local_batch, self.main_grads_dtype, self.offload)
 
     def speed_key(self) -> tuple:
         rank = PLACEMENT_SPEED.index(self.placements) if self.placements in PLACEMENT_SPEED else len(PLACEMENT_SPEED)
-        return (self.activation_checkpointing, -self.local_batch, rank)
+        # Offload hides its CPU step behind backward only from about OFFLOAD_MIN_TOKENS per step on;
+        # below, every offloaded setting is slower than any on the GPU.
+        hopeless = bool(self.offload) and self.tokens < OFFLOAD_MIN_TOKENS
+        return (hopeless, self.activation_checkpointing, self.offload, -self.local_batch, rank)
+
+
+OFFLOAD_MIN_TOKENS = 8192
+"""Tokens per optimizer step per GPU below which offload cannot beat the on-GPU run (issue 21:
+the overlapped CPU step of 8B, ~2.6 s for every unit, hides behind backward from about 8k tokens)."""
+OFFLOAD_FRACTIONS = (0.25, 0.5, 0.75, 1.0)
+"""The offload fractions the search tries, after none."""
+
+
+def exposed_cpu_seconds(setting: "Setting", params_offloaded: int) -> float:
+    """A rough prediction of the CPU step time offload leaves exposed per optimizer step (issue
+    21's figures on one H200 host: 2.6 s per 8.03B parameters while transfers run, hidden behind
+    backward at ~9,500 tokens/s for 8B, a third of the step being forward)."""
+    cpu = 2.6 * params_offloaded / 8.03e9
+    backward = 2 / 3 * setting.tokens / 9500 * params_offloaded / max(params_offloaded, 1)
+    return max(0.0, cpu - backward)
 
 
 def parse_bytes(text: str) -> int:
@@ -90,7 +117,7 @@ def estimate_run(cfg, world: int, setting: Optional[Setting] = None,
         if tp.enabled:
             raise ValueError("--tp: tensor parallel is the manager's; plan a Hugging Face model (--model.hf DIR)")
         model = cfg.llama_config()
-    e = estimate(model, world_size=world, placements=s.placements, replicate=p.replicate,
+    e = estimate(model, world_size=world, placements=s.placements, replicate=p.replicate, offload_fraction=s.offload,
                     mixed_precision_policy=policy, local_batch=s.local_batch, seq_len=d.seq_len,
                     microbatches=s.microbatches, activation_checkpointing=s.activation_checkpointing,
                     compute_dtype=compute, expert_units=p.expert_units, tensor_parallel=tp,
@@ -107,9 +134,11 @@ COMPILED_NOTE = ("compiled blocks (--parallel.compile auto/true): activations ar
 
 
 def configured(cfg) -> Setting:
-    """The setting a ``RunConfig`` asks for."""
+    """The setting a ``RunConfig`` asks for (``--parallel.offload auto`` counts as none)."""
     p, d = cfg.parallel, cfg.data
-    return Setting(p.placements, p.activation_checkpointing, d.local_batch, d.microbatches, p.main_grads_dtype)
+    offload = p.offload_fraction if p.offload == "optimizer" else 0.0
+    return Setting(p.placements, p.activation_checkpointing, d.local_batch, d.microbatches, p.main_grads_dtype,
+                   offload, d.local_batch * d.microbatches * d.seq_len)
 
 
 def candidates(cfg) -> list[Setting]:
@@ -121,8 +150,9 @@ def candidates(cfg) -> list[Setting]:
     placements = [p.placements] if p.placements in ("hsdp", "hfsdp") else list(PLACEMENT_SPEED)
     if cfg.model.float8 == "tensorwise":  # FP8 all-gather needs weights sharded at rest (fully_shard refuses)
         placements = [pl for pl in placements if pl not in ("zero1", "zero2")]
-    out = [Setting(pl, ac, b, tokens // b, g) for pl in placements for ac in (False, True) for b in batches
-           for g in _grads_options(cfg)]
+    offloads = (0.0, *OFFLOAD_FRACTIONS) if cfg.model.hf is None else (0.0,)  # the manager does not offload
+    out = [Setting(pl, ac, b, tokens // b, g, off, tokens * d.seq_len) for pl in placements for ac in (False, True)
+           for b in batches for off in offloads for g in _grads_options(cfg)]
     return sorted(out, key=Setting.speed_key)
 
 
@@ -138,10 +168,11 @@ def _grads_options(cfg) -> list[str]:
 def fitting(cfg, world: int, gpu_bytes: int, tp: TensorParallel = TensorParallel(),
             tight: bool = False) -> list[tuple[Setting, MemoryEstimate]]:
     """Every candidate that fits with the allocator's margin (``tight``: or within it), fastest first;
-    the other gradient dtype only where the config's does not fit."""
+    the other gradient dtype only where the config's does not fit, offload only where neither
+    does, and then its smallest fraction that fits."""
     out, seen = [], set()
     for s in candidates(cfg):
-        layout = dataclasses.replace(s, main_grads_dtype=None)
+        layout = dataclasses.replace(s, main_grads_dtype=None, offload=0.0)
         if layout in seen:
             continue
         e = estimate_run(cfg, world, s, tp, tp_in_process=True)
@@ -263,13 +294,14 @@ def main(argv: list[str]) -> int:
     verdict = {"fits": "fits", "no": "does NOT fit",
                "tight": f"is tight (within the {RESERVE_FRACTION:.0%} allocator margin: it should train, "
                         "but may run out of memory)"}[e.fit(gpu)]
-    print(f"\nthis setting {verdict} in {gib(gpu)} GiB per GPU ({source})\n")
+    print(f"\nthis setting {verdict} in {gib(gpu)} GiB per GPU ({source})")
+    print(host_ram_line(cfg, e, int(own["--nproc-per-node"])) + "\n")
     fits = fitting(cfg, world, gpu, tp) or fitting(cfg, world, gpu, tp, tight=True)
     if fits:
         print(f"settings that fit{' within the margin' if fits[0][1].fit(gpu) == 'tight' else ''}, fastest "
               f"first (tokens per step kept):\n{'':2}{'peak GiB':>8} {'needs GiB':>9}  flags")
         for setting, est in fits[:12]:
-            print(f"  {gib(est.peak_bytes):>8} {gib(est.device_bytes):>9}  {setting.flags()}")
+            print(f"  {gib(est.peak_bytes):>8} {gib(est.device_bytes):>9}  {setting.flags()}{_offload_note(setting, est)}")
     else:
         print(f"no setting of {SEARCHED} fits; use more GPUs")
     plot = plot_phases(e, Path(own["--out"]))
@@ -293,7 +325,46 @@ def _error(message: str) -> int:
     return 2
 
 
-SEARCHED = "placements, checkpointing, local batch and gradient dtype"
+def host_bytes(cfg, e: MemoryEstimate) -> dict:
+    """This rank's host RAM by use: the offloaded optimizer's (``OffloadedEstimate.host_bytes``)
+    and an asynchronous checkpoint's pinned staging (``--train.async_checkpoint`` on CUDA: the
+    main weights and states of the rank's shard, ``planned_staging_bytes``)."""
+    from mfsdp.train.checkpoint import planned_staging_bytes
+
+    out = dict(getattr(e, "host_bytes", {}))
+    if cfg.train.async_checkpoint_on("cuda"):
+        out["checkpoint staging"] = planned_staging_bytes(e.breakdown.get("main weights", 0) // 4)
+    return out
+
+
+def host_ram_line(cfg, e: MemoryEstimate, ranks_per_node: int) -> str:
+    parts = host_bytes(cfg, e)
+    total = sum(parts.values())
+    detail = ", ".join(f"{k} {gib(v)}" for k, v in parts.items() if v) or "nothing counted"
+    return f"host RAM: {gib(total * ranks_per_node)} GiB per node ({ranks_per_node} rank(s) x {gib(total)} GiB: {detail})"
+
+
+def _offload_note(setting: Setting, e: MemoryEstimate) -> str:
+    if not setting.offload:
+        return ""
+    host = sum(getattr(e, "host_bytes", {}).values())
+    numel = getattr(e, "host_bytes", {}).get("master", 0) // 4
+    hopeless = " (below ~8k tokens per step offload cannot beat the GPU)" if setting.tokens < OFFLOAD_MIN_TOKENS else ""
+    return (f"   [host {gib(host)} GiB per rank, ~{exposed_cpu_seconds(setting, numel * e.settings.world_size):.2f} s "
+            f"CPU exposed per step{hopeless}]")
+
+
+def offload_fraction_that_fits(cfg, world: int, gpu_bytes: int) -> Optional[float]:
+    """``mfsdp train --parallel.offload auto``: the smallest offload fraction (0: none) with which
+    the config's own setting fits, or None if none does."""
+    base = configured(cfg)
+    for fraction in (0.0, *OFFLOAD_FRACTIONS):
+        if estimate_run(cfg, world, dataclasses.replace(base, offload=fraction)).fit(gpu_bytes) == "fits":
+            return fraction
+    return None
+
+
+SEARCHED = "placements, checkpointing, local batch, gradient dtype and optimizer offload"
 """The knobs ``candidates`` varies (``Setting``), as the messages name them."""
 
 

@@ -66,6 +66,11 @@ class FsdpParameterGroup:
         # edit the user reports. Tensor version counters cannot say it: a fused optimizer step
         # bumps none, and in-place ops that DTensor runs on its local shard bump neither tensor's.
         self._weights_epoch = 0
+        # Seams for optimizer offload (mfsdp/offload.py): ``gradient_final_hooks`` are called as
+        # hook(group, stream) once the last microbatch's reduction is issued on ``stream``;
+        # ``weights_ready`` is an event that the next refresh or gather waits for on its stream.
+        self.gradient_final_hooks: list[Callable] = []
+        self.weights_ready: Optional[torch.Event] = None
         self.issue = CollectiveIssuer(label, policy.coalesce, policy.check_collectives
                                       or os.environ.get("MFSDP_CHECK_COLLECTIVES", "0") not in ("", "0"))
         device = params[0].device
@@ -242,6 +247,9 @@ class FsdpParameterGroup:
     def refresh_if_stale(self, stream: Optional[torch.Stream] = None) -> None:
         """Where the main weights were written since, cast them into the compute weights on
         ``stream`` (one kernel), re-gathering if needed."""
+        if self.weights_ready is not None:  # a CUDA event: main is being written (offload's copy up)
+            (stream or torch.cuda.current_stream(self.main.tensor.device)).wait_event(self.weights_ready)
+            self.weights_ready = None
         stale, self._stale = self._stale, False
         if not stale or self.main_aliases_model or self.model_on_the_fly:
             return
@@ -297,7 +305,10 @@ class FsdpParameterGroup:
         if stream is not None:
             stream.wait_stream(torch.accelerator.current_stream(stream.device))  # grads are ready
         with torch.no_grad(), stream_context(stream):
-            return self.reducer.reduce(grads, is_last, record_tag)
+            keep = self.reducer.reduce(grads, is_last, record_tag)
+        for hook in self.gradient_final_hooks if is_last else ():
+            hook(self, stream)
+        return keep
 
 
 def choose_model_buffer(dtypes: ResolvedDtypes, num_levels: int, param_level: int) -> tuple[bool, bool]:

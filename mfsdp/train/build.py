@@ -114,7 +114,10 @@ def adamw(model, t) -> torch.optim.AdamW:
 
 
 def offload_policy(p):
-    """The core's ``OffloadPolicy`` for ``--parallel.offload`` (None: every unit steps on the GPU)."""
+    """The core's ``OffloadPolicy`` for ``--parallel.offload`` (None: every unit steps on the GPU);
+    "auto" is resolved to one of the others before (``Trainer.resolve_offload``)."""
+    if p.offload == "auto":
+        raise ValueError("--parallel.offload auto: resolve it with the planner first (Trainer.resolve_offload)")
     return None if p.offload == "none" else OffloadPolicy(fraction=p.offload_fraction)
 
 

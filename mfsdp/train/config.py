@@ -21,7 +21,7 @@ from mfsdp.train import determinism
 from mfsdp.train.recipes import RECIPES, Recipe, recipe_for
 DTYPES = ("auto", "fp32", "bf16")
 COMPILE_CHOICES = ("auto", "true", "false")
-OFFLOAD_CHOICES = ("none", "optimizer")
+OFFLOAD_CHOICES = ("none", "optimizer", "auto")
 
 
 class ConfigError(Exception):
@@ -245,11 +245,14 @@ class ParallelSection:
     and index ops, memory fills, and less all-reduce bandwidth on NVSwitch systems; a model op
     with no deterministic kernel stops the run with torch's error naming it."""
     offload: str = "none"
-    """Step part of the optimizer on the host: "none", or "optimizer": the fp32 master weights
-    and AdamW states of the units chosen by --parallel.offload_fraction live in host memory
-    (pinned on CUDA) and are stepped there by torch's fused CPU AdamW, after backward, exactly as
-    on the GPU (mfsdp/offload.py). Saves the states' 8 bytes per offloaded parameter on the GPU;
-    costs the CPU step's time, not yet hidden behind backward."""
+    """Step part of the optimizer on the host: "none"; "optimizer": the fp32 master weights and
+    AdamW states of the units chosen by --parallel.offload_fraction live in host memory (pinned
+    on CUDA) and are stepped there by torch's fused CPU AdamW, speculatively during backward as
+    each unit's gradient is final, validated at the step (exact with clipping and accumulation;
+    mfsdp/offload.py); "auto": the planner's smallest fraction that fits this GPU (none if the
+    run fits without; CPU runs: none). Saves the states' 8 bytes per offloaded parameter on the
+    GPU; costs host RAM (master, states and their backup: 24 bytes per offloaded parameter) and
+    whatever CPU time backward does not hide (a clip that bites redoes the CPU steps after it)."""
     offload_fraction: float = 1.0
     """With --parallel.offload optimizer: the share of units offloaded, in (0, 1], counted from
     those whose gradients finish first in backward (the last blocks and the head)."""
@@ -260,7 +263,7 @@ class ParallelSection:
                  f"parallel.offload must be one of {', '.join(OFFLOAD_CHOICES)}, got {self.offload!r}")
         _require(0.0 < self.offload_fraction <= 1.0,
                  f"parallel.offload_fraction must be in (0, 1], got {self.offload_fraction}")
-        _require(self.offload_fraction == 1.0 or self.offload != "none",
+        _require(self.offload_fraction == 1.0 or self.offload == "optimizer",
                  "--parallel.offload_fraction needs --parallel.offload optimizer")
         if self.deterministic and (problem := determinism.environment_problem()):
             raise ConfigError(problem)

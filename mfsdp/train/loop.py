@@ -10,6 +10,8 @@ uncaught error to the launcher's summary.
 
 from __future__ import annotations
 
+import dataclasses
+
 import math
 import os
 import signal
@@ -211,6 +213,31 @@ class Trainer:
         if warning:
             print(f"mfsdp train: warning: {warning}", flush=True)
 
+    def resolve_offload(self) -> None:
+        """``--parallel.offload auto``: the planner's smallest offload fraction with which the run
+        fits this GPU (none where it fits without), written into the config as ``optimizer`` with
+        that fraction (or ``none``), so the memory check and the build see a plain setting; on
+        CPU, none. The core only ever sees the fraction."""
+        p = self.cfg.parallel
+        if p.offload != "auto":
+            return
+        fraction = None
+        if self.device.type == "cuda":
+            from mfsdp.memory.plan import offload_fraction_that_fits
+
+            try:
+                fraction = offload_fraction_that_fits(self.cfg, self.world, device_memory(self.device))
+            except NotImplementedError as err:  # a model the planner cannot measure
+                self.log(f"(--parallel.offload auto: no plan, {err}; no offload)")
+                fraction = 0.0
+            if fraction is None:
+                fraction = 1.0  # the memory check says what else would fit
+        chosen = dataclasses.replace(p, offload="optimizer", offload_fraction=fraction) if fraction else \
+            dataclasses.replace(p, offload="none", offload_fraction=1.0)
+        self.cfg = dataclasses.replace(self.cfg, parallel=chosen)
+        self.log(f"--parallel.offload auto: {'offload ' + format(fraction, 'g') + ' of the units' if fraction else 'no offload'}"
+                 f"{' (CPU run)' if self.device.type != 'cuda' else ''}")
+
     def check_memory(self) -> None:
         """Stop before anything is allocated when the predicted peak cannot fit the GPU, and warn
         when it is within the allocator's margin (every rank predicts the same, so all stop
@@ -293,6 +320,7 @@ class Trainer:
                  f"parameters, {self.cfg.schedule_line()}, {self.world} process(es) on "
                  f"{flops.device_name(self.device)}, {self.cfg.parallel.placements} placements, "
                  f"{len(data):,} tokens in {data.path}")
+        self.resolve_offload()
         self.check_memory()
         model, optimizer = self.build()
         start_step = 0

@@ -1,0 +1,80 @@
+"""The planner's side of optimizer offload: ``mfsdp plan`` and ``--parallel.offload auto``.
+
+The offloaded estimate against the plain one (the states of exactly the chosen units leave every
+phase; the host holds master, states, backup and a two-buffer ring), the search's order and its
+smallest fitting fraction, and that it never answers "use more GPUs" while offload fits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from mfsdp.memory import plan
+from mfsdp.memory.api import OffloadedEstimate
+from mfsdp.memory.estimate import GIB
+from mfsdp.train.config import load_config
+
+EIGHT_B = ["--model.preset", "8b", "--data.seq_len", "4096", "--data.local_batch", "1", "--data.microbatches", "4",
+           "--parallel.activation_checkpointing", "true"]
+
+
+@pytest.fixture(scope="module")
+def cfg():
+    return load_config(EIGHT_B)
+
+
+def test_offloaded_estimate_moves_the_chosen_units_states_to_the_host(cfg):
+    base = plan.configured(cfg)
+    plain = plan.estimate_run(cfg, 1, base)
+    half = plan.estimate_run(cfg, 1, dataclasses.replace(base, offload=0.5))
+    assert isinstance(half, OffloadedEstimate) and not isinstance(plain, OffloadedEstimate)
+    # 35 units: the head, 32 layers, the embedding, the root (the final norm); half rounded up, from
+    # the head (its gradient finishes first), as mfsdp.offload.choose_groups picks them
+    assert half.offloaded_units == ("output", *(f"layers.{i}" for i in range(31, 14, -1))), half.offloaded_units
+    h = half.host_bytes
+    assert h["states"] == 2 * h["master"] and h["backup"] == h["master"] + h["states"]
+    for a, b in zip(plain.phases, half.phases):  # every phase, by exactly the states' bytes
+        assert a.components["optimizer states"] - b.components["optimizer states"] == h["states"]
+        assert {k: v for k, v in a.components.items() if k != "optimizer states"} == \
+            {k: v for k, v in b.components.items() if k != "optimizer states"}
+    assert plain.peak_bytes - half.peak_bytes == h["states"]
+    assert h["staging"] == 2 * 128256 * 4096 * 4  # two of the largest offloaded unit: the head
+    assert h["states"] == 8 * (128256 * 4096 + 17 * 218112000)  # 8 bytes x (the head + 17 layers)
+    everything = plan.estimate_run(cfg, 1, dataclasses.replace(base, offload=1.0))
+    assert everything.offloaded_units[-2:] == ("tok_embeddings", "") and len(everything.offloaded_units) == 35
+
+
+def test_auto_takes_the_smallest_fraction_that_fits(cfg):
+    base = plan.configured(cfg)
+    need = {f: plan.estimate_run(cfg, 1, dataclasses.replace(base, offload=f)).device_bytes
+            for f in (0.0, *plan.OFFLOAD_FRACTIONS)}
+    assert all(need[a] > need[b] for a, b in zip(need, list(need)[1:]))  # more offload, less memory
+    assert plan.offload_fraction_that_fits(cfg, 1, need[0.0]) == 0.0  # fits without: none
+    assert plan.offload_fraction_that_fits(cfg, 1, need[0.5]) == 0.5
+    assert plan.offload_fraction_that_fits(cfg, 1, (need[0.25] + need[0.5]) // 2) == 0.5
+    assert plan.offload_fraction_that_fits(cfg, 1, need[1.0] - 1) is None
+
+
+def test_the_search_offers_offload_before_more_gpus(cfg, capsys):
+    base = plan.configured(cfg)
+    gpu = plan.estimate_run(cfg, 1, dataclasses.replace(base, offload=0.75)).device_bytes
+    fits = plan.fitting(cfg, 1, gpu)
+    assert fits and all(s.offload for s, _ in fits)  # nothing fits on the GPU alone here
+    assert all(e.fit(gpu) == "fits" for _, e in fits)
+    layouts = [(s.placements, s.activation_checkpointing, s.local_batch) for s, _ in fits]
+    assert len(layouts) == len(set(layouts))  # one (smallest) fraction per layout
+    assert plan.main(EIGHT_B + ["--nproc-per-node", "1", "--gpu-memory", str(gpu), "--out", "/dev/null"]) == 0
+    out = capsys.readouterr().out
+    assert "use more GPUs" not in out and "--parallel.offload optimizer --parallel.offload_fraction" in out
+    assert "host RAM:" in out and "CPU exposed per step" in out
+
+
+def test_offload_ranks_last_below_the_tokens_it_needs():
+    fast = plan.Setting("zero3", True, 1, 1, "bf16", 0.5, 4096)
+    slow = plan.Setting("zero3", True, 1, 1, "bf16", 0.0, 4096)
+    assert slow.speed_key() < fast.speed_key()
+    many = [plan.Setting("zero3", ac, 1, 4, "bf16", off, 16384) for ac in (True, False) for off in (0.0, 0.5)]
+    assert sorted(many, key=plan.Setting.speed_key)[0] == plan.Setting("zero3", False, 1, 4, "bf16", 0.0, 16384)
+    assert sorted(many, key=plan.Setting.speed_key)[1].offload == 0.5  # no AC with offload beats AC without
