@@ -334,6 +334,8 @@ def precompute_fp8_scales(module: nn.Module) -> int:
     of parameter groups updated."""
     batches = _fp8_groups(module)
     for groups in batches.values():
+        for group in groups:  # an offloaded group's weights may still be on their way up
+            group.wait_for_weights(keep=True)
         g = groups[0].geometry
         sources = [[regions[i] for i in group.encoded.tagged]
                    for group in groups for regions in [group.layout.regions(group.main.tensor, g.num_shards)]]

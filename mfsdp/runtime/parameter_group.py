@@ -244,12 +244,19 @@ class FsdpParameterGroup:
         return (self.weights_epoch, model, sum(p._version for p in self.sharded_params),
                 sum(local_tensor(p)._version for p in self.sharded_params))
 
+    def wait_for_weights(self, stream: Optional[torch.Stream] = None, keep: bool = False) -> None:
+        """Make ``stream`` (the current one by default) wait until the main weights are written: a
+        no-op unless the offload's copy up is in flight (``weights_ready``, a CUDA event). ``keep``:
+        another reader on another stream will wait for the same event (the refresh)."""
+        if self.weights_ready is not None:
+            (stream or torch.cuda.current_stream(self.main.tensor.device)).wait_event(self.weights_ready)
+            if not keep:
+                self.weights_ready = None
+
     def refresh_if_stale(self, stream: Optional[torch.Stream] = None) -> None:
         """Where the main weights were written since, cast them into the compute weights on
         ``stream`` (one kernel), re-gathering if needed."""
-        if self.weights_ready is not None:  # a CUDA event: main is being written (offload's copy up)
-            (stream or torch.cuda.current_stream(self.main.tensor.device)).wait_event(self.weights_ready)
-            self.weights_ready = None
+        self.wait_for_weights(stream)
         stale, self._stale = self._stale, False
         if not stale or self.main_aliases_model or self.model_on_the_fly:
             return
