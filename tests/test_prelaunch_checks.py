@@ -208,8 +208,8 @@ def _8b_on_one_gpu(*flags):
 def test_the_8b_run_on_one_gpu_fits_with_bf16_gradients():
     """The issue's command (bf16 gradients by default) on the committed H200: it fits at about 108
     GiB, since the step upcasts one group at a time, 15 GiB below fp32 gradients; fp32 gradients
-    on a GPU that holds only the bf16 ones: a refusal that names bf16; far too small a GPU: "use
-    more GPUs"."""
+    on a GPU that holds only the bf16 ones: a refusal that names bf16; a GPU too small for any
+    on-GPU setting: the offload that fits; far too small a GPU: "use more GPUs"."""
     capacity = int(_committed_oom()["capacity"] * GIB)
     cfg = _8b_on_one_gpu()
     assert memory_check(cfg, 1, capacity) is None
@@ -218,8 +218,12 @@ def test_the_8b_run_on_one_gpu_fits_with_bf16_gradients():
     assert fp32.peak_bytes - bf16.peak_bytes > 14 * GIB, (fp32.peak_bytes / GIB, bf16.peak_bytes / GIB)
     level, line = memory_check(_8b_on_one_gpu("--parallel.main_grads_dtype", "fp32"), 1, bf16.device_bytes)
     assert level == "refuse" and "does not fit" in line and "--parallel.main_grads_dtype bf16" in line, line
+    # On a GPU too small for any on-GPU setting, the refusal names the optimizer offload that fits
+    # (issue 21: never "use more GPUs" while a setting on these GPUs fits); only below that, more GPUs.
     level, line = memory_check(cfg, 1, 60 * GIB)
-    assert level == "refuse" and "gradient dtype fits: use more GPUs" in line, line
+    assert level == "refuse" and "--parallel.offload optimizer" in line and "more GPUs" not in line, line
+    level, line = memory_check(cfg, 1, 30 * GIB)
+    assert level == "refuse" and "use more GPUs" in line, line
 
 
 def test_trainer_warns_within_the_margin_and_refuses_beyond_it(monkeypatch):
