@@ -170,13 +170,27 @@ def fitting(cfg, world: int, gpu_bytes: int, tp: TensorParallel = TensorParallel
     """Every candidate that fits with the allocator's margin (``tight``: or within it), fastest first;
     the other gradient dtype only where the config's does not fit, offload only where neither
     does, and then its smallest fraction that fits."""
-    out, seen = [], set()
+    out, seen, hopeless, estimates = [], set(), set(), {}
+    fits = lambda e: e.fit(gpu_bytes) == "fits" or (tight and e.fit(gpu_bytes) == "tight")  # noqa: E731
+
+    def estimate(setting: Setting) -> MemoryEstimate:
+        if setting not in estimates:
+            estimates[setting] = estimate_run(cfg, world, setting, tp, tp_in_process=True)
+        return estimates[setting]
+
     for s in candidates(cfg):
         layout = dataclasses.replace(s, main_grads_dtype=None, offload=0.0)
-        if layout in seen:
+        if layout in seen or (layout, s.main_grads_dtype) in hopeless:
             continue
-        e = estimate_run(cfg, world, s, tp, tp_in_process=True)
-        if e.fit(gpu_bytes) == "fits" or (tight and e.fit(gpu_bytes) == "tight"):
+        if s.offload and s.offload != OFFLOAD_FRACTIONS[-1]:
+            # Offloading more never needs more GPU memory: where the whole offload does not fit,
+            # no smaller fraction does, and the search skips them (one estimate, not four).
+            whole = dataclasses.replace(s, offload=OFFLOAD_FRACTIONS[-1])
+            if not fits(estimate(whole)):
+                hopeless.add((layout, s.main_grads_dtype))
+                continue
+        e = estimate(s)
+        if fits(e):
             out.append((s, e))
             seen.add(layout)
     return out
