@@ -100,6 +100,7 @@ class Built:
     microbatch: Callable = lambda is_last: contextlib.nullcontext()  # around each microbatch
     offload: Optional[str] = None  # what is offloaded, for the JSON line (None: nothing)
     offload_counts: Optional[Callable[[], dict]] = None  # mfsdp: its speculated steps kept/redone
+    offload_host_nbytes: Optional[Callable[[], dict]] = None  # mfsdp: host bytes by kind (master, states, ...)
     step_call_s: list = dataclasses.field(default_factory=list)  # host time in optimizer.step()
 
 
@@ -202,7 +203,8 @@ def build_mfsdp(ctx: Ctx, double_buffer: bool = False, use_symm_mem: bool = Fals
                  {"mfsdp_version": getattr(mfsdp, "__version__", None)},
                  microbatch=lambda is_last: mfsdp.microbatch(model, is_last=is_last),
                  offload=f"fraction {fraction:g}" if engine else None,
-                 offload_counts=(lambda: engine.counts) if engine else None)
+                 offload_counts=(lambda: engine.counts) if engine else None,
+                 offload_host_nbytes=engine.host_nbytes if engine else None)
 
 
 def _import_megatron(ctx=None):

@@ -24,6 +24,8 @@
 #   tp      HF 1B at tp=2 (local and DTensor activation paths) beside dp=2 and FSDP2+TP     issue 15
 #   resume  the 2-GPU 1b resume with identical losses (deterministic mode)                  issue 13
 #   memory  planner accuracy at the new grid points (hf-1b dp=2 and tp=2, moe-1b)           issue 14
+#   offload ONE GPU, <= 10 min: 8B with a quarter of the optimizer on the host beside FSDP2 (AC), mfsdp
+#           (AC) and FSDP2 + CPUOffloadPolicy at 16k tokens per step, then mfsdp-offload at 64k   issue 21
 #   ckpt    1b on one GPU: the training stall per checkpoint save, synchronous against
 #           --train.async_checkpoint true, and the step time during a background write against
 #           steps with no save in flight; at most two 18 GB checkpoints on disk       issue 20
@@ -326,6 +328,41 @@ print(f"RESULT ckpt page-locking in the background: {made if made is not None el
       f"the steps meanwhile (6-{pinned_by}) ran at {median(quiet) / median(pinning):.3f}x the quiet steps")
 EOF
   echo "ckpt: $((SECONDS - t0)) s"
+}
+
+section_offload() {  # ONE GPU, <= 10 min: issue 21's rows. 8B, seq 4096, exact AdamW (no clip), compiled,
+  # one job: mfsdp with a quarter of its units' optimizer on the host (no AC: the freed memory pays for the
+  # activations), FSDP2 and mfsdp with AC and no offload, at 16k tokens per step (1 x 4096 x 4
+  # microbatches); mfsdp-offload at 64k (x 16); FSDP2 with CPUOffloadPolicy. The GPU offload tests first.
+  local t0=$SECONDS tr=/tmp/offload_traces
+  timeout 100 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_offload_gpu.py 2>&1 | tail -4
+  local C="--preset 8b --seq 4096 --local-batch 1 --compile --grad-reduce-dtype bf16"
+  local O="--offload ${OFFLOAD_F:-0.25} --offload-threads ${OFFLOAD_THREADS:-14}"
+  rm -rf $tr
+  IMPL_TIMEOUT=130 bench "$ROOT" mfsdp-offload $C --microbatches 4 --warmup 2 --steps 4 $O --profile --trace-dir $tr
+  IMPL_TIMEOUT=100 bench "$ROOT" fsdp2,mfsdp $C --microbatches 4 --warmup 2 --steps 4 --ac
+  IMPL_TIMEOUT=120 bench "$ROOT" mfsdp-offload $C --microbatches 16 --warmup 1 --steps 3 $O
+  # Last: FSDP2's CPUOffloadPolicy keeps fp32 parameters, gradients and AdamW states on the host
+  # (16 bytes per parameter: 120 GiB at 8B), at the edge of a 125 GiB host.
+  local left=$((565 - (SECONDS - t0)))
+  if [ $left -ge 80 ]; then IMPL_TIMEOUT=$((left - 40)) bench "$ROOT" fsdp2-offload $C --microbatches 4 --warmup 1 --steps 2
+  else echo "fsdp2-offload row: skipped, ${left} s left"; fi
+  grep -h '^| \(mfsdp\|fsdp2\)' "$OUT/bench.log"
+  ls $tr/*offload*rank0.json >/dev/null 2>&1 && python3 benchmarks/trace_breakdown.py idle $tr/*offload*rank0.json \
+    > "$OUT/offload_idle.txt" 2>&1; head -30 "$OUT/offload_idle.txt" 2>/dev/null
+  python3 - "$OUT" <<'PYEOF'
+import glob, json, sys
+for path in glob.glob(sys.argv[1] + "/bench_*.jsonl"):
+    for r in map(json.loads, open(path)):
+        if r.get("preset") == "8b" and r.get("status") == "ok":
+            p = r.get("profile") or {}
+            print("RESULT", r["impl"], f"mb={r.get('microbatches')} ac={r.get('ac')}", f"{r['tokens_per_s_per_gpu']:,.0f} tok/s",
+                  f"peak {r['peak_mem_alloc_gib']} GiB, host RSS {r.get('host_rss_peak_gib')} GiB",
+                  f"offload host {r.get('offload_host_gib')}", f"counts {r.get('offload_counts')}",
+                  f"step() {r.get('optimizer_step_call_s_median')} s", f"profiled step: span {p.get('gpu_span_ms')} ms, compute idle "
+                  f"{p['gpu_span_ms'] - p['compute_busy_ms'] if 'compute_busy_ms' in p else None} ms, all streams idle {p.get('gpu_idle_ms')} ms")
+PYEOF
+  echo "offload: $((SECONDS - t0)) s"
 }
 
 for section in "$@"; do

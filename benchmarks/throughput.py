@@ -226,9 +226,20 @@ def measure(args, impl, built, cfg, device) -> dict:
     }
     if built.offload_counts is not None:
         rec["offload_counts"] = dict(built.offload_counts())
+    # Host memory: this rank's peak resident set (the whole process: pinned and pageable), the max
+    # over ranks, and the offload's own host buffers by kind.
+    rec["host_rss_peak_gib"] = round(max_over_ranks([_peak_rss_bytes()], device)[0] / GIB, 2)
+    if built.offload_host_nbytes is not None:
+        rec["offload_host_gib"] = {k: round(v / GIB, 2) for k, v in built.offload_host_nbytes().items()}
     if args.profile:
         rec["profile"] = profile_step(args, impl, built, batches[-2:], device)
     return rec
+
+
+def _peak_rss_bytes() -> float:
+    import resource
+
+    return float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # KiB on Linux
 
 
 # ---------------------------------------------------------------- profiling
@@ -473,7 +484,7 @@ def _f(value, spec):
 def table(records) -> str:
     profiled = any("profile" in r for r in records)
     head = ["impl", "status", "grad reduce", "step s median [p10–p90]", "tok/s/GPU", "TFLOP/s/GPU",
-            "MFU %", "peak GiB alloc (reserved)", "vs fsdp2", "vs none", "loss first→last"]
+            "MFU %", "peak GiB alloc (reserved)", "host RSS GiB", "vs fsdp2", "vs none", "loss first→last"]
     head += ["exposed comm ms (NCCL busy)", "peak GiB fwd/bwd/opt"] if profiled else []
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for r in records:
@@ -483,10 +494,10 @@ def table(records) -> str:
                     f"{r['tokens_per_s_per_gpu']:,.0f}", f"{r['tflops_per_gpu']:.1f}",
                     _f(r["mfu"] and 100 * r["mfu"], ".1f"),
                     f"{_f(r['peak_mem_alloc_gib'], '.1f')} ({_f(r['peak_mem_reserved_gib'], '.1f')})",
-                    _f(r["speed_vs_fsdp2"], ".3f"), _f(r["speed_vs_none"], ".3f"),
+                    _f(r.get("host_rss_peak_gib"), ".1f"), _f(r["speed_vs_fsdp2"], ".3f"), _f(r["speed_vs_none"], ".3f"),
                     f"{r['loss_first']:.3f}→{r['loss_last']:.3f}"]
         else:
-            row += ["–"] * 8
+            row += ["–"] * 9
         if profiled:
             p = r.get("profile") or {}
             phases = p.get("peak_mem_gib_by_phase") or {}

@@ -264,16 +264,17 @@ class _Delayed:
         self.thread.join()
 
 
-def overlapped(rank, ws, clip, early=False, trust=False, skip=None, steps=3, device="cpu", delay=True, edit=False):
-    """Every unit offloaded, every copy delayed, against no offload. ``early``: the hook fires
-    after the first of two microbatches instead of the last (an overlapped step hooked one
-    microbatch too early); ``trust``: the step's check of the speculated steps is switched off
-    (what a step that trusts its speculation would do); ``skip``: the step that is skipped
-    (backward, then ``zero_grad``, as after a NaN check)."""
+def overlapped(rank, ws, clip, early=False, trust=False, skip=None, steps=3, device="cpu", delay=True, edit=False,
+               reference=None):
+    """Every unit offloaded, every copy delayed, against ``reference`` (an offload policy; None:
+    no offload). ``early``: the hook fires after the first of two microbatches instead of the last
+    (an overlapped step hooked one microbatch too early); ``trust``: the step's check of the
+    speculated steps is switched off (what a step that trusts its speculation would do); ``skip``:
+    the step that is skipped (backward, then ``zero_grad``, as after a NaN check)."""
     out, counts = [], None
-    for offload in (None, mfsdp.OffloadPolicy()):
+    for offload in (reference, mfsdp.OffloadPolicy()):
         model, optim = _build(rank, ws, "zero3", offload=offload, device=device)
-        engine = offload_mod.offload_of(optim)
+        engine = None if offload is reference else offload_mod.offload_of(optim)
         hooked = None
         if engine is not None and delay:
             engine.copy_down = lambda sources, destinations, stream, after=None: _Delayed(sources, destinations)
