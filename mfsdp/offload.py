@@ -25,6 +25,16 @@ kernel spreads over torch's intra-op threads, ``threads`` of them): it waits for
 the host master and states, and frees its staging buffer, while backward goes on. Accumulation
 needs nothing more: only the last microbatch's reduction calls the hook.
 
+With ``overlap="forward"`` the window grows by most of the next forward. At 16k tokens per step
+a quarter of an 8B model's units take about 0.6 s of host step, while the last microbatch's
+backward lasts about 0.3 s: "step" leaves the rest exposed in ``step()`` (measured on one H200).
+The offloaded units are the last ones the forward reaches, so ``step()`` keeps a validated
+speculation without waiting for it: the worker copies the master up when the step is done and the
+unit's next unshard waits for that copy only. The price: each offloaded group gets its own
+staging buffer (4 bytes per offloaded parameter, pinned once), so that no gradient waits in
+backward for a CPU step to free a buffer, and a parameter read between ``step`` and the next
+forward must wait for ``wait_weights()`` on CPU too.
+
 ``optimizer.step()`` (the bound optimizer's group-by-group step, ``mfsdp.optimizer._GroupedStep``)
 then reaches each offloaded group in ``step_group``: it waits for the group's CPU step, checks
 it (below), and copies the updated master weights up into the group's ``main`` buffer on the side
@@ -43,19 +53,19 @@ offloaded unit's gradient is final: a step that waited for it could not overlap 
 with ``overlap="step"`` the CPU step is speculative: it runs on the gradient as reduced, and
 ``step()`` validates it against what the gradient is when ``step`` is called. The step is kept
 only if, for every parameter of the group, the gradient is the same tensor as at the hook with
-the same version counter (no in-place write since: a clip that scaled, a user's edit, a grad
-scaler's unscale), the same parameters have a gradient (the runtime drops the gradients of
-parameters unused everywhere after the reductions), and the optimizer's hyper-parameters (lr)
-are unchanged. Otherwise the host master and states are restored from the backup, the gradient
+the same bits (``fingerprint``, one int64 sum of its bit patterns per parameter, compared on the
+host in one read: an in-place write on a DTensor's local shard bumps no version counter that
+could say it; a clip that scaled, a user's edit, a grad scaler's unscale each move the sum), the
+same parameters have a gradient (the runtime drops the gradients of parameters unused everywhere
+after the reductions), and the optimizer's hyper-parameters (lr) are unchanged. Otherwise the host master and states are restored from the backup, the gradient
 is staged again and the group steps from it, serialized: an unclipped update never gets through.
 ``zero_grad`` (and a new last-microbatch backward, and a load) before ``step`` restores a
 speculated group the same way, so a step skipped after a NaN check leaves no trace.
 
-torch's ``clip_grads_with_norm_`` multiplies in place even when the coefficient is 1, so with it
-every step redoes its CPU steps (exact, but serialized); ``clip_grads_with_norm_`` here is torch's
-with that multiplication by exactly 1 skipped (bit-identical; one host read of the coefficient),
-so that steps the clip does not scale keep the overlap (``mfsdp train`` uses it with offload).
-The price of speculation: a second host copy of the offloaded groups' master weights and states
+torch's ``clip_grads_with_norm_`` multiplies in place even when the coefficient is clamped to 1;
+that leaves every bit, so the fingerprint keeps the speculation. A clip that bites (the norm above
+the bound) redoes every offloaded group in ``step()``, serialized: exact, and as slow as
+``overlap="none"`` for that step. The price of speculation: a second host copy of the offloaded groups' master weights and states
 (12 bytes per parameter for AdamW, host memory only), refreshed on the worker thread right after
 each commit, that is during the next forward, where that thread is idle. ``overlap="copy"``
 drops the backup and the speculation: the gradients still stream down during backward, the CPU
@@ -119,11 +129,17 @@ class OffloadPolicy:
     """When the offloaded groups' work runs (see the module's notes): "step": each group's gradient
     copy and a speculative CPU step start when its last-microbatch reduction is issued, during
     backward, and ``step()`` validates them (exact; host memory for a backup of the master weights
-    and states); "copy": the gradients stream down during backward, the CPU steps run in
+    and states); "forward": as "step", but ``step()`` does not wait for the validated steps: they
+    finish during the next forward, whose unshard of each offloaded unit waits for that unit's
+    copy up only (the offloaded units are the last the forward reaches). Each offloaded group then
+    has a staging buffer of its own, so that no gradient waits for a CPU step to be copied down;
+    read a parameter's shard between ``step`` and the next forward only after ``wait_weights()``
+    (state dicts do); "copy": the gradients stream down during backward, the CPU steps run in
     ``step()``; "none": everything in ``step()``, group after group (the serialized version)."""
     staging_buffers: int = 2
     """Staging buffers in the ring the gradients pass through (each the largest offloaded group's
-    shard in the main dtype); more lets copies run further ahead of the CPU steps."""
+    shard in the main dtype); more lets copies run further ahead of the CPU steps. Ignored with
+    ``overlap="forward"`` (a buffer per group)."""
 
     def __post_init__(self) -> None:
         if self.fraction is not None and self.units is not None:
@@ -153,7 +169,8 @@ class OffloadPolicy:
             raise ValueError(f"OffloadPolicy.staging_buffers must be a positive int, got {self.staging_buffers!r}")
 
 
-OVERLAP_CHOICES = ("step", "copy", "none")
+OVERLAP_CHOICES = ("forward", "step", "copy", "none")
+SPECULATIVE = ("forward", "step")  # the modes that step speculatively in backward
 
 
 # ---------------------------------------------------------------------------- the group's side
@@ -164,10 +181,41 @@ def _weights_written(group) -> None:
     group.weights_written()
 
 
-def _weights_ready(group, event) -> None:
-    """The group's main weights are being written on the device until ``event``: its next refresh
-    or gather waits for it."""
-    group.weights_ready = event
+def _weights_ready(group, pending: "WeightsPending") -> None:
+    """The group's main weights are being written until ``pending`` says so: its next refresh or
+    gather waits for it."""
+    group.weights_ready = pending
+
+
+class WeightsPending:
+    """One group's copy up of its updated master weights, issued now or later by the worker thread
+    (``overlap="forward"``); the runtime's ``FsdpParameterGroup.wait_for_weights`` calls ``wait``.
+    A host step that failed raises its error there, in the waiting thread."""
+
+    def __init__(self) -> None:
+        self._issued: concurrent.futures.Future = concurrent.futures.Future()
+
+    @classmethod
+    def issued(cls, event: Optional[torch.Event]) -> "WeightsPending":
+        pending = cls()
+        pending._issued.set_result(event)
+        return pending
+
+    def set(self, event: Optional[torch.Event]) -> None:
+        self._issued.set_result(event)
+
+    def fail(self, error: BaseException) -> None:
+        self._issued.set_exception(error)
+
+    def wait(self, stream: Optional[torch.Stream]) -> None:
+        """Block until the copy is issued; then ``stream`` waits for it (None: the caller does; on
+        CPU the copy has finished once it is issued)."""
+        event = self._issued.result()
+        if event is not None:
+            if stream is None:
+                event.synchronize()
+            else:
+                stream.wait_event(event)
 
 
 def _main_flat(group) -> torch.Tensor:
@@ -381,6 +429,7 @@ class OffloadedStep:
         self._host: dict[int, _HostGroup] = {}
         self._slots: list[torch.Tensor] = []
         self._free: list[int] = []
+        self._own_slot: dict[int, int] = {}  # overlap="forward": id(group) -> its staging buffer
         self._lock = threading.Lock()  # the staging ring and its queue
         # The CPU optimizer's param groups and states: one group steps, saves or restores at a time
         # (the worker's speculation beside the step's redo of another group).
@@ -407,14 +456,15 @@ class OffloadedStep:
         optimizer.register_state_dict_pre_hook(lambda opt: (self.discard(), self._drain(), self.wait_weights()))
         if policy.overlap != "none":
             ref = weakref.ref(self)
+            # Each hook holds a weak reference: the runtime's groups must not keep this alive.
             for group in self.groups:
                 group.gradient_final_hooks.append(lambda g, stream: (e := ref()) is not None and e.gradient_final(g, stream))
 
     @property
     def defers_refresh(self) -> bool:
-        """On CUDA the offloaded groups are refreshed by their next unshard (after ``weights_ready``),
-        not at the end of ``step``."""
-        return self._cuda
+        """The offloaded groups are refreshed by their next unshard (after ``weights_ready``), not at
+        the end of ``step``: on CUDA, and wherever the copies up are issued after ``step``."""
+        return self._cuda or self.policy.overlap == "forward"
 
     def owns(self, group) -> bool:
         return id(group) in self._ids
@@ -483,7 +533,7 @@ class OffloadedStep:
         with self._lock:
             self._waiting.append(job)
         self._pump()
-        if self.policy.overlap == "step":
+        if self.policy.overlap in SPECULATIVE:
             job.future = self._pool.submit(self._speculate, job)
 
     def _pump(self) -> None:
@@ -492,21 +542,35 @@ class OffloadedStep:
             with self._lock:
                 if not self._waiting:
                     return
-                if not self._free and len(self._slots) < self.policy.staging_buffers:
+                if self.policy.overlap != "forward" and not self._free \
+                        and len(self._slots) < self.policy.staging_buffers:
                     numel = max(_main_flat(g).numel() for g in self.groups)
                     self._slots.append(_host_buffer(numel, _main_flat(self.groups[0]).dtype, self._pinned))
                     self._free.append(len(self._slots) - 1)
-                if not self._free:
+                if self.policy.overlap != "forward" and not self._free:
                     return
                 job = self._waiting.pop(0)
-                job.slot = self._free.pop(0)
+                job.slot = self._slot_for(job.group)
             job.handle = self.copy_down(job.sources, self._slot_views(job.group, job.slot), self._stream, job.event)
             job.copied.set()
 
+    def _slot_for(self, group) -> int:
+        """A staging buffer for ``group`` (under ``_lock``): a free one of the ring, or the group's
+        own (``overlap="forward"``), made exactly its size the first time."""
+        if self.policy.overlap != "forward":
+            return self._free.pop(0)
+        slot = self._own_slot.get(id(group))
+        if slot is None:
+            main = _main_flat(group)
+            self._slots.append(_host_buffer(main.numel(), main.dtype, self._pinned))
+            slot = self._own_slot[id(group)] = len(self._slots) - 1
+        return slot
+
     def _release(self, job: _Job) -> None:
         if job.slot is not None:
-            with self._lock:
-                self._free.append(job.slot)
+            if self.policy.overlap != "forward":
+                with self._lock:
+                    self._free.append(job.slot)
             job.slot = None
         self._pump()
 
@@ -682,6 +746,9 @@ class OffloadedStep:
         group's parameters in it)], as the grouped step narrows them."""
         host = self._host[id(group)]
         job = self._jobs.get(id(group))
+        if job is not None and job.future is not None and self.policy.overlap == "forward":
+            self._commit_later(optimizer, group, host, job, entries)
+            return
         if job is not None:
             self._settle(job)  # its speculative step, checked in ``before_step``
         else:
@@ -696,12 +763,44 @@ class OffloadedStep:
         for _, params in entries:
             for p in params:
                 self._expose(optimizer, p, host, host.index[id(p)])
-        self._copy_up(group, host)
+        pending = WeightsPending.issued(self._copy_up(group, host))
+        _weights_ready(group, pending)
+        self._pending_up.append(pending)
         _weights_written(group)
         host.epoch = group.weights_epoch
-        if self.policy.overlap == "step":
+        if self.policy.overlap in SPECULATIVE:
             host.backed_up = False
             self._pool.submit(self._save, host)  # during the next forward
+
+    def _commit_later(self, optimizer, group, host: _HostGroup, job: _Job, entries) -> None:
+        """``overlap="forward"``: keep the group's validated speculative step without waiting for
+        it. The worker copies the master up once the step is done (after the speculations queued
+        before it), then refreshes the backup; the group's next unshard waits for that copy."""
+        del self._jobs[id(group)]
+        self.counts["kept"] += 1
+        if any(job.present[host.index[id(p)]] and host.exposed[host.index[id(p)]] is None
+               for _, params in entries for p in params):
+            self._settle(job)  # the first step creates the states that ``optimizer.state`` exposes
+            for _, params in entries:
+                for p in params:
+                    self._expose(optimizer, p, host, host.index[id(p)])
+        after = torch.cuda.current_stream(_main_flat(group).device).record_event() if self._cuda else None
+        pending = WeightsPending()
+        _weights_ready(group, pending)
+        self._pending_up.append(pending)
+        _weights_written(group)
+        host.epoch = group.weights_epoch
+        host.backed_up = False
+        self._pool.submit(self._commit, job, after, pending)
+
+    def _commit(self, job: _Job, after: Optional[torch.Event], pending: WeightsPending) -> None:  # on the worker
+        try:
+            job.future.result()  # done: it was queued before this task
+            pending.set(self._copy_up(job.group, job.host, after))
+        except BaseException as error:  # noqa: BLE001 - raised where the weights are waited for
+            pending.fail(RuntimeError(f"mfsdp offload: the host step of {job.group.label} failed: {error!r}"))
+            return
+        self._save(job.host)  # the backup for the next speculation, during this forward
 
     def _stage_now(self, group, optimizer, entries) -> _Job:
         """Stage a group in ``step`` (not speculated): its gradient as it is now."""
@@ -714,27 +813,33 @@ class OffloadedStep:
         self._pump()
         return job
 
-    def _copy_up(self, group, host: _HostGroup) -> None:
+    def _copy_up(self, group, host: _HostGroup, after: Optional[torch.Event] = None) -> Optional[torch.Event]:
+        """Copy the host master into the group's ``main``; on CUDA on the side stream, after
+        ``after`` (default: the current stream: nothing still reads the old weights), returning
+        the copy's event (None on CPU, where it has finished)."""
         main = _main_flat(group)
         if self._stream is None:
             main.copy_(host.master)
-            return
-        self._up.wait_stream(torch.cuda.current_stream(main.device))  # nothing still reads the old weights
-        with torch.cuda.stream(self._up):
-            main.copy_(host.master, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(self._up)
+            return None
+        with torch.cuda.device(main.device):  # also from the worker thread
+            if after is None:
+                self._up.wait_stream(torch.cuda.current_stream(main.device))
+            else:
+                self._up.wait_event(after)
+            with torch.cuda.stream(self._up):
+                main.copy_(host.master, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(self._up)
         host.copied_up = event
-        _weights_ready(group, event)
-        self._pending_up.append(event)
+        return event
 
     def wait_weights(self) -> None:
-        """Make the current stream wait for the last step's copies up (before reading an offloaded
-        group's main weights other than through the runtime's refresh or gather)."""
-        if self._cuda:
-            current = torch.cuda.current_stream()
-            for event in self._pending_up:
-                current.wait_event(event)
+        """Make the current stream (on CPU the caller) wait for the last step's copies up: before
+        reading an offloaded group's main weights other than through the runtime's refresh or
+        gather. With ``overlap="forward"`` it first waits for the host steps still running."""
+        current = torch.cuda.current_stream() if self._cuda else None
+        for pending in self._pending_up:
+            pending.wait(current)
 
     # ------------------------------------------------------------------ state dicts
     def _expose(self, optimizer, p, host: _HostGroup, j: int) -> None:
@@ -809,6 +914,8 @@ def bind(model: nn.Module, optimizer: torch.optim.Optimizer, groups: Sequence, p
     engine = OffloadedStep(optimizer, choose_groups(model, groups, policy), policy)
     ref = weakref.ref(engine)
     model.register_state_dict_pre_hook(lambda *_: (e := ref()) is not None and e.wait_weights())
+    # A load writes the main weights: after any copy up still in flight, never under it.
+    model.register_load_state_dict_pre_hook(lambda *_: (e := ref()) is not None and e.wait_weights())
     _ENGINES[optimizer] = engine
     return engine
 
