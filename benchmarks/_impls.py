@@ -73,7 +73,6 @@ class Ctx:
     convert: Optional[Callable[[nn.Module], None]] = None  # applied to each fresh model first (float8)
     offload_fraction: float = 1.0   # mfsdp-offload's share of units stepped on the host (0: none)
     offload_threads: Optional[int] = None  # its host step's CPU threads (None: torch's)
-    offload_overlap: str = "forward"  # its OffloadPolicy.overlap
 
     @property
     def hsdp(self) -> bool:
@@ -188,8 +187,7 @@ def build_mfsdp(ctx: Ctx, double_buffer: bool = False, use_symm_mem: bool = Fals
         mfsdp.fully_shard(unit, mesh, **options)
     mfsdp.fully_shard(model, mesh, **options)
     fraction = ctx.offload_fraction if offload else 0.0
-    on_host = (mfsdp.OffloadPolicy(fraction=fraction, threads=ctx.offload_threads, overlap=ctx.offload_overlap)
-               if fraction else None)
+    on_host = mfsdp.OffloadPolicy(fraction=fraction, threads=ctx.offload_threads) if fraction else None
     optimizer = mfsdp.fully_shard_optimizer(model, make_adamw(model.parameters(), ctx), offload=on_host)
     engine = mfsdp.offload.offload_of(optimizer) if on_host else None
     return Built(model, optimizer, dtype_name(ctx.grad_reduce_dtype),
@@ -199,13 +197,12 @@ def build_mfsdp(ctx: Ctx, double_buffer: bool = False, use_symm_mem: bool = Fals
                  f"main grads {dtype_name(ctx.grad_reduce_dtype)}; fully_shard_optimizer"
                  + ("; double_buffer" if double_buffer else "") + ("; use_symm_mem" if use_symm_mem else "")
                  + ("" if prefetch_across_step else "; prefetch_across_step=False")
-                 + (f"; OffloadPolicy(fraction={fraction:g}, threads={ctx.offload_threads}, "
-                    f"overlap={ctx.offload_overlap!r}): "
+                 + (f"; OffloadPolicy(fraction={fraction:g}, threads={ctx.offload_threads}): "
                     f"{len(engine.groups)} groups' AdamW on the host"
                     if engine else ""),
                  {"mfsdp_version": getattr(mfsdp, "__version__", None)},
                  microbatch=lambda is_last: mfsdp.microbatch(model, is_last=is_last),
-                 offload=f"fraction {fraction:g}, overlap {ctx.offload_overlap}" if engine else None,
+                 offload=f"fraction {fraction:g}" if engine else None,
                  offload_counts=(lambda: engine.counts) if engine else None,
                  offload_host_nbytes=engine.host_nbytes if engine else None)
 

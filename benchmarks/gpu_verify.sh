@@ -365,43 +365,6 @@ PYEOF
   echo "offload: $((SECONDS - t0)) s"
 }
 
-section_offload_forward() {  # ONE GPU, <= 9 min: overlap="forward" (the default of mfsdp train): the GPU
-  # offload tests, the 16k-token 8B rows at a quarter and at 0.15 of the units offloaded (the second
-  # with expandable segments: its margin is small), and `mfsdp train` 1b, 20 steps, half the units
-  # offloaded against --parallel.offload auto (which resolves to none there): the losses side by side.
-  local t0=$SECONDS tr=/tmp/offload_traces
-  timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_offload_gpu.py 2>&1 | tail -4
-  local C="--preset 8b --seq 4096 --local-batch 1 --compile --grad-reduce-dtype bf16 --microbatches 4 --warmup 2 --steps 4"
-  rm -rf $tr
-  IMPL_TIMEOUT=130 bench "$ROOT" mfsdp-offload $C --offload 0.25 --offload-threads 14 --profile --trace-dir $tr
-  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True IMPL_TIMEOUT=110 bench "$ROOT" mfsdp-offload $C --offload 0.15 \
-    --offload-threads 14
-  grep -h '^| mfsdp' "$OUT/bench.log"
-  ls $tr/*offload*rank0.json >/dev/null 2>&1 && python3 benchmarks/trace_breakdown.py idle $tr/*offload*rank0.json \
-    > "$OUT/offload_idle.txt" 2>&1; head -14 "$OUT/offload_idle.txt" 2>/dev/null
-  python3 -m mfsdp.cli prepare-data stdlib /tmp/stdlib.tokens > /dev/null 2>&1
-  local A=(--nproc-per-node 1 --model.preset 1b --data.local_batch 2 --data.seq_len 4096 --data.path /tmp/stdlib.tokens
-    --train.steps 20 --train.sample_tokens 0 --train.checkpoint_every 0 --train.progress false)
-  for mode in auto optimizer; do
-    local extra=(); [ $mode = optimizer ] && extra=(--parallel.offload_fraction 0.5)
-    rm -rf /tmp/off_$mode
-    timeout 150 python3 -m mfsdp.cli train "${A[@]}" --parallel.offload $mode "${extra[@]}" --train.out_dir /tmp/off_$mode \
-      > "$OUT/train_offload_$mode.log" 2>&1; echo "train 1b --parallel.offload $mode rc=$?"
-    grep -i 'offload' "$OUT/train_offload_$mode.log" | grep -v "^W1" | head -3
-    cp /tmp/off_$mode/metrics.jsonl "$OUT/train_offload_${mode}_metrics.jsonl" 2>/dev/null; rm -rf /tmp/off_$mode
-  done
-  python3 - "$OUT" <<'PYEOF'
-import json, sys
-rows = {m: [json.loads(l) for l in open(f"{sys.argv[1]}/train_offload_{m}_metrics.jsonl")] for m in ("auto", "optimizer")}
-a, b = ({r["step"]: r["loss"] for r in rows[m] if "loss" in r} for m in ("auto", "optimizer"))
-rel = [abs(a[s] - b[s]) / abs(a[s]) for s in sorted(a) if s in b]
-print("RESULT train 1b offload 0.5 vs none: steps", len(rel), f"max rel loss diff {max(rel):.2e}",
-      f"last {rel[-1]:.2e}; tok/s (median of steps 5-20): none", sorted(r["tokens_per_s"] for r in rows["auto"][4:])[len(rows["auto"][4:]) // 2],
-      "offload", sorted(r["tokens_per_s"] for r in rows["optimizer"][4:])[len(rows["optimizer"][4:]) // 2])
-PYEOF
-  echo "offload_forward: $((SECONDS - t0)) s"
-}
-
 for section in "$@"; do
   echo "== $section $(date +%T)"
   "section_$section"

@@ -82,8 +82,6 @@ def parse_args(argv=None):
     p.add_argument("--microbatches", type=int, default=1, help="microbatches accumulated per optimizer step")
     p.add_argument("--offload", default="optimizer",
                    help="the mfsdp-offload row's offload: none, optimizer (every unit) or a fraction in (0, 1]")
-    p.add_argument("--offload-overlap", default="forward", choices=("forward", "step", "copy", "none"),
-                   help="mfsdp-offload: OffloadPolicy.overlap (default forward, as mfsdp train)")
     p.add_argument("--offload-threads", type=int, default=None,
                    help="mfsdp-offload: CPU threads of the host step (OffloadPolicy.threads; default torch's)")
     p.add_argument("--ac", action="store_true", help="activation checkpointing per block")
@@ -331,8 +329,7 @@ def run_one(args, impl, device) -> dict:
         ctx = Ctx(cfg=cfg, device=device, world_size=dist.get_world_size(),
                   compute_dtype=DTYPES[args.dtype], grad_reduce_dtype=DTYPES[args.grad_reduce_dtype],
                   ac=args.ac, compile=args.compile, lr=args.lr, replicate=args.replicate, convert=convert,
-                  offload_fraction=args.offload_fraction, offload_threads=args.offload_threads,
-                  offload_overlap=args.offload_overlap)
+                  offload_fraction=args.offload_fraction, offload_threads=args.offload_threads)
         built = BUILDERS[impl](ctx)
         setup = "; ".join(x for x in (built.setup, float8 and f"torchao float8 {args.float8} "
                                       f"({float8['float8_linears']} linears)",

@@ -25,16 +25,6 @@ kernel spreads over torch's intra-op threads, ``threads`` of them): it waits for
 the host master and states, and frees its staging buffer, while backward goes on. Accumulation
 needs nothing more: only the last microbatch's reduction calls the hook.
 
-With ``overlap="forward"`` the window grows by most of the next forward. At 16k tokens per step
-a quarter of an 8B model's units take about 0.6 s of host step, while the last microbatch's
-backward lasts about 0.3 s: "step" leaves the rest exposed in ``step()`` (measured on one H200).
-The offloaded units are the last ones the forward reaches, so ``step()`` keeps a validated
-speculation without waiting for it: the worker copies the master up when the step is done and the
-unit's next unshard waits for that copy only. The price: each offloaded group gets its own
-staging buffer (4 bytes per offloaded parameter, pinned once), so that no gradient waits in
-backward for a CPU step to free a buffer, and a parameter read between ``step`` and the next
-forward must wait for ``wait_weights()`` on CPU too.
-
 ``optimizer.step()`` (the bound optimizer's group-by-group step, ``mfsdp.optimizer._GroupedStep``)
 then reaches each offloaded group in ``step_group``: it waits for the group's CPU step, checks
 it (below), and copies the updated master weights up into the group's ``main`` buffer on the side
@@ -61,6 +51,12 @@ after the reductions), and the optimizer's hyper-parameters (lr) are unchanged. 
 is staged again and the group steps from it, serialized: an unclipped update never gets through.
 ``zero_grad`` (and a new last-microbatch backward, and a load) before ``step`` restores a
 speculated group the same way, so a step skipped after a NaN check leaves no trace.
+
+A group whose gradient changed after backward (a clip that bit) does not speculate in the next
+backward: a clip that bites once tends to bite again (early training), and each redo costs the
+wasted step, a restore and a backup (about 24 bytes of host traffic per parameter on top of the
+step's 28). Its gradient still streams down in backward and is copied again in ``step`` only if
+it changed again; once a step's gradient comes through unchanged, the group speculates again.
 
 torch's ``clip_grads_with_norm_`` multiplies in place even when the coefficient is clamped to 1;
 that leaves every bit, so the fingerprint keeps the speculation. A clip that bites (the norm above
@@ -129,17 +125,11 @@ class OffloadPolicy:
     """When the offloaded groups' work runs (see the module's notes): "step": each group's gradient
     copy and a speculative CPU step start when its last-microbatch reduction is issued, during
     backward, and ``step()`` validates them (exact; host memory for a backup of the master weights
-    and states); "forward": as "step", but ``step()`` does not wait for the validated steps: they
-    finish during the next forward, whose unshard of each offloaded unit waits for that unit's
-    copy up only (the offloaded units are the last the forward reaches). Each offloaded group then
-    has a staging buffer of its own, so that no gradient waits for a CPU step to be copied down;
-    read a parameter's shard between ``step`` and the next forward only after ``wait_weights()``
-    (state dicts do); "copy": the gradients stream down during backward, the CPU steps run in
+    and states); "copy": the gradients stream down during backward, the CPU steps run in
     ``step()``; "none": everything in ``step()``, group after group (the serialized version)."""
     staging_buffers: int = 2
     """Staging buffers in the ring the gradients pass through (each the largest offloaded group's
-    shard in the main dtype); more lets copies run further ahead of the CPU steps. Ignored with
-    ``overlap="forward"`` (a buffer per group)."""
+    shard in the main dtype); more lets copies run further ahead of the CPU steps."""
 
     def __post_init__(self) -> None:
         if self.fraction is not None and self.units is not None:
@@ -169,8 +159,7 @@ class OffloadPolicy:
             raise ValueError(f"OffloadPolicy.staging_buffers must be a positive int, got {self.staging_buffers!r}")
 
 
-OVERLAP_CHOICES = ("forward", "step", "copy", "none")
-SPECULATIVE = ("forward", "step")  # the modes that step speculatively in backward
+OVERLAP_CHOICES = ("step", "copy", "none")
 
 
 # ---------------------------------------------------------------------------- the group's side
@@ -181,41 +170,10 @@ def _weights_written(group) -> None:
     group.weights_written()
 
 
-def _weights_ready(group, pending: "WeightsPending") -> None:
-    """The group's main weights are being written until ``pending`` says so: its next refresh or
-    gather waits for it."""
-    group.weights_ready = pending
-
-
-class WeightsPending:
-    """One group's copy up of its updated master weights, issued now or later by the worker thread
-    (``overlap="forward"``); the runtime's ``FsdpParameterGroup.wait_for_weights`` calls ``wait``.
-    A host step that failed raises its error there, in the waiting thread."""
-
-    def __init__(self) -> None:
-        self._issued: concurrent.futures.Future = concurrent.futures.Future()
-
-    @classmethod
-    def issued(cls, event: Optional[torch.Event]) -> "WeightsPending":
-        pending = cls()
-        pending._issued.set_result(event)
-        return pending
-
-    def set(self, event: Optional[torch.Event]) -> None:
-        self._issued.set_result(event)
-
-    def fail(self, error: BaseException) -> None:
-        self._issued.set_exception(error)
-
-    def wait(self, stream: Optional[torch.Stream]) -> None:
-        """Block until the copy is issued; then ``stream`` waits for it (None: the caller does; on
-        CPU the copy has finished once it is issued)."""
-        event = self._issued.result()
-        if event is not None:
-            if stream is None:
-                event.synchronize()
-            else:
-                stream.wait_event(event)
+def _weights_ready(group, event) -> None:
+    """The group's main weights are being written on the device until ``event``: its next refresh
+    or gather waits for it."""
+    group.weights_ready = event
 
 
 def _main_flat(group) -> torch.Tensor:
@@ -359,6 +317,7 @@ class _HostGroup:
         self.backup_master: Optional[torch.Tensor] = None
         self.backup_states: list[Optional[dict]] = [None] * len(self.params)
         self.backed_up = False  # the backup equals master and states
+        self.speculate = True  # its next backward steps it speculatively (see the note on clipping)
 
 
 def _hyper(settings: list, entries) -> list:
@@ -429,7 +388,6 @@ class OffloadedStep:
         self._host: dict[int, _HostGroup] = {}
         self._slots: list[torch.Tensor] = []
         self._free: list[int] = []
-        self._own_slot: dict[int, int] = {}  # overlap="forward": id(group) -> its staging buffer
         self._lock = threading.Lock()  # the staging ring and its queue
         # The CPU optimizer's param groups and states: one group steps, saves or restores at a time
         # (the worker's speculation beside the step's redo of another group).
@@ -456,15 +414,14 @@ class OffloadedStep:
         optimizer.register_state_dict_pre_hook(lambda opt: (self.discard(), self._drain(), self.wait_weights()))
         if policy.overlap != "none":
             ref = weakref.ref(self)
-            # Each hook holds a weak reference: the runtime's groups must not keep this alive.
             for group in self.groups:
                 group.gradient_final_hooks.append(lambda g, stream: (e := ref()) is not None and e.gradient_final(g, stream))
 
     @property
     def defers_refresh(self) -> bool:
-        """The offloaded groups are refreshed by their next unshard (after ``weights_ready``), not at
-        the end of ``step``: on CUDA, and wherever the copies up are issued after ``step``."""
-        return self._cuda or self.policy.overlap == "forward"
+        """On CUDA the offloaded groups are refreshed by their next unshard (after ``weights_ready``),
+        not at the end of ``step``."""
+        return self._cuda
 
     def owns(self, group) -> bool:
         return id(group) in self._ids
@@ -533,7 +490,7 @@ class OffloadedStep:
         with self._lock:
             self._waiting.append(job)
         self._pump()
-        if self.policy.overlap in SPECULATIVE:
+        if self.policy.overlap == "step" and host.speculate:
             job.future = self._pool.submit(self._speculate, job)
 
     def _pump(self) -> None:
@@ -542,35 +499,21 @@ class OffloadedStep:
             with self._lock:
                 if not self._waiting:
                     return
-                if self.policy.overlap != "forward" and not self._free \
-                        and len(self._slots) < self.policy.staging_buffers:
+                if not self._free and len(self._slots) < self.policy.staging_buffers:
                     numel = max(_main_flat(g).numel() for g in self.groups)
                     self._slots.append(_host_buffer(numel, _main_flat(self.groups[0]).dtype, self._pinned))
                     self._free.append(len(self._slots) - 1)
-                if self.policy.overlap != "forward" and not self._free:
+                if not self._free:
                     return
                 job = self._waiting.pop(0)
-                job.slot = self._slot_for(job.group)
+                job.slot = self._free.pop(0)
             job.handle = self.copy_down(job.sources, self._slot_views(job.group, job.slot), self._stream, job.event)
             job.copied.set()
 
-    def _slot_for(self, group) -> int:
-        """A staging buffer for ``group`` (under ``_lock``): a free one of the ring, or the group's
-        own (``overlap="forward"``), made exactly its size the first time."""
-        if self.policy.overlap != "forward":
-            return self._free.pop(0)
-        slot = self._own_slot.get(id(group))
-        if slot is None:
-            main = _main_flat(group)
-            self._slots.append(_host_buffer(main.numel(), main.dtype, self._pinned))
-            slot = self._own_slot[id(group)] = len(self._slots) - 1
-        return slot
-
     def _release(self, job: _Job) -> None:
         if job.slot is not None:
-            if self.policy.overlap != "forward":
-                with self._lock:
-                    self._free.append(job.slot)
+            with self._lock:
+                self._free.append(job.slot)
             job.slot = None
         self._pump()
 
@@ -737,8 +680,12 @@ class OffloadedStep:
             if not group.requires_grad:
                 continue
             job = self._jobs.get(id(group))
-            if job is not None and (job.epoch != group.weights_epoch or id(group) in changed):
-                self._cancel(group)
+            if job is not None:
+                # A gradient changed after backward (a clip that bit) predicts the next step's: do
+                # not speculate in the next backward until one comes through unchanged.
+                self._host[id(group)].speculate = id(group) not in changed
+                if job.epoch != group.weights_epoch or id(group) in changed:
+                    self._cancel(group)
             self._host_of(group)
 
     def step_group(self, optimizer: torch.optim.Optimizer, group, entries) -> None:
@@ -746,9 +693,6 @@ class OffloadedStep:
         group's parameters in it)], as the grouped step narrows them."""
         host = self._host[id(group)]
         job = self._jobs.get(id(group))
-        if job is not None and job.future is not None and self.policy.overlap == "forward":
-            self._commit_later(optimizer, group, host, job, entries)
-            return
         if job is not None:
             self._settle(job)  # its speculative step, checked in ``before_step``
         else:
@@ -763,44 +707,13 @@ class OffloadedStep:
         for _, params in entries:
             for p in params:
                 self._expose(optimizer, p, host, host.index[id(p)])
-        pending = WeightsPending.issued(self._copy_up(group, host))
-        _weights_ready(group, pending)
-        self._pending_up.append(pending)
+        self._copy_up(group, host)
         _weights_written(group)
         host.epoch = group.weights_epoch
-        if self.policy.overlap in SPECULATIVE:
+        if self.policy.overlap == "step":
             host.backed_up = False
-            self._pool.submit(self._save, host)  # during the next forward
-
-    def _commit_later(self, optimizer, group, host: _HostGroup, job: _Job, entries) -> None:
-        """``overlap="forward"``: keep the group's validated speculative step without waiting for
-        it. The worker copies the master up once the step is done (after the speculations queued
-        before it), then refreshes the backup; the group's next unshard waits for that copy."""
-        del self._jobs[id(group)]
-        self.counts["kept"] += 1
-        if any(job.present[host.index[id(p)]] and host.exposed[host.index[id(p)]] is None
-               for _, params in entries for p in params):
-            self._settle(job)  # the first step creates the states that ``optimizer.state`` exposes
-            for _, params in entries:
-                for p in params:
-                    self._expose(optimizer, p, host, host.index[id(p)])
-        after = torch.cuda.current_stream(_main_flat(group).device).record_event() if self._cuda else None
-        pending = WeightsPending()
-        _weights_ready(group, pending)
-        self._pending_up.append(pending)
-        _weights_written(group)
-        host.epoch = group.weights_epoch
-        host.backed_up = False
-        self._pool.submit(self._commit, job, after, pending)
-
-    def _commit(self, job: _Job, after: Optional[torch.Event], pending: WeightsPending) -> None:  # on the worker
-        try:
-            job.future.result()  # done: it was queued before this task
-            pending.set(self._copy_up(job.group, job.host, after))
-        except BaseException as error:  # noqa: BLE001 - raised where the weights are waited for
-            pending.fail(RuntimeError(f"mfsdp offload: the host step of {job.group.label} failed: {error!r}"))
-            return
-        self._save(job.host)  # the backup for the next speculation, during this forward
+            if host.speculate:  # else the next speculation saves it first
+                self._pool.submit(self._save, host)  # during the next forward
 
     def _stage_now(self, group, optimizer, entries) -> _Job:
         """Stage a group in ``step`` (not speculated): its gradient as it is now."""
@@ -813,33 +726,27 @@ class OffloadedStep:
         self._pump()
         return job
 
-    def _copy_up(self, group, host: _HostGroup, after: Optional[torch.Event] = None) -> Optional[torch.Event]:
-        """Copy the host master into the group's ``main``; on CUDA on the side stream, after
-        ``after`` (default: the current stream: nothing still reads the old weights), returning
-        the copy's event (None on CPU, where it has finished)."""
+    def _copy_up(self, group, host: _HostGroup) -> None:
         main = _main_flat(group)
         if self._stream is None:
             main.copy_(host.master)
-            return None
-        with torch.cuda.device(main.device):  # also from the worker thread
-            if after is None:
-                self._up.wait_stream(torch.cuda.current_stream(main.device))
-            else:
-                self._up.wait_event(after)
-            with torch.cuda.stream(self._up):
-                main.copy_(host.master, non_blocking=True)
-                event = torch.cuda.Event()
-                event.record(self._up)
+            return
+        self._up.wait_stream(torch.cuda.current_stream(main.device))  # nothing still reads the old weights
+        with torch.cuda.stream(self._up):
+            main.copy_(host.master, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self._up)
         host.copied_up = event
-        return event
+        _weights_ready(group, event)
+        self._pending_up.append(event)
 
     def wait_weights(self) -> None:
-        """Make the current stream (on CPU the caller) wait for the last step's copies up: before
-        reading an offloaded group's main weights other than through the runtime's refresh or
-        gather. With ``overlap="forward"`` it first waits for the host steps still running."""
-        current = torch.cuda.current_stream() if self._cuda else None
-        for pending in self._pending_up:
-            pending.wait(current)
+        """Make the current stream wait for the last step's copies up (before reading an offloaded
+        group's main weights other than through the runtime's refresh or gather)."""
+        if self._cuda:
+            current = torch.cuda.current_stream()
+            for event in self._pending_up:
+                current.wait_event(event)
 
     # ------------------------------------------------------------------ state dicts
     def _expose(self, optimizer, p, host: _HostGroup, j: int) -> None:

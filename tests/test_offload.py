@@ -76,9 +76,6 @@ def _full(v):
 
 
 def _snapshot(model, optim):
-    engine = offload_mod.offload_of(optim)
-    if engine is not None:
-        engine.wait_weights()  # overlap="forward": the last step's host steps may still be running
     states = {f"{name}.{key}": _full(v) for name, p in model.named_parameters()
               for key, v in optim.state[p].items()}
     return full_params(model), states
@@ -115,8 +112,7 @@ def _compare(a, b, rel):
 
 
 @pytest.mark.parametrize("kind", PLACEMENTS)
-@pytest.mark.parametrize("clip, overlap", [(CLIP, "step"), (1e6, "step"), (1e6, "forward"), (CLIP, "copy"),
-                                           (CLIP, "none")])
+@pytest.mark.parametrize("clip, overlap", [(CLIP, "step"), (1e6, "step"), (CLIP, "copy"), (CLIP, "none")])
 def test_offload_is_bit_identical_with_fused_adamw(world, kind, clip, overlap):
     """Clipping that bites (speculation redone) or not (kept), or no speculation."""
     (plain, offloaded), units, counts = world(2).run(parity, kind=kind, opt="fused", fraction=0.5,
@@ -125,18 +121,18 @@ def test_offload_is_bit_identical_with_fused_adamw(world, kind, clip, overlap):
     for got, want in zip(offloaded, plain):
         _compare(got, want, 0)
     assert len(offloaded[1]) == 3 * len(offloaded[0])  # step, exp_avg, exp_avg_sq of every parameter
-    kept = 6 if overlap in ("step", "forward") and clip > 1 else 0  # two groups, three steps
+    kept = 6 if overlap == "step" and clip > 1 else 0  # two groups, three steps
     assert counts["kept"] == kept and counts["serialized"] == 6 - kept, counts
 
 
-@pytest.mark.parametrize("overlap", ["step", "forward", "copy"])
+@pytest.mark.parametrize("overlap", ["step", "copy"])
 def test_offload_with_bf16_main_gradients(world, overlap):
     """mfsdp train's default: bf16 main gradients, cast to fp32 on their way to the host."""
     (plain, offloaded), _, counts = world(2).run(parity, kind="zero3", opt="fused", fraction=1.0, overlap=overlap,
                                                  clip=1e6, grads=torch.bfloat16)[0]
     for got, want in zip(offloaded, plain):
         _compare(got, want, 0)
-    assert counts["kept"] == (0 if overlap == "copy" else 12), counts
+    assert counts["kept"] == (12 if overlap == "step" else 0), counts
 
 
 def test_offload_everything_with_foreach_adamw(world):
@@ -231,23 +227,22 @@ def staging(rank, ws, overlap):
         sum(len(g.sharded_params) for g in engine.groups), _counts(engine)
 
 
-@pytest.mark.parametrize("overlap", ["step", "forward", "copy", "none"])
+@pytest.mark.parametrize("overlap", ["step", "copy", "none"])
 def test_host_memory_is_masters_states_and_a_staging_ring(world, overlap):
     nbytes, main_bytes, copies, storages, shard_numel, tensors, counts = world(2).run(staging, overlap=overlap)[0]
-    speculative = overlap in ("step", "forward")
-    redone = 3 * len(main_bytes) if speculative else 0  # every step clips: every speculation is redone
+    # every step clips: the first speculation is redone, then the groups stop speculating
+    redone = len(main_bytes) if overlap == "step" else 0
     restaged = 0 if overlap == "none" else 3 * len(main_bytes)  # staged in backward, again after the clip
     # every copy went through the ring (one staged in backward may be dropped before its copy)
     assert 3 * len(main_bytes) + (restaged if overlap == "copy" else 0) <= copies <= 3 * len(main_bytes) + restaged
-    if overlap == "forward":  # a buffer per group, exactly its size: no copy waits for a CPU step
-        assert storages == len(main_bytes) and nbytes["staging"] == sum(main_bytes), (storages, nbytes)
-    else:
-        assert storages <= (1 if overlap == "none" else 2)  # serialized: the buffer is free again for the next
-        assert nbytes["staging"] == storages * max(main_bytes) < sum(main_bytes)  # not one buffer per group
+    assert storages <= (1 if overlap == "none" else 2)  # serialized: the buffer is free again for the next
+    assert nbytes["staging"] == storages * max(main_bytes) < sum(main_bytes)  # not one buffer per group
     assert nbytes["master"] == sum(main_bytes)
     assert tensors == 12  # two blocks' w1, w2 (weights and biases); embedding, norm (2), head
     assert nbytes["states"] == 2 * 4 * shard_numel + 4 * tensors, nbytes  # exp_avg, exp_avg_sq, steps
-    assert nbytes["backup"] == (nbytes["master"] + nbytes["states"] if speculative else 0)
+    # the backup was taken once, before the first speculation (no states yet); the clip bit, so the
+    # groups stopped speculating and never backed up again (host memory: at most master + states)
+    assert nbytes["backup"] == (nbytes["master"] if overlap == "step" else 0)
     assert counts == {"kept": 0, "redone": redone, "serialized": 3 * len(main_bytes)}, counts
 
 
@@ -273,14 +268,14 @@ class _Delayed:
 
 
 def overlapped(rank, ws, clip, early=False, trust=False, skip=None, steps=3, device="cpu", delay=True, edit=False,
-               reference=None, policy=None):
+               reference=None):
     """Every unit offloaded, every copy delayed, against ``reference`` (an offload policy; None:
     no offload). ``early``: the hook fires after the first of two microbatches instead of the last
     (an overlapped step hooked one microbatch too early); ``trust``: the step's check of the
     speculated steps is switched off (what a step that trusts its speculation would do); ``skip``:
     the step that is skipped (backward, then ``zero_grad``, as after a NaN check)."""
     out, counts = [], None
-    for offload in (reference, policy or mfsdp.OffloadPolicy()):
+    for offload in (reference, mfsdp.OffloadPolicy()):
         model, optim = _build(rank, ws, "zero3", offload=offload, device=device)
         engine = None if offload is reference else offload_mod.offload_of(optim)
         hooked = None
@@ -311,10 +306,11 @@ def _same(got, want) -> bool:
 
 
 def test_an_unclipped_update_never_gets_through(world):
-    """The clip bites every step: each speculated step is redone from the backup, bit-identical
-    to no offload; where it does not bite (a coefficient of exactly 1), the speculation is kept."""
+    """The clip bites every step: the first step's speculations are redone from the backup, and
+    the groups then stop speculating (a clip that bit predicts the next), all bit-identical to no
+    offload; where it does not bite (a coefficient of exactly 1), the speculation is kept."""
     (want, got), counts = world(2).run(overlapped, clip=CLIP)[0]
-    assert _same(got, want) and counts == {"kept": 0, "redone": 12, "serialized": 12}, counts
+    assert _same(got, want) and counts == {"kept": 0, "redone": 4, "serialized": 12}, counts
     (want, got), counts = world(2).run(overlapped, clip=1e6)[0]
     assert _same(got, want) and counts == {"kept": 12, "redone": 0, "serialized": 0}, counts
 
@@ -324,16 +320,17 @@ def test_a_unit_stepped_before_its_gradient_is_final_is_caught(world):
     check redoes each, and the run is still exact. Trusting the speculation instead gives another
     run: the check is what catches it."""
     (want, got), counts = world(2).run(overlapped, clip=1e6, early=True)[0]
-    assert _same(got, want) and counts == {"kept": 0, "redone": 12, "serialized": 12}, counts
+    assert _same(got, want) and counts == {"kept": 0, "redone": 4, "serialized": 12}, counts
     (want, got), counts = world(2).run(overlapped, clip=1e6, early=True, trust=True)[0]
     assert not _same(got, want) and counts["kept"] == 12
 
 
 def test_an_edited_gradient_redoes_only_its_group(world):
-    """One group's gradient edited in place between backward and step: that group is redone in
-    ``step`` while the others' speculated steps are kept (and may still be running)."""
+    """One group's gradient edited in place between backward and step (every step): that group is
+    redone in ``step``, then stops speculating, while the others' speculated steps are kept (and
+    may still be running)."""
     (want, got), counts = world(2).run(overlapped, clip=1e6, edit=True)[0]
-    assert _same(got, want) and counts == {"kept": 9, "redone": 3, "serialized": 3}, counts
+    assert _same(got, want) and counts == {"kept": 9, "redone": 1, "serialized": 3}, counts
 
 
 def test_a_skipped_step_leaves_no_trace(world):
@@ -341,38 +338,6 @@ def test_a_skipped_step_leaves_no_trace(world):
     speculated steps: the run equals the one without offload that skips the same step."""
     (want, got), counts = world(2).run(overlapped, clip=1e6, skip=1, steps=4)[0]
     assert _same(got, want) and counts == {"kept": 12, "redone": 4, "serialized": 0}, counts
-
-
-def deferred(rank, ws, steps=3):
-    """``overlap="forward"``, the last two blocks offloaded, with the worker held back from the
-    second step on until ``step()`` (and ``zero_grad``) have returned; against no offload. (A unit
-    the next forward gathers first, the root here, is gathered during ``step`` by its prefetch
-    across the step, which then waits for that unit's host step.)"""
-    out, pending = [], []
-    for offload in (None, mfsdp.OffloadPolicy(fraction=0.5, overlap="forward")):
-        model, optim = _build(rank, ws, "zero3", offload=offload)
-        engine = offload_mod.offload_of(optim)
-        speculate = None if engine is None else engine._speculate
-        for step in range(steps):
-            gate = threading.Event()
-            if engine is not None and step > 0:  # the first step waits for the states it creates
-                engine._speculate = lambda job, gate=gate: (gate.wait(), speculate(job))  # this step's jobs
-            _step(model, optim, step, rank, ws, clip=1e6)
-            if engine is not None:
-                pending.append(sum(not p._issued.done() for p in engine._pending_up))
-            gate.set()  # the next forward waits for each unit's copy up, and only for it
-        out.append(_snapshot(model, optim))
-    return out, pending, _counts(engine)
-
-
-def test_forward_overlap_returns_from_step_before_the_host_steps_finish(world):
-    """``overlap="forward"``: ``step()`` keeps the validated speculations without waiting for them
-    (every unit's copy up still pending when it returns), and the next forward's unshard of each
-    unit waits for its copy up: the run equals the one without offload, bit for bit."""
-    (want, got), pending, counts = world(2).run(deferred)[0]
-    assert _same(got, want), "a forward read weights before their host step had landed"
-    assert pending == [0, 2, 2], pending  # two units; the first step waited (it creates the states)
-    assert counts == {"kept": 6, "redone": 0, "serialized": 0}, counts
 
 
 # ------------------------------------------------------------------------------- policy

@@ -40,7 +40,6 @@ def test_the_shipped_configs_load():
     (["--parallel.offload", "auto", "--parallel.offload_fraction", "0.5"], "--parallel.offload_fraction needs --parallel.offload optimizer"),
     (["--parallel.offload", "optimizer", "--parallel.offload_fraction", "0"], "offload_fraction must be in (0, 1]"),
     (["--parallel.offload_fraction", "0.5"], "--parallel.offload_fraction needs --parallel.offload optimizer"),
-    (["--parallel.offload_overlap", "later"], "parallel.offload_overlap must be one of forward, step, copy, none"),
 ])
 def test_bad_flags_name_the_problem(argv, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(".", r"\.")):
@@ -53,19 +52,8 @@ def test_offload_flags_become_the_cores_policy():
 
     assert offload_policy(load_config([]).parallel) is None
     cfg = load_config(["--parallel.offload", "optimizer", "--parallel.offload_fraction", "0.5"])
-    assert offload_policy(cfg.parallel) == OffloadPolicy(fraction=0.5, overlap="forward")
-    assert offload_policy(load_config(["--parallel.offload", "optimizer"]).parallel) == \
-        OffloadPolicy(fraction=1.0, overlap="forward")
-    step = load_config(["--parallel.offload", "optimizer", "--parallel.offload_overlap", "step"])
-    assert offload_policy(step.parallel) == OffloadPolicy(fraction=1.0, overlap="step")
-    # the planner sizes the host staging of the same overlap
-    import dataclasses
-
-    from mfsdp.memory import plan
-
-    tiny = load_config(["--model.preset", "tiny", "--parallel.offload", "optimizer"])
-    half = plan.estimate_run(tiny, 1, dataclasses.replace(plan.configured(tiny), offload=0.5))
-    assert half.host_bytes["staging"] == half.host_bytes["master"]
+    assert offload_policy(cfg.parallel) == OffloadPolicy(fraction=0.5)
+    assert offload_policy(load_config(["--parallel.offload", "optimizer"]).parallel) == OffloadPolicy(fraction=1.0)
 
 
 def test_unknown_yaml_section_or_key(tmp_path):

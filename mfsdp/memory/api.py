@@ -113,8 +113,7 @@ class OffloadedEstimate(MemoryEstimate):
     """The offloaded units' names, in the order ``OffloadPolicy.fraction`` picks them."""
     host_bytes: dict = dataclasses.field(default_factory=dict)
     """This rank's host bytes: "master" (fp32 weights), "states", "backup" (``overlap="step"``'s
-    copy of both), "staging" (the pinned ring: two of the largest offloaded group; with
-    ``overlap="forward"`` one buffer per offloaded group, the master's size)."""
+    copy of both), "staging" (the pinned ring: two of the largest offloaded group)."""
 
 
 def offloaded(e: MemoryEstimate, units: list, fraction: float, overlap: str = "step") -> OffloadedEstimate:
@@ -135,9 +134,8 @@ def offloaded(e: MemoryEstimate, units: list, fraction: float, overlap: str = "s
                    for p in e.phases)
     peak = max(phases, key=lambda p: p.total)
     reserve = int(e.allocator_reserve * peak.total / e.peak_bytes) if e.peak_bytes else e.allocator_reserve
-    speculative = overlap in ("forward", "step")
-    host = {"master": master, "states": states, "backup": master + states if speculative else 0,
-            "staging": master if overlap == "forward" else 2 * largest}  # "forward": a buffer per group
+    host = {"master": master, "states": states, "backup": master + states if overlap == "step" else 0,
+            "staging": 2 * largest}
     base = {f.name: getattr(e, f.name) for f in dataclasses.fields(MemoryEstimate)}
     base.update(phases=phases, peak_bytes=peak.total, peak_phase=peak.name, breakdown=dict(peak.components),
                 allocator_reserve=reserve)

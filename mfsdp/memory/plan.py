@@ -118,7 +118,6 @@ def estimate_run(cfg, world: int, setting: Optional[Setting] = None,
             raise ValueError("--tp: tensor parallel is the manager's; plan a Hugging Face model (--model.hf DIR)")
         model = cfg.llama_config()
     e = estimate(model, world_size=world, placements=s.placements, replicate=p.replicate, offload_fraction=s.offload,
-                    offload_overlap=p.offload_overlap,
                     mixed_precision_policy=policy, local_batch=s.local_batch, seq_len=d.seq_len,
                     microbatches=s.microbatches, activation_checkpointing=s.activation_checkpointing,
                     compute_dtype=compute, expert_units=p.expert_units, tensor_parallel=tp,

@@ -25,7 +25,7 @@ context's business, so every method takes the stream it runs on.
 from __future__ import annotations
 
 import os
-from typing import Callable, Optional, Protocol
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -68,9 +68,9 @@ class FsdpParameterGroup:
         self._weights_epoch = 0
         # Seams for optimizer offload (mfsdp/offload.py): ``gradient_final_hooks`` are called as
         # hook(group, stream) once the last microbatch's reduction is issued on ``stream``;
-        # ``weights_ready`` is a ``WeightsPending`` that the next refresh or gather waits for.
+        # ``weights_ready`` is an event that the next refresh or gather waits for on its stream.
         self.gradient_final_hooks: list[Callable] = []
-        self.weights_ready: Optional[WeightsPending] = None
+        self.weights_ready: Optional[torch.Event] = None
         self.issue = CollectiveIssuer(label, policy.coalesce, policy.check_collectives
                                       or os.environ.get("MFSDP_CHECK_COLLECTIVES", "0") not in ("", "0"))
         device = params[0].device
@@ -245,14 +245,11 @@ class FsdpParameterGroup:
                 sum(local_tensor(p)._version for p in self.sharded_params))
 
     def wait_for_weights(self, stream: Optional[torch.Stream] = None, keep: bool = False) -> None:
-        """Make ``stream`` (the current one by default; on CPU the caller) wait until the main
-        weights are written: a no-op unless the offload is writing them (``weights_ready``).
-        ``keep``: another reader on another stream will wait for the same write (the refresh)."""
+        """Make ``stream`` (the current one by default) wait until the main weights are written: a
+        no-op unless the offload's copy up is in flight (``weights_ready``, a CUDA event). ``keep``:
+        another reader on another stream will wait for the same event (the refresh)."""
         if self.weights_ready is not None:
-            device = self.main.tensor.device
-            if stream is None and device.type != "cpu":
-                stream = torch.accelerator.current_stream(device)
-            self.weights_ready.wait(stream)
+            (stream or torch.cuda.current_stream(self.main.tensor.device)).wait_event(self.weights_ready)
             if not keep:
                 self.weights_ready = None
 
@@ -319,13 +316,6 @@ class FsdpParameterGroup:
         for hook in self.gradient_final_hooks if is_last else ():
             hook(self, stream)
         return keep
-
-
-class WeightsPending(Protocol):
-    """A write of a group's main weights in flight (the offload's copy up, ``mfsdp.offload``)."""
-
-    def wait(self, stream: Optional[torch.Stream]) -> None:
-        """Block until the write is issued, then make ``stream`` wait for it (None: the caller)."""
 
 
 def choose_model_buffer(dtypes: ResolvedDtypes, num_levels: int, param_level: int) -> tuple[bool, bool]:

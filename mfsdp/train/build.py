@@ -118,9 +118,7 @@ def offload_policy(p):
     "auto" is resolved to one of the others before (``Trainer.resolve_offload``)."""
     if p.offload == "auto":
         raise ValueError("--parallel.offload auto: resolve it with the planner first (Trainer.resolve_offload)")
-    # "forward" (the default) lets the host steps run on into the next forward: the loop reads no
-    # parameter between the step and the forward; its checkpoints and evaluations wait for them.
-    return None if p.offload == "none" else OffloadPolicy(fraction=p.offload_fraction, overlap=p.offload_overlap)
+    return None if p.offload == "none" else OffloadPolicy(fraction=p.offload_fraction)
 
 
 HF_STRATEGIES = {"zero3": 3, "zero2": 2, "zero1": 1, "ddp": 0, "hsdp": 3, "hfsdp": 3}

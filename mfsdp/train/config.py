@@ -17,7 +17,6 @@ from pathlib import Path
 
 from mfsdp.models.llama import LlamaConfig, get_config
 from mfsdp.models.parallelize import FLOAT8_CHOICES, PLACEMENT_NAMES as PLACEMENTS, TWO_AXIS
-from mfsdp.offload import OVERLAP_CHOICES
 from mfsdp.train import determinism
 from mfsdp.train.recipes import RECIPES, Recipe, recipe_for
 DTYPES = ("auto", "fp32", "bf16")
@@ -252,18 +251,11 @@ class ParallelSection:
     each unit's gradient is final, validated at the step (exact with clipping and accumulation;
     mfsdp/offload.py); "auto": the planner's smallest fraction that fits this GPU (none if the
     run fits without; CPU runs: none). Saves the states' 8 bytes per offloaded parameter on the
-    GPU; costs host RAM (master, states, their backup and, with --parallel.offload_overlap forward,
-    a staging buffer: 28 bytes per offloaded parameter) and
+    GPU; costs host RAM (master, states and their backup: 24 bytes per offloaded parameter) and
     whatever CPU time backward does not hide (a clip that bites redoes the CPU steps after it)."""
     offload_fraction: float = 1.0
     """With --parallel.offload optimizer: the share of units offloaded, in (0, 1], counted from
     those whose gradients finish first in backward (the last blocks and the head)."""
-    offload_overlap: str = "forward"
-    """When the host steps run (``mfsdp.OffloadPolicy.overlap``): "forward" (default) starts them
-    in the last microbatch's backward and lets them run on into the next forward, whose unshard of
-    each offloaded unit waits for that unit only (each offloaded group gets its own pinned
-    staging buffer: 4 bytes per offloaded parameter); "step" waits for them in the optimizer
-    step; "copy" and "none" run them in the step (for comparison and debugging)."""
 
     def __post_init__(self) -> None:
         _require(self.collective_timeout_s > 0, "parallel.collective_timeout_s must be positive")
@@ -273,8 +265,6 @@ class ParallelSection:
                  f"parallel.offload_fraction must be in (0, 1], got {self.offload_fraction}")
         _require(self.offload_fraction == 1.0 or self.offload == "optimizer",
                  "--parallel.offload_fraction needs --parallel.offload optimizer")
-        _require(self.offload_overlap in OVERLAP_CHOICES,
-                 f"parallel.offload_overlap must be one of {', '.join(OVERLAP_CHOICES)}, got {self.offload_overlap!r}")
         if self.deterministic and (problem := determinism.environment_problem()):
             raise ConfigError(problem)
         _require(self.placements in PLACEMENTS,

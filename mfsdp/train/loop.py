@@ -278,8 +278,9 @@ class Trainer:
             torch.bfloat16 if self.device.type == "cuda" else torch.float32)
         if self.cfg.model.hf is not None:  # a Hugging Face model, through mfsdp.manager
             model = build_hf(self.cfg, self.device, compute, self.world)
-            return model, mfsdp.fully_shard_optimizer(model, adamw(model, self.cfg.train),
-                                                      offload=offload_policy(p))
+            optimizer = mfsdp.fully_shard_optimizer(model, adamw(model, self.cfg.train), offload=offload_policy(p))
+            self._describe_offload(optimizer)
+            return model, optimizer
         policy = mfsdp.MixedPrecisionPolicy(
             main_params_dtype=torch.float32,
             main_grads_dtype=_DTYPES.get(p.main_grads_dtype),
@@ -299,8 +300,21 @@ class Trainer:
                  f"{peak_memory_gib(self.device):.2f} GiB")
         optimizer = mfsdp.fully_shard_optimizer(model, adamw(model, self.cfg.train),
                                                 offload=offload_policy(p))
+        self._describe_offload(optimizer)
         mfsdp.float8.precompute_fp8_scales_after(optimizer, model)  # FP8 all-gather's scales, if any
         return model, optimizer
+
+    def _describe_offload(self, optimizer) -> None:
+        engine = mfsdp.offload.offload_of(optimizer)
+        if engine is None:
+            return
+        numel = sum(g.main.tensor.numel() for g in engine.groups)
+        clip = self.cfg.train.grad_clip
+        self.log(f"optimizer offload: {len(engine.groups)} parameter groups stepped on the host "
+                 f"({numel / 1e6:,.1f}M parameters on this rank, about {numel * 24 / 2**30:.1f} GiB of host "
+                 f"memory with their backup), speculatively during backward"
+                 + (f"; a step whose gradient norm exceeds --train.grad_clip {clip:g} runs them after "
+                    "backward instead, and the next one too until a step is not clipped" if clip > 0 else ""))
 
     def learning_rate(self, step: int) -> float:
         """Linear warm-up, then cosine decay to ``min_lr_ratio * lr`` at the last step."""
