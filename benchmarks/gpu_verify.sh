@@ -26,6 +26,8 @@
 #   memory  planner accuracy at the new grid points (hf-1b dp=2 and tp=2, moe-1b)           issue 14
 #   offload ONE GPU, <= 10 min: 8B with a quarter of the optimizer on the host beside FSDP2 (AC), mfsdp
 #           (AC) and FSDP2 + CPUOffloadPolicy at 16k tokens per step, then mfsdp-offload at 64k   issue 21
+#   offload_train ONE GPU, <= 6 min: the GPU offload tests; `mfsdp train` 1b, half offloaded against
+#           none, deterministic, 20 steps: losses side by side and the speed          issue 21
 #   ckpt    1b on one GPU: the training stall per checkpoint save, synchronous against
 #           --train.async_checkpoint true, and the step time during a background write against
 #           steps with no save in flight; at most two 18 GB checkpoints on disk       issue 20
@@ -363,6 +365,36 @@ for path in glob.glob(sys.argv[1] + "/bench_*.jsonl"):
                   f"{p['gpu_span_ms'] - p['compute_busy_ms'] if 'compute_busy_ms' in p else None} ms, all streams idle {p.get('gpu_idle_ms')} ms")
 PYEOF
   echo "offload: $((SECONDS - t0)) s"
+}
+
+section_offload_train() {  # ONE GPU, <= 6 min: the GPU offload tests, then `mfsdp train` 1b for 20 steps in
+  # deterministic mode with half the units' optimizer on the host against --parallel.offload auto
+  # (none there): losses side by side, and the speed with pretraining's clip biting every step.
+  local t0=$SECONDS
+  timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_offload_gpu.py 2>&1 | tail -4
+  python3 -m mfsdp.cli prepare-data stdlib /tmp/stdlib.tokens > /dev/null 2>&1
+  local A=(--nproc-per-node 1 --model.preset 1b --data.local_batch 2 --data.seq_len 4096 --data.path /tmp/stdlib.tokens
+    --train.steps 20 --train.sample_tokens 0 --train.checkpoint_every 0 --train.progress false --train.eval_every 0
+    --parallel.deterministic true)
+  for mode in auto optimizer; do
+    local extra=(); [ $mode = optimizer ] && extra=(--parallel.offload_fraction 0.5)
+    rm -rf /tmp/off_$mode
+    timeout 150 python3 -m mfsdp.cli train "${A[@]}" --parallel.offload $mode "${extra[@]}" --train.out_dir /tmp/off_$mode \
+      > "$OUT/train_offload_$mode.log" 2>&1; echo "train 1b --parallel.offload $mode rc=$?"
+    grep -i 'offload' "$OUT/train_offload_$mode.log" | grep -v "^W1" | head -3
+    cp /tmp/off_$mode/metrics.jsonl "$OUT/train_offload_${mode}_metrics.jsonl" 2>/dev/null; rm -rf /tmp/off_$mode
+  done
+  python3 - "$OUT" <<'PYEOF'
+import json, statistics, sys
+rows = {m: [json.loads(l) for l in open(f"{sys.argv[1]}/train_offload_{m}_metrics.jsonl")] for m in ("auto", "optimizer")}
+a, b = ({r["step"]: r["loss"] for r in rows[m] if "loss" in r} for m in ("auto", "optimizer"))
+rel = [abs(a[s] - b[s]) / abs(a[s]) for s in sorted(a) if s in b]
+speed = {m: statistics.median(r["tokens_per_s"] for r in rows[m][4:]) for m in rows}
+print(f"RESULT train 1b deterministic, offload 0.5 vs none: {len(rel)} steps, max rel loss diff {max(rel):.2e}, "
+      f"first {rel[0]:.2e}, last {rel[-1]:.2e}; tok/s (median, steps 5-20): none {speed['auto']:,.0f}, "
+      f"offload {speed['optimizer']:,.0f}; grad norms {[round(r.get('grad_norm', 0), 1) for r in rows['optimizer'][:6]]}")
+PYEOF
+  echo "offload_train: $((SECONDS - t0)) s"
 }
 
 for section in "$@"; do
