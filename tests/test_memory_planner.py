@@ -284,7 +284,7 @@ TRANSIENTS = ("block_forward_transient", "block_backward_peak", "embed_backward_
 
 def tp_activation_case(rank, ws, sequence_parallel, seq):
     """A real CPU forward and backward of the two-layer HF model with the manager's tp=2 plan
-    (gloo, 4 ranks as dp=2 x tp=2), measured exactly as the planner measures fake tensors."""
+    (gloo, ``ws`` ranks as dp=ws/2 x tp=2), measured exactly as the planner measures fake tensors."""
     import transformers
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -324,8 +324,10 @@ def test_tensor_parallel_activations(request):
     from mfsdp.memory.activations import measure_hf
 
     # A world of its own: what the shared worlds ran before (other modules' models, dispatch modes,
-    # torchao) has been seen to change what a real run saves in the head.
-    seq, w = 32, World(4)
+    # torchao) has been seen to change what a real run saves in the head. Two ranks: one tp=2 group,
+    # which is all a rank's activations see (a dp axis beside it, dp=2 x tp=2 on four ranks, only
+    # ran the same tp group twice and cost two more spawned ranks).
+    seq, w = 32, World(2)
     request.addfinalizer(w.close)
     activation = 2 * seq * TP_SHAPE["hidden_size"] * 2  # one (batch, seq, hidden) bf16 tensor
     one = measure_hf(_hf_config(), torch.bfloat16, 2, seq, False)

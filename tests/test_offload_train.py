@@ -15,15 +15,25 @@ RUN = [*SMALL, "--parallel.compute_dtype", "bf16", "--data.microbatches", "2", "
 OFFLOAD = ["--parallel.offload", "optimizer", "--parallel.offload_fraction", "0.5"]
 
 
-def test_offloaded_training_matches_and_resumes(corpus, tmp_path):  # noqa: F811
-    plain = tmp_path / "plain"
-    run = torchrun(*RUN, "--data.path", str(corpus), "--train.out_dir", str(plain), "--train.checkpoint_every", "0")
+@pytest.fixture(scope="module")
+def plain(corpus, tmp_path_factory):  # noqa: F811
+    """The run without offload, launched once for both tests below: ``--parallel.offload auto``,
+    which on CPU resolves to no offload (the message says so, ``test_offload_auto_is_none_on_cpu``),
+    so this is also the reference the offloaded run is held to."""
+    out = tmp_path_factory.mktemp("plain")
+    run = torchrun(*RUN, "--parallel.offload", "auto", "--data.path", str(corpus), "--train.out_dir", str(out),
+                   "--train.checkpoint_every", "0")
     assert run.returncode == 0, run.stdout + run.stderr
+    return out, run
+
+
+def test_offloaded_training_matches_and_resumes(corpus, plain, tmp_path):  # noqa: F811
     offloaded = tmp_path / "offloaded"
     run = torchrun(*RUN, *OFFLOAD, "--data.path", str(corpus), "--train.out_dir", str(offloaded),
                    "--train.checkpoint_every", "3")
     assert run.returncode == 0, run.stdout + run.stderr
-    want, got = losses(plain), losses(offloaded)
+    want, got = losses(plain[0]), losses(offloaded)
+    assert "no offload (CPU run)" in plain[1].stdout  # the reference did not offload
     assert sorted(got) == list(range(1, 7))
     for step in got:  # the host's fused AdamW against the device's foreach one: rounding only
         assert got[step] == pytest.approx(want[step], rel=1e-5), (step, got[step], want[step])
@@ -37,8 +47,6 @@ def test_offloaded_training_matches_and_resumes(corpus, tmp_path):  # noqa: F811
         assert again[step] == got[step], (step, again[step], got[step])
 
 
-def test_offload_auto_is_none_on_cpu(corpus, tmp_path):  # noqa: F811
-    run = torchrun(*RUN, "--parallel.offload", "auto", "--train.steps", "1", "--data.path", str(corpus),
-                   "--train.out_dir", str(tmp_path), "--train.checkpoint_every", "0")
-    assert run.returncode == 0, run.stdout + run.stderr
+def test_offload_auto_is_none_on_cpu(plain):
+    _, run = plain
     assert "--parallel.offload auto: no offload (CPU run)" in run.stdout
