@@ -7,8 +7,9 @@ with sequence parallel and the vocabulary-parallel loss), runs ``--warmup`` step
 loop's step (logits kept, fp32 cross entropy plus the MoE load-balancing loss, gradient clipping,
 foreach AdamW, ``zero_grad(set_to_none=True)``), resets the peak and measures one more step. Rank 0
 prints and writes a Markdown table: predicted and measured peak (GiB), the error, and the phase
-the planner names. A tensor-parallel estimate runs in a spawned child process (over a fake
-process group of its own), so it leaves nothing behind in the measured run's process.
+the planner names. Rank 0 makes every point's estimate and sends it to the others (it is the same on
+every rank); a tensor-parallel estimate runs in a spawned child process (over a fake process group of
+its own), so it leaves nothing behind in the measured run's process.
 
     torchrun --nproc-per-node 2 benchmarks/memory_accuracy.py --models 1b 8b --out benchmarks/results/memory_accuracy_ws2.md
     torchrun --nproc-per-node 2 benchmarks/memory_accuracy.py --models hf-1b --tp 2 --placements zero3 zero1
@@ -122,6 +123,11 @@ def main() -> None:
     gpu = torch.cuda.mem_get_info(device)[1] if cuda else float("inf")
     grads = torch.float32 if args.grad_dtype == "fp32" else None
     policy = mfsdp.MixedPrecisionPolicy(main_params_dtype=torch.float32, main_grads_dtype=grads)
+    dist.init_process_group("nccl" if cuda else "gloo", **({"device_id": device} if cuda else {}))
+    # The estimates are the same on every rank (the planner predicts rank 0's memory): rank 0 makes
+    # them and hands them out, so a tensor-parallel point spawns one estimating child, not one per rank.
+    # With the default group up, that estimate runs in its spawned child (``estimate``'s rule), which
+    # leaves nothing in the measured process.
     points = []
     for name, placements, ac, batch, experts in itertools.product(args.models, args.placements, args.ac,
                                                                   args.batches, args.expert_units):
@@ -130,13 +136,18 @@ def main() -> None:
             continue
         tp = args.tp if name.startswith("hf-") else 1
         t0 = time.perf_counter()
-        e = estimate(estimate_target(name), world_size=world, placements=placements, mixed_precision_policy=policy,
-                     local_batch=batch, seq_len=args.seq_len, activation_checkpointing=ac == "on",
-                     expert_units=experts == "on", tensor_parallel=tp, device=args.device)
+        e = None
+        if rank == 0:
+            e = estimate(estimate_target(name), world_size=world, placements=placements,
+                         mixed_precision_policy=policy, local_batch=batch, seq_len=args.seq_len,
+                         activation_checkpointing=ac == "on", expert_units=experts == "on", tensor_parallel=tp,
+                         device=args.device)
         label = (f"{name}{f' tp={tp}' if tp > 1 else ''}{' expert units' if experts == 'on' else ''} {placements} "
                  f"ac={ac} b={batch}")
         points.append((name, placements, ac == "on", batch, experts == "on", tp, label, e, time.perf_counter() - t0))
-    dist.init_process_group("nccl" if cuda else "gloo", **({"device_id": device} if cuda else {}))
+    box = [points]
+    dist.broadcast_object_list(box, src=0)
+    points = box[0]
     rows = []
     for name, placements, ac, batch, experts, tp, label, e, plan_s in points:
         if e.device_bytes > gpu:
