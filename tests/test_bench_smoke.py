@@ -60,7 +60,11 @@ def test_throughput_smoke_two_ranks(tmp_path):
 
 def test_throughput_hsdp_four_ranks(tmp_path):
     """--replicate 2 on four ranks: HSDP 2 x 2 for both FSDP implementations, named in the report."""
-    _, records = run_tiny(tmp_path, 4, "--impl", "mfsdp,fsdp2", "--steps", "2", "--seq", "32", "--replicate", "2")
+    # --in-process (here and in the MoE row): both rows in the four torchrun processes instead of a
+    # fresh set of four workers each; run_one is the same, and the fresh-worker launch is what
+    # test_throughput_smoke_two_ranks and test_throughput_float8_row (torchao's patches) go through.
+    _, records = run_tiny(tmp_path, 4, "--impl", "mfsdp,fsdp2", "--steps", "2", "--seq", "32", "--replicate", "2",
+                          "--in-process")
     assert records["mfsdp"]["status"] == "ok" and records["fsdp2"]["status"] == "ok", records
     assert "Placements.hsdp" in records["mfsdp"]["setup"] and "HSDP 2 x 2" in records["fsdp2"]["setup"]
     assert all(r["replicate"] == 2 and r["world_size"] == 4 and r["loss_finite"] for r in records.values())
@@ -167,7 +171,7 @@ def test_scaling_table_efficiency_and_ratios(tmp_path, monkeypatch):
 def test_throughput_moe_row(tmp_path):
     """The MoE preset runs for mfsdp and for FSDP2 (with zeros for unused experts), with the
     load-balancing loss; ranks draw different tokens, so they route to different experts."""
-    _, records = run_tiny(tmp_path, 2, "--impl", "mfsdp,fsdp2", "--steps", "2", "--seq", "32",
+    _, records = run_tiny(tmp_path, 2, "--impl", "mfsdp,fsdp2", "--steps", "2", "--seq", "32", "--in-process",
                           preset="moe-tiny")
     for impl in ("mfsdp", "fsdp2"):
         rec = records[impl]

@@ -9,8 +9,11 @@ from test_bench_smoke import REQUIRED_KEYS, run_tiny
 
 
 def test_offload_rows_run_side_by_side(tmp_path):
+    # --in-process: the four rows in the torchrun processes, not four fresh sets of workers (each
+    # importing torch on both ranks); the rows' code (run_one) is the same, and the fresh-worker
+    # launch they would go through is the one test_bench_smoke's tests run.
     _, records = run_tiny(tmp_path, 2, "--impl", "mfsdp,mfsdp-offload,fsdp2,fsdp2-offload", "--steps", "3",
-                          "--seq", "32", "--microbatches", "2", "--offload", "0.5")
+                          "--seq", "32", "--microbatches", "2", "--offload", "0.5", "--in-process")
     assert set(records) == {"mfsdp", "mfsdp-offload", "fsdp2", "fsdp2-offload"}
     for impl, rec in records.items():
         assert rec["status"] == "ok", (impl, rec["status"])
