@@ -53,6 +53,12 @@ def _worker(rank: int, world_size: int, backend: str, init_file: str, tasks, res
         except BaseException:  # report everything, keep serving
             results.put((rank, False, traceback.format_exc()))
     dist.destroy_process_group()
+    # Leave without interpreter finalization (as ``python -m mfsdp.train`` does): every result was
+    # read by the parent before it sent the stop, and tearing down torch's state (inductor's
+    # compile workers, the modules of every case run here) took seconds per world at session end.
+    results.close()
+    results.join_thread()
+    os._exit(0)
 
 
 class _Hung(AssertionError):
