@@ -397,6 +397,26 @@ PYEOF
   echo "offload_train: $((SECONDS - t0)) s"
 }
 
+section_fp8_ab() {  # the 1b FP8 row at HEAD beside .carry/base (a worktree of an earlier tree), one job
+  local rows="--preset 1b --local-batch 2 --seq 4096 --compile --steps 8 --warmup 3 --float8 tensorwise --fp8-all-gather"
+  IMPL_TIMEOUT=100 bench "$ROOT" mfsdp $rows
+  IMPL_TIMEOUT=100 bench "$ROOT/.carry/base" mfsdp $rows
+  grep -h '^| mfsdp ' "$OUT/bench.log"
+}
+
+section_offload16k() {  # issue 21 at 16k tokens per step (1 x 4096 x 4), no AC, compiled: what fits without
+  # offload, and small offload fractions (the CPU step shrinks with the fraction; the freed memory still pays
+  # for dropping AC). Each row is skipped when too little of the call's 600 s is left.
+  local C="--preset 8b --seq 4096 --local-batch 1 --compile --grad-reduce-dtype bf16 --microbatches 4 --warmup 2 --steps 4"
+  for row in "mfsdp" ${OFFLOAD_FS:-0.12 0.18}; do
+    local left=$((585 - SECONDS))
+    if [ $left -lt 150 ]; then echo "offload16k $row: skipped, ${left} s left"; continue; fi
+    if [ "$row" = mfsdp ]; then IMPL_TIMEOUT=130 bench "$ROOT" mfsdp $C
+    else IMPL_TIMEOUT=130 bench "$ROOT" mfsdp-offload $C --offload "$row" --offload-threads 14; fi
+  done
+  grep -h '^| mfsdp' "$OUT/bench.log"
+}
+
 for section in "$@"; do
   echo "== $section $(date +%T)"
   "section_$section"
