@@ -124,12 +124,11 @@ class GradientReducer:
         self.layout, self.geometry, self.dtypes = layout, geometry, dtypes
         self._divide_factor, self._collective, self._device = divide_factor, collective, device
         self.plan = ReductionPlan.compile(geometry)
-        n = len(params)
         # Beside the gradients, each reduction carries K rows of per-parameter usage counts and the
         # reduction tag, as int64 scaled so that every average stays an exact integer (see
         # ``tag_check``). Reduced with the gradients, the counts tell every rank whether *any* rank
         # produced a gradient, so a parameter unused everywhere keeps .grad None, as in plain PyTorch.
-        self.usage_layout = usage_layout(n, geometry.num_shards)
+        self.usage_layout = usage_layout(len(params), geometry.num_shards)
         self.set_tags(1, 1)
         self.reduction_nbytes = reduction_nbytes(layout, dtypes.comm)
         self.main_grad: Optional[FlatBuffer] = None
@@ -176,23 +175,21 @@ class GradientReducer:
         Gradients are dead between the optimizer step and the next backward; FSDP2 frees them too.
         With ``zero_grad(set_to_none=False)`` the buffer stays, persistent and zeroed in place.
         """
-        if self.main_grad is not None and self.main_grad.is_allocated:
-            if all(p.grad is None for p in self.sharded_params):
-                self.main_grad.release()
+        main_grad = self.main_grad
+        if main_grad is not None and main_grad.is_allocated and all(p.grad is None for p in self.sharded_params):
+            main_grad.release()
 
     def _main_grad_regions(self) -> list[torch.Tensor]:
         """The optimizer-level gradient regions, then the usage row."""
         g = self.geometry
-        if self.main_grad is not None and not self.main_grad.is_allocated:
-            self.main_grad.allocate()  # every .grad is None, so the next write overwrites it all
-        if self.main_grad is None:
+        if self.main_grad is None:  # zeros, like the usage row
             self.main_grad = FlatBuffer(self.layout.numel(g.num_shards), self.dtypes.grads, self._device)
-            self.main_grad.tensor.zero_()
             self._usage_main = torch.zeros(self.usage_layout.numel(g.num_shards), dtype=torch.int64,
                                            device=self._device)
             regions = self.layout.regions(self.main_grad.tensor, g.num_shards)
             self._main_grad_views = regions + [self._usage_main]
             self._grad_dtensors = exposed_dtensors(self.params, self.layout.shards(regions, g.shard_index), self._specs)
+        self.main_grad.allocate()  # after a release every .grad is None, so the next write overwrites it all
         return self._main_grad_views
 
     def _claim_main_grad(self) -> tuple[list[torch.Tensor], bool]:
@@ -237,33 +234,25 @@ class GradientReducer:
         self._missing_seen = self._missing_seen or bool(missing)  # rare: a parameter had no gradient
         inputs.append(self._usage_input(first.scale, missing, first.reduces_in_place))
         keep.append(inputs)
-        if plan.every_backward is None:
-            self._run(inputs, plan.last_microbatch, *self._claim_main_grad(), record_tag)
+        target = self._accumulator_regions() if plan.into_accumulator else self._claim_main_grad()
+        self._run(inputs, first, *target, record_tag)
+        if not plan.into_accumulator:
             self._expose()
-            return keep
-        if plan.into_accumulator:
-            self._run(inputs, plan.every_backward, *self._accumulator_regions(), record_tag)
-        else:
-            self._run(inputs, plan.every_backward, *self._claim_main_grad(), record_tag)
-            self._expose()
-        if is_last and plan.last_microbatch is not None:
+        if is_last and first is plan.every_backward and plan.last_microbatch is not None:
             self._finish_last_microbatch(plan.last_microbatch, record_tag)
         return keep
 
     def _finish_last_microbatch(self, path: ReductionPath, record_tag: Callable) -> None:
         g = self.geometry
         if path.source is Source.ACCUMULATOR:
-            ways = g.ways(g.grad_level)
-            inputs = self._regions_at(ways, self._in_comm_dtype(self._accum.tensor), self._usage_accum)
+            inputs = self._regions_at(g.ways(g.grad_level), self._in_comm_dtype(self._accum.tensor), self._usage_accum)
             self._accum_empty = True
             self._run(inputs, path, *self._claim_main_grad(), record_tag)
-        else:  # Source.MAIN: all-reduce the main gradient in place
+        else:  # Source.MAIN: all-reduce the main gradient in place (its own target: nothing to copy)
             self._main_grad_regions()
             flat = self._in_comm_dtype(self.main_grad.tensor)
             regions = self._regions_at(g.num_shards, flat, self._usage_main)
-            for stage in path.stages:
-                self._collective(stage.kind, regions, None, stage.group)
-            record_tag(self._tag_columns(regions[-1]), self._expected_tags[path.scale])
+            self._run(regions, path, regions, True, record_tag)
             if flat is not self.main_grad.tensor:
                 self.main_grad.tensor.copy_(flat)
         self._expose()
@@ -279,12 +268,9 @@ class GradientReducer:
             if stage.kind == "all_reduce":
                 self._collective("all_reduce", regions, None, stage.group)
                 continue
-            if i == last_scatter and direct:
-                outs = target
-            else:
-                outs = self._regions_at(
-                    stage.ways, torch.empty(self.layout.numel(stage.ways), dtype=regions[0].dtype, device=self._device),
-                    torch.empty(self.usage_layout.numel(stage.ways), dtype=torch.int64, device=self._device))
+            outs = target if i == last_scatter and direct else self._regions_at(
+                stage.ways, torch.empty(self.layout.numel(stage.ways), dtype=regions[0].dtype, device=self._device),
+                torch.empty(self.usage_layout.numel(stage.ways), dtype=torch.int64, device=self._device))
             self._collective("reduce_scatter", outs, regions, stage.group)
             regions = outs
         if path.divide and self._divide_factor != 1.0:
