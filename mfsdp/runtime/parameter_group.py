@@ -73,9 +73,8 @@ class FsdpParameterGroup:
         self.weights_ready: Optional[torch.Event] = None
         self.issue = CollectiveIssuer(label, policy.coalesce, policy.check_collectives
                                       or os.environ.get("MFSDP_CHECK_COLLECTIVES", "0") not in ("", "0"))
-        device = params[0].device
-        if device.type == "meta":  # built without storage: shards are allocated here, then initialised
-            device = geometry.device
+        # Built without storage (meta): the shards are allocated on the mesh's device, then initialised.
+        device = geometry.device if params[0].device.type == "meta" else params[0].device
         g = geometry
         # Tensor-parallel parameters: FSDP works on their local shards, the DTensor keeps its axes.
         locals_ = [local_tensor(p) for p in params]
@@ -95,20 +94,17 @@ class FsdpParameterGroup:
         level_ways = g.ways(g.param_level)
         self.main_aliases_model, self.model_on_the_fly = choose_model_buffer(dtypes, g.num_levels, g.param_level)
         self.main = FlatBuffer(self.layout.numel(g.num_shards), dtypes.main, device)
-        self.model: Optional[FlatBuffer] = (
-            self.main if self.main_aliases_model
-            else None if self.model_on_the_fly
-            else FlatBuffer(self.layout.numel(level_ways), dtypes.compute, device)
-        )
+        self.model: Optional[FlatBuffer] = (self.main if self.main_aliases_model else None if self.model_on_the_fly
+                                            else FlatBuffer(self.layout.numel(level_ways), dtypes.compute, device))
         # The unsharded buffer's layout: bytes with a view per member's dtype when encoded.
         self._gather_layout = self.layout if self.encoded is None else self.encoded.layout
-        self.unsharded = (
-            self.model if g.param_level == 0 else FlatBuffer(
-                self._gather_layout.numel(1), dtypes.compute if self.encoded is None else torch.uint8, device)
-        )
-        self._model_regions = self.layout.regions(self.model.tensor, level_ways) if self.model else None
+        self.unsharded = self.model if g.param_level == 0 else FlatBuffer(
+            self._gather_layout.numel(1), dtypes.compute if self.encoded is None else self._gather_layout.dtype, device)
         self._unsharded_regions = self._gather_layout.regions(self.unsharded.tensor, 1)
         self._main_regions = self.layout.regions(self.main.tensor, g.num_shards)
+        # What unshard gathers from: the compute weights at rest, or the main weights cast on the fly.
+        self._model_regions = (self._main_regions if self.model is None
+                               else self.layout.regions(self.model.tensor, level_ways))
         with torch.no_grad():
             for i, (t, m) in enumerate(zip(locals_, self.layout.members)):
                 if t.is_meta:
@@ -124,14 +120,13 @@ class FsdpParameterGroup:
                     DTensor.from_local(view, p.device_mesh, p.placements, run_check=False,
                                        shape=p.shape, stride=p.stride()),
                     requires_grad=p.requires_grad)
-            elif p.is_meta:  # no storage to re-point: a new Parameter, then re-pointed like the rest
-                # (assigning .data keeps the Parameter's own version counter, so gathers into the
-                # buffer do not look like in-place edits of tensors autograd saved)
-                self.params[i] = nn.Parameter(torch.empty(0, dtype=view.dtype, device=view.device),
-                                              requires_grad=p.requires_grad)
-                self.params[i].data = view
-            else:
-                p.data = view  # the original Parameter now lives in the unsharded buffer
+            else:  # the original Parameter now lives in the unsharded buffer
+                if p.is_meta:  # no storage to re-point: a new Parameter, then re-pointed like the rest
+                    # (assigning .data keeps the Parameter's own version counter, so gathers into the
+                    # buffer do not look like in-place edits of tensors autograd saved)
+                    p = self.params[i] = nn.Parameter(torch.empty(0, dtype=view.dtype, device=view.device),
+                                                      requires_grad=p.requires_grad)
+                p.data = view
         self._slot = None  # a persistent gather slot (double buffering), bound by the context
         if self.unsharded is not self.model:
             self.unsharded.release()  # views stay valid: the storage object is kept
@@ -172,15 +167,11 @@ class FsdpParameterGroup:
 
     def gather_key(self) -> Optional[tuple]:
         """(numel, dtype, device) of the unsharded buffer, or None where nothing is gathered."""
-        if self.unsharded is self.model:
-            return None
-        t = self.unsharded.tensor
-        return (t.numel(), t.dtype, t.device)
+        return None if self.unsharded is self.model else _tensor_key(self.unsharded.tensor)
 
     def bind_gather_slot(self, slot) -> None:
         """Gather into ``slot`` (see ``gather_slots``) from now on: re-point the parameters once."""
-        assert self.gather_key() == (
-            slot.tensor.numel(), slot.tensor.dtype, slot.tensor.device), (self.label, slot.label)
+        assert self.gather_key() == _tensor_key(slot.tensor), (self.label, slot.label)
         self.unsharded.release()
         self.unsharded = FlatBuffer.over(slot.tensor)
         self._unsharded_regions = self._gather_layout.regions(slot.tensor, 1)
@@ -206,12 +197,10 @@ class FsdpParameterGroup:
         if self.unsharded is not self.model:
             with torch.no_grad(), stream_context(stream):
                 self.unsharded.allocate()  # allocated on the all-gather stream, freed there too
-                if not self.model_on_the_fly:
-                    self._gather(self._model_regions, g.param_level, self._unsharded_regions, stream)
-                elif g.num_shards == 1 and self.encoded is None:
+                if self.model_on_the_fly and g.num_shards == 1 and self.encoded is None:
                     self.unsharded.tensor.copy_(self.main.tensor)  # one rank: cast straight into place
-                else:  # the first gather casts the main shard into its own block of the output
-                    self._gather(self._main_regions, g.param_level, self._unsharded_regions, stream)
+                else:  # on the fly, the first gather casts the main shard into its own block of the output
+                    self._gather(self._model_regions, g.param_level, self._unsharded_regions, stream)
                 if self.encoded is not None:
                     self.encoded.decode(self.params)
 
@@ -274,21 +263,18 @@ class FsdpParameterGroup:
         g = self.geometry
         encoded = self.encoded if self.encoded is not None and out_regions is self._unsharded_regions else None
         layout = self.layout if encoded is None else encoded.layout
+        dtype = out_regions[0].dtype if encoded is None else layout.dtype  # of the intermediate levels
         for j in range(level - 1, stop - 1, -1):
-            if j == stop:
-                outs = out_regions
-            else:
-                outs = layout.regions(torch.empty(layout.numel(g.ways(j)), device=regions[0].device,
-                                                  dtype=out_regions[0].dtype if encoded is None else layout.dtype),
-                                      g.ways(j))
+            outs = out_regions if j == stop else layout.regions(
+                torch.empty(layout.numel(g.ways(j)), dtype=dtype, device=regions[0].device), g.ways(j))
             if encoded is None:
-                self.issue("all_gather", outs, regions, g.groups[j], stream)
+                outs_and_ins = (outs, regions)
             elif j == level - 1:  # this rank's shard, encoded in place: gathered as bytes
-                self.issue("all_gather", *encoded.encode(regions, outs, g.groups[j], g.groups[:level],
-                                                         self._weights_epoch, j == stop), g.groups[j], stream)
+                outs_and_ins = encoded.encode(regions, outs, g.groups[j], g.groups[:level], self._weights_epoch,
+                                              j == stop)
             else:
-                self.issue("all_gather", gather_codec.as_bytes(outs), gather_codec.as_bytes(regions),
-                           g.groups[j], stream)
+                outs_and_ins = (gather_codec.as_bytes(outs), gather_codec.as_bytes(regions))
+            self.issue("all_gather", *outs_and_ins, g.groups[j], stream)
             regions = outs
 
     # -------------------------------------------------------------------------- gradients
@@ -324,6 +310,10 @@ def choose_model_buffer(dtypes: ResolvedDtypes, num_levels: int, param_level: in
     predicts the buffers from the same choice the runtime makes."""
     main_aliases_model = dtypes.main == dtypes.compute and num_levels == param_level
     return main_aliases_model, not main_aliases_model and num_levels == param_level > 0
+
+
+def _tensor_key(t: torch.Tensor) -> tuple:
+    return (t.numel(), t.dtype, t.device)
 
 
 def local_tensor(param: torch.Tensor) -> torch.Tensor:
