@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import math
-from typing import Mapping, Optional, Sequence
+from typing import Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -68,7 +69,6 @@ class ShardGeometry(Levels):
         self.deferred_all_reduce_groups = [mesh.get_group(self.dims[i]) for i in placements.deferred_all_reduce]
         self.shard_index = self.index(self.num_levels)
         self._order = order
-        self._exposed: Optional[tuple] = None  # (mesh, placements, dim map), built on first use
 
     @property
     def device(self) -> torch.device:
@@ -93,13 +93,13 @@ class ShardGeometry(Levels):
         on the mesh (2-D ZeRO-3) that is torch's flattened mesh; otherwise (HFSDP, or other axes
         such as tensor parallel beside them) a mesh of its own, see ``shard_order_mesh``.
         """
-        if self._exposed is None:
-            self._exposed = self._build_dtensor_spec()
         mesh, placements, _ = self._exposed
         return mesh, list(placements)
 
-    def _build_dtensor_spec(self) -> tuple[DeviceMesh, list, dict]:
-        """(mesh, placements, {user mesh dim: exposed mesh dim} for the dims mfsdp does not shard)."""
+    @functools.cached_property
+    def _exposed(self) -> tuple[DeviceMesh, list, dict]:
+        """(mesh, placements, {user mesh dim: exposed mesh dim} for the dims mfsdp does not shard),
+        built on first use (``shard_order_mesh`` may create process groups)."""
         others = [d for d in range(self.mesh.ndim) if d not in self.dims]
         placements = [Replicate()] * self.mesh.ndim
         for pos, dim in enumerate(self.dims):
@@ -199,9 +199,8 @@ class ShardGeometry(Levels):
         mesh, placements, _ = spec
         rows = member.rows_of_shard(self.shard_index)
         want_shape = (rows,) + tuple(member.shape[1:])
-        want_offset = [0] * len(param.shape)
-        if isinstance(param, DTensor):
-            want_offset = list(_compat.local_shape_and_offset(param.shape, param.device_mesh, param.placements)[1])
+        want_offset = (list(_compat.local_shape_and_offset(param.shape, param.device_mesh, param.placements)[1])
+                       if isinstance(param, DTensor) else [0] * len(param.shape))
         want_offset[0] += min(member.rows, member.chunk_rows * self.shard_index)
         got_shape, got_offset = _compat.local_shape_and_offset(param.shape, mesh, placements)
         if got_shape == want_shape and (rows == 0 or list(got_offset) == want_offset):
@@ -250,11 +249,9 @@ def shard_order_mesh(mesh: DeviceMesh, order_dims: Sequence[int]) -> DeviceMesh:
                            "HSDP, or ZeRO over one data-parallel axis")
     names = list(mesh.mesh_dim_names or (f"dim{d}" for d in range(mesh.ndim)))
     flat_name = "_".join(names[d] for d in order_dims) + "_in_shard_order"
-    if others:
-        exposed = DeviceMesh.from_group([group] + [mesh.get_group(d) for d in others], mesh.device_type,
-                                        mesh=ranks, mesh_dim_names=(flat_name, *(names[d] for d in others)))
-    else:
-        exposed = DeviceMesh.from_group(group, mesh.device_type, mesh=ranks, mesh_dim_names=(flat_name,))
+    groups = [group] + [mesh.get_group(d) for d in others]  # with no other dims: ``group`` alone, 1-D
+    exposed = DeviceMesh.from_group(groups if others else group, mesh.device_type, mesh=ranks,
+                                    mesh_dim_names=(flat_name, *(names[d] for d in others)))
     _SHARD_ORDER_MESHES[key] = (dist.group.WORLD, exposed)
     return exposed
 
