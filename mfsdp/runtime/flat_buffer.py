@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Optional, Sequence
+from typing import Sequence
 
 import torch
 
@@ -61,13 +61,9 @@ class FlatLayout:
         members = []
         for shape in shapes:
             if len(shape) == 0:
-                raise NotImplementedError(
-                    "0-dim parameters cannot be sharded along dim 0; reshape them to (1,)"
-                )
-            rows = shape[0]
-            row_numel = math.prod(shape[1:])
-            chunk = max(1, -(-rows // num_shards))
-            members.append(MemberLayout(torch.Size(shape), rows, row_numel, chunk, num_shards))
+                raise NotImplementedError("0-dim parameters cannot be sharded along dim 0; reshape them to (1,)")
+            chunk = max(1, -(-shape[0] // num_shards))  # ceil(rows / K), at least one row
+            members.append(MemberLayout(torch.Size(shape), shape[0], math.prod(shape[1:]), chunk, num_shards))
         self.members: tuple[MemberLayout, ...] = tuple(members)
         self.num_shards = num_shards
 
@@ -79,13 +75,12 @@ class FlatLayout:
         assert self.num_shards % ways == 0, (ways, self.num_shards)
         return member.padded_rows // ways * member.row_numel
 
-    def regions(self, flat: torch.Tensor, ways: int, members: Optional[range] = None) -> list[torch.Tensor]:
+    def regions(self, flat: torch.Tensor, ways: int) -> list[torch.Tensor]:
         """1-D views of every member's region in ``flat``, a level split ``ways`` ways."""
         views, offset = [], 0
-        for i, member in enumerate(self.members):
+        for member in self.members:
             size = self._member_numel(member, ways)
-            if members is None or i in members:
-                views.append(flat[offset : offset + size])
+            views.append(flat[offset : offset + size])
             offset += size
         return views
 
@@ -140,9 +135,6 @@ class ByteLayout:
         return [flat[offset : offset + numel * dtype.itemsize].view(dtype)
                 for offset, numel, dtype in self._spans(ways)]
 
-    def unpadded(self, regions: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        return self.layout.unpadded(regions)
-
 
 class FlatBuffer:
     """A 1-D tensor whose storage can be released and re-allocated in place.
@@ -188,10 +180,9 @@ def pack_gradients(grads, members, dtype: torch.dtype, device) -> tuple[list, li
     regions): every gradient, since the producer's stream must not reuse one before its copy ran,
     and the staging buffer.
     """
-    staged = [i for i, (gr, m) in enumerate(zip(grads, members))
-              if gr is None or m.is_padded or gr.dtype != dtype or not gr.is_contiguous()]
-    copied = set(staged)
-    regions: list = [None if i in copied else gr.view(-1) for i, gr in enumerate(grads)]
+    regions: list = [None if gr is None or m.is_padded or gr.dtype != dtype or not gr.is_contiguous() else gr.view(-1)
+                     for gr, m in zip(grads, members)]
+    staged = [i for i, region in enumerate(regions) if region is None]  # filled from the staging buffer
     keep: list = [gr for gr in grads if gr is not None]
     if staged:
         sizes = [members[i].padded_rows * members[i].row_numel for i in staged]
