@@ -26,9 +26,8 @@ from mfsdp.runtime.errors import MISMATCH_HELP, CollectiveMismatchError
 
 def stream_context(stream: Optional[torch.Stream]):
     """``with`` the given stream current, or a no-op on devices without streams (CPU)."""
-    if stream is None:
-        return contextlib.nullcontext()
-    return torch.cuda.stream(stream) if stream.device.type == "cuda" else contextlib.nullcontext()
+    on_cuda = stream is not None and stream.device.type == "cuda"
+    return torch.cuda.stream(stream) if on_cuda else contextlib.nullcontext()
 
 
 def _native_average(group) -> bool:

@@ -132,9 +132,6 @@ class EncodedGather:
     def wrap(self, index: int, param: nn.Parameter, view: torch.Tensor) -> nn.Parameter:
         return self.codec.wrap(self._position[index], param, view)
 
-    def repoint(self, param: nn.Parameter, view: torch.Tensor) -> None:
-        self.codec.repoint(param, view)
-
     def encode(self, sources: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], group, groups: Sequence,
                weights_epoch: int, persistent: bool) -> tuple[list, list]:
         """Write this rank's shard of every member into its block of ``outputs`` (the tagged ones

@@ -177,7 +177,7 @@ class FsdpParameterGroup:
         self._unsharded_regions = self._gather_layout.regions(slot.tensor, 1)
         for i, (p, view) in enumerate(zip(self.params, self.layout.unpadded(self._unsharded_regions))):
             if self.encoded is not None and self.encoded.wraps(i):
-                self.encoded.repoint(p, view)
+                self.encoded.codec.repoint(p, view)
             elif isinstance(p, DTensor):
                 _compat.set_dtensor_local(p, view)
             else:
@@ -336,19 +336,16 @@ def _local_grads(params) -> list[Optional[torch.Tensor]]:
     partial_sums: dict[tuple, list[torch.Tensor]] = {}
     for param in params:
         grad = param.grad
-        if grad is None or not isinstance(grad, DTensor):
+        if not isinstance(grad, DTensor):  # None included
             out.append(grad)
             continue
         differ = [d for d, (g, q) in enumerate(zip(grad.placements, param.placements)) if g != q]
-        if not differ:
-            out.append(grad.to_local())
-        elif all(isinstance(grad.placements[d], Partial) and grad.placements[d].reduce_op == "sum"
-                 and isinstance(param.placements[d], Replicate) for d in differ):
-            local = grad.to_local()  # summed in place below; the gradient DTensor is dropped next
+        summed = all(isinstance(grad.placements[d], Partial) and grad.placements[d].reduce_op == "sum"
+                     and isinstance(param.placements[d], Replicate) for d in differ)  # True where none differ
+        local = grad.to_local() if summed else grad.redistribute(placements=param.placements).to_local()
+        if differ and summed:  # summed in place below; the gradient DTensor is dropped next
             partial_sums.setdefault((grad.device_mesh, tuple(differ)), []).append(local)
-            out.append(local)
-        else:
-            out.append(grad.redistribute(placements=param.placements).to_local())
+        out.append(local)
     for (mesh, dims), tensors in partial_sums.items():
         for d in dims:
             sum_in_place(tensors, mesh.get_group(d))
