@@ -58,8 +58,7 @@ def all_gather(
     if not inputs:
         return
     with stream_context(stream):
-        size = dist.get_world_size(group)
-        if size == 1:
+        if dist.get_world_size(group) == 1:
             _compat.foreach_copy_(list(outputs), list(inputs))
             return
         if inputs[0].dtype != outputs[0].dtype:
@@ -110,9 +109,8 @@ def _reduce_scatter_by_all_reduce(outputs, inputs, group, size: int) -> None:
     (a block of nine tensors: 12 ms against 1.8 ms for this, on two CPU ranks); in host memory the
     extra bytes of an all-reduce cost less than the per-operation latency."""
     rank = dist.get_rank(group)
-    pairs = list(zip(outputs, inputs))
     for dtype in dict.fromkeys(inp.dtype for inp in inputs):
-        batch = [(out, inp) for out, inp in pairs if inp.dtype == dtype]
+        batch = [(out, inp) for out, inp in zip(outputs, inputs) if inp.dtype == dtype]
         flat = torch.cat([inp.reshape(-1) for _, inp in batch])
         dist.all_reduce(flat, group=group)
         offset, blocks = 0, []

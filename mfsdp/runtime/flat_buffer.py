@@ -86,15 +86,16 @@ class FlatLayout:
 
     def unpadded(self, regions: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """The real rows of fully gathered regions, shaped like the members."""
-        return [r[: m.rows * m.row_numel].view(m.shape) for r, m in zip(regions, self.members)]
+        return [_first_rows(r, m, m.rows) for r, m in zip(regions, self.members)]
 
     def shards(self, regions: Sequence[torch.Tensor], index: int) -> list[torch.Tensor]:
         """The real rows of optimizer shard ``index`` in optimizer-level regions."""
-        out = []
-        for r, m in zip(regions, self.members):
-            rows = m.rows_of_shard(index)
-            out.append(r[: rows * m.row_numel].view((rows,) + tuple(m.shape[1:])))
-        return out
+        return [_first_rows(r, m, m.rows_of_shard(index)) for r, m in zip(regions, self.members)]
+
+
+def _first_rows(region: torch.Tensor, member: MemberLayout, rows: int) -> torch.Tensor:
+    """The first ``rows`` rows of a member's 1-D ``region``, shaped like the member's rows."""
+    return region[: rows * member.row_numel].view((rows,) + tuple(member.shape[1:]))
 
 
 class ByteLayout:
@@ -192,13 +193,11 @@ def pack_gradients(grads, members, dtype: torch.dtype, device) -> tuple[list, li
         dst, src, zero = [], [], []
         for i, region in zip(staged, torch.split(buf, sizes)):
             regions[i] = region
-            real = members[i].rows * members[i].row_numel
-            if grads[i] is None:
-                zero.append(region)
-                continue
-            dst.append(region[:real].view(grads[i].shape))
-            src.append(grads[i])
-            if real < region.numel():
+            real = 0 if grads[i] is None else members[i].rows * members[i].row_numel
+            if grads[i] is not None:
+                dst.append(region[:real].view(grads[i].shape))
+                src.append(grads[i])
+            if real < region.numel():  # padding, or the whole region of a missing gradient
                 zero.append(region[real:])
         if dst:
             _compat.foreach_copy_(dst, src)

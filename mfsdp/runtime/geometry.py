@@ -140,8 +140,7 @@ class ShardGeometry(Levels):
         names = list(self.mesh.mesh_dim_names or ())
         dp_dims = [d for d, pl in enumerate(placements) if isinstance(pl, Shard) or _compat.is_strided_shard(pl)]
         tp_dim0 = []
-        for own_dim, placement in enumerate(param.placements):
-            name = param.device_mesh.mesh_dim_names[own_dim]
+        for name, placement in zip(param.device_mesh.mesh_dim_names, param.placements):
             dim = exposed_dim.get(names.index(name)) if name in names else None
             if dim is None:
                 raise NotImplementedError(

@@ -278,8 +278,8 @@ class GradientReducer:
         record_tag(self._tag_columns(regions[-1]), self._expected_tags[path.scale])
         if regions is not target:
             (_compat.foreach_copy_ if overwrite else _compat.foreach_add_)(target, regions)
-        following = self.plan.last_microbatch if path is self.plan.every_backward else None
-        if following is not None:  # only a later path reads the target's tag columns
+        following = self.plan.last_microbatch
+        if path is self.plan.every_backward and following is not None:  # only a later path reads them
             self._tag_columns(target[-1]).copy_(self._expected_tags[following.scale])
 
     def _in_comm_dtype(self, flat: torch.Tensor) -> torch.Tensor:
