@@ -68,7 +68,6 @@ class ShardGeometry(Levels):
         self.grad_all_reduce_groups = [mesh.get_group(self.dims[i]) for i in placements.grad_all_reduced]
         self.deferred_all_reduce_groups = [mesh.get_group(self.dims[i]) for i in placements.deferred_all_reduce]
         self.shard_index = self.index(self.num_levels)
-        self._order = order
 
     @property
     def device(self) -> torch.device:
@@ -106,7 +105,7 @@ class ShardGeometry(Levels):
             placements[dim] = self.placements.optimizer[pos]
         if self.num_levels <= 1:
             return self.mesh, placements, {d: d for d in others}
-        order_dims = [self.dims[i] for i in self._order]
+        order_dims = [self.dims[i] for i in self.placements.shard_order]
         if order_dims == sorted(order_dims) and not others:
             return _compat.flatten_mesh(self.mesh), [Shard(0)], {}
         if _compat.supports_ordered_groups():

@@ -202,12 +202,11 @@ class GradientReducer:
         grads = [p.grad for p in self.sharded_params]
         if all(gr is None for gr in grads):
             return regions, True
-        usage = regions[-1]
         with torch.no_grad():
             for i, (gr, mine) in enumerate(zip(grads, self._grad_dtensors)):
                 if gr is None:
                     regions[i].zero_()
-                    usage[i : i + 1].zero_()
+                    regions[-1][i : i + 1].zero_()  # its usage count
                 elif gr is not mine:
                     mine.to_local().copy_(gr.to_local() if isinstance(gr, DTensor) else gr)
         return regions, False
