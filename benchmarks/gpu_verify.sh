@@ -417,6 +417,38 @@ section_offload16k() {  # issue 21 at 16k tokens per step (1 x 4096 x 4), no AC,
   grep -h '^| mfsdp' "$OUT/bench.log"
 }
 
+section_adamw_floor() {  # ONE GPU, <= 5 min: how far torch's own exact AdamW kernels drift apart. `mfsdp train`
+  # 1b, 20 steps, deterministic: fused CUDA AdamW (auto) twice, foreach CUDA AdamW, and half the units on
+  # the host (fused CPU AdamW); the losses of each against the first run (issue 21's 1e-5 target).
+  local t0=$SECONDS
+  python3 -m mfsdp.cli prepare-data stdlib /tmp/stdlib.tokens > /dev/null 2>&1
+  local A=(--nproc-per-node 1 --model.preset 1b --data.local_batch 2 --data.seq_len 4096 --data.path /tmp/stdlib.tokens
+    --train.steps 20 --train.sample_tokens 0 --train.checkpoint_every 0 --train.progress false --train.eval_every 0
+    --parallel.deterministic true)
+  local -A RUNS=([fused]="" [fused_again]="" [foreach]="--train.adamw_kernel foreach"
+    [offload]="--parallel.offload optimizer --parallel.offload_fraction 0.5")
+  for run in fused fused_again foreach offload; do
+    rm -rf /tmp/floor_$run
+    timeout 100 python3 -m mfsdp.cli train "${A[@]}" ${RUNS[$run]} --train.out_dir /tmp/floor_$run \
+      > "$OUT/floor_$run.log" 2>&1; echo "train 1b $run rc=$?"
+    cp /tmp/floor_$run/metrics.jsonl "$OUT/floor_${run}_metrics.jsonl" 2>/dev/null; rm -rf /tmp/floor_$run
+  done
+  python3 - "$OUT" <<'PYEOF'
+import json, os, sys
+loss = {}
+for run in ("fused", "fused_again", "foreach", "offload"):
+    path = f"{sys.argv[1]}/floor_{run}_metrics.jsonl"
+    if os.path.exists(path):
+        loss[run] = {r["step"]: r["loss"] for r in map(json.loads, open(path)) if "loss" in r}
+for run in ("fused_again", "foreach", "offload"):
+    if run in loss and "fused" in loss:
+        rel = [abs(loss[run][s] - loss["fused"][s]) / abs(loss["fused"][s]) for s in sorted(loss["fused"]) if s in loss[run]]
+        print(f"RESULT {run} against fused: {len(rel)} steps, max rel loss diff {max(rel):.2e}, at step 5 "
+              f"{rel[4]:.2e}, last {rel[-1]:.2e}")
+PYEOF
+  echo "adamw_floor: $((SECONDS - t0)) s"
+}
+
 for section in "$@"; do
   echo "== $section $(date +%T)"
   "section_$section"

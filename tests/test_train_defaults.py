@@ -88,3 +88,21 @@ def test_the_first_line_of_a_run_names_its_learning_rate(tmp_path):
     assert run.returncode == 0, run.stdout + run.stderr
     first = run.stdout.splitlines()[0]
     assert first.startswith("mfsdp train: tiny model,") and "lr 0.003 (warm-up 0 steps" in first, run.stdout
+
+
+def test_the_adamw_kernel_is_fused_on_cuda_foreach_on_cpu_unless_set():
+    """``--train.adamw_kernel``: auto picks by device; an explicit choice is what the optimizer gets."""
+    import torch
+
+    from mfsdp.train.build import adamw
+
+    auto = load_config([]).train
+    assert auto.fused_adamw("cuda") and not auto.fused_adamw("cpu")
+    model = torch.nn.Linear(4, 4)
+    for kernel, fused in (("auto", False), ("foreach", False), ("fused", True)):
+        t = load_config(["--train.adamw_kernel", kernel, "--train.lr", "1e-3"]).train
+        assert t.fused_adamw("cuda") == (kernel != "foreach")
+        opt = adamw(model, t)
+        assert bool(opt.defaults.get("fused")) == fused and bool(opt.defaults.get("foreach")) == (not fused)
+    with pytest.raises(ConfigError, match="train.adamw_kernel must be auto, fused or foreach, got 'apex'"):
+        load_config(["--train.adamw_kernel", "apex"])

@@ -102,15 +102,16 @@ def shard_numel(model) -> int:
 
 def adamw(model, t) -> torch.optim.AdamW:
     """AdamW on the sharded parameters; 1-D ones (norm scales, biases) are not decayed: shrinking
-    them towards zero only hurts. Fused on CUDA: one kernel per dtype instead of a dozen foreach
-    passes, and no shard-sized temporary (foreach AdamW's, often the step's memory peak); foreach
-    on CPU, where the fused kernel is slower."""
+    them towards zero only hurts. ``--train.adamw_kernel`` picks torch's kernels (``fused_adamw``:
+    fused on CUDA by default, one kernel per dtype and no shard-sized temporary, often the step's
+    memory peak with foreach; foreach on CPU, where the fused kernel is slower)."""
     decay = [q for q in model.parameters() if q.ndim >= 2]
     no_decay = [q for q in model.parameters() if q.ndim < 2]
-    cuda = any(q.is_cuda for q in decay + no_decay)
+    device = (decay + no_decay)[0].device.type
+    kernel = {"fused": True} if t.fused_adamw(device) else {"foreach": True}
     return torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay},
                               {"params": no_decay, "weight_decay": 0.0}],
-                             lr=t.lr, betas=(t.beta1, t.beta2), **({"fused": True} if cuda else {"foreach": True}))
+                             lr=t.lr, betas=(t.beta1, t.beta2), **kernel)
 
 
 def offload_policy(p):
