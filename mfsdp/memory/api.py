@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import functools
 import json
+import math
 import os
 from typing import Optional, Union
 
@@ -16,8 +18,7 @@ from mfsdp.communication import CommunicationPolicy
 from mfsdp.memory.activations import ActivationProfile, measure_hf, measure_llama
 from mfsdp.memory.estimate import MemoryEstimate, StepSettings, simulate
 from mfsdp.memory.model_state import Levels, describe_units, optimizer_state_bytes
-from mfsdp.memory.tensor_parallel import (TensorParallel, apply_tp, default_group_exists, fake_tp_mesh, in_child,
-                                          tp_meta_copy)
+from mfsdp.memory.tensor_parallel import TensorParallel, apply_tp, default_group_exists, fake_tp_mesh, in_child
 from mfsdp.mixed_precision import MixedPrecisionPolicy
 from mfsdp.placement import Placements
 
@@ -71,8 +72,7 @@ def estimate(model_or_config, *, world_size: Optional[int] = None, mesh_shape: O
     """
     tp = TensorParallel.of(tensor_parallel)
     if tp.enabled and (default_group_exists() or not tp_in_process):
-        args = dict(locals())
-        args.pop("tp")
+        args = {name: value for name, value in locals().items() if name != "tp"}
         return in_child(estimate, {**args, "tp_in_process": True})
     if isinstance(placements, str):
         if world_size is None:
@@ -82,7 +82,6 @@ def estimate(model_or_config, *, world_size: Optional[int] = None, mesh_shape: O
         placements, mesh_shape = mesh_for(placements, world_size // tp.size, replicate)
     elif mesh_shape is None:
         raise ValueError("estimate: a Placements object needs mesh_shape={axis: size}")
-    policy = mixed_precision_policy or MixedPrecisionPolicy()
     comm = communication_policy or CommunicationPolicy()
     if optimizer not in ("adamw", "sgd"):
         raise ValueError(f"optimizer {optimizer!r} is not modelled; use 'adamw' or 'sgd'")
@@ -92,12 +91,9 @@ def estimate(model_or_config, *, world_size: Optional[int] = None, mesh_shape: O
     with fake_tp_mesh(tp.size) if tp.enabled else contextlib.nullcontext() as tp_mesh:
         model, units, blocks, measure, notes = _resolve(model_or_config, compute_dtype, seq_len, expert_units,
                                                         tp, tp_mesh, float8)
-        unit_bytes = describe_units(model, units, policy, levels)
+        unit_bytes = describe_units(model, units, mixed_precision_policy or MixedPrecisionPolicy(), levels)
         acts = measure(local_batch, seq_len, activation_checkpointing)
-    world = tp.size
-    for size in mesh_shape.values():
-        world *= size
-    settings = StepSettings(placements.name, world, local_batch, seq_len, microbatches, activation_checkpointing,
+    settings = StepSettings(placements.name, tp.size * math.prod(mesh_shape.values()), local_batch, seq_len, microbatches, activation_checkpointing,
                             optimizer, foreach, prefetch_depth=comm.prefetch_depth if comm.overlap else 0,
                             prefetch_across_step=comm.prefetch_across_step and comm.overlap,
                             double_buffer=comm.double_buffer, cuda=device == "cuda", tp=tp.size, float8=float8)
@@ -121,25 +117,22 @@ def offloaded(e: MemoryEstimate, units: list, fraction: float, overlap: str = "s
     last) on the host: the units whose gradients finish first, as ``mfsdp.offload.choose_groups``
     picks them (reverse registration order, the root last). The device keeps their fp32 main
     weights (the runtime gathers from them), so only the states leave every phase."""
-    import math
-
     trainable = [u for u in units if any(g.requires_grad for g in u.groups)]
     order = [u for u in reversed(trainable) if u.parent is not None] + [u for u in trainable if u.parent is None]
     chosen = order[:min(len(order), math.ceil(fraction * len(order) - 1e-9))]
     states = optimizer_state_bytes(chosen, e.settings.optimizer)
-    master = sum(g.optimizer_numel * g.main_itemsize for u in chosen for g in u.groups if g.requires_grad)
-    largest = max((g.optimizer_numel * g.main_itemsize for u in chosen for g in u.groups if g.requires_grad), default=0)
+    shards = [g.optimizer_numel * g.main_itemsize for u in chosen for g in u.groups if g.requires_grad]
+    master = sum(shards)
     phases = tuple(dataclasses.replace(p, components={**p.components, "optimizer states":
                                                       p.components.get("optimizer states", 0) - states})
                    for p in e.phases)
     peak = max(phases, key=lambda p: p.total)
     reserve = int(e.allocator_reserve * peak.total / e.peak_bytes) if e.peak_bytes else e.allocator_reserve
     host = {"master": master, "states": states, "backup": master + states if overlap == "step" else 0,
-            "staging": 2 * largest}
-    base = {f.name: getattr(e, f.name) for f in dataclasses.fields(MemoryEstimate)}
-    base.update(phases=phases, peak_bytes=peak.total, peak_phase=peak.name, breakdown=dict(peak.components),
-                allocator_reserve=reserve)
-    return OffloadedEstimate(**base, offloaded_units=tuple(u.name for u in chosen), host_bytes=host)
+            "staging": 2 * max(shards, default=0)}
+    base = dataclasses.replace(e, phases=phases, peak_bytes=peak.total, peak_phase=peak.name,
+                               breakdown=dict(peak.components), allocator_reserve=reserve)
+    return OffloadedEstimate(**vars(base), offloaded_units=tuple(u.name for u in chosen), host_bytes=host)
 
 
 def checkpoint_bytes(model_or_config, *, optimizer: str = "adamw", main_params_dtype: torch.dtype = torch.float32,
@@ -171,10 +164,9 @@ def _resolve(obj, dtype, seq_len, expert_units, tp: TensorParallel, tp_mesh, flo
     if llama and tp.enabled:
         raise ValueError("tensor parallel is the manager's (mfsdp.manager, Hugging Face models); the bundled "
                          "Llama has no tensor-parallel plan: estimate it with tensor_parallel=1")
-    if isinstance(obj, LlamaConfig):
-        return _llama(obj, dtype, seq_len, expert_units, float8=float8)
     if llama:
-        return _llama(obj.cfg, dtype, seq_len, expert_units, model=obj, float8=float8)
+        cfg, model = (obj, None) if isinstance(obj, LlamaConfig) else (obj.cfg, obj)
+        return _llama(cfg, dtype, seq_len, expert_units, model=model, float8=float8)
     if isinstance(obj, (str, os.PathLike)) or hasattr(obj, "to_json_string") or isinstance(obj, nn.Module):
         return _hf(obj, dtype, tp, tp_mesh)
     raise TypeError(f"estimate: cannot size a {type(obj).__name__}; pass a preset name, a LlamaConfig, a "
@@ -204,23 +196,29 @@ def _llama(cfg, dtype, seq_len, expert_units, model=None, float8="none"):
             "(saved bytes depend only on that total; the peak inside an expert on its share); "
             + ("every expert unit is gathered in turn, forward and backward (a skipped expert gathers nothing)"
                if expert_units else "each block gathers all its experts with it"))
-    return model, units, blocks, lambda b, s, ac: _llama_acts(cfg, dtype, b, s, ac, float8), notes
+
+    def acts(batch, seq, ac):
+        return _cached_acts(("llama", cfg, dtype, batch, seq, ac, float8),
+                            functools.partial(measure_llama, cfg, dtype, batch, seq, ac, float8))
+    return model, units, blocks, acts, notes
 
 
-_LLAMA_ACTS: dict = {}
+_ACTS: dict = {}
 
 
-def _llama_acts(cfg, dtype, batch, seq, ac, float8) -> ActivationProfile:
-    """``measure_llama``, once per shape: the profile depends only on these arguments (fake tensors,
-    no data), and a search (``mfsdp plan``, the memory check's nearest setting) estimates dozens of
-    settings that differ only in placements, gradient dtype or offload: the 8b search measured the
-    same six (batch, checkpointing) pairs 84 times, 95 % of its time. As ``_hf_acts`` caches."""
-    key = (cfg, dtype, batch, seq, ac, float8)
-    if key not in _LLAMA_ACTS:
-        if len(_LLAMA_ACTS) >= 64:
-            _LLAMA_ACTS.pop(next(iter(_LLAMA_ACTS)))
-        _LLAMA_ACTS[key] = measure_llama(cfg, dtype, batch, seq, ac, float8)
-    acts = _LLAMA_ACTS[key]
+def _cached_acts(key, measure) -> ActivationProfile:
+    """``measure()``, once per ``key`` (None: not cached): a profile depends only on the shape it
+    is measured at (fake tensors, no data), and a search (``mfsdp plan``, the memory check's nearest
+    setting) estimates dozens of settings that differ only in placements, gradient dtype or offload:
+    the 8b search measured the same six (batch, checkpointing) pairs 84 times, 95 % of its time. The
+    oldest of 64 entries makes room for a new one."""
+    if key is None:
+        return measure()
+    if key not in _ACTS:
+        if len(_ACTS) >= 64:
+            _ACTS.pop(next(iter(_ACTS)))
+        _ACTS[key] = measure()
+    acts = _ACTS[key]
     return dataclasses.replace(acts, grad_window=dict(acts.grad_window))  # the caller's own dict
 
 
@@ -229,8 +227,6 @@ def _float8_model(model: nn.Module, recipe: str, copy_first: bool) -> nn.Module:
     """The meta model with its linears converted as ``parallelize(float8=recipe)`` converts them
     (``convert_to_float8``: tensorwise tags the weights for FP8 all-gather); ``copy_first`` (the
     caller's model) converts a copy. A model already converted is used as it is."""
-    import copy
-
     from mfsdp.float8 import _torchao, convert_to_float8
 
     if any(isinstance(m, _torchao()["Float8Linear"]) for m in model.modules()):
@@ -254,6 +250,8 @@ def _float8_note(model: nn.Module, recipe: str) -> str:
 
 
 def _hf(obj, dtype, tp: TensorParallel, tp_mesh):
+    import transformers
+
     from mfsdp.manager.core_options import resolve_unit_modules
     from mfsdp.manager.hf_checkpoint import meta_model_from_config
 
@@ -261,31 +259,17 @@ def _hf(obj, dtype, tp: TensorParallel, tp_mesh):
     model = obj if given else meta_model_from_config(obj, dtype=dtype)
     notes = []
     if tp.enabled:  # the manager's first step, on a copy: parameters become TP DTensors
-        model = tp_meta_copy(model, tp, tp_mesh) if given else apply_tp(model, tp, tp_mesh)
+        model = apply_tp(copy.deepcopy(model) if given else model, tp, tp_mesh)
         notes.append(f"{tp.describe()}: model state from the TP-local shards of the manager's plan (tp rank 0), "
                      "activations measured on a two-layer copy with the plan applied over a fake process group")
     units = [m for _, m in resolve_unit_modules(model)]
     names = {id(m): n for n, m in model.named_modules()}
     blocks = [names[id(m)] for m in units[::-1]]
     config_json = model.config.to_json_string()
+    config = transformers.AutoConfig.for_model(**json.loads(config_json))
     dtype = next(model.parameters()).dtype
-    return model, units, blocks, lambda b, s, ac: _hf_acts(config_json, dtype, b, s, ac, tp, tp_mesh), notes
 
-
-_HF_ACTS: dict = {}
-
-
-def _hf_acts(config_json, dtype, batch, seq, ac, tp: TensorParallel, tp_mesh) -> ActivationProfile:
-    import transformers
-
-    key = (config_json, dtype, batch, seq, ac, tp.size, tp.sequence_parallel, tp.loss_parallel)
-    if tp.plan is None and key in _HF_ACTS:
-        return _HF_ACTS[key]
-    data = json.loads(config_json)
-    config = transformers.AutoConfig.for_model(**data)
-    acts = measure_hf(config, dtype, batch, seq, ac, tp=tp, tp_mesh=tp_mesh)
-    if tp.plan is None:
-        if len(_HF_ACTS) >= 64:
-            _HF_ACTS.pop(next(iter(_HF_ACTS)))
-        _HF_ACTS[key] = acts
-    return acts
+    def acts(batch, seq, ac):  # a custom plan (module patterns -> styles) is not a cache key
+        key = None if tp.plan is not None else ("hf", config_json, dtype, batch, seq, ac, tp)
+        return _cached_acts(key, functools.partial(measure_hf, config, dtype, batch, seq, ac, tp=tp, tp_mesh=tp_mesh))
+    return model, units, blocks, acts, notes

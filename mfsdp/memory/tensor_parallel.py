@@ -20,7 +20,6 @@ the two groups. So ``estimate`` runs a tensor-parallel estimate in a spawned chi
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 from typing import Any, Iterator, Mapping, Optional
 
@@ -93,11 +92,6 @@ def apply_tp(model: nn.Module, tp: TensorParallel, mesh) -> nn.Module:
     validate_tp(model, tp.size)
     plan = select_tp_plan(model, tp.plan, sequence_parallel=tp.sequence_parallel, loss_parallel=tp.loss_parallel)
     return apply_tp_plan(model, mesh, plan)
-
-
-def tp_meta_copy(model: nn.Module, tp: TensorParallel, mesh) -> nn.Module:
-    """A copy of the meta-device ``model`` with the plan applied (the caller's model is untouched)."""
-    return apply_tp(copy.deepcopy(model), tp, mesh)
 
 
 def in_child(fn, kwargs: dict):
