@@ -165,11 +165,13 @@ class _LiveBytes(_compat.dispatch_mode_base()):
     def at(self, label: str) -> tuple[int, int]:
         return self.timeline[self.marks[label]]
 
-    def peak(self, start: str, stop: str, with_grads: bool = False) -> int:
-        """Highest live bytes between two marks (grads counted from ``start`` when asked)."""
-        i, j = self.marks[start], self.marks[stop]
-        g0 = self.timeline[i][1]
-        return max(a + (g - g0 if with_grads else 0) for a, g in self.timeline[i:j + 1])
+    def window(self, start: str, stop: str) -> list[tuple[int, int]]:
+        """The counters from one mark to another, both included."""
+        return self.timeline[self.marks[start]:self.marks[stop] + 1]
+
+    def peak(self, start: str, stop: str) -> int:
+        """Highest live bytes (parameter gradients not counted) between two marks."""
+        return max(a for a, _ in self.window(start, stop))
 
 
 def measure(model: nn.Module, blocks: list[nn.Module], run: Callable[[nn.Module], torch.Tensor],
@@ -203,7 +205,7 @@ def measure(model: nn.Module, blocks: list[nn.Module], run: Callable[[nn.Module]
 
 
 def _measure(model, blocks, run, names, tracker) -> ActivationProfile:
-    handles, window = [], {"now": "head"}
+    window = {"now": "head"}
     names = names or {id(p): n for n, p in model.named_parameters()}
     arrival: dict[str, str] = {}
 
@@ -211,9 +213,8 @@ def _measure(model, blocks, run, names, tracker) -> ActivationProfile:
         tracker.mark_grad(param.grad)
         arrival[names.get(id(param), "?")] = window["now"]
 
-    for p in model.parameters():
-        if p.requires_grad:
-            handles.append(p.register_post_accumulate_grad_hook(on_grad))
+    handles = [p.register_post_accumulate_grad_hook(on_grad) for p in model.parameters() if p.requires_grad]
+
     def root_output(module, args, output):
         out = getattr(output, "logits", output)
         if isinstance(out, torch.Tensor) and out.requires_grad:
@@ -234,17 +235,16 @@ def _measure(model, blocks, run, names, tracker) -> ActivationProfile:
         for h in handles:
             h.remove()
     act = lambda label: tracker.at(label)[0]  # noqa: E731
-    grads = lambda label: tracker.at(label)[1]  # noqa: E731
+    enter_act, enter_grads = tracker.at("bwd_enter_1")
     last = len(blocks) - 1
-    peak_b = tracker.peak("bwd_enter_1", "bwd_exit_1", with_grads=True)
-    i_peak = max(range(tracker.marks["bwd_enter_1"], tracker.marks["bwd_exit_1"] + 1),
-                 key=lambda k: tracker.timeline[k][0] + tracker.timeline[k][1])
+    # The second block's backward peaks where activations and the weight gradients so far are highest.
+    peak_act, peak_grads = max(tracker.window("bwd_enter_1", "bwd_exit_1"), key=sum)
     return ActivationProfile(
         embed_bytes=act("fwd_enter_0") - act("start"),
         block_bytes=act("fwd_exit_1") - act("fwd_enter_1"),
         block_forward_transient=tracker.peak("fwd_enter_1", "fwd_exit_1") - act("fwd_exit_1"),
-        block_backward_peak=peak_b - act("bwd_enter_1"),
-        block_weight_grad_bytes=tracker.timeline[i_peak][1] - grads("bwd_enter_1"),
+        block_backward_peak=peak_act + peak_grads - enter_act - enter_grads,
+        block_weight_grad_bytes=peak_grads - enter_grads,
         head_forward_bytes=act("forward_end") - act(f"fwd_exit_{last}"),
         head_forward_transient=tracker.peak(f"fwd_exit_{last}", "forward_end") - act("forward_end"),
         loss_backward_peak=tracker.peak("forward_end", "loss_backward_end") - act("forward_end"),
@@ -391,8 +391,7 @@ def _unpacked_sequences():
     try:
         from transformers import masking_utils
     except ImportError:
-        yield
-        return
+        masking_utils = None
     if not hasattr(masking_utils, "find_packed_sequence_indices"):
         yield
         return
