@@ -165,11 +165,8 @@ class _Walk:
         self.root = units[0]
         self.blocks = blocks
         first = min((i for i, u in enumerate(units) if u.name in blocks), default=len(units))
-        self.kind = {}
-        for i, u in enumerate(units):
-            inside = self._block_of(u)
-            self.kind[u.name] = ("root" if u is self.root else "block" if inside is not None
-                                 else "pre" if i < first else "post")
+        self.kind = {u.name: "root" if u is self.root else "block" if self._block_of(u) is not None
+                     else "pre" if i < first else "post" for i, u in enumerate(units)}
         self.slot_bytes, self.in_flight = _gather_slots(units, s)
         self.gathered: dict[str, int] = {}
         self.staging_due = 0  # FP8 encode staging of the gathers issued since the last phase
@@ -219,17 +216,13 @@ def simulate(units: list[UnitBytes], acts: ActivationProfile, s: StepSettings,
              blocks: list[str]) -> MemoryEstimate:
     """Replay one step (its first and, with several, its last microbatch) and find the peak."""
     w = _Walk(units, s, blocks)
-    main = sum(g.main for u in units for g in u.groups)
-    model = sum(g.model for u in units for g in u.groups)
-    accum = sum(g.accumulator for u in units for g in u.groups)
-    w.fixed = {"main weights": main, "optimizer states": optimizer_state_bytes(units, s.optimizer),
-               "model weights": model, "gather slots": w.slot_bytes,
+    total = lambda field: sum(u.total(field) for u in units)  # noqa: E731
+    w.fixed = {"main weights": total("main"), "optimizer states": optimizer_state_bytes(units, s.optimizer),
+               "model weights": total("model"), "gather slots": w.slot_bytes,
+               "accumulator": total("accumulator"),  # allocated on the first backward, never released
                "workspace": CUBLAS_WORKSPACES if s.cuda else 0}
-    if accum:
-        w.fixed["accumulator"] = accum  # allocated on the first backward, never released
     grads_every_backward = any(g.every_backward for u in units for g in u.groups if g.requires_grad)
-    micro = ["first", "last"] if s.microbatches > 1 else ["only"]
-    for which in micro:
+    for which in (["first", "last"] if s.microbatches > 1 else ["only"]):
         _microbatch(w, acts, s, which, grads_every_backward)
     _optimizer(w, units, s)
     peak = max(w.phases, key=lambda p: p.total)
@@ -242,8 +235,7 @@ def _microbatch(w: _Walk, acts: ActivationProfile, s: StepSettings, which: str, 
     units, root, n_blocks = w.units, w.root, len(w.blocks)
     tag = "" if which == "only" else f" [{which} microbatch]"
     first = which in ("first", "only")
-    last = which in ("last", "only")
-    reduces_now = every or last
+    reduces_now = every or which in ("last", "only")
     # Main gradients: freed by zero_grad before the step; with several microbatches the later ones
     # start with every group's (ZeRO-1/DDP: with every raw gradient in .grad instead).
     main_grads = 0 if first else (sum(u.total("main_grad") for u in units) if every else 0)
@@ -292,27 +284,24 @@ def _microbatch(w: _Walk, acts: ActivationProfile, s: StepSettings, which: str, 
             for following in w.schedule.walk.prefetched_at(position, depth):
                 w.gather(following)
             kind = w.kind[u.name]
-            own = sum(u.param_grad_bytes) if u is not root else 0
+            own = sum(u.param_grad_bytes) if u is not root else 0  # the weight gradients its backward adds
             if kind == "block":
                 arrived["blocks"] = root_grads["blocks"]
+                own = acts.block_weight_grad_bytes if u.name in w.blocks else own
                 parts = dict(act_saved=_saved_before(w, u, acts) + block,
-                             act_transient=acts.block_backward_peak - acts.block_weight_grad_bytes,
-                             grads_now=acts.block_weight_grad_bytes if u.name in w.blocks else own)
+                             act_transient=acts.block_backward_peak - acts.block_weight_grad_bytes)
             elif kind == "pre":
                 arrived["embed"] = root_grads["embed"]
-                parts = dict(act_saved=embed, act_transient=acts.embed_backward_peak, grads_now=own)
+                parts = dict(act_saved=embed, act_transient=acts.embed_backward_peak)
             elif (kind == "post" or (kind == "root" and not any(w.kind[x.name] == "post" for x in units))) \
                     and not head_done:
                 head_done = True
-                parts = dict(act_saved=saved_all - head, logits_and_loss=head + acts.head_backward_peak,
-                             grads_now=own)
+                parts = dict(act_saved=saved_all - head, logits_and_loss=head + acts.head_backward_peak)
             else:
                 continue
-            grads_now = parts.pop("grads_now")
             w.snap(f"backward: {u.name or 'root'}{tag}", dict(module_grads=raw_grads + sum(arrived.values())),
-                   unsharded_bwd=sum(w.gathered.values()),
-                   main_grads=main_grads, accumulator=0,
-                   module_grads=raw_grads + grads_now + sum(arrived.values()),
+                   unsharded_bwd=sum(w.gathered.values()), main_grads=main_grads,
+                   module_grads=raw_grads + own + sum(arrived.values()),
                    reduction_staging=sum(b for b, _ in pending), **parts)
             continue
         # exit: reshard, then release pending reductions, pack and reduce
