@@ -18,6 +18,7 @@ import torch
 from mfsdp.memory.api import estimate
 from mfsdp.memory.estimate import COMPONENTS, GIB, PLANNER_OVERSHOOT, RESERVE_FRACTION, MemoryEstimate
 from mfsdp.memory.tensor_parallel import TensorParallel
+from mfsdp.mixed_precision import MixedPrecisionPolicy
 
 PLACEMENT_SPEED = ("zero1", "zero2", "zero3")
 """Faster first: ZeRO-1 and ZeRO-2 gather weights once per step, ZeRO-3 in every pass."""
@@ -98,31 +99,26 @@ def estimate_run(cfg, world: int, setting: Optional[Setting] = None,
     """The estimate of a ``RunConfig`` (``mfsdp train``'s) on ``world`` GPUs, optionally changed;
     ``tp``: the manager's tensor parallel (``--model.hf`` only), ``world`` counting tp ranks too;
     ``tp_in_process``: see ``estimate`` (``mfsdp plan``'s process never holds a real group)."""
-    import mfsdp
-
     p, d = cfg.parallel, cfg.data
     s = setting or configured(cfg)
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
-    compute = dtypes.get(p.compute_dtype, torch.bfloat16)
-    policy = mfsdp.MixedPrecisionPolicy(main_params_dtype=torch.float32,
-                                        main_grads_dtype=dtypes.get(s.main_grads_dtype),
-                                        grad_comm_dtype=dtypes.get(p.grad_comm_dtype))
+    grads, comm = dtypes.get(s.main_grads_dtype), dtypes.get(p.grad_comm_dtype)
     if cfg.model.hf is not None:
         model = cfg.model.hf
         if s.placements not in ("zero3", "zero2", "zero1", "ddp") and p.replicate == 1:
             raise ValueError("--model.hf: hsdp/hfsdp need --parallel.replicate > 1")
-        policy = mfsdp.MixedPrecisionPolicy(main_params_dtype=torch.float32,
-                                            main_grads_dtype=None if s.main_grads_dtype == "bf16" else torch.float32)
+        grads, comm = (None if s.main_grads_dtype == "bf16" else torch.float32), None  # the manager's dtypes
     else:
         if tp.enabled:
             raise ValueError("--tp: tensor parallel is the manager's; plan a Hugging Face model (--model.hf DIR)")
         model = cfg.llama_config()
+    policy = MixedPrecisionPolicy(main_params_dtype=torch.float32, main_grads_dtype=grads, grad_comm_dtype=comm)
     e = estimate(model, world_size=world, placements=s.placements, replicate=p.replicate, offload_fraction=s.offload,
-                    mixed_precision_policy=policy, local_batch=s.local_batch, seq_len=d.seq_len,
-                    microbatches=s.microbatches, activation_checkpointing=s.activation_checkpointing,
-                    compute_dtype=compute, expert_units=p.expert_units, tensor_parallel=tp,
-                    tp_in_process=tp_in_process, float8=cfg.model.float8,
-                    foreach=False)  # mfsdp train steps with fused AdamW on CUDA (train.build.adamw)
+                 mixed_precision_policy=policy, local_batch=s.local_batch, seq_len=d.seq_len,
+                 microbatches=s.microbatches, activation_checkpointing=s.activation_checkpointing,
+                 compute_dtype=dtypes.get(p.compute_dtype, torch.bfloat16), expert_units=p.expert_units,
+                 tensor_parallel=tp, tp_in_process=tp_in_process, float8=cfg.model.float8,
+                 foreach=False)  # mfsdp train steps with fused AdamW on CUDA (train.build.adamw)
     if cfg.compiles("cuda"):  # plans are for GPUs
         e = dataclasses.replace(e, notes=(*e.notes, COMPILED_NOTE))
     return e
@@ -272,18 +268,16 @@ def main(argv: list[str]) -> int:
 
     own = {"--nproc-per-node": "1", "--nnodes": "1", "--gpu-memory": None, "--out": "mfsdp-plan.png", "--tp": "1",
            "--sequence-parallel": "true", "--loss-parallel": "true"}
-    rest, i = [], 0
-    while i < len(argv):
-        key, eq, value = argv[i].partition("=")
-        if key in own:
-            if not eq:
-                if i + 1 >= len(argv):
-                    return _error(f"{key} needs a value")
-                value, i = argv[i + 1], i + 1
-            own[key] = value
-        else:
-            rest.append(argv[i])
-        i += 1
+    rest, args = [], iter(argv)
+    for arg in args:
+        key, eq, value = arg.partition("=")
+        if key not in own:
+            rest.append(arg)
+            continue
+        value = value if eq else next(args, None)
+        if value is None:
+            return _error(f"{key} needs a value")
+        own[key] = value
     try:
         cfg = load_config(rest)
         world = int(own["--nproc-per-node"]) * int(own["--nnodes"])
@@ -298,10 +292,9 @@ def main(argv: list[str]) -> int:
     except (ConfigError, ValueError, NotImplementedError) as err:
         return _error(str(err))
     s = e.settings
-    model = cfg.model.hf or cfg.model.preset
+    float8 = f" (float8 {s.float8})" if s.float8 != "none" else ""
+    model = f"{cfg.model.hf or cfg.model.preset}{float8}"
     parallel = f" x {tp.describe()}" if tp.enabled else ""
-    if s.float8 != "none":
-        model = f"{model} (float8 {s.float8})"
     print(f"mfsdp plan: {model}, {s.placements}{parallel} on {world} GPU(s), local batch {s.local_batch} x {s.seq_len} "
           f"tokens, {s.microbatches} microbatch(es), activation checkpointing {'on' if s.activation_checkpointing else 'off'}\n")
     print(breakdown_table(e))
@@ -324,14 +317,12 @@ def main(argv: list[str]) -> int:
 
 
 def _tensor_parallel(own: dict) -> TensorParallel:
-    flags = {}
-    for key in ("--sequence-parallel", "--loss-parallel"):
-        value = own[key].lower()
-        if value not in ("true", "false"):
+    keys = ("--sequence-parallel", "--loss-parallel")
+    for key in keys:
+        if own[key].lower() not in ("true", "false"):
             raise ValueError(f"{key} {own[key]!r}: give true or false")
-        flags[key] = value == "true"
     size = int(own["--tp"])
-    return TensorParallel(size, flags["--sequence-parallel"], flags["--loss-parallel"]) if size > 1 else TensorParallel()
+    return TensorParallel(size, *(own[key].lower() == "true" for key in keys)) if size > 1 else TensorParallel()
 
 
 def _error(message: str) -> int:
