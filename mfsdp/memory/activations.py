@@ -74,6 +74,11 @@ def _storages(t: torch.Tensor) -> list:
     return [s for x in inner if isinstance(x, torch.Tensor) for s in _storages(x)]
 
 
+def _tensors(tree) -> list:
+    """The tensors among a pytree's leaves."""
+    return [x for x in _compat.tree_flatten(tree)[0] if isinstance(x, torch.Tensor)]
+
+
 _WAIT = torch.ops._c10d_functional.wait_tensor.default
 _ROUTING_OPS = (torch.ops.aten.bincount.default, torch.ops.aten._local_scalar_dense.default)
 
@@ -108,15 +113,12 @@ class _LiveBytes(_compat.dispatch_mode_base()):
             routed = self._route(func, args, kwargs or {})
             if routed is not None:
                 return routed
-        inputs = {id(st) for t in _compat.tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)
-                  for st in _storages(t)}
+        inputs = {id(st) for t in _tensors((args, kwargs)) for st in _storages(t)}
         if self.real_collectives and func.namespace == "_c10d_functional" and func is not _WAIT:
             out = _detached_collective(func, args, kwargs or {})
         else:
             out = func(*args, **(kwargs or {}))
-        for t in _compat.tree_flatten(out)[0]:
-            if not isinstance(t, torch.Tensor):
-                continue
+        for t in _tensors(out):
             for storage in _storages(t):
                 key = id(storage)
                 if key in self._sizes or key in inputs:
@@ -221,8 +223,8 @@ def _measure(model, blocks, run, names, tracker) -> ActivationProfile:
             out.register_hook(lambda grad: tracker.mark("loss_backward_end"))
     handles.append(model.register_forward_hook(root_output))
     for i, block in enumerate(blocks):
-        handles.append(block.register_forward_pre_hook(_forward_marks(tracker, i, window)))
-        handles.append(block.register_forward_hook(_output_marks(tracker, i, window), with_kwargs=True))
+        entering, leaving = _block_marks(tracker, i, window)
+        handles += [block.register_forward_pre_hook(entering), block.register_forward_hook(leaving, with_kwargs=True)]
     try:
         with tracker:
             tracker.mark("start")
@@ -254,21 +256,21 @@ def _measure(model, blocks, run, names, tracker) -> ActivationProfile:
     )
 
 
-def _forward_marks(tracker, i, window):
-    def hook(module, args):
+def _block_marks(tracker, i, window):
+    """Block ``i``'s forward pre-hook and forward hook: they mark its forward's start and end (the
+    first time: a recompute under checkpointing marks nothing), and the latter hooks its output's
+    and input's gradients to mark its backward's."""
+
+    def entering(module, args):
         if torch.is_grad_enabled() and f"fwd_enter_{i}" not in tracker.marks:
             tracker.mark(f"fwd_enter_{i}")
-    return hook
 
-
-def _output_marks(tracker, i, window):
-    def hook(module, args, kwargs, output):
+    def leaving(module, args, kwargs, output):
         if f"fwd_exit_{i}" in tracker.marks:
             return
         tracker.mark(f"fwd_exit_{i}")
         out = output[0] if isinstance(output, (tuple, list)) else output
-        inputs = [a for a in _compat.tree_flatten((args, kwargs))[0]
-                  if isinstance(a, torch.Tensor) and a.requires_grad]
+        inputs = [a for a in _tensors((args, kwargs)) if a.requires_grad]
 
         def entered(grad):
             window["now"] = "blocks"
@@ -282,7 +284,7 @@ def _output_marks(tracker, i, window):
             out.register_hook(entered)
         if inputs:
             inputs[0].register_hook(exited)
-    return hook
+    return entering, leaving
 
 
 # ------------------------------------------------------------------------------ model builders

@@ -158,7 +158,7 @@ class _Walk:
     """Mutable state of the replay; ``snap`` records a phase."""
 
     def __init__(self, units: list[UnitBytes], s: StepSettings, blocks: list[str]) -> None:
-        self.units, self.s = units, s
+        self.units = units
         self.by_name = {u.name: u for u in units}
         # The runtime's own schedule over the units: its walk and ancestors, not a copy of them.
         self.schedule = Schedule(units, {id(u): self.by_name[u.parent or ""] for u in units[1:]})
@@ -167,11 +167,16 @@ class _Walk:
         first = min((i for i, u in enumerate(units) if u.name in blocks), default=len(units))
         self.kind = {u.name: "root" if u is self.root else "block" if self._block_of(u) is not None
                      else "pre" if i < first else "post" for i, u in enumerate(units)}
-        self.slot_bytes, self.in_flight = _gather_slots(units, s)
+        slot_bytes, self.in_flight = _gather_slots(units, s)
         self.gathered: dict[str, int] = {}
         self.staging_due = 0  # FP8 encode staging of the gathers issued since the last phase
         self.phases: list[Phase] = []
-        self.fixed: dict[str, int] = {}
+        # What every phase holds throughout: model state and the cuBLAS workspaces.
+        total = lambda field: sum(u.total(field) for u in units)  # noqa: E731
+        self.fixed = {"main weights": total("main"), "optimizer states": optimizer_state_bytes(units, s.optimizer),
+                      "model weights": total("model"), "gather slots": slot_bytes,
+                      "accumulator": total("accumulator"),  # allocated on the first backward, never released
+                      "workspace": CUBLAS_WORKSPACES if s.cuda else 0}
 
     def _block_of(self, u: UnitBytes) -> Optional[str]:
         name = u.name
@@ -216,11 +221,6 @@ def simulate(units: list[UnitBytes], acts: ActivationProfile, s: StepSettings,
              blocks: list[str]) -> MemoryEstimate:
     """Replay one step (its first and, with several, its last microbatch) and find the peak."""
     w = _Walk(units, s, blocks)
-    total = lambda field: sum(u.total(field) for u in units)  # noqa: E731
-    w.fixed = {"main weights": total("main"), "optimizer states": optimizer_state_bytes(units, s.optimizer),
-               "model weights": total("model"), "gather slots": w.slot_bytes,
-               "accumulator": total("accumulator"),  # allocated on the first backward, never released
-               "workspace": CUBLAS_WORKSPACES if s.cuda else 0}
     grads_every_backward = any(g.every_backward for u in units for g in u.groups if g.requires_grad)
     for which in (["first", "last"] if s.microbatches > 1 else ["only"]):
         _microbatch(w, acts, s, which, grads_every_backward)
@@ -256,10 +256,9 @@ def _microbatch(w: _Walk, acts: ActivationProfile, s: StepSettings, which: str, 
                 w.gathered.pop(done.name, None)
                 computed.remove(done)
         kind = w.kind[u.name]
-        saved = _saved_before(w, u, acts)
-        transient = acts.block_forward_transient + block if kind == "block" else 0
-        w.snap(f"forward: {u.name or 'root'}{tag}", unsharded_fwd=sum(w.gathered.values()),
-               main_grads=main_grads, module_grads=raw_grads, act_saved=saved, act_transient=transient,
+        w.snap(f"forward: {u.name or 'root'}{tag}", unsharded_fwd=sum(w.gathered.values()), main_grads=main_grads,
+               module_grads=raw_grads, act_saved=_saved_before(w, u, acts),
+               act_transient=acts.block_forward_transient + block if kind == "block" else 0,
                logits_and_loss=head if kind == "post" else 0)
         computed.append(u)
     for done in computed:
