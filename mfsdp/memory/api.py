@@ -93,8 +93,9 @@ def estimate(model_or_config, *, world_size: Optional[int] = None, mesh_shape: O
                                                         tp, tp_mesh, float8)
         unit_bytes = describe_units(model, units, mixed_precision_policy or MixedPrecisionPolicy(), levels)
         acts = measure(local_batch, seq_len, activation_checkpointing)
-    settings = StepSettings(placements.name, tp.size * math.prod(mesh_shape.values()), local_batch, seq_len, microbatches, activation_checkpointing,
-                            optimizer, foreach, prefetch_depth=comm.prefetch_depth if comm.overlap else 0,
+    settings = StepSettings(placements.name, tp.size * math.prod(mesh_shape.values()), local_batch, seq_len,
+                            microbatches, activation_checkpointing, optimizer, foreach,
+                            prefetch_depth=comm.prefetch_depth if comm.overlap else 0,
                             prefetch_across_step=comm.prefetch_across_step and comm.overlap,
                             double_buffer=comm.double_buffer, cuda=device == "cuda", tp=tp.size, float8=float8)
     e = dataclasses.replace(simulate(unit_bytes, acts, settings, blocks), notes=tuple(notes))

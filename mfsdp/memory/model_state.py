@@ -84,10 +84,6 @@ class GroupBytes:
     """Transient bytes of an encoded gather's encode (FP8 all-gather's staging), held while the
     group's gather is issued; 0 for a plain gather."""
 
-    @property
-    def resting(self) -> int:
-        return self.main + self.model
-
 
 @dataclasses.dataclass(frozen=True)
 class UnitBytes:
@@ -161,10 +157,8 @@ def _encode_staging(encoded, layout: FlatLayout, levels: Levels, source_dtype: t
     regions = layout.regions(torch.empty(layout.numel(ways), device="meta"), ways)
     sizes = [regions[i].numel() for i in encoded.tagged]
     staged_dtype = encoded.codec.staged_dtype(source_dtype)
-    start, largest = 0, 0
-    for stop in _passes(sizes, ENCODE_STAGING_NUMEL):
-        largest, start = max(largest, encode_staging_nbytes(sizes[start:stop], staged_dtype)), stop
-    return largest
+    ends = _passes(sizes, ENCODE_STAGING_NUMEL)
+    return max(encode_staging_nbytes(sizes[start:stop], staged_dtype) for start, stop in zip([0, *ends], ends))
 
 
 class _UnitMarker(type):

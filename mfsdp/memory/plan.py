@@ -119,9 +119,7 @@ def estimate_run(cfg, world: int, setting: Optional[Setting] = None,
                  compute_dtype=dtypes.get(p.compute_dtype, torch.bfloat16), expert_units=p.expert_units,
                  tensor_parallel=tp, tp_in_process=tp_in_process, float8=cfg.model.float8,
                  foreach=False)  # mfsdp train steps with fused AdamW on CUDA (train.build.adamw)
-    if cfg.compiles("cuda"):  # plans are for GPUs
-        e = dataclasses.replace(e, notes=(*e.notes, COMPILED_NOTE))
-    return e
+    return dataclasses.replace(e, notes=(*e.notes, COMPILED_NOTE)) if cfg.compiles("cuda") else e  # plans are for GPUs
 
 
 COMPILED_NOTE = ("compiled blocks (--parallel.compile auto/true): activations are predicted as eager ones, "
@@ -197,10 +195,8 @@ def nearest(cfg, world: int, gpu_bytes: int, tight: bool = False) -> Optional[tu
     config's knobs, then the fastest."""
     now = configured(cfg).knobs()
     fits = fitting(cfg, world, gpu_bytes, tight=tight)
-    if not fits:
-        return None
     changes = lambda s: sum(a != b for a, b in zip(s.knobs(), now))  # noqa: E731
-    return min(fits, key=lambda pair: (changes(pair[0]), pair[0].speed_key()))
+    return min(fits, key=lambda pair: (changes(pair[0]), pair[0].speed_key()), default=None)
 
 
 def gib(n: int) -> str:
