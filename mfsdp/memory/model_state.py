@@ -176,25 +176,23 @@ def describe_units(model: nn.Module, units: list, policy: MixedPrecisionPolicy, 
     marker = _UnitMarker("Unit", (), {"ids": set()})
     names = {id(m): n for n, m in model.named_modules()}
     param_names = {p: n for n, p in model.named_parameters(remove_duplicate=False)}
-    out, parent_of = [], {}
+    out, parent_of = {}, {}
     for unit in [*units, model]:
         owned, children = collect_owned_parameters(unit, marker)
         marker.ids.add(id(unit))
-        parent_of.update((id(child), unit) for child in children)  # the runtime's FSDP parent rule
+        parent_of.update((id(child), names.get(id(unit))) for child in children)  # the runtime's FSDP parent rule
         groups = []
         for params, _ in group_parameters(owned):
             dtypes = policy.resolve(params[0].dtype)
             label = f"{names.get(id(unit)) or 'root'}[{params[0].dtype}]"
             groups.append(group_bytes(label, [local_tensor(p).shape for p in params], dtypes, levels,
                                       params[0].requires_grad, rank_shard, params=list(params)))
-        out.append((unit, groups, tuple(param_names.get(p, "?") for p in owned),
-                    tuple(local_tensor(p).numel() * p.element_size() if p.requires_grad else 0 for p in owned),
-                    gathers_in_backward(unit, owned)))
-    order = {id(m): i for i, m in enumerate(model.modules())}
-    out.sort(key=lambda entry: order[id(entry[0])])  # forward order: registration pre-order, root first
-    return [UnitBytes(names.get(id(u), ""), tuple(g),
-                      names.get(id(parent_of[id(u)])) if id(u) in parent_of else None, pn, gb, bw)
-            for u, g, pn, gb, bw in out]
+        out[id(unit)] = UnitBytes(names.get(id(unit), ""), tuple(groups), None,
+                                  tuple(param_names.get(p, "?") for p in owned),
+                                  tuple(local_tensor(p).numel() * p.element_size() if p.requires_grad else 0
+                                        for p in owned), gathers_in_backward(unit, owned))
+    # Forward order (registration pre-order, root first), each unit with its parent's name.
+    return [dataclasses.replace(out[id(m)], parent=parent_of.get(id(m))) for m in model.modules() if id(m) in out]
 
 
 def optimizer_state_bytes(units: list[UnitBytes], optimizer: str) -> int:
