@@ -193,9 +193,8 @@ def measure(model: nn.Module, blocks: list[nn.Module], run: Callable[[nn.Module]
     count, so the bytes counted die where the model drops them, as on the fake group."""
     if len(blocks) < 2:
         raise ValueError("activation measurement needs a model of at least two blocks")
-    tracker = _LiveBytes(uniform_routing, real_collectives)
     try:
-        return _measure(model, blocks, run, names, tracker)
+        return _measure(model, blocks, run, names, _LiveBytes(uniform_routing, real_collectives))
     except Exception as err:  # torch's DynamicOutputShapeException / DataDependentOutputException
         if "DynamicOutputShape" in type(err).__name__ or "DataDependent" in type(err).__name__:
             raise NotImplementedError(

@@ -213,8 +213,7 @@ def _gather_slots(units: list[UnitBytes], s: StepSettings) -> tuple[int, dict]:
     slots = slotted(gathered, lambda g: g.gather_key, s.prefetch_depth)
     bound = {id(g) for v in slots.values() for g in v}
     slot_bytes = sum(per_group[0].unsharded for per_group in slots.values()) * (s.prefetch_depth + 1)
-    in_flight = {u.name: sum(g.unsharded for g in u.groups if id(g) not in bound) for u in units}
-    return slot_bytes, in_flight
+    return slot_bytes, {u.name: sum(g.unsharded for g in u.groups if id(g) not in bound) for u in units}
 
 
 def simulate(units: list[UnitBytes], acts: ActivationProfile, s: StepSettings,
@@ -227,8 +226,7 @@ def simulate(units: list[UnitBytes], acts: ActivationProfile, s: StepSettings,
     _optimizer(w, units, s)
     peak = max(w.phases, key=lambda p: p.total)
     return MemoryEstimate(s, tuple(w.phases), peak.total, peak.name, dict(peak.components),
-                          int(RESERVE_FRACTION * peak.total) if s.cuda else 0,
-                          OUTSIDE_ALLOCATOR if s.cuda else 0)
+                          int(RESERVE_FRACTION * peak.total) if s.cuda else 0, OUTSIDE_ALLOCATOR if s.cuda else 0)
 
 
 def _microbatch(w: _Walk, acts: ActivationProfile, s: StepSettings, which: str, every: bool) -> None:

@@ -270,10 +270,9 @@ def main(argv: list[str]) -> int:
         if key not in own:
             rest.append(arg)
             continue
-        value = value if eq else next(args, None)
-        if value is None:
+        own[key] = value if eq else next(args, None)
+        if own[key] is None:
             return _error(f"{key} needs a value")
-        own[key] = value
     try:
         cfg = load_config(rest)
         world = int(own["--nproc-per-node"]) * int(own["--nnodes"])
