@@ -85,8 +85,23 @@ def test_float8_without_compile_is_refused_on_cuda_only():
         load_config(["--parallel.compile", "yes"])
 
 
-def test_plan_says_compiled_blocks_are_predicted_as_eager():
-    from mfsdp.memory.plan import COMPILED_NOTE, estimate_run
+def test_plan_predicts_compiled_blocks_from_the_measured_share():
+    """A GPU run compiles (auto), and the plan says how it predicts compiled blocks: a dense Llama's
+    without checkpointing save COMPILED_BLOCK_SAVED of the eager activations, which puts 1b at 2 x
+    4096 just above the 40.65 GiB measured compiled on one H200 (45.12 predicted eager); with
+    checkpointing (block inputs only) nothing changes."""
+    from mfsdp.memory.api import COMPILED_BLOCK_SAVED, COMPILED_NOTE
+    from mfsdp.memory.estimate import GIB
+    from mfsdp.memory.plan import estimate_run
 
     assert COMPILED_NOTE in estimate_run(load_config([]), 1).notes  # auto: a GPU run compiles
     assert COMPILED_NOTE not in estimate_run(load_config(["--parallel.compile", "false"]), 1).notes
+    one_b = ["--model.preset", "1b", "--data.local_batch", "2", "--data.seq_len", "4096",
+             "--parallel.main_grads_dtype", "fp32"]
+    eager, compiled = (estimate_run(load_config(one_b + ["--parallel.compile", c]), 1) for c in ("false", "true"))
+    saved = [e.component_max("activations (saved)") for e in (eager, compiled)]
+    assert COMPILED_BLOCK_SAVED <= saved[1] / saved[0] < COMPILED_BLOCK_SAVED + 0.005  # the embedding's are kept
+    assert 40.65 <= compiled.peak_bytes / GIB <= 40.65 * 1.01, compiled.peak_bytes / GIB
+    with_ac = ["--parallel.activation_checkpointing", "true"]
+    assert estimate_run(load_config(one_b + with_ac + ["--parallel.compile", "true"]), 1).peak_bytes == \
+        estimate_run(load_config(one_b + with_ac + ["--parallel.compile", "false"]), 1).peak_bytes

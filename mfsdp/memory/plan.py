@@ -60,28 +60,41 @@ class Setting:
         """What a user changes to go from one setting to another (the microbatches follow the batch)."""
         return (self.placements, self.activation_checkpointing, self.local_batch, self.main_grads_dtype, self.offload)
 
-    def speed_key(self) -> tuple:
+    def step_cost(self, share: Optional[float] = None) -> float:
+        """The step's predicted time, relative to the same tokens with neither checkpointing nor
+        offload: ``AC_COST`` more with checkpointing, plus what the host step of ``share`` of the
+        parameters leaves exposed (``exposed_share``; ``share`` defaults to the unit fraction)."""
+        exposed = exposed_share(self, self.offload if share is None else share) if self.offload else 0.0
+        return 1.0 + AC_COST * self.activation_checkpointing + exposed
+
+    def speed_key(self, share: Optional[float] = None) -> tuple:
         rank = PLACEMENT_SPEED.index(self.placements) if self.placements in PLACEMENT_SPEED else len(PLACEMENT_SPEED)
-        # Offload hides its CPU step behind backward only from about OFFLOAD_MIN_TOKENS per step on;
-        # below, every offloaded setting is slower than any on the GPU.
-        hopeless = bool(self.offload) and self.tokens < OFFLOAD_MIN_TOKENS
-        return (hopeless, self.activation_checkpointing, self.offload, -self.local_batch, rank)
+        return (round(self.step_cost(share), 3), self.offload, -self.local_batch, rank)
 
 
-OFFLOAD_MIN_TOKENS = 8192
-"""Tokens per optimizer step per GPU below which offload cannot beat the on-GPU run (issue 21:
-the overlapped CPU step of 8B, ~2.6 s for every unit, hides behind backward from about 8k tokens)."""
 OFFLOAD_FRACTIONS = (0.25, 0.5, 0.75, 1.0)
 """The offload fractions the search tries, after none."""
+AC_COST = 0.17
+"""What activation checkpointing adds to a step: 8B compiled on one H200 at 16k tokens per step,
+1.837 s with it against 1.575 s without (benchmarks/results/2026-12-01_h200x1_session4)."""
+HOST_STEP_S_PER_PARAM = 0.375e-9
+"""Host seconds per offloaded parameter of one optimizer step, copies included: fused CPU AdamW on
+14 threads of one H200 host (16 cores), 0.53, 0.69 and 0.80 s for 1.40, 1.83 and 2.27B parameters
+of 8B (the exposed time plus the last microbatch's backward, session 4 and session 3)."""
+HOST_TOKENS = 31_250
+"""Tokens per GPU and optimizer step at which the host step of every parameter lasts as long as the
+step's compute: ``HOST_STEP_S_PER_PARAM`` times the GPU's model FLOP/s over 6 FLOPs per parameter
+and token (5.0e14 on one H200: 8B compiled at 10,400 tokens/s). Both scale with the parameters,
+so the ratio holds for any model size on that hardware."""
 
 
-def exposed_cpu_seconds(setting: "Setting", params_offloaded: int) -> float:
-    """A rough prediction of the CPU step time offload leaves exposed per optimizer step (issue
-    21's figures on one H200 host: 2.6 s per 8.03B parameters while transfers run, hidden behind
-    backward at ~9,500 tokens/s for 8B, a third of the step being forward)."""
-    cpu = 2.6 * params_offloaded / 8.03e9
-    backward = 2 / 3 * setting.tokens / 9500 * params_offloaded / max(params_offloaded, 1)
-    return max(0.0, cpu - backward)
+def exposed_share(setting: "Setting", share: float) -> float:
+    """The host step that offload leaves exposed, as a share of the step's compute. The ranks of a
+    node share its cores, so a node steps ``share`` of the parameters whatever its ranks (one node
+    assumed); the step hides only behind the last microbatch's backward (2/3 of its compute), from
+    the first offloaded unit's gradient on. At 16k tokens (4 microbatches), 5 of 8B's 35 units
+    (share 0.174) predict 0.165, measured 0.168."""
+    return max(0.0, HOST_TOKENS * share / setting.tokens - 2 / (3 * setting.microbatches))
 
 
 def parse_bytes(text: str) -> int:
@@ -113,18 +126,12 @@ def estimate_run(cfg, world: int, setting: Optional[Setting] = None,
             raise ValueError("--tp: tensor parallel is the manager's; plan a Hugging Face model (--model.hf DIR)")
         model = cfg.llama_config()
     policy = MixedPrecisionPolicy(main_params_dtype=torch.float32, main_grads_dtype=grads, grad_comm_dtype=comm)
-    e = estimate(model, world_size=world, placements=s.placements, replicate=p.replicate, offload_fraction=s.offload,
-                 mixed_precision_policy=policy, local_batch=s.local_batch, seq_len=d.seq_len,
-                 microbatches=s.microbatches, activation_checkpointing=s.activation_checkpointing,
-                 compute_dtype=dtypes.get(p.compute_dtype, torch.bfloat16), expert_units=p.expert_units,
-                 tensor_parallel=tp, tp_in_process=tp_in_process, float8=cfg.model.float8,
-                 foreach=False)  # mfsdp train steps with fused AdamW on CUDA (train.build.adamw)
-    return dataclasses.replace(e, notes=(*e.notes, COMPILED_NOTE)) if cfg.compiles("cuda") else e  # plans are for GPUs
-
-
-COMPILED_NOTE = ("compiled blocks (--parallel.compile auto/true): activations are predicted as eager ones, "
-                 "an upper bound; inductor saves less (1b at 2 x 4096 on one H200: 40.65 GiB peak compiled, "
-                 "44.65 eager, 45.12 predicted)")
+    return estimate(model, world_size=world, placements=s.placements, replicate=p.replicate,
+                    offload_fraction=s.offload, mixed_precision_policy=policy, local_batch=s.local_batch,
+                    seq_len=d.seq_len, microbatches=s.microbatches, activation_checkpointing=s.activation_checkpointing,
+                    compute_dtype=dtypes.get(p.compute_dtype, torch.bfloat16), expert_units=p.expert_units,
+                    tensor_parallel=tp, tp_in_process=tp_in_process, float8=cfg.model.float8,
+                    foreach=not cfg.train.fused_adamw("cuda"), compiled=cfg.compiles("cuda"))  # plans are for GPUs
 
 
 def configured(cfg) -> Setting:
@@ -187,7 +194,7 @@ def fitting(cfg, world: int, gpu_bytes: int, tp: TensorParallel = TensorParallel
         if fits(e):
             out.append((s, e))
             seen.add(layout)
-    return out
+    return sorted(out, key=lambda pair: pair[0].speed_key(getattr(pair[1], "offloaded_share", None)))
 
 
 def nearest(cfg, world: int, gpu_bytes: int, tight: bool = False) -> Optional[tuple[Setting, MemoryEstimate]]:
@@ -347,11 +354,12 @@ def host_ram_line(cfg, e: MemoryEstimate, ranks_per_node: int) -> str:
 def _offload_note(setting: Setting, e: MemoryEstimate) -> str:
     if not setting.offload:
         return ""
-    host = sum(getattr(e, "host_bytes", {}).values())
-    numel = getattr(e, "host_bytes", {}).get("master", 0) // 4
-    hopeless = " (below ~8k tokens per step offload cannot beat the GPU)" if setting.tokens < OFFLOAD_MIN_TOKENS else ""
-    return (f"   [host {gib(host)} GiB per rank, ~{exposed_cpu_seconds(setting, numel * e.settings.world_size):.2f} s "
-            f"CPU exposed per step{hopeless}]")
+    share = e.offloaded_share
+    host_step = HOST_STEP_S_PER_PARAM * (e.host_bytes["master"] // 4) * e.settings.world_size  # one node
+    exposed = host_step * exposed_share(setting, share) * setting.tokens / (HOST_TOKENS * share)
+    slower = (" (slower than checkpointing without offload)"
+              if not setting.activation_checkpointing and setting.step_cost(share) > 1 + AC_COST else "")
+    return f"   [host {gib(sum(e.host_bytes.values()))} GiB per rank, ~{exposed:.2f} s CPU exposed per step{slower}]"
 
 
 def offload_fraction_that_fits(cfg, world: int, gpu_bytes: int) -> Optional[float]:
