@@ -393,8 +393,6 @@ def _unpacked_sequences():
         from transformers import masking_utils
     except ImportError:
         masking_utils = None
-    if not hasattr(masking_utils, "find_packed_sequence_indices"):
-        yield
-        return
-    with mock.patch.object(masking_utils, "find_packed_sequence_indices", lambda position_ids: None):
+    with (mock.patch.object(masking_utils, "find_packed_sequence_indices", lambda position_ids: None)
+          if hasattr(masking_utils, "find_packed_sequence_indices") else contextlib.nullcontext()):
         yield
