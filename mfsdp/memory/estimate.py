@@ -198,8 +198,7 @@ class _Walk:
             staging, self.staging_due = self.staging_due, 0
             self.snap(f"{name}, gather (FP8 encode)", **{**parts, "act_transient": 0, **(at_gather or {})},
                       FP8_encode_staging=staging)
-        c = dict.fromkeys(COMPONENTS, 0)
-        c.update(self.fixed)
+        c = {**dict.fromkeys(COMPONENTS, 0), **self.fixed}
         for k, v in parts.items():
             c[k.replace("_", " ").replace("unsharded fwd", "unsharded (forward)")
               .replace("unsharded bwd", "unsharded (backward)").replace("act saved", "activations (saved)")
