@@ -27,6 +27,12 @@ def collect_owned_parameters(root: nn.Module, fsdp_cls: type):
             if param is None or (id(module), attr) in seen:
                 continue
             seen.add((id(module), attr))
+            if param not in owned and param in OWNER_OF_PARAMETER:
+                raise ValueError(
+                    f"parameter {prefix + attr!r} is already owned by another FSDP module: either a child was "
+                    "sharded after its parent (apply fully_shard bottom-up: blocks first, root last), or "
+                    "the parameter is shared across FSDP modules (shard their common ancestor only)"
+                )
             owned.setdefault(param, []).append((module, attr, prefix + attr))
         below = []
         for name, child in module._modules.items():
@@ -38,14 +44,6 @@ def collect_owned_parameters(root: nn.Module, fsdp_cls: type):
                 continue
             below.append((child, f"{prefix}{name}."))
         stack.extend(reversed(below))  # the first child is visited next
-    for param, places in owned.items():
-        fqn = places[0][2]
-        if param in OWNER_OF_PARAMETER:
-            raise ValueError(
-                f"parameter {fqn!r} is already owned by another FSDP module: either a child was "
-                "sharded after its parent (apply fully_shard bottom-up: blocks first, root last), or "
-                "the parameter is shared across FSDP modules (shard their common ancestor only)"
-            )
     return owned, children
 
 
