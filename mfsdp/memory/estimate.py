@@ -169,6 +169,7 @@ class _Walk:
                      else "pre" if i < first else "post" for i, u in enumerate(units)}
         slot_bytes, self.in_flight = _gather_slots(units, s)
         self.gathered: dict[str, int] = {}
+        self.main_grads = self.raw_grads = 0  # held through the phases: main gradients, raw ones in .grad
         self.staging_due = 0  # FP8 encode staging of the gathers issued since the last phase
         self.phases: list[Phase] = []
         # What every phase holds throughout: model state and the cuBLAS workspaces.
@@ -192,13 +193,15 @@ class _Walk:
             self.staging_due = max([self.staging_due, *(g.encode_staging for g in u.groups)])
 
     def snap(self, name: str, at_gather: Optional[dict] = None, **parts) -> None:
-        """Record a phase; where the gathers issued for it encoded, first their own phase: ``parts``
-        without the activation transient (``at_gather`` overrides more), plus the staging."""
+        """Record a phase: the fixed components, the gradients held (``main_grads``, ``raw_grads``) and
+        ``parts``; where the gathers issued for it encoded, first their own phase: ``parts`` without
+        the activation transient (``at_gather`` overrides more), plus the staging."""
         if self.staging_due:
             staging, self.staging_due = self.staging_due, 0
             self.snap(f"{name}, gather (FP8 encode)", **{**parts, "act_transient": 0, **(at_gather or {})},
                       FP8_encode_staging=staging)
-        c = {**dict.fromkeys(COMPONENTS, 0), **self.fixed}
+        c = {**dict.fromkeys(COMPONENTS, 0), **self.fixed,
+             "main grads": self.main_grads, "module grads": self.raw_grads}
         for k, v in parts.items():
             c[k.replace("_", " ").replace("unsharded fwd", "unsharded (forward)")
               .replace("unsharded bwd", "unsharded (backward)").replace("act saved", "activations (saved)")
@@ -229,43 +232,41 @@ def simulate(units: list[UnitBytes], acts: ActivationProfile, s: StepSettings,
 
 
 def _microbatch(w: _Walk, acts: ActivationProfile, s: StepSettings, which: str, every: bool) -> None:
-    units, root, n_blocks = w.units, w.root, len(w.blocks)
+    units, root = w.units, w.root
     tag = "" if which == "only" else f" [{which} microbatch]"
     first = which in ("first", "only")
     reduces_now = every or which in ("last", "only")
     # Main gradients: freed by zero_grad before the step; with several microbatches the later ones
     # start with every group's (ZeRO-1/DDP: with every raw gradient in .grad instead).
-    main_grads = 0 if first else (sum(u.total("main_grad") for u in units) if every else 0)
-    raw_grads = 0 if (first or every) else sum(u.total("module_grads") for u in units)
+    w.main_grads = 0 if first else (sum(u.total("main_grad") for u in units) if every else 0)
+    w.raw_grads = 0 if (first or every) else sum(u.total("module_grads") for u in units)
     depth = s.prefetch_depth
     embed, block, head = acts.embed_bytes, acts.block_bytes, acts.head_forward_bytes
     w.gathered = {}
 
     # ------------------------------------------------------------------ forward
-    issued = 0
     computed: list[UnitBytes] = []
     for pos, u in enumerate(units):
-        for q in range(issued, w.schedule.issued_by(pos, depth)):
+        for q in range(pos, w.schedule.issued_by(pos, depth)):  # the earlier ones are gathered already
             w.gather(units[q])
-        issued = max(issued, w.schedule.issued_by(pos, depth))
         for done in list(computed):  # post_forward of units that are not ancestors of u
             if done is not root and not w.schedule.is_ancestor_or_self(done, u):
                 w.gathered.pop(done.name, None)
                 computed.remove(done)
         kind = w.kind[u.name]
-        w.snap(f"forward: {u.name or 'root'}{tag}", unsharded_fwd=sum(w.gathered.values()), main_grads=main_grads,
-               module_grads=raw_grads, act_saved=_saved_before(w, u, acts),
+        w.snap(f"forward: {u.name or 'root'}{tag}", unsharded_fwd=sum(w.gathered.values()),
+               act_saved=_saved_before(w, u, acts),
                act_transient=acts.block_forward_transient + block if kind == "block" else 0,
                logits_and_loss=head if kind == "post" else 0)
         computed.append(u)
     for done in computed:
         if done is not root:
             w.gathered.pop(done.name, None)
-    saved_all = embed + n_blocks * block
-    w.snap(f"forward: loss{tag}", unsharded_fwd=sum(w.gathered.values()), main_grads=main_grads,
-           module_grads=raw_grads, act_saved=saved_all, logits_and_loss=head + acts.head_forward_transient)
-    w.snap(f"backward: loss{tag}", unsharded_bwd=sum(w.gathered.values()), main_grads=main_grads,
-           module_grads=raw_grads, act_saved=saved_all, logits_and_loss=head + acts.loss_backward_peak)
+    saved_all = embed + len(w.blocks) * block
+    w.snap(f"forward: loss{tag}", unsharded_fwd=sum(w.gathered.values()), act_saved=saved_all,
+           logits_and_loss=head + acts.head_forward_transient)
+    w.snap(f"backward: loss{tag}", unsharded_bwd=sum(w.gathered.values()), act_saved=saved_all,
+           logits_and_loss=head + acts.loss_backward_peak)
 
     # ------------------------------------------------------------------ backward
     pending: list[tuple[int, int]] = []  # (bytes held, bytes the release rule counts)
@@ -295,9 +296,8 @@ def _microbatch(w: _Walk, acts: ActivationProfile, s: StepSettings, which: str, 
                 parts = dict(act_saved=saved_all - head, logits_and_loss=head + acts.head_backward_peak)
             else:
                 continue
-            w.snap(f"backward: {u.name or 'root'}{tag}", dict(module_grads=raw_grads + sum(arrived.values())),
-                   unsharded_bwd=sum(w.gathered.values()), main_grads=main_grads,
-                   module_grads=raw_grads + own + sum(arrived.values()),
+            w.snap(f"backward: {u.name or 'root'}{tag}", dict(module_grads=sum(arrived.values())),
+                   unsharded_bwd=sum(w.gathered.values()), module_grads=own + sum(arrived.values()),
                    reduction_staging=sum(b for b, _ in pending), **parts)
             continue
         # exit: reshard, then release pending reductions, pack and reduce
@@ -307,24 +307,24 @@ def _microbatch(w: _Walk, acts: ActivationProfile, s: StepSettings, which: str, 
             continue
         own = sum(arrived.values()) if u is root else sum(u.param_grad_bytes)
         if not reduces_now:  # ZeRO-1/DDP before the last microbatch: raw gradients stay in .grad
-            raw_grads += own
+            w.raw_grads += own
             continue
         incoming = u.total("reduction_nbytes")
         while pending and not keeps_pending([r for _, r in pending], incoming):
             pending.pop(0)
         scatter = 0 if (first and all(g.direct for g in u.groups)) else u.total("scatter_out")
         if first or not every:  # the main gradient is allocated by this unit's first reduction
-            main_grads += u.total("main_grad")
-        if raw_grads:
-            raw_grads -= u.total("module_grads")  # now held by the reduction (below)
+            w.main_grads += u.total("main_grad")
+        if w.raw_grads:
+            w.raw_grads -= u.total("module_grads")  # now held by the reduction (below)
         if u is root:
             arrived = {"head": 0, "blocks": 0, "embed": 0}
         w.snap(f"backward: reduce {u.name or 'root'}{tag}", unsharded_bwd=sum(w.gathered.values()),
-               main_grads=main_grads, module_grads=raw_grads + sum(arrived.values()),
+               module_grads=sum(arrived.values()),
                act_saved=0 if w.kind[u.name] == "pre" else _saved_before(w, u, acts),
                reduction_staging=own + u.total("staging") + scatter + sum(b for b, _ in pending))
         pending.append((own + u.total("staging"), incoming))
-    w.snap(f"backward: end{tag}", main_grads=main_grads, module_grads=raw_grads)
+    w.snap(f"backward: end{tag}")
 
 
 def _saved_before(w: _Walk, u: UnitBytes, acts: ActivationProfile) -> int:
@@ -345,7 +345,7 @@ def _optimizer(w: _Walk, units: list[UnitBytes], s: StepSettings) -> None:
     """The bound step (``mfsdp.optimizer``): group by group, each group's upcast gradient (and
     foreach AdamW's temporary) freed before the next group steps, so its bytes are the largest
     group's, by the optimizer's own rule (``step_transient_bytes``)."""
-    main_grads = sum(u.total("main_grad") for u in units)
+    w.main_grads, w.raw_grads = sum(u.total("main_grad") for u in units), 0
 
     def step_bytes(units_stepped) -> int:
         return step_transient_bytes(((g.optimizer_numel * g.main_itemsize, g.grads_differ)
@@ -353,13 +353,13 @@ def _optimizer(w: _Walk, units: list[UnitBytes], s: StepSettings) -> None:
                                     foreach_temporary=s.optimizer == "adamw" and s.foreach)
 
     if not s.prefetch_across_step:
-        w.snap("optimizer step", main_grads=main_grads, optimizer_step=step_bytes(units))
+        w.snap("optimizer step", optimizer_step=step_bytes(units))
         return
     # The first units update, then gather while the rest update.
     early = units[:w.schedule.issued_by(0, s.prefetch_depth)]
-    w.snap("optimizer step: first units", main_grads=main_grads, optimizer_step=step_bytes(early))
+    w.snap("optimizer step: first units", optimizer_step=step_bytes(early))
     w.gathered = {}
     for u in early:
         w.gather(u)
-    w.snap("optimizer step: the rest", unsharded_fwd=sum(w.gathered.values()), main_grads=main_grads,
+    w.snap("optimizer step: the rest", unsharded_fwd=sum(w.gathered.values()),
            optimizer_step=step_bytes(units[len(early):]))
