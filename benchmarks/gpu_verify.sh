@@ -449,6 +449,16 @@ PYEOF
   echo "adamw_floor: $((SECONDS - t0)) s"
 }
 
+section_ab22() {  # ONE GPU, <= 9 min: the GPU suite, then the compiled 1b bf16 rows of HEAD beside .carry/base (the
+  # tree before the runtime redesign, 89acf2b) in one job, HEAD first and last (issue 22: within 2 %)
+  timeout 280 python3 -m pytest -q -m gpu -p no:cacheprovider --durations=8 tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
+  local rows="--preset 1b --local-batch 2 --seq 4096 --compile --steps 8 --warmup 3"
+  IMPL_TIMEOUT=90 bench "$ROOT" mfsdp,fsdp2 $rows
+  IMPL_TIMEOUT=90 bench "$ROOT/.carry/base" mfsdp $rows
+  [ $SECONDS -lt 500 ] && IMPL_TIMEOUT=90 bench "$ROOT" mfsdp $rows
+  grep -h '^| \(mfsdp\|fsdp2\) ' "$OUT/bench.log"
+}
+
 for section in "$@"; do
   echo "== $section $(date +%T)"
   "section_$section"

@@ -158,3 +158,18 @@ def test_the_planner_calls_the_optimizers_rule():
     embedding = 128256 * 4096 * 4  # the largest group: the embedding (or the untied head), fp32
     assert step == embedding, step / 2**30
     assert e.peak_bytes < 110 * 2**30, e.peak_bytes / 2**30
+
+
+def test_step_batches_share_a_call_within_the_largest_groups_bytes():
+    """``step_batches``: consecutive groups share an optimizer call while their transient bytes fit
+    the largest group's, so the step's peak stays ``step_transient_bytes``'; all in one call where
+    no group has a transient (fused AdamW on main-dtype gradients)."""
+    from mfsdp.optimizer import step_batches, step_transient_bytes
+
+    assert step_batches([0, 0, 0]) == [[0, 1, 2]]
+    assert step_batches([4, 1, 1, 1, 1, 2]) == [[0], [1, 2, 3, 4], [5]]
+    assert step_batches([1, 2, 1, 1]) == [[0], [1], [2, 3]]
+    assert step_batches([]) == []
+    sizes = [3, 5, 1, 1, 2, 2, 1]
+    peak = step_transient_bytes([(n, False) for n in sizes], foreach_temporary=True)
+    assert all(sum(sizes[i] for i in batch) <= peak for batch in step_batches(sizes))
