@@ -8,12 +8,12 @@ parameters. What mfsdp adds around ``step()``:
   kept in another dtype than the main weights (``main_grads_dtype``, bf16 in ``mfsdp train``) are
   upcast to the main dtype (one fused cast of each group's main gradient) just before the call and
   freed right after it, because torch's optimizers want matching dtypes. The step's extra memory
-  is therefore at most the largest group's fp32 gradient (plus, for foreach AdamW, its one
-  group-sized temporary), not the model's: ``step_transient_bytes`` is the rule, and the planner
-  calls it. A call takes as many groups as fit those bytes (``step_batches``): all of them where no
-  group has a transient (fused AdamW on main-dtype gradients), a few blocks beside an embedding-sized
-  group otherwise; the price is that many calls instead of one (a few kernel launches each). The sharded
-  parameters of such groups accept a ``.grad`` of any dtype (``grad_dtype = None``, set by the
+  is therefore the largest group's fp32 gradient (plus, for foreach AdamW, its one group-sized
+  temporary), or ``STEP_CALL_BYTES`` if that is more, not the model's: ``step_transient_bytes`` is
+  the rule, and the planner calls it. A call takes as many groups as fit those bytes
+  (``step_batches``): all of them where no group has a transient (fused AdamW on main-dtype
+  gradients), two blocks beside an embedding-sized group otherwise; the price is that many calls
+  instead of one (a dozen launches each). The sharded parameters of such groups accept a ``.grad`` of any dtype (``grad_dtype = None``, set by the
   parameter group), so torch's state-dict helpers can attach main-dtype zeros to a fresh optimizer;
 * after: the compute weights are re-derived from the main weights once per group (one fused cast,
   plus the all-gather that rebuilds replicated weights for ZeRO-1/2).
@@ -154,23 +154,19 @@ def fully_shard_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer,
     return optimizer
 
 
-def step_transient_bytes(groups, foreach_temporary: bool) -> int:
-    """The bound step's extra bytes at its peak: the largest of one group's, since each group's are
-    freed before the next group steps. ``groups``: (bytes of the group's optimizer shard in the
-    main dtype, whether its gradients are upcast to that dtype) for each group with gradients. A
-    group's bytes: its upcast gradient, plus ``foreach_temporary`` (foreach AdamW keeps one
-    shard-sized temporary per call; fused keeps none). The planner predicts the step with it."""
-    return max(((nbytes if upcast else 0) + (nbytes if foreach_temporary else 0) for nbytes, upcast in groups),
-               default=0)
+STEP_CALL_BYTES = 64 << 20
+"""A call of the optimizer's body takes consecutive groups while their transient fits the largest
+group's or this, whichever is more (``step_batches``). Below it a call's host time costs more than
+its memory is worth: a call is a dozen foreach launches, and one per group of a 16-block CPU model
+(19 calls of AdamW against 2) took 2-3 ms more per step."""
 
 
 def step_batches(step_bytes: list[int]) -> list[list[int]]:
     """Consecutive groups stepped by one call of the optimizer's body, as index lists:
-    ``step_bytes`` are the groups' transient bytes (``step_transient_bytes``' figure of each), and
-    a call takes as many as fit the largest one's, so the step's peak stays what that rule says
-    while small groups share a call (a call per group costs host time: 19 foreach calls of AdamW
-    took 2-3 ms more per step than 2 on a 16-block CPU model)."""
-    budget, batches, held = max(step_bytes, default=0), [], 0
+    ``step_bytes`` are the groups' transient bytes (``step_transient_bytes``), and a call takes as
+    many as fit the largest one's or ``STEP_CALL_BYTES``: all of them where no group has a
+    transient (fused AdamW on main-dtype gradients), two blocks beside an embedding-sized group."""
+    budget, batches, held = max([*step_bytes, STEP_CALL_BYTES]), [], 0
     for i, nbytes in enumerate(step_bytes):
         if batches and held + nbytes <= budget:
             batches[-1].append(i)
@@ -179,6 +175,17 @@ def step_batches(step_bytes: list[int]) -> list[list[int]]:
             batches.append([i])
             held = nbytes
     return batches
+
+
+def step_transient_bytes(groups, foreach_temporary: bool) -> int:
+    """The bound step's extra bytes at its peak: the largest of one call's (``step_batches``), since
+    each call's are freed before the next one steps. ``groups``: (bytes of the group's optimizer
+    shard in the main dtype, whether its gradients are upcast to that dtype) for each group with
+    gradients, in step order. A group's bytes: its upcast gradient, plus ``foreach_temporary``
+    (foreach AdamW keeps one shard-sized temporary per call; fused keeps none). The planner
+    predicts the step with it."""
+    sizes = [(nbytes if upcast else 0) + (nbytes if foreach_temporary else 0) for nbytes, upcast in groups]
+    return max((sum(sizes[i] for i in batch) for batch in step_batches(sizes)), default=0)
 
 
 def _upcasts(group) -> bool:

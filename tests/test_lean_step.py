@@ -107,15 +107,24 @@ def _storages(tree) -> list:
 
 def measured_step_transient(rank, ws, kind, opt, one_call=False, prefetch_across_step=False):
     """The peak of live bytes the third step creates (states exist by then), against each group's
-    fp32 gradient bytes (its main gradient's elements, padding included, the cast's size)."""
-    model, optim, groups = _bf16_gradients_model(rank, ws, kind, opt, one_call, prefetch_across_step,
-                                                 vocab=512, dim=64, hidden=256, n_blocks=4)
-    for step in range(2):
-        _train_step(model, optim, step, rank, ws)
-    mode = LiveStorages()
-    _train_step(model, optim, 2, rank, ws, measure=mode)
-    fp32_grads = [g.reducer.main_grad.tensor.numel() * 4 for g in groups if g.requires_grad]
-    return mode.peak, fp32_grads, len(mode.live)
+    fp32 gradient bytes (its main gradient's elements, padding included, the cast's size). The
+    groups here are far below ``STEP_CALL_BYTES``, which would step them in one call: it is 0 here,
+    so that each group's bound shows."""
+    from mfsdp import optimizer as optimizer_module
+
+    kept, optimizer_module.STEP_CALL_BYTES = optimizer_module.STEP_CALL_BYTES, 0
+    try:
+        model, optim, groups = _bf16_gradients_model(rank, ws, kind, opt, one_call, prefetch_across_step,
+                                                     vocab=512, dim=64, hidden=256, n_blocks=4)
+        for step in range(2):
+            _train_step(model, optim, step, rank, ws)
+        mode = LiveStorages()
+        _train_step(model, optim, 2, rank, ws, measure=mode)
+        fp32_grads = [g.reducer.main_grad.tensor.numel() * 4 for g in groups if g.requires_grad]
+        bound = step_transient_bytes([(n, True) for n in fp32_grads], opt == "foreach")
+    finally:
+        optimizer_module.STEP_CALL_BYTES = kept
+    return mode.peak, fp32_grads, len(mode.live), bound
 
 
 SMALL = 4096
@@ -125,25 +134,23 @@ SMALL = 4096
 @pytest.mark.parametrize("kind", ["zero3", "zero1"])
 def test_the_step_transient_is_one_groups_fp32_gradient(world, kind):
     for opt, foreach_temporary in (("fused", False), ("foreach", True)):
-        peak, fp32_grads, left = world(2).run(measured_step_transient, kind=kind, opt=opt)[0]
-        bound = step_transient_bytes([(n, True) for n in fp32_grads], foreach_temporary)
+        peak, fp32_grads, left, bound = world(2).run(measured_step_transient, kind=kind, opt=opt)[0]
         assert bound == max(fp32_grads) * (2 if foreach_temporary else 1)
         assert max(fp32_grads) < sum(fp32_grads) / 2  # a bound of one group means something here
         assert peak <= bound + SMALL, (kind, opt, peak, fp32_grads)
         assert peak >= max(fp32_grads), (kind, opt, peak)  # the measurement sees the upcast
         assert left == 0, left  # nothing the step made outlives it
         # The one-call step (a later pre hook) still upcasts every group at once.
-        peak, fp32_grads, _ = world(2).run(measured_step_transient, kind=kind, opt=opt, one_call=True)[0]
+        peak, fp32_grads, *_ = world(2).run(measured_step_transient, kind=kind, opt=opt, one_call=True)[0]
         assert peak >= sum(fp32_grads), (kind, opt, peak, fp32_grads)
 
 
 def test_the_staged_step_transient_is_one_groups_too(world):
     """With ``prefetch_across_step`` (ZeRO-3) the step also gathers the root and the first block,
     into the unsharded buffers they keep (no new storage): still one group's upcast at a time."""
-    peak, fp32_grads, left = world(2).run(measured_step_transient, kind="zero3", opt="fused",
-                                          prefetch_across_step=True)[0]
-    assert max(fp32_grads) <= peak <= step_transient_bytes([(n, True) for n in fp32_grads], False) + SMALL, \
-        (peak, fp32_grads)
+    peak, fp32_grads, left, bound = world(2).run(measured_step_transient, kind="zero3", opt="fused",
+                                                 prefetch_across_step=True)[0]
+    assert max(fp32_grads) <= peak <= bound + SMALL, (peak, fp32_grads)
     assert left == 0, left
 
 
@@ -162,14 +169,18 @@ def test_the_planner_calls_the_optimizers_rule():
 
 def test_step_batches_share_a_call_within_the_largest_groups_bytes():
     """``step_batches``: consecutive groups share an optimizer call while their transient bytes fit
-    the largest group's, so the step's peak stays ``step_transient_bytes``'; all in one call where
-    no group has a transient (fused AdamW on main-dtype gradients)."""
+    the largest group's or ``STEP_CALL_BYTES``, and ``step_transient_bytes`` is the largest call's;
+    all in one call where no group has a transient (fused AdamW on main-dtype gradients)."""
     from mfsdp.optimizer import step_batches, step_transient_bytes
 
+    mib = 1 << 20
     assert step_batches([0, 0, 0]) == [[0, 1, 2]]
-    assert step_batches([4, 1, 1, 1, 1, 2]) == [[0], [1, 2, 3, 4], [5]]
-    assert step_batches([1, 2, 1, 1]) == [[0], [1], [2, 3]]
+    assert step_batches([m * 100 * mib for m in (4, 1, 1, 1, 1, 2)]) == [[0], [1, 2, 3, 4], [5]]
+    assert step_batches([m * 100 * mib for m in (1, 2, 1, 1)]) == [[0], [1], [2, 3]]
     assert step_batches([]) == []
-    sizes = [3, 5, 1, 1, 2, 2, 1]
+    # Groups far below STEP_CALL_BYTES share a call up to it: 16 MiB each, four to a call.
+    assert step_batches([16 * mib] * 9) == [[0, 1, 2, 3], [4, 5, 6, 7], [8]]
+    sizes = [m * 100 * mib for m in (3, 5, 1, 1, 2, 2, 1)]
     peak = step_transient_bytes([(n, False) for n in sizes], foreach_temporary=True)
-    assert all(sum(sizes[i] for i in batch) <= peak for batch in step_batches(sizes))
+    assert peak == max(sizes) and all(sum(sizes[i] for i in batch) <= peak for batch in step_batches(sizes))
+    assert step_transient_bytes([(16 * mib, True)] * 9, foreach_temporary=False) == 64 * mib
