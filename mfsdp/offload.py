@@ -47,8 +47,9 @@ the same bits (``fingerprint``, one int64 sum of its bit patterns per parameter,
 host in one read: an in-place write on a DTensor's local shard bumps no version counter that
 could say it; a clip that scaled, a user's edit, a grad scaler's unscale each move the sum), the
 same parameters have a gradient (the runtime drops the gradients of parameters unused everywhere
-after the reductions), and the optimizer's hyper-parameters (lr) are unchanged. Otherwise the host master and states are restored from the backup, the gradient
-is staged again and the group steps from it, serialized: an unclipped update never gets through.
+after the reductions), and the optimizer's hyper-parameters (lr) are unchanged. Otherwise the host
+master and states are restored from the backup, the gradient is staged again and the group steps
+from it, serialized: an unclipped update never gets through.
 ``zero_grad`` (and a new last-microbatch backward, and a load) before ``step`` restores a
 speculated group the same way, so a step skipped after a NaN check leaves no trace.
 
@@ -61,7 +62,9 @@ it changed again; once a step's gradient comes through unchanged, the group spec
 torch's ``clip_grads_with_norm_`` multiplies in place even when the coefficient is clamped to 1;
 that leaves every bit, so the fingerprint keeps the speculation. A clip that bites (the norm above
 the bound) redoes every offloaded group in ``step()``, serialized: exact, and as slow as
-``overlap="none"`` for that step. The price of speculation: a second host copy of the offloaded groups' master weights and states
+``overlap="none"`` for that step.
+
+The price of speculation: a second host copy of the offloaded groups' master weights and states
 (12 bytes per parameter for AdamW, host memory only), refreshed on the worker thread right after
 each commit, that is during the next forward, where that thread is idle. ``overlap="copy"``
 drops the backup and the speculation: the gradients still stream down during backward, the CPU

@@ -13,8 +13,9 @@ parameters. What mfsdp adds around ``step()``:
   the rule, and the planner calls it. A call takes as many groups as fit those bytes
   (``step_batches``): all of them where no group has a transient (fused AdamW on main-dtype
   gradients), two blocks beside an embedding-sized group otherwise; the price is that many calls
-  instead of one (a dozen launches each). The sharded parameters of such groups accept a ``.grad`` of any dtype (``grad_dtype = None``, set by the
-  parameter group), so torch's state-dict helpers can attach main-dtype zeros to a fresh optimizer;
+  instead of one (a dozen launches each). The sharded parameters of such groups accept a ``.grad``
+  of any dtype (``grad_dtype = None``, set by the parameter group), so torch's state-dict helpers
+  can attach main-dtype zeros to a fresh optimizer;
 * after: the compute weights are re-derived from the main weights once per group (one fused cast,
   plus the all-gather that rebuilds replicated weights for ZeRO-1/2).
 
@@ -38,6 +39,7 @@ forward would have put them a moment later.
 
 from __future__ import annotations
 
+import itertools
 import weakref
 from typing import Optional
 
@@ -184,8 +186,14 @@ def step_transient_bytes(groups, foreach_temporary: bool) -> int:
     gradients, in step order. A group's bytes: its upcast gradient, plus ``foreach_temporary``
     (foreach AdamW keeps one shard-sized temporary per call; fused keeps none). The planner
     predicts the step with it."""
-    sizes = [(nbytes if upcast else 0) + (nbytes if foreach_temporary else 0) for nbytes, upcast in groups]
+    sizes = [group_step_bytes(nbytes, upcast, foreach_temporary) for nbytes, upcast in groups]
     return max((sum(sizes[i] for i in batch) for batch in step_batches(sizes)), default=0)
+
+
+def group_step_bytes(nbytes: int, upcast: bool, foreach_temporary: bool) -> int:
+    """One group's transient in a step: its upcast gradient and foreach's temporary, each the size
+    ``nbytes`` of its optimizer shard in the main dtype."""
+    return nbytes * (upcast + foreach_temporary)
 
 
 def _upcasts(group) -> bool:
@@ -247,6 +255,10 @@ class _GroupedStep:
         self._found: Optional[list] = None
         self._params_key: Optional[tuple] = None
         self._params_of: dict[int, list[tuple[int, list]]] = {}
+        # Each group's transient (``step_batches``' input), fixed by the group and the optimizer's kernel.
+        foreach_temporary = not optimizer.defaults.get("fused")
+        self._step_bytes = {id(g): group_step_bytes(g.main.tensor.numel() * g.main.tensor.element_size(),
+                                                    _upcasts(g), foreach_temporary) for g in groups}
         self.offloaded: Optional[_offload.OffloadedStep] = None  # the groups stepped on the host
 
     def _contexts(self) -> list:
@@ -294,18 +306,14 @@ class _GroupedStep:
         """Step ``groups`` in order: the offloaded ones on the host, the others in ``step_batches``."""
         stepped = [g for g in groups if params_of.get(id(g)) and g.requires_grad]
         on_host = self.offloaded.owns if self.offloaded is not None else (lambda group: False)
-        fused = bool(optimizer.defaults.get("fused"))
-        run: list = []
-        for group in stepped + [None]:  # None: the end, which steps the last run
-            if group is not None and not on_host(group):
-                run.append(group)
+        for host, run in itertools.groupby(stepped, key=on_host):
+            run = list(run)
+            if host:
+                for group in run:
+                    self.offloaded.step_group(optimizer, group, params_of[id(group)])
                 continue
-            nbytes = [g.main.tensor.numel() * g.main.tensor.element_size() * (_upcasts(g) + (not fused)) for g in run]
-            for batch in step_batches(nbytes):
+            for batch in step_batches([self._step_bytes[id(g)] for g in run]):
                 self._call_body(optimizer, [run[i] for i in batch], params_of, args, kwargs)
-            run = []
-            if group is not None:
-                self.offloaded.step_group(optimizer, group, params_of[id(group)])
 
     def _call_body(self, optimizer, groups, params_of, args, kwargs) -> None:
         """One call of the body on the parameters of ``groups``; their upcast gradients die with it."""

@@ -194,6 +194,7 @@ def fitting(cfg, world: int, gpu_bytes: int, tp: TensorParallel = TensorParallel
         if fits(e):
             out.append((s, e))
             seen.add(layout)
+    # Fastest first, with the share of the parameters each estimate offloads (not the unit fraction).
     return sorted(out, key=lambda pair: pair[0].speed_key(getattr(pair[1], "offloaded_share", None)))
 
 
@@ -203,7 +204,7 @@ def nearest(cfg, world: int, gpu_bytes: int, tight: bool = False) -> Optional[tu
     now = configured(cfg).knobs()
     fits = fitting(cfg, world, gpu_bytes, tight=tight)
     changes = lambda s: sum(a != b for a, b in zip(s.knobs(), now))  # noqa: E731
-    return min(fits, key=lambda pair: (changes(pair[0]), pair[0].speed_key()), default=None)
+    return min(fits, key=lambda pair: changes(pair[0]), default=None)  # the first of the fewest: fastest
 
 
 def gib(n: int) -> str:
@@ -356,7 +357,8 @@ def _offload_note(setting: Setting, e: MemoryEstimate) -> str:
         return ""
     share = e.offloaded_share
     host_step = HOST_STEP_S_PER_PARAM * (e.host_bytes["master"] // 4) * e.settings.world_size  # one node
-    exposed = host_step * exposed_share(setting, share) * setting.tokens / (HOST_TOKENS * share)
+    host_share = HOST_TOKENS * share / setting.tokens  # the host step, as a share of the step's compute
+    exposed = host_step * exposed_share(setting, share) / host_share  # the part of it left exposed
     slower = (" (slower than checkpointing without offload)"
               if not setting.activation_checkpointing and setting.step_cost(share) > 1 + AC_COST else "")
     return f"   [host {gib(sum(e.host_bytes.values()))} GiB per rank, ~{exposed:.2f} s CPU exposed per step{slower}]"
