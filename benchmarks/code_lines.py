@@ -15,6 +15,29 @@ from pathlib import Path
 
 
 def code_lines(source: str) -> int:
+    return len(_code_line_numbers(source))
+
+
+def definition_sizes(source: str) -> list[tuple[str, str, int, int]]:
+    """(kind, qualified name, first line, code lines) of every class and function of ``source``, each
+    counting the code lines of its whole body, nested definitions included."""
+    lines, out = _code_line_numbers(source), []
+
+    def visit(node, prefix):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                name = prefix + child.name
+                size = sum(1 for n in lines if child.lineno <= n <= child.end_lineno)
+                out.append(("class" if isinstance(child, ast.ClassDef) else "function", name, child.lineno, size))
+                visit(child, name + ".")
+            else:
+                visit(child, prefix)
+
+    visit(ast.parse(source), "")
+    return out
+
+
+def _code_line_numbers(source: str) -> set[int]:
     docstrings = set()
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
@@ -28,7 +51,7 @@ def code_lines(source: str) -> int:
     for tok in tokenize.generate_tokens(io.StringIO(source).readline):
         if tok.type not in skip:
             lines.update(range(tok.start[0], tok.end[0] + 1))
-    return len(lines - docstrings)
+    return lines - docstrings
 
 
 def _sources(paths, rev):

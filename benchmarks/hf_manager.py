@@ -290,7 +290,6 @@ def profile_step(impl, args, built: Built, ids, rank: int) -> dict:
 def throughput(impl, args, rank: int, ws: int) -> dict:
     from mfsdp.models.flops import flops_per_token, mfu
     from mfsdp.models.llama import LlamaConfig
-    from mfsdp.train.metrics import StepTimer
 
     cfg = hf_config(args)
     shape = LlamaConfig.from_hf(cfg.to_dict(), args.seq)
@@ -299,17 +298,18 @@ def throughput(impl, args, rank: int, ws: int) -> dict:
     dp = ws // built.tp
     g = torch.Generator(device=args.device).manual_seed(1234 + rank // built.tp)
     cuda = args.device == "cuda"
-    timer = StepTimer(torch.device(args.device))
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     times, host = [], []
     for step in range(args.warmup + args.steps):
         ids = torch.randint(0, cfg.vocab_size, (args.local_batch, args.seq), device=args.device, generator=g)
-        timer.start()
+        sync()  # the step's wall time, the kernels queued before it excluded
         t0 = time.perf_counter()
         loss = train_step(built, ids)
         issued = time.perf_counter() - t0
-        seconds = timer.stop()
+        sync()
+        seconds = time.perf_counter() - t0
         if step >= args.warmup:
             times.append(seconds)
             host.append(issued)

@@ -23,10 +23,10 @@ def main(argv: list[str] | None = None) -> int:
         if is_launch(rest):  # --nproc-per-node and friends: check, then start the workers
             from mfsdp.train.launcher import main as launch_main
             return launch_main(rest)
-        from mfsdp.train.loop import main as train_main  # one process, in this one
+        from mfsdp.train.main import main as train_main  # one process, in this one
         return train_main(rest)
     if command == "plan":
-        from mfsdp.memory.plan import main as plan_main
+        from mfsdp.train.plan import main as plan_main
         try:
             return plan_main(rest)
         except ModuleNotFoundError as err:  # drawing the plan's PNG, after the plan is printed

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch.distributed.checkpoint as dcp
 
-from mfsdp.train import checkpoint
-from mfsdp.train.loop import main
+from mfsdp.train.checkpoint import async_save
+from mfsdp.train.main import main
 from mfsdp.train.metrics import read_metrics
 
 GIVE_UP_S = 120.0
@@ -59,7 +59,7 @@ class SteeredWriter(dcp.FileSystemWriter):
         (self.out_dir / f"hold_rank{self.rank}.json").write_text(json.dumps(record))
 
 
-checkpoint._storage_writer = SteeredWriter
+async_save._storage_writer = SteeredWriter
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

@@ -17,10 +17,10 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from mfsdp.train import checkpoint as ckpt
-from mfsdp.train.checkpoint import (CheckpointError, Checkpointer, HostStager, find_latest,
-                                    find_resumable, load_checkpoint, planned_staging_bytes,
-                                    staging_bytes)
+from mfsdp.train.checkpoint import (CheckpointError, Checkpointer, HostStager, checkpoint_bytes, damage, find_latest,
+                                    find_resumable, load_checkpoint, staging_bytes)
+from mfsdp.train.checkpoint import async_save as ckpt
+from mfsdp.train.checkpoint.storage import state_of
 from mfsdp.train.report import postfix
 from test_train_checkpoint import META, make
 from test_train_e2e import REPO, SMALL, _env, corpus, loss_and_grad_norm, stopped_copy  # noqa: F401
@@ -49,27 +49,27 @@ def test_an_async_save_holds_the_state_of_its_step_while_training_goes_on(tmp_pa
     saver.close()
     assert find_latest(tmp_path) == path and (tmp_path / "latest").read_text() == "step_1\n"
     fresh, fresh_optimizer = make(3)
-    assert load_checkpoint(path, fresh, fresh_optimizer)["step"] == 1
+    assert load_checkpoint(path, fresh, fresh_optimizer).step == 1
     torch.testing.assert_close(fresh.weight, saved, rtol=0, atol=0)
 
 
 def test_the_staging_buffers_are_reused_from_one_save_to_the_next(tmp_path):
     model, optimizer = make(0)
     stager = HostStager(pinned=False)
-    first = stager.stage(ckpt._state(model, optimizer))
+    first = stager.stage(state_of(model, optimizer))
     model(torch.ones(2, 8)).sum().backward()
     optimizer.step()
-    second = stager.stage(ckpt._state(model, optimizer))
+    second = stager.stage(state_of(model, optimizer))
     assert second["model"]["weight"].data_ptr() == first["model"]["weight"].data_ptr()
     assert second["optimizer"]["state"]["weight"]["exp_avg"].data_ptr() == \
         first["optimizer"]["state"]["weight"]["exp_avg"].data_ptr()
     torch.testing.assert_close(second["model"]["weight"], model.weight.detach(), rtol=0, atol=0)
     assert second["model"]["weight"].data_ptr() != model.weight.data_ptr()  # a copy, not a view
-    state = ckpt._state(model, optimizer)
+    state = state_of(model, optimizer)
     assert stager.nbytes() == staging_bytes(state)
     n = model.weight.numel() + model.bias.numel()
     # weights and two AdamW moments, plus the step counters and the generator state
-    assert planned_staging_bytes(n) <= staging_bytes(state) <= planned_staging_bytes(n) + 8192
+    assert checkpoint_bytes(n) <= staging_bytes(state) <= checkpoint_bytes(n) + 8192
 
 
 def fake_cuda(monkeypatch, pin=None):
@@ -89,8 +89,8 @@ def test_on_cuda_the_buffer_is_pinned_once_for_exactly_its_bytes(monkeypatch):
     model, optimizer = make(0)
     stager = HostStager(pinned=True)
     for _ in range(3):
-        stager.stage(ckpt._state(model, optimizer))
-    state = ckpt._state(model, optimizer)
+        stager.stage(state_of(model, optimizer))
+    state = state_of(model, optimizer)
     # One wait for the device per save, not one per tensor.
     assert calls == [("pin", staging_bytes(state)), "wait", "wait", "wait"]
     stager.close()
@@ -105,7 +105,7 @@ def test_the_buffer_is_pinned_in_the_background_before_the_first_save(monkeypatc
     saver = Checkpointer(tmp_path, keep=2, asynchronous=True, pinned=True, model=model,
                          optimizer=optimizer)
     saver._stager._join()  # the background thread has finished
-    state = ckpt._state(model, optimizer)
+    state = state_of(model, optimizer)
     assert calls == [("set_device", 0), ("pin", staging_bytes(state))]
     saver.save(1, model, optimizer, META)
     assert calls[2:] == ["wait"] and saver._write.stall.pinning < 0.5
@@ -124,7 +124,7 @@ def test_a_fresh_run_pins_after_its_first_step_without_touching_the_optimizer(tm
     model(torch.ones(2, 8)).sum().backward()
     optimizer.step()
     saver.poll(1)
-    assert saver._stager.nbytes() == staging_bytes(ckpt._state(model, optimizer))
+    assert saver._stager.nbytes() == staging_bytes(state_of(model, optimizer))
     assert optimizer.state[model.weight]["step"].item() == 1  # one step, the training's
     saver.close()
 
@@ -166,7 +166,7 @@ def test_staged_tensors_own_exactly_their_bytes_and_the_writer_copies_nothing_ah
     of its own thread every 10 MB."""
     model, optimizer = make(0)
     stager = HostStager(pinned=False)
-    leaves = ckpt._leaves(stager.stage(ckpt._state(model, optimizer)))
+    leaves = ckpt._leaves(stager.stage(state_of(model, optimizer)))
     assert leaves and all(t.untyped_storage().size() == t.nbytes for t in leaves.values())
     writers = []
 
@@ -295,7 +295,7 @@ def test_training_goes_on_while_a_checkpoint_is_written(held_run):
     assert saved and int(saved.group(1)) >= 7, run.stdout
     assert (out / "checkpoints" / "latest").read_text() == "step_8\n"
     assert find_latest(out / "checkpoints").name == "step_8"
-    assert ckpt.damage(out / "checkpoints" / "step_4") is None
+    assert damage(out / "checkpoints" / "step_4") is None
     assert sorted(loss_and_grad_norm(out)) == list(range(1, 9))
 
 
@@ -336,13 +336,13 @@ def test_auto_keeps_saves_synchronous_where_the_staging_would_pin_most_of_the_ra
     """8b on one H200 host (128 GiB of RAM): 89.7 GiB of pinned staging per rank is over half the RAM,
     so `auto` writes synchronously and says why; 1b (16.7 GiB) stays asynchronous; eight 8b ranks
     on a 2 TiB node fit."""
-    from mfsdp.train.checkpoint import async_staging_problem, planned_staging_bytes
+    from mfsdp.train.checkpoint import async_staging_problem
 
     gib = 2 ** 30
-    big = planned_staging_bytes(8_030_261_248)
+    big = checkpoint_bytes(8_030_261_248)
     problem = async_staging_problem(big, 1, 128 * gib)
     assert problem is not None and "89.7 GiB of this node's 128.0 GiB" in problem, problem
     assert "--train.async_checkpoint true forces them" in problem
-    assert async_staging_problem(planned_staging_bytes(1_498_482_688), 1, 128 * gib) is None
+    assert async_staging_problem(checkpoint_bytes(1_498_482_688), 1, 128 * gib) is None
     assert async_staging_problem(big, 8, 2048 * gib) is None
     assert async_staging_problem(big, 8, 1024 * gib) is not None

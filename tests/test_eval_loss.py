@@ -71,10 +71,11 @@ def run_trainer(rank, world_size, argv):
     from pathlib import Path
 
     from mfsdp.train.config import load_config
-    from mfsdp.train.loop import Trainer
+    from mfsdp.train.preflight import preflight
+    from mfsdp.train.trainer import Trainer
 
     cfg = load_config(argv)
-    Trainer(cfg, torch.device("cpu")).run()
+    Trainer(preflight(cfg, torch.device("cpu"), print), torch.device("cpu")).run()
     path = Path(cfg.train.out_dir) / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines()] if rank == 0 else None
 

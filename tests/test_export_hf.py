@@ -56,10 +56,10 @@ def assert_same_logits(reference, exported_dir, vocab: int):
 
 def bundled_reference(checkpoint):
     from mfsdp.models.moe import build_model
-    from mfsdp.train.checkpoint import read_meta
+    from mfsdp.train.checkpoint import CheckpointMeta
     from mfsdp.train.export import model_config_of
 
-    cfg = model_config_of(read_meta(checkpoint)["config"])
+    cfg = model_config_of(CheckpointMeta.read(checkpoint).config)
     return trained_state(checkpoint, build_model(cfg, dtype=torch.float32)), cfg
 
 

@@ -17,8 +17,8 @@ import torch
 from mfsdp.data import prepare, write_token_file
 from mfsdp.data.prepare import stdlib_source
 from mfsdp.data.token_file import HEADER_BYTES
-from mfsdp.train import checkpoint as ckpt
-from mfsdp.train.checkpoint import (CheckpointError, find_latest, find_resumable,
+from mfsdp.train.checkpoint import storage as ckpt
+from mfsdp.train.checkpoint import (CheckpointError, CheckpointMeta, find_latest, find_resumable,
                                     load_checkpoint, save_checkpoint)
 
 from test_train_checkpoint import make as _make  # a stepped Linear and its AdamW
@@ -152,8 +152,8 @@ def test_a_signal_to_the_launcher_saves_on_every_rank_and_exits_0(corpus, tmp_pa
 @pytest.mark.parametrize("damage", ["missing", "truncated"])
 def test_resume_falls_back_from_a_damaged_newest_checkpoint_and_says_so(tmp_path, damage):
     model, optimizer = _make(0)
-    older = save_checkpoint(tmp_path, 1, model, optimizer, {"model": {}})
-    newest = save_checkpoint(tmp_path, 2, model, optimizer, {"model": {}})
+    older = save_checkpoint(tmp_path, 1, model, optimizer, CheckpointMeta(model={}))
+    newest = save_checkpoint(tmp_path, 2, model, optimizer, CheckpointMeta(model={}))
     shard = next(p for p in newest.iterdir() if p.suffix == ".distcp")
     if damage == "missing":
         shard.unlink()
@@ -164,7 +164,7 @@ def test_resume_falls_back_from_a_damaged_newest_checkpoint_and_says_so(tmp_path
     assert f"checkpoint {newest} is damaged (file {shard.name}" in notes[0]
     assert "skipping it" in notes[0]
     fresh, fresh_optimizer = _make(1)
-    assert load_checkpoint(path, fresh, fresh_optimizer)["step"] == 1
+    assert load_checkpoint(path, fresh, fresh_optimizer).step == 1
 
 
 def test_a_save_that_fails_partway_keeps_the_previous_checkpoint_and_says_why(
@@ -172,7 +172,7 @@ def test_a_save_that_fails_partway_keeps_the_previous_checkpoint_and_says_why(
     from torch.distributed.checkpoint.filesystem import FileSystem
 
     model, optimizer = _make(0)
-    good = save_checkpoint(tmp_path, 1, model, optimizer, {"model": {}})
+    good = save_checkpoint(tmp_path, 1, model, optimizer, CheckpointMeta(model={}))
     real_create_stream = FileSystem.create_stream
 
     class FullDisk:  # accepts 100 bytes, then the disk is full
@@ -197,7 +197,7 @@ def test_a_save_that_fails_partway_keeps_the_previous_checkpoint_and_says_why(
 
     monkeypatch.setattr(FileSystem, "create_stream", create_stream)
     with pytest.raises(CheckpointError) as raised:
-        save_checkpoint(tmp_path, 2, model, optimizer, {"model": {}})
+        save_checkpoint(tmp_path, 2, model, optimizer, CheckpointMeta(model={}))
     monkeypatch.undo()
     message = str(raised.value)
     assert "saving checkpoint step_2 failed" in message and "No space left on device" in message

@@ -50,14 +50,14 @@ def _tokens(vocab):
 
 
 def trainer_build(rank, ws, shape, placements, replicate, compute, extra=()):
-    """``Trainer.build`` (meta -> parallelize -> to_empty -> init_weights) on every rank; rank 0
+    """``mfsdp.train.build.build`` (meta -> parallelize -> to_empty -> init_weights) on every rank; rank 0
     returns the gathered main weights, the logits of a first forward and the rank's shard sizes."""
-    from mfsdp.train.loop import Trainer
+    from mfsdp.train.build import build
 
     llama_module.INIT_CHUNK_NUMEL = CHUNK
     try:
         cfg = _run_config(shape, placements, replicate, compute, extra)
-        model, _ = Trainer(cfg, torch.device("cpu")).build()
+        model, _ = build(cfg, torch.device("cpu"), ws, print)
     finally:
         llama_module.INIT_CHUNK_NUMEL = 1 << 22
     assert all(isinstance(m, mfsdp.FsdpModule) for m in (model, model.layers[0]))
@@ -154,18 +154,18 @@ def _reset_peak_rss() -> bool:
 
 
 def peak_during_build(rank, ws, shape):
-    """Peak RSS growth on each rank while ``Trainer.build`` runs for ``shape`` (bf16 compute, fp32
+    """Peak RSS growth on each rank while ``build`` runs for ``shape`` (bf16 compute, fp32
     main weights, as on GPU); a tiny build first, so imports and process groups are warm."""
-    from mfsdp.train.loop import Trainer
-
     import gc
 
-    Trainer(_run_config(SHAPE, "zero3", 1, "bf16"), torch.device("cpu")).build()
+    from mfsdp.train.build import build
+
+    build(_run_config(SHAPE, "zero3", 1, "bf16"), torch.device("cpu"), ws, print)
     gc.collect()
     if not _reset_peak_rss():
         return None
     base = _vm_hwm_bytes()
-    model, optimizer = Trainer(_run_config(shape, "zero3", 1, "bf16"), torch.device("cpu")).build()
+    model, optimizer = build(_run_config(shape, "zero3", 1, "bf16"), torch.device("cpu"), ws, print)
     grown = _vm_hwm_bytes() - base
     local = sum(p.to_local().numel() for p in model.parameters())
     del model, optimizer

@@ -261,6 +261,7 @@ def test_plan_and_train_check_read_model_float8(tmp_path):
     from mfsdp.memory import estimate
     from mfsdp.memory.plan import estimate_run
     from mfsdp.train.config import load_config
+    from mfsdp.train.plan import planned_run
 
     args = ["--model.preset", "1b", "--data.seq_len", "2048", "--data.local_batch", "2", "--nproc-per-node", "8",
             "--gpu-memory", "80GiB"]
@@ -270,7 +271,7 @@ def test_plan_and_train_check_read_model_float8(tmp_path):
     rows = [line for line in text.splitlines() if "--parallel.placements" in line]
     assert rows and all("--parallel.placements zero3" in row for row in rows), rows
     cfg = load_config(args[:6] + ["--model.float8", "tensorwise"])
-    planned = estimate_run(cfg, 8)
+    planned = estimate_run(planned_run(cfg), 8)
     assert planned.settings.float8 == "tensorwise"
     assert planned.component_max("unsharded (forward)") == estimate(
         cfg.llama_config(), world_size=8, placements="zero3", local_batch=2, seq_len=2048, float8="tensorwise",

@@ -8,7 +8,6 @@ import contextlib
 import dataclasses
 import io
 import multiprocessing
-import types
 
 import pytest
 from _dist import World
@@ -440,29 +439,29 @@ def test_plan_reports_a_bad_flag(tmp_path):
 
 
 # ------------------------------------------------------------------------- mfsdp train refusal
-def _trainer(args, device="cuda"):
+def _check_memory(args, device="cuda"):
+    from mfsdp.train import preflight
     from mfsdp.train.config import load_config
 
-    return types.SimpleNamespace(cfg=load_config(args), world=8, device=torch.device(device))
+    preflight.check_memory(load_config(args), 8, torch.device(device), print)
 
 
 def test_train_refuses_a_run_that_does_not_fit(monkeypatch):
-    from mfsdp.train import loop
+    from mfsdp.train import preflight
 
-    monkeypatch.setattr(loop, "device_memory", lambda device: 40 * 2**30)
+    monkeypatch.setattr(preflight, "device_memory", lambda device: 40 * 2**30)
     args = ["--model.preset", "8b", "--data.seq_len", "8192", "--data.local_batch", "2",
             "--parallel.placements", "zero2"]
-    with pytest.raises(loop.RunFailed) as err:
-        loop.Trainer.check_memory(_trainer(args))
+    with pytest.raises(preflight.RunFailed) as err:
+        _check_memory(args)
     message = str(err.value)
     assert "\n" not in message
     assert "does not fit this GPU's 40.00 GiB" in message and "nearest setting that fits" in message, message
     assert "--train.skip_memory_check true" in message
-    loop.Trainer.check_memory(_trainer(args + ["--train.skip_memory_check", "true"]))  # overridden
-    loop.Trainer.check_memory(_trainer(args, device="cpu"))  # CPU runs skip the check
-    monkeypatch.setattr(loop, "device_memory", lambda device: 141 * 2**30)
-    loop.Trainer.check_memory(_trainer(args[:-2] + ["--parallel.placements", "zero3",
-                                                    "--parallel.activation_checkpointing", "true"]))
+    _check_memory(args + ["--train.skip_memory_check", "true"])  # overridden
+    _check_memory(args, device="cpu")  # CPU runs skip the check
+    monkeypatch.setattr(preflight, "device_memory", lambda device: 141 * 2**30)
+    _check_memory(args[:-2] + ["--parallel.placements", "zero3", "--parallel.activation_checkpointing", "true"])
 
 
 def test_plan_sizes_a_hugging_face_directory(tmp_path):

@@ -33,7 +33,7 @@ def test_plan_prints_the_plan_and_names_the_extra(tmp_path):
 
 
 def test_train_names_the_extra_instead_of_none(corpus, tmp_path):
-    run = without_matplotlib("mfsdp.train.loop:main", *SMALL, "--data.path", str(corpus),
+    run = without_matplotlib("mfsdp.train.main:main", *SMALL, "--data.path", str(corpus),
                              "--train.steps", "2", "--train.sample_tokens", "0",
                              "--train.out_dir", str(tmp_path))
     assert run.returncode == 0, run.stdout + run.stderr

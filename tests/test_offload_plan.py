@@ -14,6 +14,7 @@ import pytest
 from mfsdp.memory import plan
 from mfsdp.memory.api import OffloadedEstimate
 from mfsdp.memory.estimate import GIB
+from mfsdp.train import plan as train_plan
 from mfsdp.train.config import load_config
 
 EIGHT_B = ["--model.preset", "8b", "--data.seq_len", "4096", "--data.local_batch", "1", "--data.microbatches", "4",
@@ -22,11 +23,12 @@ EIGHT_B = ["--model.preset", "8b", "--data.seq_len", "4096", "--data.local_batch
 
 @pytest.fixture(scope="module")
 def cfg():
-    return load_config(EIGHT_B)
+    """The planner's view of the config (``mfsdp.train.plan.planned_run``)."""
+    return train_plan.planned_run(load_config(EIGHT_B))
 
 
 def test_offloaded_estimate_moves_the_chosen_units_states_to_the_host(cfg):
-    base = plan.configured(cfg)
+    base = cfg.setting
     plain = plan.estimate_run(cfg, 1, base)
     half = plan.estimate_run(cfg, 1, dataclasses.replace(base, offload=0.5))
     assert isinstance(half, OffloadedEstimate) and not isinstance(plain, OffloadedEstimate)
@@ -47,7 +49,7 @@ def test_offloaded_estimate_moves_the_chosen_units_states_to_the_host(cfg):
 
 
 def test_auto_takes_the_smallest_fraction_that_fits(cfg):
-    base = plan.configured(cfg)
+    base = cfg.setting
     need = {f: plan.estimate_run(cfg, 1, dataclasses.replace(base, offload=f)).device_bytes
             for f in (0.0, *plan.OFFLOAD_FRACTIONS)}
     assert all(need[a] > need[b] for a, b in zip(need, list(need)[1:]))  # more offload, less memory
@@ -58,14 +60,14 @@ def test_auto_takes_the_smallest_fraction_that_fits(cfg):
 
 
 def test_the_search_offers_offload_before_more_gpus(cfg, capsys):
-    base = plan.configured(cfg)
+    base = cfg.setting
     gpu = plan.estimate_run(cfg, 1, dataclasses.replace(base, offload=0.75)).device_bytes
     fits = plan.fitting(cfg, 1, gpu)
     assert fits and all(s.offload for s, _ in fits)  # nothing fits on the GPU alone here
     assert all(e.fit(gpu) == "fits" for _, e in fits)
     layouts = [(s.placements, s.activation_checkpointing, s.local_batch) for s, _ in fits]
     assert len(layouts) == len(set(layouts))  # one (smallest) fraction per layout
-    assert plan.main(EIGHT_B + ["--nproc-per-node", "1", "--gpu-memory", str(gpu), "--out", "/dev/null"]) == 0
+    assert train_plan.main(EIGHT_B + ["--nproc-per-node", "1", "--gpu-memory", str(gpu), "--out", "/dev/null"]) == 0
     out = capsys.readouterr().out
     assert "use more GPUs" not in out and "--parallel.offload optimizer --parallel.offload_fraction" in out
     assert "host RAM:" in out and "CPU exposed per step" in out

@@ -4,7 +4,6 @@ and the memory check's margins against the committed GPU results (the planner ru
 import json
 import re
 import shutil
-import types
 from collections import namedtuple
 from pathlib import Path
 
@@ -13,9 +12,10 @@ import torch
 
 from mfsdp.memory import checkpoint_bytes
 from mfsdp.memory.estimate import GIB, OUTSIDE_ALLOCATOR, PLANNER_OVERSHOOT, RESERVE_FRACTION
-from mfsdp.memory.plan import estimate_run, memory_check
+from mfsdp.memory.plan import estimate_run as _estimate_run, memory_check as _memory_check
+from mfsdp.train.plan import planned_run
 from mfsdp.models import get_config, param_counts
-from mfsdp.train import launcher, loop
+from mfsdp.train import launcher, preflight
 from mfsdp.train.config import load_config
 from mfsdp.train.disk import new_checkpoints_at_once
 
@@ -171,7 +171,7 @@ def test_no_committed_run_that_trained_would_have_been_refused():
     runs = _trained((1, 2))
     assert {r["world_size"] for r in runs} == {1, 2} and any(r["preset"] == "8b" for r in runs), runs
     for r in runs:
-        e = estimate_run(_config(r), r["world_size"])
+        e = _estimate(_config(r), r["world_size"])
         smallest = int(r["peak_mem_alloc_gib"] * GIB) + OUTSIDE_ALLOCATOR
         assert e.fit(capacity) != "no", r
         assert e.fit(smallest) != "no", (r, e.peak_bytes / GIB, e.least_device_bytes / GIB)
@@ -182,7 +182,7 @@ def test_the_refusal_allows_for_the_planners_largest_over_prediction():
     errors = []
     for _, r in _records():
         if r["status"] == "ok" and r["seq"] and r["world_size"] <= 4:
-            predicted = estimate_run(_config(r), r["world_size"]).peak_bytes / GIB
+            predicted = _estimate(_config(r), r["world_size"]).peak_bytes / GIB
             errors.append(predicted / r["peak_mem_alloc_gib"] - 1)
     assert len(errors) > 10 and max(errors) > 0, errors
     assert max(errors) <= PLANNER_OVERSHOOT, max(errors)
@@ -213,7 +213,7 @@ def test_the_8b_run_on_one_gpu_fits_with_bf16_gradients():
     capacity = int(_committed_oom()["capacity"] * GIB)
     cfg = _8b_on_one_gpu()
     assert memory_check(cfg, 1, capacity) is None
-    bf16, fp32 = estimate_run(cfg, 1), estimate_run(_8b_on_one_gpu("--parallel.main_grads_dtype", "fp32"), 1)
+    bf16, fp32 = _estimate(cfg, 1), _estimate(_8b_on_one_gpu("--parallel.main_grads_dtype", "fp32"), 1)
     assert 107 * GIB < bf16.peak_bytes < 109 * GIB, bf16.peak_bytes / GIB
     assert fp32.peak_bytes - bf16.peak_bytes > 14 * GIB, (fp32.peak_bytes / GIB, bf16.peak_bytes / GIB)
     level, line = memory_check(_8b_on_one_gpu("--parallel.main_grads_dtype", "fp32"), 1, bf16.device_bytes)
@@ -228,13 +228,20 @@ def test_the_8b_run_on_one_gpu_fits_with_bf16_gradients():
 
 def test_trainer_warns_within_the_margin_and_refuses_beyond_it(monkeypatch):
     cfg = _8b_on_one_gpu()
-    e = estimate_run(cfg, 1)
+    e = _estimate(cfg, 1)
     said = []
-    trainer = types.SimpleNamespace(cfg=cfg, world=1, device=torch.device("cuda"), log=said.append)
     tight = e.peak_bytes + e.outside_allocator + e.allocator_reserve // 2  # within the margin
-    monkeypatch.setattr(loop, "device_memory", lambda device: tight)
-    loop.Trainer.check_memory(trainer)
+    monkeypatch.setattr(preflight, "device_memory", lambda device: tight)
+    preflight.check_memory(cfg, 1, torch.device("cuda"), said.append)
     assert len(said) == 1 and said[0].startswith("mfsdp train: warning: predicted peak memory"), said
-    monkeypatch.setattr(loop, "device_memory", lambda device: 100 * GIB)
-    with pytest.raises(loop.RunFailed, match="does not fit this GPU's 100.00 GiB"):
-        loop.Trainer.check_memory(trainer)
+    monkeypatch.setattr(preflight, "device_memory", lambda device: 100 * GIB)
+    with pytest.raises(preflight.RunFailed, match="does not fit this GPU's 100.00 GiB"):
+        preflight.check_memory(cfg, 1, torch.device("cuda"), said.append)
+
+
+def _estimate(cfg, world):
+    return _estimate_run(planned_run(cfg), world)
+
+
+def memory_check(cfg, world, gpu_bytes):
+    return _memory_check(planned_run(cfg), world, gpu_bytes)

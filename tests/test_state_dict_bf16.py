@@ -181,7 +181,7 @@ def test_state_dict_round_trips_in_bf16(world, tmp_path, kind, bound, steps_befo
 def resume_run(rank, ws, kind, bound, tmp, steps=4, stop_at=2):
     """Uninterrupted vs stopped at ``stop_at``, saved, resumed into a fresh model; plus an unsharded
     fp32 reference on the full batch."""
-    from mfsdp.train.checkpoint import find_latest, load_checkpoint, save_checkpoint
+    from mfsdp.train.checkpoint import CheckpointMeta, find_latest, load_checkpoint, save_checkpoint
 
     net, opt = _build(0, kind, bound, ws)
     straight = [_step(net, opt, s, rank, ws) for s in range(steps)]
@@ -189,11 +189,11 @@ def resume_run(rank, ws, kind, bound, tmp, steps=4, stop_at=2):
     root = _shared_dir(rank, tmp, f"ckpt-{kind}-{bound}")
     net, opt = _build(0, kind, bound, ws)
     first = [_step(net, opt, s, rank, ws) for s in range(stop_at)]
-    save_checkpoint(root, stop_at, net, opt, {"model": {}})
+    save_checkpoint(root, stop_at, net, opt, CheckpointMeta(model={}))
     del net, opt
     resumed, resumed_opt = _build(1, kind, bound, ws)  # other initial weights: all must come from disk
     meta = load_checkpoint(find_latest(root), resumed, resumed_opt)
-    rest = [_step(resumed, resumed_opt, s, rank, ws) for s in range(meta["step"], steps)]
+    rest = [_step(resumed, resumed_opt, s, rank, ws) for s in range(meta.step, steps)]
 
     ref = copy.deepcopy(_unsharded(0)).float()
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, foreach=True)
@@ -205,7 +205,7 @@ def resume_run(rank, ws, kind, bound, tmp, steps=4, stop_at=2):
         ref_opt.step()
         ref_opt.zero_grad()
         reference.append(float(loss))
-    return {"straight": straight, "resumed": first + rest, "step": meta["step"], "reference": reference}
+    return {"straight": straight, "resumed": first + rest, "step": meta.step, "reference": reference}
 
 
 @pytest.mark.parametrize("kind,bound", CASES, ids=IDS)

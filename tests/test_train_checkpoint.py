@@ -5,15 +5,15 @@ import os
 import pytest
 import torch
 
-from mfsdp.train import checkpoint as ckpt
-from mfsdp.train.checkpoint import (CheckpointError, check_compatible, find_latest,
+from mfsdp.train.checkpoint import (CheckpointError, CheckpointMeta, check_compatible, find_latest,
                                     load_checkpoint, save_checkpoint)
+from mfsdp.train.checkpoint import storage as ckpt
 
 pytestmark = [pytest.mark.timeout(60),
               # DCP notes that it saves without a process group; that is the point here.
               pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
 
-META = {"model": {"dim": 8}}
+META = CheckpointMeta(model={"dim": 8})
 
 
 def make(seed):
@@ -30,7 +30,7 @@ def test_save_then_load_restores_model_and_optimizer(tmp_path):
     path = save_checkpoint(tmp_path, 5, model, optimizer, META)
     assert find_latest(tmp_path) == path and (tmp_path / "latest").read_text() == "step_5\n"
     other, other_optimizer = make(1)
-    assert load_checkpoint(path, other, other_optimizer)["step"] == 5
+    assert load_checkpoint(path, other, other_optimizer).step == 5
     torch.testing.assert_close(other.weight, model.weight, rtol=0, atol=0)
     torch.testing.assert_close(other_optimizer.state_dict()["state"][0]["exp_avg"],
                                optimizer.state_dict()["state"][0]["exp_avg"], rtol=0, atol=0)
@@ -72,7 +72,7 @@ def test_latest_falls_back_to_the_newest_complete_directory_and_old_ones_are_pru
 
 def test_a_checkpoint_for_another_model_shape_is_refused(tmp_path):
     model, optimizer = make(0)
-    path = save_checkpoint(tmp_path, 1, model, optimizer, {"model": {"dim": 8, "n_layers": 2}})
+    path = save_checkpoint(tmp_path, 1, model, optimizer, CheckpointMeta(model={"dim": 8, "n_layers": 2}))
     check_compatible(path, {"dim": 8, "n_layers": 2})
     with pytest.raises(CheckpointError, match="different model .*n_layers: checkpoint 2, now 3"):
         check_compatible(path, {"dim": 8, "n_layers": 3})

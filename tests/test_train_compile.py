@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from test_train_e2e import REPO, SMALL, _env, corpus  # noqa: F401  (the token file fixture)
-from mfsdp.train.build import validate_run
+from mfsdp.train.preflight import check_run
 from mfsdp.train.config import ConfigError, load_config
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.filterwarnings("ignore::UserWarning")]
@@ -75,11 +75,11 @@ def test_float8_without_compile_is_refused_on_cuda_only():
     off = load_config(["--model.float8", "rowwise", "--parallel.compile", "false"])
     with pytest.raises(ConfigError, match=r"--parallel.compile false runs torchao's float8 casts eagerly.*"
                                           r"--parallel.compile auto"):
-        validate_run(off, 1, device_type="cuda")
-    validate_run(off, 1, device_type="cpu")  # eager float8 stays allowed on CPU (the tests)
+        check_run(off, 1, device_type="cuda")
+    check_run(off, 1, device_type="cpu")  # eager float8 stays allowed on CPU (the tests)
     auto = load_config(["--model.float8", "tensorwise"])
     assert auto.compiles("cuda") and not auto.compiles("cpu")
-    validate_run(auto, 1, device_type="cuda")
+    check_run(auto, 1, device_type="cuda")
     assert load_config(["--parallel.compile", "true"]).compiles("cpu")
     with pytest.raises(ConfigError, match="parallel.compile must be one of auto, true, false"):
         load_config(["--parallel.compile", "yes"])
@@ -92,7 +92,11 @@ def test_plan_predicts_compiled_blocks_from_the_measured_share():
     checkpointing (block inputs only) nothing changes."""
     from mfsdp.memory.api import COMPILED_BLOCK_SAVED, COMPILED_NOTE
     from mfsdp.memory.estimate import GIB
-    from mfsdp.memory.plan import estimate_run
+    from mfsdp.memory.plan import estimate_run as planner_estimate
+    from mfsdp.train.plan import planned_run
+
+    def estimate_run(cfg, world):
+        return planner_estimate(planned_run(cfg), world)
 
     assert COMPILED_NOTE in estimate_run(load_config([]), 1).notes  # auto: a GPU run compiles
     assert COMPILED_NOTE not in estimate_run(load_config(["--parallel.compile", "false"]), 1).notes

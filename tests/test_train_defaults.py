@@ -11,7 +11,7 @@ import pytest
 
 from mfsdp.models.llama import PRESETS
 from mfsdp.train.config import ConfigError, TrainSection, load_config, usage
-from mfsdp.train.loop import Trainer
+from mfsdp.train.step import lr_at
 from mfsdp.train.recipes import RECIPES, WARMUP_FRACTION
 
 pytestmark = pytest.mark.timeout(120)
@@ -47,10 +47,9 @@ def test_explicit_values_win_over_the_preset(tmp_path):
     assert cfg.train.lr == 2e-4 and cfg.train.warmup_steps == 60  # the rest from the recipe
     assert "the 8b recipe, --train.lr given" in cfg.schedule_line()
     # The schedule a trainer runs is the resolved one.
-    trainer = Trainer.__new__(Trainer)
-    trainer.cfg = load_config(["--model.preset", "8b", "--train.steps", "100"])
-    assert trainer.learning_rate(20) == pytest.approx(3e-4)
-    assert trainer.learning_rate(100) == pytest.approx(3e-5)
+    schedule = load_config(["--model.preset", "8b", "--train.steps", "100"]).train
+    assert lr_at(schedule, 20) == pytest.approx(3e-4)
+    assert lr_at(schedule, 100) == pytest.approx(3e-5)
 
 
 def test_bad_explicit_values_are_still_refused():

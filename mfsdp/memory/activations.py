@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mfsdp import _compat
+from mfsdp.models.outputs import logits_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,7 +218,7 @@ def _measure(model, blocks, run, names, tracker) -> ActivationProfile:
     handles = [p.register_post_accumulate_grad_hook(on_grad) for p in model.parameters() if p.requires_grad]
 
     def root_output(module, args, output):
-        out = getattr(output, "logits", output)
+        out = logits_of(output)
         if isinstance(out, torch.Tensor) and out.requires_grad:
             out.register_hook(lambda grad: tracker.mark("loss_backward_end"))
     handles.append(model.register_forward_hook(root_output))
@@ -295,7 +296,7 @@ def cross_entropy_run(tokens: torch.Tensor) -> Callable[[nn.Module], torch.Tenso
     def run(model):
         kept.clear()
         logits = model(tokens)
-        logits = getattr(logits, "logits", logits)
+        logits = logits_of(logits)
         kept.append(logits)
         return F.cross_entropy(logits.float().flatten(0, 1), tokens.flatten())
     run.kept = kept

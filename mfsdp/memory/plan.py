@@ -1,15 +1,12 @@
-"""``mfsdp plan``: the memory of a ``mfsdp train`` config per GPU, and the settings that fit.
-
-Reads the same config as ``mfsdp train`` (``--config FILE.yaml`` and ``--section.key value``
-flags, ``--model.hf DIR`` included), plus ``--nproc-per-node`` / ``--nnodes`` for the world size
-and ``--gpu-memory`` for the device (default: this machine's GPU, else an H200's 141 GiB).
-"""
+"""The memory of a training run per GPU, and the settings that fit: what ``mfsdp plan`` prints and
+``mfsdp train``'s memory check and ``--parallel.offload auto`` ask. A run is described by a
+``PlannedRun`` (``mfsdp.train.plan`` builds one from a ``mfsdp train`` config); a ``Setting`` is one
+combination of the knobs the search varies."""
 
 from __future__ import annotations
 
 import dataclasses
 import re
-import sys
 from pathlib import Path
 from typing import Optional
 
@@ -72,6 +69,43 @@ class Setting:
         return (round(self.step_cost(share), 3), self.offload, -self.local_batch, rank)
 
 
+@dataclasses.dataclass(frozen=True)
+class PlannedRun:
+    """What the planner needs to know of a training run besides the ``Setting`` it searches over."""
+
+    model: object
+    """The bundled model's ``LlamaConfig``, or a Hugging Face model directory (the manager's)."""
+    setting: Setting
+    """The setting the run is configured with."""
+    seq_len: int
+    """Tokens per sequence."""
+    grads_dtypes: dict
+    """What each ``main_grads_dtype`` name ("auto", "fp32", "bf16") means for this model, as the core's
+    ``main_grads_dtype`` (None: its default)."""
+    auto_grads: str
+    """What "auto" resolves to, "fp32" or "bf16" (the search tries the other one second)."""
+    replicate: int = 1
+    """Replicas of hsdp / hfsdp."""
+    compute_dtype: torch.dtype = torch.bfloat16
+    """Dtype of forward and backward."""
+    grad_comm_dtype: Optional[torch.dtype] = None
+    """Dtype of the gradient reduction (None: the core's default)."""
+    expert_units: bool = False
+    """Each expert of a mixture of experts sharded as its own unit."""
+    float8: str = "none"
+    """The float8 recipe of the linears ("none", "tensorwise", "rowwise")."""
+    foreach: bool = False
+    """AdamW's foreach kernels (a shard-sized temporary at the step), else the fused one."""
+    compiled: bool = True
+    """Blocks compiled with torch.compile."""
+    async_checkpoint: bool = True
+    """Checkpoints staged in pinned host memory (counted in the host RAM line)."""
+
+    @property
+    def hf(self) -> bool:
+        return isinstance(self.model, (str, Path))
+
+
 OFFLOAD_FRACTIONS = (0.25, 0.5, 0.75, 1.0)
 """The offload fractions the search tries, after none."""
 AC_COST = 0.17
@@ -107,66 +141,42 @@ def parse_bytes(text: str) -> int:
     return int(float(m.group(1)) * scale)
 
 
-def estimate_run(cfg, world: int, setting: Optional[Setting] = None,
+def estimate_run(run: PlannedRun, world: int, setting: Optional[Setting] = None,
                  tp: TensorParallel = TensorParallel(), tp_in_process: bool = False) -> MemoryEstimate:
-    """The estimate of a ``RunConfig`` (``mfsdp train``'s) on ``world`` GPUs, optionally changed;
-    ``tp``: the manager's tensor parallel (``--model.hf`` only), ``world`` counting tp ranks too;
+    """The estimate of ``run`` on ``world`` GPUs, optionally with another ``setting``; ``tp``: the
+    manager's tensor parallel (a Hugging Face model only), ``world`` counting tp ranks too;
     ``tp_in_process``: see ``estimate`` (``mfsdp plan``'s process never holds a real group)."""
-    p, d = cfg.parallel, cfg.data
-    s = setting or configured(cfg)
-    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
-    grads, comm = dtypes.get(s.main_grads_dtype), dtypes.get(p.grad_comm_dtype)
-    if cfg.model.hf is not None:
-        model = cfg.model.hf
-        if s.placements not in ("zero3", "zero2", "zero1", "ddp") and p.replicate == 1:
-            raise ValueError("--model.hf: hsdp/hfsdp need --parallel.replicate > 1")
-        grads, comm = (None if s.main_grads_dtype == "bf16" else torch.float32), None  # the manager's dtypes
-    else:
-        if tp.enabled:
-            raise ValueError("--tp: tensor parallel is the manager's; plan a Hugging Face model (--model.hf DIR)")
-        model = cfg.llama_config()
-    policy = MixedPrecisionPolicy(main_params_dtype=torch.float32, main_grads_dtype=grads, grad_comm_dtype=comm)
-    return estimate(model, world_size=world, placements=s.placements, replicate=p.replicate,
+    s = setting or run.setting
+    if run.hf and s.placements not in ("zero3", "zero2", "zero1", "ddp") and run.replicate == 1:
+        raise ValueError("--model.hf: hsdp/hfsdp need --parallel.replicate > 1")
+    if tp.enabled and not run.hf:
+        raise ValueError("--tp: tensor parallel is the manager's; plan a Hugging Face model (--model.hf DIR)")
+    policy = MixedPrecisionPolicy(main_params_dtype=torch.float32, main_grads_dtype=run.grads_dtypes[s.main_grads_dtype],
+                                  grad_comm_dtype=run.grad_comm_dtype)
+    return estimate(run.model, world_size=world, placements=s.placements, replicate=run.replicate,
                     offload_fraction=s.offload, mixed_precision_policy=policy, local_batch=s.local_batch,
-                    seq_len=d.seq_len, microbatches=s.microbatches, activation_checkpointing=s.activation_checkpointing,
-                    compute_dtype=dtypes.get(p.compute_dtype, torch.bfloat16), expert_units=p.expert_units,
-                    tensor_parallel=tp, tp_in_process=tp_in_process, float8=cfg.model.float8,
-                    foreach=not cfg.train.fused_adamw("cuda"), compiled=cfg.compiles("cuda"))  # plans are for GPUs
+                    seq_len=run.seq_len, microbatches=s.microbatches, activation_checkpointing=s.activation_checkpointing,
+                    compute_dtype=run.compute_dtype, expert_units=run.expert_units, tensor_parallel=tp,
+                    tp_in_process=tp_in_process, float8=run.float8, foreach=run.foreach, compiled=run.compiled)
 
 
-def configured(cfg) -> Setting:
-    """The setting a ``RunConfig`` asks for (``--parallel.offload auto`` counts as none)."""
-    p, d = cfg.parallel, cfg.data
-    offload = p.offload_fraction if p.offload == "optimizer" else 0.0
-    return Setting(p.placements, p.activation_checkpointing, d.local_batch, d.microbatches, p.main_grads_dtype,
-                   offload, d.local_batch * d.microbatches * d.seq_len)
-
-
-def candidates(cfg) -> list[Setting]:
-    """Settings to try, fastest first; the tokens per step stay those of the config, and each
-    setting comes with the config's gradient dtype before the other one."""
-    p, d = cfg.parallel, cfg.data
-    tokens = d.local_batch * d.microbatches
-    batches = [b for b in range(tokens, 0, -1) if tokens % b == 0 and (b & (b - 1) == 0 or b == d.local_batch)]
-    placements = [p.placements] if p.placements in ("hsdp", "hfsdp") else list(PLACEMENT_SPEED)
-    if cfg.model.float8 == "tensorwise":  # FP8 all-gather needs weights sharded at rest (fully_shard refuses)
+def candidates(run: PlannedRun) -> list[Setting]:
+    """Settings to try, fastest first; the tokens per step stay those of the run, and each setting
+    comes with the run's gradient dtype before the other one."""
+    c = run.setting
+    tokens = c.local_batch * c.microbatches
+    batches = [b for b in range(tokens, 0, -1) if tokens % b == 0 and (b & (b - 1) == 0 or b == c.local_batch)]
+    placements = [c.placements] if c.placements in ("hsdp", "hfsdp") else list(PLACEMENT_SPEED)
+    if run.float8 == "tensorwise":  # FP8 all-gather needs weights sharded at rest (fully_shard refuses)
         placements = [pl for pl in placements if pl not in ("zero1", "zero2")]
-    offloads = (0.0, *OFFLOAD_FRACTIONS) if cfg.model.hf is None else (0.0,)  # the manager does not offload
-    out = [Setting(pl, ac, b, tokens // b, g, off, tokens * d.seq_len) for pl in placements for ac in (False, True)
-           for b in batches for off in offloads for g in _grads_options(cfg)]
+    grads = [c.main_grads_dtype, *(g for g in ("fp32", "bf16") if g != (
+        run.auto_grads if c.main_grads_dtype == "auto" else c.main_grads_dtype))]
+    out = [Setting(pl, ac, b, tokens // b, g, off, tokens * run.seq_len) for pl in placements for ac in (False, True)
+           for b in batches for off in (0.0, *OFFLOAD_FRACTIONS) for g in grads]
     return sorted(out, key=Setting.speed_key)
 
 
-def _grads_options(cfg) -> list[str]:
-    """The config's gradient dtype, then the other one ("auto" is the core's default, the compute
-    dtype: bf16 unless --parallel.compute_dtype fp32; the manager's is fp32)."""
-    p = cfg.parallel
-    auto = "fp32" if cfg.model.hf is not None or p.compute_dtype == "fp32" else "bf16"
-    own = auto if p.main_grads_dtype == "auto" else p.main_grads_dtype
-    return [p.main_grads_dtype, *(g for g in ("fp32", "bf16") if g != own)]
-
-
-def fitting(cfg, world: int, gpu_bytes: int, tp: TensorParallel = TensorParallel(),
+def fitting(run: PlannedRun, world: int, gpu_bytes: int, tp: TensorParallel = TensorParallel(),
             tight: bool = False) -> list[tuple[Setting, MemoryEstimate]]:
     """Every candidate that fits with the allocator's margin (``tight``: or within it), fastest first;
     the other gradient dtype only where the config's does not fit, offload only where neither
@@ -176,10 +186,10 @@ def fitting(cfg, world: int, gpu_bytes: int, tp: TensorParallel = TensorParallel
 
     def estimate(setting: Setting) -> MemoryEstimate:
         if setting not in estimates:
-            estimates[setting] = estimate_run(cfg, world, setting, tp, tp_in_process=True)
+            estimates[setting] = estimate_run(run, world, setting, tp, tp_in_process=True)
         return estimates[setting]
 
-    for s in candidates(cfg):
+    for s in candidates(run):
         layout = dataclasses.replace(s, main_grads_dtype=None, offload=0.0)
         if layout in seen or (layout, s.main_grads_dtype) in hopeless:
             continue
@@ -198,11 +208,11 @@ def fitting(cfg, world: int, gpu_bytes: int, tp: TensorParallel = TensorParallel
     return sorted(out, key=lambda pair: pair[0].speed_key(getattr(pair[1], "offloaded_share", None)))
 
 
-def nearest(cfg, world: int, gpu_bytes: int, tight: bool = False) -> Optional[tuple[Setting, MemoryEstimate]]:
+def nearest(run: PlannedRun, world: int, gpu_bytes: int, tight: bool = False) -> Optional[tuple[Setting, MemoryEstimate]]:
     """The fitting setting (``tight``: or one within the margin) that changes the fewest of the
-    config's knobs, then the fastest."""
-    now = configured(cfg).knobs()
-    fits = fitting(cfg, world, gpu_bytes, tight=tight)
+    run's knobs, then the fastest."""
+    now = run.setting.knobs()
+    fits = fitting(run, world, gpu_bytes, tight=tight)
     changes = lambda s: sum(a != b for a, b in zip(s.knobs(), now))  # noqa: E731
     return min(fits, key=lambda pair: changes(pair[0]), default=None)  # the first of the fewest: fastest
 
@@ -253,106 +263,16 @@ def plot_phases(e: MemoryEstimate, path: Path) -> Path:
     return path
 
 
-USAGE = """usage: mfsdp plan [--config FILE.yaml] [--nproc-per-node N] [--nnodes N] [--gpu-memory 141GiB]
-                  [--tp N [--sequence-parallel true|false] [--loss-parallel true|false]]
-                  [--out plan.png] [--SECTION.KEY VALUE ...]
-
-Predicts one GPU's memory for a `mfsdp train` run (peak of allocated memory, the phase where it
-occurs, every component), lists the settings that fit, fastest first, and draws the step's memory.
---tp N plans a Hugging Face model (--model.hf DIR) through the manager with tensor parallel over N
-of the GPUs (sequence parallel and the vocabulary-parallel loss on unless turned off).
-"""
-
-
-def main(argv: list[str]) -> int:
-    if argv and argv[0] in ("-h", "--help"):
-        print(USAGE)
-        return 0
-    from mfsdp.train.config import ConfigError, load_config
-
-    own = {"--nproc-per-node": "1", "--nnodes": "1", "--gpu-memory": None, "--out": "mfsdp-plan.png", "--tp": "1",
-           "--sequence-parallel": "true", "--loss-parallel": "true"}
-    rest, args = [], iter(argv)
-    for arg in args:
-        key, eq, value = arg.partition("=")
-        if key not in own:
-            rest.append(arg)
-            continue
-        own[key] = value if eq else next(args, None)
-        if own[key] is None:
-            return _error(f"{key} needs a value")
-    try:
-        cfg = load_config(rest)
-        world = int(own["--nproc-per-node"]) * int(own["--nnodes"])
-        tp = _tensor_parallel(own)
-        if own["--gpu-memory"]:
-            gpu, source = parse_bytes(own["--gpu-memory"]), "--gpu-memory"
-        elif torch.cuda.is_available():
-            gpu, source = torch.cuda.mem_get_info()[1], torch.cuda.get_device_name()
-        else:
-            gpu, source = DEFAULT_GPU, "assumed (an H200; set --gpu-memory)"
-        e = estimate_run(cfg, world, tp=tp, tp_in_process=True)
-    except (ConfigError, ValueError, NotImplementedError) as err:
-        return _error(str(err))
-    s = e.settings
-    float8 = f" (float8 {s.float8})" if s.float8 != "none" else ""
-    model = f"{cfg.model.hf or cfg.model.preset}{float8}"
-    parallel = f" x {tp.describe()}" if tp.enabled else ""
-    print(f"mfsdp plan: {model}, {s.placements}{parallel} on {world} GPU(s), local batch {s.local_batch} x {s.seq_len} "
-          f"tokens, {s.microbatches} microbatch(es), activation checkpointing {'on' if s.activation_checkpointing else 'off'}\n")
-    print(breakdown_table(e))
-    verdict = {"fits": "fits", "no": "does NOT fit",
-               "tight": f"is tight (within the {RESERVE_FRACTION:.0%} allocator margin: it should train, "
-                        "but may run out of memory)"}[e.fit(gpu)]
-    print(f"\nthis setting {verdict} in {gib(gpu)} GiB per GPU ({source})")
-    print(host_ram_line(cfg, e, int(own["--nproc-per-node"])) + "\n")
-    fits = fitting(cfg, world, gpu, tp) or fitting(cfg, world, gpu, tp, tight=True)
-    if fits:
-        print(f"settings that fit{' within the margin' if fits[0][1].fit(gpu) == 'tight' else ''}, fastest "
-              f"first (tokens per step kept):\n{'':2}{'peak GiB':>8} {'needs GiB':>9}  flags")
-        for setting, est in fits[:12]:
-            print(f"  {gib(est.peak_bytes):>8} {gib(est.device_bytes):>9}  {setting.flags()}{_offload_note(setting, est)}")
-    else:
-        print(f"no setting of {SEARCHED} fits; use more GPUs")
-    plot = plot_phases(e, Path(own["--out"]))
-    print(f"\nmemory over the step: {plot}")
-    return 0
-
-
-def _tensor_parallel(own: dict) -> TensorParallel:
-    keys = ("--sequence-parallel", "--loss-parallel")
-    for key in keys:
-        if own[key].lower() not in ("true", "false"):
-            raise ValueError(f"{key} {own[key]!r}: give true or false")
-    size = int(own["--tp"])
-    return TensorParallel(size, *(own[key].lower() == "true" for key in keys)) if size > 1 else TensorParallel()
-
-
-def _error(message: str) -> int:
-    print(f"mfsdp plan: error: {message}", file=sys.stderr)
-    return 2
-
-
-def host_bytes(cfg, e: MemoryEstimate) -> dict:
-    """This rank's host RAM by use: the offloaded optimizer's (``OffloadedEstimate.host_bytes``)
-    and an asynchronous checkpoint's pinned staging (``--train.async_checkpoint`` on CUDA: the
-    main weights and states of the rank's shard, ``planned_staging_bytes``)."""
-    from mfsdp.train.checkpoint import planned_staging_bytes
-
-    out = dict(getattr(e, "host_bytes", {}))
-    if cfg.train.async_checkpoint_on("cuda"):
-        out["checkpoint staging"] = planned_staging_bytes(e.breakdown.get("main weights", 0) // 4)
-    return out
-
-
-def host_ram_line(cfg, e: MemoryEstimate, ranks_per_node: int) -> str:
-    parts = host_bytes(cfg, e)
+def host_ram_line(e: MemoryEstimate, ranks_per_node: int, staging: int = 0) -> str:
+    """Host RAM per node: the offloaded optimizer's (``OffloadedEstimate.host_bytes``) and
+    ``staging``, an asynchronous checkpoint's pinned staging per rank."""
+    parts = {**getattr(e, "host_bytes", {}), **({"checkpoint staging": staging} if staging else {})}
     total = sum(parts.values())
     detail = ", ".join(f"{k} {gib(v)}" for k, v in parts.items() if v) or "nothing counted"
     return f"host RAM: {gib(total * ranks_per_node)} GiB per node ({ranks_per_node} rank(s) x {gib(total)} GiB: {detail})"
 
 
-def _offload_note(setting: Setting, e: MemoryEstimate) -> str:
+def offload_note(setting: Setting, e: MemoryEstimate) -> str:
     if not setting.offload:
         return ""
     share = e.offloaded_share
@@ -364,12 +284,11 @@ def _offload_note(setting: Setting, e: MemoryEstimate) -> str:
     return f"   [host {gib(sum(e.host_bytes.values()))} GiB per rank, ~{exposed:.2f} s CPU exposed per step{slower}]"
 
 
-def offload_fraction_that_fits(cfg, world: int, gpu_bytes: int) -> Optional[float]:
+def offload_fraction_that_fits(run: PlannedRun, world: int, gpu_bytes: int) -> Optional[float]:
     """``mfsdp train --parallel.offload auto``: the smallest offload fraction (0: none) with which
-    the config's own setting fits, or None if none does."""
-    base = configured(cfg)
+    the run's own setting fits, or None if none does."""
     for fraction in (0.0, *OFFLOAD_FRACTIONS):
-        if estimate_run(cfg, world, dataclasses.replace(base, offload=fraction)).fit(gpu_bytes) == "fits":
+        if estimate_run(run, world, dataclasses.replace(run.setting, offload=fraction)).fit(gpu_bytes) == "fits":
             return fraction
     return None
 
@@ -378,22 +297,22 @@ SEARCHED = "placements, checkpointing, local batch, gradient dtype and optimizer
 """The knobs ``candidates`` varies (``Setting``), as the messages name them."""
 
 
-def memory_check(cfg, world: int, gpu_bytes: int) -> Optional[tuple[str, str]]:
+def memory_check(run: PlannedRun, world: int, gpu_bytes: int) -> Optional[tuple[str, str]]:
     """None when the run's predicted memory fits ``gpu_bytes`` per GPU with the allocator's margin;
     ("warn", line) when it is within the margin; ("refuse", line) when even the least it could need
     does not fit (see [Note: the memory check's margins] in ``estimate``)."""
-    e = estimate_run(cfg, world)
+    e = estimate_run(run, world)
     verdict = e.fit(gpu_bytes)
     if verdict == "fits":
         return None
-    roomy = nearest(cfg, world, gpu_bytes)
+    roomy = nearest(run, world, gpu_bytes)
     head = f"predicted peak memory {gib(e.peak_bytes)} GiB per GPU (at {e.peak_phase})"
     if verdict == "tight":
         fix = f"; with room to spare ({gib(roomy[1].device_bytes)} GiB): {roomy[0].flags()}" if roomy else ""
         return "warn", (f"{head} is within the {RESERVE_FRACTION:.0%} allocator margin of this GPU's "
                         f"{gib(gpu_bytes)} GiB ({gib(e.device_bytes)} GiB with it and the CUDA context): it "
                         f"should train, but may run out of memory if the allocator fragments{fix}")
-    near = nearest(cfg, world, gpu_bytes, tight=True) if roomy is None else None
+    near = nearest(run, world, gpu_bytes, tight=True) if roomy is None else None
     fix = (f"nearest setting that fits ({gib(roomy[1].device_bytes)} GiB): {roomy[0].flags()}" if roomy
            else f"nearest setting that may fit, within the margin ({gib(near[1].least_device_bytes)} GiB at "
                 f"least): {near[0].flags()}" if near else f"no setting of {SEARCHED} fits: use more GPUs")

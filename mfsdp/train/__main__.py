@@ -4,7 +4,7 @@ import os
 import sys
 import traceback
 
-from mfsdp.train.loop import main
+from mfsdp.train.main import main
 
 try:
     code = main()

@@ -1,83 +1,61 @@
-"""What ``mfsdp train`` builds before it trains: the checks a user can fail, the model (bundled on
-the meta device and initialised shard by shard, or a Hugging Face one through the manager) and its
-optimizer."""
+"""What ``mfsdp train`` trains: the model (bundled, built on the meta device and initialised shard
+by shard, or a Hugging Face one through the manager), sharded, and its optimizer."""
 
 from __future__ import annotations
 
-from pathlib import Path
+from typing import Callable
 
 import torch
 
-from mfsdp.data import DataError, TokenFile
-from mfsdp.models.llama import Llama, LlamaConfig
-from mfsdp.models.parallelize import compile_modules, mesh_shape_error, resolve_placements
+import mfsdp
+from mfsdp.models.llama import Llama
+from mfsdp.models.moe import build_model
+from mfsdp.models.parallelize import ParallelizeConfig, build_mesh, compile_modules, parallelize
 from mfsdp.offload import OffloadPolicy
-from mfsdp.train.checkpoint import check_compatible, find_resumable
-from mfsdp.train.config import ConfigError, RunConfig
+from mfsdp.train.config import RunConfig
+from mfsdp.train.metrics import peak_memory_gib
 
 
-def model_fingerprint(model_cfg: LlamaConfig) -> dict:
-    """What a checkpoint must match to be loadable into a model of shape ``model_cfg``."""
-    fingerprint = {k: getattr(model_cfg, k) for k in (
-        "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "tie_embeddings")}
-    if model_cfg.num_experts:  # only then: dense checkpoints written before MoE lack the key
-        fingerprint["num_experts"] = model_cfg.num_experts
-    return fingerprint
+def build(cfg: RunConfig, device: torch.device, world: int, log: Callable[[str], None]):
+    """The sharded model and its sharded optimizer (offloaded in part where the config asks)."""
+    compute = cfg.compute_dtype(device.type)
+    model = build_hf(cfg, device, compute, world) if cfg.model.hf is not None else \
+        build_bundled(cfg, device, compute, world, log)
+    optimizer = mfsdp.fully_shard_optimizer(model, adamw(model, cfg.train), offload=offload_policy(cfg.parallel))
+    describe_offload(optimizer, cfg, log)
+    mfsdp.float8.precompute_fp8_scales_after(optimizer, model)  # FP8 all-gather's scales, if any
+    return model, optimizer
 
 
-def float8_compile_problem(cfg: RunConfig, device_type: str) -> str | None:
-    """Why the float8 setting cannot run as configured on ``device_type``, or None. Eager float8 on
-    CUDA runs torchao's casts kernel by kernel, slower than bf16; CPU keeps it allowed (tests)."""
-    if cfg.model.float8 == "none" or device_type != "cuda" or cfg.compiles(device_type):
-        return None
-    return (f"--model.float8 {cfg.model.float8} with --parallel.compile false runs torchao's float8 casts "
-            "eagerly, slower than bf16 on CUDA; use --parallel.compile auto (or true), or --model.float8 none")
-
-
-def validate_run(cfg: RunConfig, world: int, open_data=None, device_type: str = "cpu"):
-    """Check what a user can get wrong before any model is built; raises a USER_ERRORS type.
-
-    ``open_data`` opens the token file (None skips the data checks: the launcher does so
-    for the "stdlib" corpus, which the workers build); ``device_type`` is where it will train.
-    Returns the token file (or None), the checkpoint to resume from (or None) and notes on damaged
-    checkpoints skipped.
-    """
+def build_bundled(cfg: RunConfig, device: torch.device, compute: torch.dtype, world: int, log) -> Llama:
+    """The bundled Llama (or MoELlama), built on the meta device and sharded there: each rank
+    allocates only its shards, and the whole model never exists on any rank."""
     p = cfg.parallel
-    mesh_problem = mesh_shape_error(world, p.placements, p.replicate) or float8_compile_problem(cfg, device_type)
-    if mesh_problem:
-        raise ConfigError(mesh_problem)
-    if cfg.model.float8 == "tensorwise" and resolve_placements(p.placements).num_param_sharded == 0:
-        raise ConfigError(
-            f"--model.float8 tensorwise all-gathers the weights in FP8, which needs placements that shard "
-            f"them at rest (zero3, hsdp, hfsdp); --parallel.placements {p.placements} keeps them whole. Use "
-            "--model.float8 rowwise (float8 compute, bf16 gathers) or --parallel.placements zero3")
-    model_cfg = cfg.llama_config()
-    data = open_data() if open_data is not None else None
-    if data is not None and data.vocab_size > model_cfg.vocab_size:
-        raise DataError(
-            f"{data.path} was tokenized with a vocabulary of {data.vocab_size} but the "
-            f"model has {model_cfg.vocab_size} embeddings; set --model.vocab_size "
-            f"{data.vocab_size} or more")
-    if cfg.data.val_path is not None:
-        _check_val_file(cfg.data.val_path, data, model_cfg)
-    resume_from, notes = None, []
-    if cfg.resume:
-        resume_from, notes = find_resumable(Path(cfg.train.out_dir) / "checkpoints")
-        if resume_from is not None:
-            check_compatible(resume_from, model_fingerprint(model_cfg))
-    return data, resume_from, notes
+    policy = mfsdp.MixedPrecisionPolicy(main_params_dtype=torch.float32, main_grads_dtype=cfg.main_grads_dtype(),
+                                        grad_comm_dtype=cfg.grad_comm_dtype())
+    with torch.device("meta"):
+        model = build_model(cfg.llama_config(), dtype=compute)
+    parallelize(model, build_mesh(device.type, world, p.placements, p.replicate), ParallelizeConfig(
+        placements=p.placements, mixed_precision=policy, float8=cfg.model.float8, compile=cfg.compiles(device.type),
+        activation_checkpointing=p.activation_checkpointing, expert_units=p.expert_units))
+    materialize_and_init(model, device, cfg.train.seed)
+    log(f"model built and initialised shard by shard: {shard_numel(model) / 1e6:,.1f}M parameters on this "
+        f"rank, peak memory {peak_memory_gib(device):.2f} GiB")
+    return model
 
 
-def _check_val_file(path: str, data, model_cfg: LlamaConfig) -> None:
-    """The --data.val_path token file: readable, in the model's vocabulary, same tokenizer."""
-    val = TokenFile(path)  # DataError naming the fix when missing or corrupt
-    if val.vocab_size > model_cfg.vocab_size:
-        raise DataError(f"--data.val_path {path} was tokenized with a vocabulary of {val.vocab_size} "
-                        f"but the model has {model_cfg.vocab_size} embeddings; tokenize it as the "
-                        "training file")
-    if data is not None and val.tokenizer != data.tokenizer:
-        raise DataError(f"--data.val_path {path} was tokenized by {val.tokenizer!r}, the training file "
-                        f"{data.path} by {data.tokenizer!r}; tokenize both with the same --tokenizer")
+def describe_offload(optimizer, cfg: RunConfig, log) -> None:
+    """One line on what the optimizer steps on the host, if anything."""
+    engine = mfsdp.offload.offload_of(optimizer)
+    if engine is None:
+        return
+    numel = sum(g.main.tensor.numel() for g in engine.groups)
+    clip = cfg.train.grad_clip
+    log(f"optimizer offload: {len(engine.groups)} parameter groups stepped on the host "
+        f"({numel / 1e6:,.1f}M parameters on this rank, about {numel * 24 / 2**30:.1f} GiB of host "
+        f"memory with their backup), speculatively during backward"
+        + (f"; a step whose gradient norm exceeds --train.grad_clip {clip:g} runs them after "
+           "backward instead, and the next one too until a step is not clipped" if clip > 0 else ""))
 
 
 def materialize_and_init(model: Llama, device: torch.device, seed: int) -> Llama:
@@ -116,9 +94,9 @@ def adamw(model, t) -> torch.optim.AdamW:
 
 def offload_policy(p):
     """The core's ``OffloadPolicy`` for ``--parallel.offload`` (None: every unit steps on the GPU);
-    "auto" is resolved to one of the others before (``Trainer.resolve_offload``)."""
+    "auto" is resolved to one of the others before (``preflight.resolve_offload``)."""
     if p.offload == "auto":
-        raise ValueError("--parallel.offload auto: resolve it with the planner first (Trainer.resolve_offload)")
+        raise ValueError("--parallel.offload auto: resolve it with the planner first (preflight.resolve_offload)")
     return None if p.offload == "none" else OffloadPolicy(fraction=p.offload_fraction)
 
 
@@ -141,7 +119,7 @@ def build_hf(cfg, device: torch.device, compute_dtype: torch.dtype, world: int):
     config = MegatronFSDPConfig(
         zero_dp_strategy=HF_STRATEGIES[p.placements],
         outer_dp_sharding_strategy=1 if p.placements == "hfsdp" else 0,
-        grad_reduce_in_fp32=p.main_grads_dtype != "bf16",
+        grad_reduce_in_fp32=cfg.main_grads_dtype() == torch.float32,
         activation_checkpointing=p.activation_checkpointing,
         init_fsdp_with_meta_device=True)
     mesh = build_device_mesh(device.type, dp_replicate_size=p.replicate, world_size=world)

@@ -15,17 +15,29 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 from mfsdp.models.llama import LlamaConfig, get_config
-from mfsdp.models.parallelize import FLOAT8_CHOICES, PLACEMENT_NAMES as PLACEMENTS, TWO_AXIS
+from mfsdp.models.parallelize import (FLOAT8_CHOICES, PLACEMENT_NAMES as PLACEMENTS, TWO_AXIS,
+                                      resolve_placements)
 from mfsdp.train import determinism
+from mfsdp.train.errors import ConfigError
 from mfsdp.train.recipes import RECIPES, Recipe, recipe_for
-DTYPES = ("auto", "fp32", "bf16")
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+"""The dtype flags' values ("auto" is each flag's own default, resolved by ``RunConfig``)."""
 COMPILE_CHOICES = ("auto", "true", "false")
 OFFLOAD_CHOICES = ("none", "optimizer", "auto")
 
 
-class ConfigError(Exception):
-    """A configuration problem the user can fix; the message names the fix."""
+def float8_placement_problem(float8: str, placements: str) -> str | None:
+    """Why ``float8`` cannot run with ``placements``, or None: tensorwise gathers the weights in
+    FP8, which needs them sharded at rest."""
+    if float8 != "tensorwise" or resolve_placements(placements).num_param_sharded:
+        return None
+    return (f"--model.float8 tensorwise all-gathers the weights in FP8, which needs placements that shard "
+            f"them at rest (zero3, hsdp, hfsdp); --parallel.placements {placements} keeps them whole. Use "
+            "--model.float8 rowwise (float8 compute, bf16 gathers) or --parallel.placements zero3")
 
 
 def _require(condition: bool, message: str) -> None:
@@ -288,8 +300,8 @@ class ParallelSection:
         _require(self.compile in COMPILE_CHOICES,
                  f"parallel.compile must be one of {', '.join(COMPILE_CHOICES)}, got {self.compile!r}")
         for name in ("compute_dtype", "main_grads_dtype", "grad_comm_dtype"):
-            _require(getattr(self, name) in DTYPES,
-                     f"parallel.{name} must be one of {', '.join(DTYPES)}")
+            _require(getattr(self, name) == "auto" or getattr(self, name) in DTYPES,
+                     f"parallel.{name} must be one of auto, {', '.join(DTYPES)}")
 
 
 @dataclass(frozen=True)
@@ -322,6 +334,8 @@ class RunConfig:
     """Continue from the newest complete checkpoint in OUT_DIR/checkpoints."""
 
     def __post_init__(self) -> None:
+        problem = float8_placement_problem(self.model.float8, self.parallel.placements)
+        _require(problem is None, problem)
         # The one place the schedule's unset fields (None) become the preset's: every reader of
         # cfg.train (the optimizer, the schedule, the checkpoint's meta.json) sees numbers.
         t = self.train
@@ -356,9 +370,44 @@ class RunConfig:
                  "(--model.preset moe-tiny or moe-1b, or --model.num_experts N); unset it otherwise")
         return shape
 
+    def compute_dtype(self, device_type: str) -> torch.dtype:
+        """``--parallel.compute_dtype``: "auto" is bf16 on CUDA and fp32 on CPU."""
+        return DTYPES.get(self.parallel.compute_dtype) or (
+            torch.bfloat16 if device_type == "cuda" else torch.float32)
+
+    def main_grads_name(self, device_type: str = "cuda") -> str:
+        """What ``--parallel.main_grads_dtype`` means, "fp32" or "bf16": "auto" is the compute dtype
+        for the bundled model (the core's default) and fp32 for a ``--model.hf`` one (the manager's)."""
+        chosen = self.parallel.main_grads_dtype
+        if chosen != "auto":
+            return chosen
+        return "fp32" if self.model.hf is not None or self.compute_dtype(device_type) == torch.float32 else "bf16"
+
+    def main_grads_dtype(self, name: str | None = None) -> torch.dtype | None:
+        """The core's ``main_grads_dtype`` for ``--parallel.main_grads_dtype`` (or ``name``; None: the
+        core's default, the compute dtype); a ``--model.hf`` model accumulates in fp32 unless bf16
+        is asked for."""
+        name = self.parallel.main_grads_dtype if name is None else name
+        if self.model.hf is not None:
+            return None if name == "bf16" else torch.float32
+        return DTYPES.get(name)
+
+    def grad_comm_dtype(self) -> torch.dtype | None:
+        """The core's ``grad_comm_dtype`` (None: its default); the manager picks its own."""
+        return None if self.model.hf is not None else DTYPES.get(self.parallel.grad_comm_dtype)
+
     def compiles(self, device_type: str) -> bool:
         """Whether the blocks are compiled on ``device_type`` ("cuda" or "cpu")."""
         return self.parallel.compile == "true" or (self.parallel.compile == "auto" and device_type == "cuda")
+
+    def hf_config(self) -> dict | None:
+        """A ``--model.hf`` run's config.json (checkpoints record it, so that `mfsdp export` needs no
+        access to that directory); None for the bundled models."""
+        if self.model.hf is None:
+            return None
+        import json
+
+        return json.loads((Path(self.model.hf) / "config.json").read_text())
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -2,8 +2,8 @@
 
 A save that fails for want of space comes after the training it was meant to keep, hours into a
 long run (an 8b checkpoint is 96 GB: fp32 main weights and two AdamW moments). So before any worker
-starts, the launcher sizes one checkpoint from the planner's model state
-(``mfsdp.memory.checkpoint_bytes``), counts how many the run holds at once, adds the export when one
+starts, the launcher sizes one checkpoint (``checkpoint.checkpoint_bytes`` of the model's
+parameters), counts how many the run holds at once, adds the export when one
 is asked for, and compares that with the free space of ``--train.out_dir`` (its nearest existing
 ancestor, when it does not exist yet). Not even one checkpoint fits: ``ConfigError``, one line, exit
 2. Not all of them fit: a warning line, and the run starts. ``--train.skip_disk_check true`` skips
@@ -19,8 +19,10 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from mfsdp.train.checkpoint import complete_checkpoints
-from mfsdp.train.config import ConfigError, RunConfig, TrainSection
+from mfsdp.models import flops
+from mfsdp.train.checkpoint import checkpoint_bytes, complete_checkpoints
+from mfsdp.train.config import RunConfig, TrainSection
+from mfsdp.train.errors import ConfigError
 
 GIB = 1 << 30
 
@@ -47,11 +49,7 @@ def new_checkpoints_at_once(t: TrainSection, existing: int) -> int:
 def export_bytes(cfg: RunConfig) -> int:
     """Bytes of the model export the run writes besides its checkpoints: with ``--train.export_hf``,
     every parameter once in bf16 (``export.export_hf``'s default dtype), else 0."""
-    if not cfg.train.export_hf:
-        return 0
-    from mfsdp.models import flops
-
-    return 2 * flops.param_counts(cfg.llama_config())["total"]
+    return 2 * flops.param_counts(cfg.llama_config())["total"] if cfg.train.export_hf else 0
 
 
 def free_space(path: str | Path) -> tuple[Path, int]:
@@ -69,12 +67,7 @@ def check_disk(cfg: RunConfig, share: float = 1.0) -> str | None:
     t = cfg.train
     if t.skip_disk_check:
         return None
-    from mfsdp.memory import checkpoint_bytes
-
-    try:
-        one = int(checkpoint_bytes(cfg.model.hf or cfg.llama_config()) * share)
-    except NotImplementedError as err:  # a model the planner cannot size: train anyway
-        return f"disk check skipped: {err}"
+    one = int(checkpoint_bytes(flops.param_counts(cfg.llama_config())["total"]) * share)
     root = Path(t.out_dir) / "checkpoints"
     where, free = free_space(root)
     existing = len(complete_checkpoints(root)) if root.is_dir() else 0

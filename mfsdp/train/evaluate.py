@@ -4,6 +4,7 @@ The split is part of a run's data state: the training windows depend on how many
 tail takes, so each checkpoint records it (``meta.json`` key ``held_out``) and a resumed run keeps
 the recorded split, whatever ``--data.val_fraction`` says now. A checkpoint without the record was
 written before held-out splits existed and sampled the whole file: it resumes with none.
+The note below is the choreography of evaluating through the sharded model.
 
 [Note: evaluation through the sharded model]
 Evaluation runs the same sharded model forward under ``torch.no_grad()``, between an optimizer step
@@ -29,11 +30,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from mfsdp.data import EvalWindows, TokenFile, held_out_tokens
+from mfsdp.models.outputs import logits_of
+from mfsdp.train.checkpoint import CheckpointMeta
 
-HELD_OUT = "held_out"  # the meta.json key of the split
-
-
-def held_out_split(cfg, data: TokenFile, resumed_meta: dict | None) -> tuple[int, list[str]]:
+def held_out_split(cfg, data: TokenFile, resumed_meta: CheckpointMeta | None) -> tuple[int, list[str]]:
     """How many tokens at the end of the training file are held out, and notes for the user.
 
     A fresh run takes them from ``--data.val_fraction`` (none with ``--data.val_path``); a resumed
@@ -42,7 +42,7 @@ def held_out_split(cfg, data: TokenFile, resumed_meta: dict | None) -> tuple[int
     wanted = 0 if d.val_path is not None else held_out_tokens(len(data), d.val_fraction, d.seq_len)
     if resumed_meta is None:
         return wanted, []
-    record = resumed_meta.get(HELD_OUT)
+    record = resumed_meta.held_out
     held = int(record["tokens"]) if isinstance(record, dict) else 0
     notes = []
     if record is None and wanted:
@@ -61,19 +61,25 @@ def split_record(cfg, held: int) -> dict:
     return {"tokens": held, "val_path": cfg.data.val_path, "val_fraction": cfg.data.val_fraction}
 
 
-def eval_windows(cfg, data: TokenFile, held: int, rank: int, world: int) -> EvalWindows | None:
-    """This rank's evaluation windows: from ``--data.val_path``, else the held-out tail; None when
-    evaluation is off or nothing is held out."""
-    d = cfg.data
-    if cfg.train.eval_every == 0:
+def make_evaluator(cfg, data: TokenFile, held: int, rank: int, world: int, device: torch.device,
+                   to_device, log) -> "Evaluator | None":
+    """The run's evaluator over this rank's windows, from ``--data.val_path``, else the held-out tail;
+    None (with a line saying why) when evaluation is off or nothing is held out."""
+    d, t = cfg.data, cfg.train
+    if t.eval_every == 0:
         return None
     if d.val_path is not None:
-        return EvalWindows(TokenFile(d.val_path), d.seq_len, d.local_batch, rank, world,
-                           d.microbatches)
-    if held == 0:
+        windows = EvalWindows(TokenFile(d.val_path), d.seq_len, d.local_batch, rank, world, d.microbatches)
+    elif held:
+        windows = EvalWindows(data, d.seq_len, d.local_batch, rank, world, d.microbatches, start=len(data) - held)
+    else:
+        log("no held-out tokens (--data.val_fraction 0 and no --data.val_path): no validation loss")
         return None
-    return EvalWindows(data, d.seq_len, d.local_batch, rank, world, d.microbatches,
-                       start=len(data) - held)
+    where = (f"{windows.data.path}" if d.val_path is not None else
+             f"the last {held:,} tokens of {data.path}, never trained on")
+    log(f"validation loss every {t.eval_every} steps and at the end: {t.eval_batches} batches of "
+        f"{world * d.local_batch * d.microbatches} windows from {where}")
+    return Evaluator(windows, t.eval_batches, device, to_device)
 
 
 class Evaluator:
@@ -94,8 +100,7 @@ class Evaluator:
             for batch in self.windows.batches(self.batches):
                 inputs = self.to_device(batch.inputs, self.device)
                 targets = self.to_device(batch.targets, self.device)
-                out = model(inputs)
-                logits = getattr(out, "logits", out)  # HF models return an output object
+                logits = logits_of(model(inputs))
                 loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(),
                                        reduction="sum")
                 totals[0] += loss.double()

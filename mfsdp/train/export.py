@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 
-from mfsdp.train.checkpoint import META, find_latest, read_meta
+from mfsdp.train.checkpoint import META, CheckpointMeta, find_latest, is_complete
 from mfsdp.train.safetensors_out import Entry, plan_files, write_file
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -60,7 +60,7 @@ class Exported:
 def resolve_checkpoint(source: str | Path) -> Path:
     """A checkpoint directory, or the newest whole one of a run directory (or its checkpoints/)."""
     source = Path(source)
-    if (source / META).is_file() and (source / ".metadata").is_file():
+    if is_complete(source):
         return source
     for root in (source / "checkpoints", source):
         if root.is_dir() and (found := find_latest(root)) is not None:
@@ -75,8 +75,8 @@ def export_hf(source: str | Path, out_dir: str | Path, dtype: torch.dtype = torc
     """Write checkpoint ``source`` (or a run directory's newest) to ``out_dir`` as a Hugging Face
     model directory; no process group, one tensor in memory at a time."""
     checkpoint = resolve_checkpoint(source)
-    meta = read_meta(checkpoint)
-    run = meta.get("config")
+    meta = CheckpointMeta.read(checkpoint)
+    run = meta.config
     if not isinstance(run, dict) or "model" not in run:
         raise ExportError(f"{checkpoint / META} holds no run config (written by an older mfsdp); "
                           "resume the run for a step with this mfsdp to write a checkpoint that has one")
@@ -207,7 +207,7 @@ def _refuse_unplaced(saved: dict, plan: list[tuple[str, str]], covered: set[str]
 
 
 # ------------------------------------------------------------------------- --model.hf runs
-def _hf_plan(run: dict, meta: dict, saved: dict, dtype: torch.dtype, out: Path):
+def _hf_plan(run: dict, meta: CheckpointMeta, saved: dict, dtype: torch.dtype, out: Path):
     """The Hugging Face model's own names (the manager's matching rules), and its config."""
     try:
         import transformers
@@ -217,7 +217,7 @@ def _hf_plan(run: dict, meta: dict, saved: dict, dtype: torch.dtype, out: Path):
     from mfsdp.manager.hf_checkpoint import _candidate_keys, _model_tensors, meta_model_from_config
 
     source = Path(run["model"]["hf"])
-    raw = meta.get("hf_config")
+    raw = meta.hf_config
     if raw is None:
         if not (source / "config.json").is_file():
             raise ExportError(f"the run trained --model.hf {source}, whose config.json is gone, and the "

@@ -7,7 +7,7 @@ token file and its vocabulary, the checkpoint ``--resume`` would load, and wheth
 checkpoints fit on this node's disk (``disk.py``). A mistake is one line on stderr and exit
 code 2; a doubt (the kept checkpoints will not all fit) is one warning line, and the run starts.
 
-The workers run ``python -m mfsdp.train`` (``loop.main``) under
+The workers run ``python -m mfsdp.train`` (``main.main``) under
 ``torch.distributed.launcher.api.elastic_launch``. Their stdout is the console; each rank's
 stderr goes to ``OUT_DIR/logs/<run>/attempt_<n>/<local rank>/stderr.log``, so warnings and
 tracebacks do not bury the output. When a worker fails, the launcher prints a short summary:
@@ -30,7 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mfsdp import _compat
-from mfsdp.train.config import LAUNCHER_FLAGS, ConfigError, RunConfig, flag_value, load_config, usage
+from mfsdp.train.config import LAUNCHER_FLAGS, RunConfig, flag_value, load_config, usage
+from mfsdp.train.errors import LAUNCHED_ENV, USER_ERRORS, ConfigError, is_timeout, timeout_hint
 
 USER_ERROR_EXIT = 2
 _ERROR_PREFIX = "mfsdp train: error: "
@@ -120,39 +121,29 @@ def main(argv: list[str]) -> int:
     try:
         options, rest = split_args(argv)
         cfg = check(options, rest)
-    except Exception as err:  # noqa: BLE001: only the user-error types are caught below
-        from mfsdp.train.loop import USER_ERRORS
-        if not isinstance(err, USER_ERRORS):
-            raise
+    except USER_ERRORS as err:
         return _error(str(err))
     return run(options, cfg, rest)
 
 
 def check(options: LaunchOptions, rest: list[str]) -> RunConfig:
-    """Everything the workers would refuse, checked here first; raises a user error."""
+    """Everything the workers would refuse, checked here first (``preflight.check_run``); raises a
+    user error."""
     import torch
 
     from mfsdp.data import STDLIB, TokenFile
-    from mfsdp.train.build import validate_run
-    from mfsdp.train.disk import check_disk
+    from mfsdp.train.preflight import check_run, cuda_problem
 
     cfg = load_config(rest)
-    cuda = cfg.train.device == "cuda" or (cfg.train.device == "auto" and
-                                          torch.cuda.is_available())
-    if cuda:
-        if not torch.cuda.is_available():
-            raise ConfigError("train.device is cuda but no CUDA device is visible; use "
-                              "--train.device cpu")
-        if options.nproc_per_node > torch.cuda.device_count():
-            raise ConfigError(f"--nproc-per-node {options.nproc_per_node} but this node has "
-                              f"{torch.cuda.device_count()} GPU(s); start at most one process "
-                              "per GPU")
+    cuda = cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available())
+    if cuda and (problem := cuda_problem(options.nproc_per_node)):
+        raise ConfigError(problem)
     path = cfg.data.path
-    validate_run(cfg, options.world_size, None if path == STDLIB else (lambda: TokenFile(path)),
-                 device_type="cuda" if cuda else "cpu")
-    warning = check_disk(cfg, share=options.nproc_per_node / options.world_size)
-    if warning:
-        print(f"{_WARNING_PREFIX}{warning}", file=sys.stderr, flush=True)
+    run = check_run(cfg, options.world_size, "cuda" if cuda else "cpu",
+                    None if path == STDLIB else (lambda: TokenFile(path)),
+                    disk_share=options.nproc_per_node / options.world_size)
+    if run.disk_warning:
+        print(f"{_WARNING_PREFIX}{run.disk_warning}", file=sys.stderr, flush=True)
     return cfg
 
 
@@ -161,8 +152,6 @@ def run(options: LaunchOptions, cfg: RunConfig, rest: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing import SignalException, Std
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-    from mfsdp.train.loop import LAUNCHED_ENV
 
     out_dir = Path(cfg.train.out_dir)
     log_dir = out_dir / "logs"
@@ -243,8 +232,6 @@ def _quiet_torch_elastic() -> None:
 
 def _summarize(failures: dict, cfg: RunConfig, stderrs: dict[int, str]) -> int:
     """A few lines on the failed ranks: the first one, what it said, where its logs are."""
-    from mfsdp.train.loop import is_timeout, timeout_hint
-
     for failure in failures.values():  # where _log_tail finds each rank's stderr
         failure.stderr_log = stderrs.get(failure.local_rank)
 

@@ -105,9 +105,10 @@ class StepReadout:
         self._pending: tuple | None = None
         self._buffers: list[torch.Tensor] = []
         self._flip = 0
-        self._last_mark = self._mark()
+        self._last_mark = self.mark()
 
-    def _mark(self):
+    def mark(self):
+        """A point in time on the device's stream (wall-clock on CPU): a step's end, for ``push``."""
         if self._cuda:
             event = torch.cuda.Event(enable_timing=True)
             event.record()
@@ -116,12 +117,13 @@ class StepReadout:
 
     def restart_clock(self) -> None:
         """Start timing the next step from now (after a checkpoint save, say)."""
-        self._last_mark = self._mark()
+        self._last_mark = self.mark()
 
-    def push(self, step: int, values: torch.Tensor, extra: dict) -> tuple | None:
-        """Queue ``step``'s 1-D ``values``; return the previous step's
-        ``(step, values as floats, seconds, extra)``, or None on the first call."""
-        end = self._mark()
+    def push(self, step: int, values: torch.Tensor, extra: dict, end=None) -> tuple | None:
+        """Queue ``step``'s 1-D ``values``, the step having ended at ``end`` (a ``mark``; default
+        now); return the previous step's ``(step, values as floats, seconds, extra)``, or None on the
+        first call."""
+        end = self.mark() if end is None else end
         if self._cuda:
             if not self._buffers or self._buffers[0].shape != values.shape:
                 # Two buffers: step s writes one while step s-1's is still to be read.
@@ -153,26 +155,6 @@ class StepReadout:
         else:
             seconds = end - start
         return step, host.tolist(), seconds, extra
-
-
-class StepTimer:
-    """Wall time of one step; on CUDA it waits for the queued kernels before reading."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self._start = 0.0
-
-    def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
-    def start(self) -> None:
-        self._sync()
-        self._start = time.perf_counter()
-
-    def stop(self) -> float:
-        self._sync()
-        return time.perf_counter() - self._start
 
 
 def peak_memory_gib(device: torch.device) -> float:

@@ -1,76 +1,67 @@
-"""What a training step reports: the metrics record (metrics.jsonl, TensorBoard) and the progress bar."""
+"""What a run reports: its first line, each step's metrics record (metrics.jsonl, TensorBoard) and
+the progress bar."""
 
 from __future__ import annotations
 
 import sys
-from typing import Any, Protocol
 
 import torch
 
 from mfsdp.models import flops
 from mfsdp.train.metrics import peak_memory_gib
+from mfsdp.train.step import StepOutput
 
 
-class Trainer(Protocol):
-    """What a report reads off the loop's trainer (``mfsdp.train.loop.Trainer``), named here so
-    that the loop imports the report and not the other way round."""
-
-    cfg: Any  # RunConfig
-    model_cfg: Any
-    world: int
-    device: torch.device
-    stop_requested: bool
-
-    def note(self, text: str) -> None: ...
+def run_line(cfg, world: int, device: torch.device, data) -> str:
+    """The first line of a run: the model, its size and schedule, the processes and the data."""
+    n_params = flops.param_counts(cfg.llama_config())["total"]
+    return (f"mfsdp train: {cfg.model.preset} model, {n_params / 1e6:.1f}M parameters, {cfg.schedule_line()}, "
+            f"{world} process(es) on {flops.device_name(device)}, {cfg.parallel.placements} placements, "
+            f"{len(data):,} tokens in {data.path}")
 
 
 class StepReport:
-    """Turns a step's values, read off the device one step late, into the metrics record
-    that metrics.jsonl, TensorBoard and the progress bar show; returns the stop vote."""
+    """Turns a step's values, read off the device one step late, into the metrics record that
+    metrics.jsonl, TensorBoard and the progress bar show; returns whether the ranks agreed to stop."""
 
-    def __init__(self, trainer: "Trainer", logs, progress):
-        d = trainer.cfg.data
-        self.trainer = trainer
-        self.logs = logs
-        self.progress = progress
-        self.world = trainer.world
-        self.tokens_per_step = self.world * d.microbatches * d.local_batch * d.seq_len
-        self.flops_per_token = flops.flops_per_token(trainer.model_cfg, d.seq_len)
-        self.peak_flops = flops.peak_flops(trainer.device)
-        self.moe = trainer.cfg.model.hf is None and trainer.model_cfg.num_experts > 0
-        self.compiling = trainer.cfg.compiles(trainer.device.type)  # until the first step is reported
+    def __init__(self, model_cfg, data, world: int, device: torch.device, compiling: bool, moe: bool,
+                 logs, progress, note, checkpointer=None):
+        self.logs, self.progress, self.note, self.checkpointer = logs, progress, note, checkpointer
+        self.world, self.device, self.moe = world, device, moe
+        self.tokens_per_step = world * data.microbatches * data.local_batch * data.seq_len
+        self.flops_per_token = flops.flops_per_token(model_cfg, data.seq_len)
+        self.peak_flops = flops.peak_flops(device)
+        self.compiling = compiling  # until the first step is reported
         self.val_loss: float | None = None  # the latest, shown in the bar until the next one
 
     def __call__(self, done) -> bool:
         if done is None:
             return False
-        step, (loss_total, stop_votes, aux_total, grad_norm), seconds, extra = done
+        step, values, seconds, extra = done
+        out = StepOutput.unpack(values, self.world)
         tokens_per_s = self.tokens_per_step / seconds
         per_gpu = tokens_per_s / self.world
         record = {
-            "step": step, "loss": loss_total / self.world, "lr": extra["lr"],
-            "grad_norm": grad_norm, "step_time_s": seconds,
+            "step": step, "loss": out.loss, "lr": extra["lr"],
+            "grad_norm": out.grad_norm, "step_time_s": seconds,
             "tokens_per_s": tokens_per_s, "tokens_per_s_per_gpu": per_gpu,
             "tflops_per_gpu": per_gpu * self.flops_per_token / 1e12,
             "mfu": per_gpu * self.flops_per_token / self.peak_flops if self.peak_flops else None,
-            "peak_mem_gib": peak_memory_gib(self.trainer.device),
+            "peak_mem_gib": peak_memory_gib(self.device),
         }
         if self.moe:  # the load-balancing loss, unweighted; "loss" stays the cross entropy
-            record["aux_loss"] = aux_total / self.world
+            record["aux_loss"] = out.aux_loss
         if "val_loss" in extra:  # evaluated after this step (a device tensor until now)
             record["val_loss"] = self.val_loss = float(extra["val_loss"])
         for log in self.logs:
             log.write(record)
         if self.compiling:  # the first step's time is mostly torch.compile: say so, once
             self.compiling = False
-            self.trainer.note(f"step {step}: {seconds:.1f} s, including torch.compile of the blocks")
-        checkpointer = getattr(self.trainer, "checkpointer", None)
-        self.progress.set_postfix_str(postfix(record, self.val_loss, checkpointer and checkpointer.writing),
-                                      refresh=False)
+            self.note(f"step {step}: {seconds:.1f} s, including torch.compile of the blocks")
+        saving = self.checkpointer.writing if self.checkpointer is not None else None
+        self.progress.set_postfix_str(postfix(record, self.val_loss, saving), refresh=False)
         self.progress.update(1)
-        stop = stop_votes > 0
-        self.trainer.stop_requested = self.trainer.stop_requested or stop
-        return stop
+        return out.stop_votes > 0
 
 
 def postfix(record: dict, val_loss: float | None = None, saving: str | None = None) -> str:

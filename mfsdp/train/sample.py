@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from mfsdp.models.outputs import logits_of
+
 
 @torch.no_grad()
 def generate_text(model: torch.nn.Module, tokenizer, prompt: str, new_tokens: int,
@@ -20,8 +22,7 @@ def generate_text(model: torch.nn.Module, tokenizer, prompt: str, new_tokens: in
     ids = torch.tensor([tokenizer.encode(prompt)], dtype=torch.long, device=device)
     generator = torch.Generator(device=device).manual_seed(seed)
     for _ in range(new_tokens):
-        out = model(ids[:, -max_context:])
-        logits = getattr(out, "logits", out)[:, -1].float()  # HF models return an output object
+        logits = logits_of(model(ids[:, -max_context:]))[:, -1].float()
         probs = torch.softmax(logits / temperature, dim=-1)
         next_id = torch.multinomial(probs, 1, generator=generator)
         ids = torch.cat([ids, next_id], dim=1)

@@ -92,3 +92,40 @@ def test_mfsdp_has_no_import_cycle():
     assert "mfsdp.runtime.context" in graph and "mfsdp.runtime.schedule" in graph["mfsdp.runtime.context"]
     cycles = _cycles(graph)
     assert not cycles, "import cycles in mfsdp/: " + "; ".join(" <-> ".join(c) for c in cycles)
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {name: _imports(name, path, set(modules)) & set(modules) for name, path in modules.items()}
+
+
+def _reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        for child in graph[todo.pop()] - seen:
+            seen.add(child)
+            todo.append(child)
+    return seen
+
+
+ENTRY_POINTS = {"mfsdp.cli", "mfsdp.demo"}
+"""The console commands: the only modules outside mfsdp.train that may start it."""
+
+
+def test_nothing_below_the_training_command_imports_it():
+    """The library (runtime, memory, models, data, manager and the top-level modules) never reaches
+    mfsdp.train, directly or through another module: dependencies run one way."""
+    graph = _graph()
+    below = [name for name in graph if not name.startswith("mfsdp.train") and name not in ENTRY_POINTS]
+    assert "mfsdp.memory.plan" in below and "mfsdp.runtime.module" in below and "mfsdp.offload" in below
+    upward = {name: sorted(m for m in _reachable(graph, name) if m.startswith("mfsdp.train")) for name in below}
+    assert not {k: v for k, v in upward.items() if v}, upward
+
+
+def test_the_launcher_and_the_report_never_reach_the_loop():
+    """The launcher checks and starts workers without importing the loop; the step report is built
+    from a StepOutput and never sees the Trainer."""
+    graph = _graph()
+    loop = {"mfsdp.train.trainer", "mfsdp.train.main"}
+    assert not loop & _reachable(graph, "mfsdp.train.launcher"), _reachable(graph, "mfsdp.train.launcher") & loop
+    assert not loop & _reachable(graph, "mfsdp.train.report")

@@ -1,0 +1,118 @@
+"""``mfsdp plan``: the memory of a ``mfsdp train`` config per GPU, and the settings that fit.
+
+Reads the same config as ``mfsdp train`` (``--config FILE.yaml`` and ``--section.key value`` flags,
+``--model.hf DIR`` included), plus ``--nproc-per-node`` / ``--nnodes`` for the world size and
+``--gpu-memory`` for the device (default: this machine's GPU, else an H200's 141 GiB). The search
+itself is the planner's (``mfsdp.memory.plan``); this module turns a config into its ``PlannedRun``.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+from mfsdp.memory import plan
+from mfsdp.memory.estimate import RESERVE_FRACTION
+from mfsdp.memory.tensor_parallel import TensorParallel
+from mfsdp.train.checkpoint.meta import MAIN_WEIGHT_BYTES, checkpoint_bytes
+from mfsdp.train.config import DTYPES, RunConfig, load_config
+from mfsdp.train.errors import ConfigError
+
+USAGE = """usage: mfsdp plan [--config FILE.yaml] [--nproc-per-node N] [--nnodes N] [--gpu-memory 141GiB]
+                  [--tp N [--sequence-parallel true|false] [--loss-parallel true|false]]
+                  [--out plan.png] [--SECTION.KEY VALUE ...]
+
+Predicts one GPU's memory for a `mfsdp train` run (peak of allocated memory, the phase where it
+occurs, every component), lists the settings that fit, fastest first, and draws the step's memory.
+--tp N plans a Hugging Face model (--model.hf DIR) through the manager with tensor parallel over N
+of the GPUs (sequence parallel and the vocabulary-parallel loss on unless turned off).
+"""
+
+
+def planned_run(cfg: RunConfig) -> plan.PlannedRun:
+    """What the planner needs of ``cfg``, planned for GPUs (``--parallel.offload auto`` as none)."""
+    p, d = cfg.parallel, cfg.data
+    setting = plan.Setting(p.placements, p.activation_checkpointing, d.local_batch, d.microbatches,
+                           p.main_grads_dtype, p.offload_fraction if p.offload == "optimizer" else 0.0,
+                           d.local_batch * d.microbatches * d.seq_len)
+    grads = {name: cfg.main_grads_dtype(name) for name in ("auto", *DTYPES)}
+    return plan.PlannedRun(
+        cfg.model.hf if cfg.model.hf is not None else cfg.llama_config(), setting, d.seq_len, grads,
+        cfg.main_grads_name("cuda"), p.replicate, cfg.compute_dtype("cuda"), cfg.grad_comm_dtype(),
+        p.expert_units, cfg.model.float8, not cfg.train.fused_adamw("cuda"), cfg.compiles("cuda"),
+        cfg.train.async_checkpoint_on("cuda"))
+
+
+def main(argv: list[str]) -> int:
+    if argv and argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0
+    own = {"--nproc-per-node": "1", "--nnodes": "1", "--gpu-memory": None, "--out": "mfsdp-plan.png", "--tp": "1",
+           "--sequence-parallel": "true", "--loss-parallel": "true"}
+    rest, args = [], iter(argv)
+    for arg in args:
+        key, eq, value = arg.partition("=")
+        if key not in own:
+            rest.append(arg)
+            continue
+        own[key] = value if eq else next(args, None)
+        if own[key] is None:
+            return _error(f"{key} needs a value")
+    try:
+        cfg = load_config(rest)
+        run = planned_run(cfg)
+        world = int(own["--nproc-per-node"]) * int(own["--nnodes"])
+        tp = _tensor_parallel(own)
+        if own["--gpu-memory"]:
+            gpu, source = plan.parse_bytes(own["--gpu-memory"]), "--gpu-memory"
+        elif torch.cuda.is_available():
+            gpu, source = torch.cuda.mem_get_info()[1], torch.cuda.get_device_name()
+        else:
+            gpu, source = plan.DEFAULT_GPU, "assumed (an H200; set --gpu-memory)"
+        e = plan.estimate_run(run, world, tp=tp, tp_in_process=True)
+    except (ConfigError, ValueError, NotImplementedError) as err:
+        return _error(str(err))
+    _print_plan(cfg, run, e, world, tp, gpu, source, int(own["--nproc-per-node"]))
+    print(f"\nmemory over the step: {plan.plot_phases(e, Path(own['--out']))}")
+    return 0
+
+
+def _print_plan(cfg: RunConfig, run: plan.PlannedRun, e, world: int, tp: TensorParallel, gpu: int, source: str,
+                ranks_per_node: int) -> None:
+    s, gib = e.settings, plan.gib
+    float8 = f" (float8 {s.float8})" if s.float8 != "none" else ""
+    parallel = f" x {tp.describe()}" if tp.enabled else ""
+    print(f"mfsdp plan: {cfg.model.hf or cfg.model.preset}{float8}, {s.placements}{parallel} on {world} GPU(s), "
+          f"local batch {s.local_batch} x {s.seq_len} tokens, {s.microbatches} microbatch(es), activation "
+          f"checkpointing {'on' if s.activation_checkpointing else 'off'}\n")
+    print(plan.breakdown_table(e))
+    verdict = {"fits": "fits", "no": "does NOT fit",
+               "tight": f"is tight (within the {RESERVE_FRACTION:.0%} allocator margin: it should train, "
+                        "but may run out of memory)"}[e.fit(gpu)]
+    print(f"\nthis setting {verdict} in {gib(gpu)} GiB per GPU ({source})")
+    staging = checkpoint_bytes(e.breakdown.get("main weights", 0) // MAIN_WEIGHT_BYTES) if run.async_checkpoint else 0
+    print(plan.host_ram_line(e, ranks_per_node, staging) + "\n")
+    fits = plan.fitting(run, world, gpu, tp) or plan.fitting(run, world, gpu, tp, tight=True)
+    if not fits:
+        print(f"no setting of {plan.SEARCHED} fits; use more GPUs")
+        return
+    print(f"settings that fit{' within the margin' if fits[0][1].fit(gpu) == 'tight' else ''}, fastest "
+          f"first (tokens per step kept):\n{'':2}{'peak GiB':>8} {'needs GiB':>9}  flags")
+    for setting, est in fits[:12]:
+        print(f"  {gib(est.peak_bytes):>8} {gib(est.device_bytes):>9}  {setting.flags()}{plan.offload_note(setting, est)}")
+
+
+def _tensor_parallel(own: dict) -> TensorParallel:
+    keys = ("--sequence-parallel", "--loss-parallel")
+    for key in keys:
+        if own[key].lower() not in ("true", "false"):
+            raise ValueError(f"{key} {own[key]!r}: give true or false")
+    size = int(own["--tp"])
+    return TensorParallel(size, *(own[key].lower() == "true" for key in keys)) if size > 1 else TensorParallel()
+
+
+def _error(message: str) -> int:
+    print(f"mfsdp plan: error: {message}", file=sys.stderr)
+    return 2

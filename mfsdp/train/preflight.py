@@ -1,0 +1,189 @@
+"""Everything a user can get wrong, checked before anything is built: ``check_run`` in the launcher
+and on every worker, then, on the workers, the offload choice and the memory check. The result is a
+``ResolvedRun``: a config with nothing left to resolve, its open token file and the checkpoint to
+resume from."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from mfsdp.data import STDLIB, DataError, TokenFile, prepare_stdlib_corpus
+from mfsdp.models.llama import LlamaConfig
+from mfsdp.models.parallelize import mesh_shape_error
+from mfsdp.train.checkpoint import check_compatible, find_resumable
+from mfsdp.train.config import RunConfig
+from mfsdp.train.disk import check_disk
+from mfsdp.train.report import run_line
+from mfsdp.train.errors import LAUNCHED_ENV, USER_ERRORS, ConfigError, RunFailed, agree
+
+
+@dataclasses.dataclass(frozen=True)
+class ResolvedRun:
+    """A run ready to build: every check passed on every rank."""
+
+    cfg: RunConfig
+    """The config, with ``--parallel.offload auto`` resolved to a plain setting."""
+    data: TokenFile | None
+    """The training token file (None where the launcher leaves the demo corpus to the workers)."""
+    resume_from: Path | None
+    """The checkpoint to load, or None."""
+    notes: tuple[str, ...] = ()
+    """Lines for the user: damaged checkpoints skipped on the way to ``resume_from``."""
+    disk_warning: str | None = None
+    """Why the checkpoints held at once may not all fit on this node's disk (``disk.check_disk``)."""
+
+
+def model_fingerprint(model_cfg: LlamaConfig) -> dict:
+    """What a checkpoint must match to be loadable into a model of shape ``model_cfg``."""
+    fingerprint = {k: getattr(model_cfg, k) for k in (
+        "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "tie_embeddings")}
+    if model_cfg.num_experts:  # only then: dense checkpoints written before MoE lack the key
+        fingerprint["num_experts"] = model_cfg.num_experts
+    return fingerprint
+
+
+def check_run(cfg: RunConfig, world: int, device_type: str, open_data: Callable[[], TokenFile] | None = None,
+              disk_share: float | None = None) -> ResolvedRun:
+    """Check what needs no GPU and no peers; raises a user error. ``open_data`` opens the token file
+    (None skips the data checks); ``disk_share``: this node's share of each checkpoint, for the disk
+    check (None skips it)."""
+    p = cfg.parallel
+    problem = mesh_shape_error(world, p.placements, p.replicate) or _float8_compile_problem(cfg, device_type)
+    if problem:
+        raise ConfigError(problem)
+    model_cfg = cfg.llama_config()
+    data = open_data() if open_data is not None else None
+    if data is not None and data.vocab_size > model_cfg.vocab_size:
+        raise DataError(f"{data.path} was tokenized with a vocabulary of {data.vocab_size} but the model has "
+                        f"{model_cfg.vocab_size} embeddings; set --model.vocab_size {data.vocab_size} or more")
+    if cfg.data.val_path is not None:
+        _check_val_file(cfg.data.val_path, data, model_cfg)
+    resume_from, notes = None, []
+    if cfg.resume:
+        resume_from, notes = find_resumable(Path(cfg.train.out_dir) / "checkpoints")
+        if resume_from is not None:
+            check_compatible(resume_from, model_fingerprint(model_cfg))
+    warning = check_disk(cfg, share=disk_share) if disk_share is not None else None
+    return ResolvedRun(cfg, data, resume_from, tuple(notes), warning)
+
+
+def preflight(cfg: RunConfig, device: torch.device, log: Callable[[str], None]) -> ResolvedRun:
+    """The workers' checks, on every rank together (a problem on one rank stops all), then the
+    offload choice and the memory check; collective."""
+    world = dist.get_world_size()
+    # The launcher's disk check, where no launcher of ours ran it: on each node's first rank.
+    first_on_node = int(os.environ.get("LOCAL_RANK", "0")) == 0
+    share = None if os.environ.get(LAUNCHED_ENV) or not first_on_node else \
+        min(1.0, int(os.environ.get("LOCAL_WORLD_SIZE", "1")) / world)
+    problem, run = None, None
+    try:
+        run = check_run(cfg, world, device.type, lambda: open_data(cfg, log), share)
+    except USER_ERRORS as err:
+        problem = str(err)
+    agree(problem)
+    if run.disk_warning:  # on the rank that checked its node's disk
+        print(f"mfsdp train: warning: {run.disk_warning}", flush=True)
+    log(run_line(cfg, world, device, run.data))
+    cfg = resolve_offload(run.cfg, world, device, log)
+    check_memory(cfg, world, device, log)
+    return dataclasses.replace(run, cfg=cfg)
+
+
+def open_data(cfg: RunConfig, log: Callable[[str], None]) -> TokenFile:
+    """The training token file; the demo corpus is built on first use, by one rank per node (nodes
+    need not share a file system)."""
+    path = cfg.data.path
+    if path == STDLIB:
+        path = Path(cfg.train.out_dir) / "data" / "stdlib.tokens"
+        if int(os.environ.get("LOCAL_RANK", "0")) == 0 and not path.is_file():
+            log(f"building the demo corpus from the standard library into {path}")
+            prepare_stdlib_corpus(path)
+        dist.barrier()
+    return TokenFile(path)
+
+
+def cuda_problem(nproc: int = 1, local_rank: int = 0) -> str | None:
+    """Why ``nproc`` processes cannot each have a GPU here, or None; the launcher asks first."""
+    if not torch.cuda.is_available():
+        return "train.device is cuda but no CUDA device is visible; use --train.device cpu"
+    if max(nproc, local_rank + 1) > torch.cuda.device_count():
+        return (f"{'--nproc-per-node ' + str(nproc) if nproc > 1 else 'local rank ' + str(local_rank)} but this "
+                f"node has {torch.cuda.device_count()} GPU(s); start at most one process per GPU")
+    return None
+
+
+def _float8_compile_problem(cfg: RunConfig, device_type: str) -> str | None:
+    """Why the float8 setting cannot run as configured on ``device_type``, or None. Eager float8 on
+    CUDA runs torchao's casts kernel by kernel, slower than bf16; CPU keeps it allowed (tests)."""
+    if cfg.model.float8 == "none" or device_type != "cuda" or cfg.compiles(device_type):
+        return None
+    return (f"--model.float8 {cfg.model.float8} with --parallel.compile false runs torchao's float8 casts "
+            "eagerly, slower than bf16 on CUDA; use --parallel.compile auto (or true), or --model.float8 none")
+
+
+def _check_val_file(path: str, data: TokenFile | None, model_cfg: LlamaConfig) -> None:
+    """The --data.val_path token file: readable, in the model's vocabulary, same tokenizer."""
+    val = TokenFile(path)  # DataError naming the fix when missing or corrupt
+    if val.vocab_size > model_cfg.vocab_size:
+        raise DataError(f"--data.val_path {path} was tokenized with a vocabulary of {val.vocab_size} "
+                        f"but the model has {model_cfg.vocab_size} embeddings; tokenize it as the "
+                        "training file")
+    if data is not None and val.tokenizer != data.tokenizer:
+        raise DataError(f"--data.val_path {path} was tokenized by {val.tokenizer!r}, the training file "
+                        f"{data.path} by {data.tokenizer!r}; tokenize both with the same --tokenizer")
+
+
+def resolve_offload(cfg: RunConfig, world: int, device: torch.device, log) -> RunConfig:
+    """``--parallel.offload auto``: the planner's smallest offload fraction with which the run fits
+    this GPU (none where it fits without; on CPU, none), as a plain setting."""
+    p = cfg.parallel
+    if p.offload != "auto":
+        return cfg
+    fraction = None
+    if device.type == "cuda":
+        from mfsdp.memory.plan import offload_fraction_that_fits
+        from mfsdp.train.plan import planned_run
+
+        try:
+            fraction = offload_fraction_that_fits(planned_run(cfg), world, device_memory(device))
+        except NotImplementedError as err:  # a model the planner cannot measure
+            log(f"(--parallel.offload auto: no plan, {err}; no offload)")
+            fraction = 0.0
+        if fraction is None:
+            fraction = 1.0  # the memory check says what else would fit
+    chosen = (dataclasses.replace(p, offload="optimizer", offload_fraction=fraction) if fraction
+              else dataclasses.replace(p, offload="none", offload_fraction=1.0))
+    log(f"--parallel.offload auto: {'offload ' + format(fraction, 'g') + ' of the units' if fraction else 'no offload'}"
+        f"{' (CPU run)' if device.type != 'cuda' else ''}")
+    return dataclasses.replace(cfg, parallel=chosen)
+
+
+def check_memory(cfg: RunConfig, world: int, device: torch.device, log) -> None:
+    """Stop before anything is allocated when the predicted peak cannot fit the GPU, and warn when it
+    is within the allocator's margin (every rank predicts the same, so all stop together). CPU runs
+    skip it."""
+    if device.type != "cuda" or cfg.train.skip_memory_check:
+        return
+    from mfsdp.memory.plan import memory_check
+    from mfsdp.train.plan import planned_run
+
+    try:
+        verdict = memory_check(planned_run(cfg), world, device_memory(device))
+    except NotImplementedError as err:  # a model the planner cannot measure: train anyway
+        log(f"(memory check skipped: {err})")
+        return
+    if verdict and verdict[0] == "refuse":
+        raise RunFailed(verdict[1])
+    if verdict:
+        log(f"mfsdp train: warning: {verdict[1]}")
+
+
+def device_memory(device: torch.device) -> int:
+    """Total bytes of the GPU (``torch.cuda.mem_get_info``); a function so tests can replace it."""
+    return torch.cuda.mem_get_info(device)[1]

@@ -1,0 +1,105 @@
+"""One optimizer step of ``mfsdp train``: the learning rate, the microbatches' forward and backward,
+clipping, the update, and the step's scalars (``StepOutput``) in one collective."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from contextlib import nullcontext
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import mfsdp
+from mfsdp.data import Batch
+from mfsdp.models.outputs import logits_of
+from mfsdp.train.config import TrainSection
+
+
+@dataclasses.dataclass(frozen=True)
+class StepOutput:
+    """A step's scalars: 0-dim device tensors as ``train_step`` returns them, floats once read back
+    one step late (``unpack``); ``pack`` and ``unpack`` agree on the order, here only."""
+
+    loss: object
+    """The cross entropy, the mean over the global batch (summed over ranks until ``unpack``)."""
+    stop_votes: object
+    """How many ranks asked to stop (Ctrl-C, SIGTERM) before this step."""
+    aux_loss: object
+    """A mixture of experts' load-balancing loss, unweighted, the mean over the global batch."""
+    grad_norm: object
+    """The global gradient norm before clipping."""
+
+    def pack(self) -> torch.Tensor:
+        return torch.stack([getattr(self, f.name).to(torch.float32).reshape(()) for f in dataclasses.fields(self)])
+
+    @classmethod
+    def unpack(cls, values: list[float], world: int) -> "StepOutput":
+        loss, votes, aux, norm = values
+        return cls(loss / world, votes, aux / world, norm)
+
+
+def lr_at(t: TrainSection, step: int) -> float:
+    """Linear warm-up, then cosine decay to ``min_lr_ratio * lr`` at the last step."""
+    if step <= t.warmup_steps:
+        return t.lr * step / max(1, t.warmup_steps)
+    progress = (step - t.warmup_steps) / max(1, t.steps - t.warmup_steps)
+    cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    return t.lr * (t.min_lr_ratio + (1 - t.min_lr_ratio) * cosine)
+
+
+def train_step(model, optimizer, batch: Callable[[int], Batch], microbatches: int, lr: float, grad_clip: float,
+               aux_coef: float | None, stop_requested: bool, device: torch.device) -> StepOutput:
+    """Forward and backward over ``microbatches`` batches (``batch(i)``), clip, step; returns the
+    step's scalars, reduced over ranks in one all-reduce. ``aux_coef``: the weight of a mixture of
+    experts' load-balancing loss (None: the model has none)."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    loss_sum = torch.zeros((), device=device)
+    aux_sum = torch.zeros((), device=device)
+    for micro in range(microbatches):
+        b = batch(micro)
+        inputs, targets = to_device(b.inputs, device), to_device(b.targets, device)
+        # Without accumulation there is nothing to defer, so skip the context.
+        accumulate = (mfsdp.microbatch(model, is_last=micro == microbatches - 1) if microbatches > 1
+                      else nullcontext())
+        with accumulate, torch.profiler.record_function("mfsdp.train.forward_backward"):
+            logits = logits_of(model(inputs))
+            loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+            objective = loss
+            if aux_coef is not None:  # plus the weighted load-balancing loss
+                aux = model.aux_loss()
+                objective = loss + aux_coef * aux
+                aux_sum += aux.detach() / microbatches
+            (objective / microbatches).backward()
+        loss_sum += loss.detach() / microbatches
+    with torch.profiler.record_function("mfsdp.train.optimizer_step"):
+        grad_norm = _clip(model, grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    # One collective carries the loss for logging and every rank's stop request.
+    shared = torch.stack([loss_sum, torch.full((), float(stop_requested), device=device), aux_sum])
+    dist.all_reduce(shared)
+    return StepOutput(shared[0], shared[1], shared[2], grad_norm.to(device, torch.float32))
+
+
+def _clip(model, grad_clip: float) -> torch.Tensor:
+    """The global gradient norm (logged every step), clipping to ``grad_clip`` when positive. Over
+    sharded gradients it is a DTensor: reduced once, then clipped with that plain tensor."""
+    params = list(model.parameters())
+    grad_norm = torch.nn.utils.get_total_norm([q.grad for q in params if q.grad is not None])
+    if hasattr(grad_norm, "full_tensor"):
+        grad_norm = grad_norm.full_tensor()
+    if grad_clip > 0:
+        torch.nn.utils.clip_grads_with_norm_(params, grad_clip, grad_norm)
+    return grad_norm
+
+
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host-to-device copy of a batch: from pinned memory and non-blocking on CUDA, so it overlaps
+    the work already queued instead of waiting for it."""
+    if device.type != "cuda":
+        return tensor
+    return tensor.pin_memory().to(device, non_blocking=True)

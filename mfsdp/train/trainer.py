@@ -1,0 +1,137 @@
+"""The training loop of ``mfsdp train``: a ``ResolvedRun``'s model trained from its start step to the
+last, with evaluation, metrics and checkpoints on the way. Each rank runs it; only rank 0 prints."""
+
+from __future__ import annotations
+
+import signal
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from mfsdp.data import WindowSampler
+from mfsdp.models.moe import MoELlama
+from mfsdp.train.build import build, shard_numel
+from mfsdp.train.checkpoint import CheckpointMeta, load_checkpoint
+from mfsdp.train.checkpoint.async_save import make_checkpointer
+from mfsdp.train.epilogue import finish
+from mfsdp.train.evaluate import held_out_split, make_evaluator, split_record
+from mfsdp.train.metrics import MetricsLog, StepReadout, TensorBoardLog
+from mfsdp.train.preflight import ResolvedRun, model_fingerprint
+from mfsdp.train.report import NoProgress, StepReport, progress_bar
+from mfsdp.train.step import lr_at, to_device, train_step
+
+
+class StopSignal:
+    """Ctrl-C or SIGTERM: the first asks every rank to stop after this step and save; the second
+    aborts. ``requested`` is this rank's vote; the ranks agree through the step's collective."""
+
+    def __init__(self, log):
+        self.requested, self.log = False, log
+        signal.signal(signal.SIGINT, self._handle)
+        signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        self.log(f"\nreceived {signal.Signals(signum).name}: saving after this step")
+
+
+class Trainer:
+    def __init__(self, run: ResolvedRun, device: torch.device):
+        self.cfg, self.data, self.device = run.cfg, run.data, device
+        self.resume_from, self.resume_notes = run.resume_from, run.notes
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.out_dir = Path(self.cfg.train.out_dir)
+        self.model_cfg = self.cfg.llama_config()
+        self.progress = NoProgress()
+
+    def log(self, message: str) -> None:
+        if self.rank == 0:
+            print(message, flush=True)
+
+    def note(self, message: str) -> None:
+        """A line on rank 0 that leaves the progress bar (when there is one) intact."""
+        if self.rank == 0:
+            getattr(self.progress, "write", print)(message)
+            sys.stdout.flush()
+
+    def run(self) -> int:
+        cfg, d = self.cfg, self.cfg.data
+        model, optimizer = build(cfg, self.device, self.world, self.log)
+        start_step, resumed = self._resume(model, optimizer)
+        held, notes = held_out_split(cfg, self.data, resumed)
+        for line in notes:
+            self.log(line)
+        sampler = WindowSampler(self.data, d.seq_len, d.local_batch, self.rank, self.world, seed=d.seed,
+                                microbatches=d.microbatches, limit=len(self.data) - held)
+        evaluator = make_evaluator(cfg, self.data, held, self.rank, self.world, self.device, to_device, self.log)
+        logs = (MetricsLog(self.out_dir / "metrics.jsonl", enabled=self.rank == 0, keep_until_step=start_step),
+                TensorBoardLog(self.out_dir / "tensorboard", enabled=self.rank == 0 and cfg.metrics.tensorboard,
+                               purge_step=start_step + 1 if start_step else None))
+        t = cfg.train
+        checkpointer = make_checkpointer(self.out_dir / "checkpoints", t.keep_checkpoints, t.async_checkpoint,
+                                         t.async_checkpoint_on(self.device.type), self.device.type,
+                                         shard_numel(model), cfg.parallel.collective_timeout_s, self.note,
+                                         model, optimizer)
+        meta = CheckpointMeta(model=model_fingerprint(self.model_cfg), config=cfg.to_dict(), world_size=self.world,
+                              data_seed=d.seed, held_out=split_record(cfg, held), hf_config=cfg.hf_config())
+        last, stopped = self.train(model, optimizer, sampler, evaluator, logs, checkpointer, start_step, meta)
+        for log in logs:
+            log.close()
+        finish(cfg, model, self.data, last, stopped, self.device, self.log)
+        return 0
+
+    def _resume(self, model, optimizer) -> tuple[int, CheckpointMeta | None]:
+        """The step to start after and the checkpoint's record (None for a fresh start)."""
+        for line in self.resume_notes:
+            self.log(line)
+        if self.resume_from is None:
+            if self.cfg.resume:
+                self.log(f"no checkpoint in {self.out_dir / 'checkpoints'}; starting from step 0")
+            return 0, None
+        meta = load_checkpoint(self.resume_from, model, optimizer)
+        fallback = " (the newest whole checkpoint)" if self.resume_notes else ""
+        self.log(f"resumed from {self.resume_from}{fallback} at step {meta.step}")
+        return meta.step, meta
+
+    def train(self, model, optimizer, sampler, evaluator, logs, checkpointer, start_step: int,
+              meta: CheckpointMeta) -> tuple[int, bool]:
+        """Steps ``start_step + 1`` to the last; returns the last step run and whether a signal
+        stopped the run. Loss, stop votes and gradient norm reach the host one step late, through
+        pinned memory and an event (``StepReadout``), so the next step is queued meanwhile."""
+        t, d = self.cfg.train, self.cfg.data
+        compiling = self.cfg.compiles(self.device.type)
+        self.progress = progress_bar(t.steps, start_step, enabled=self.rank == 0 and t.progress)
+        readout = StepReadout(self.device)
+        report = StepReport(self.model_cfg, d, self.world, self.device, compiling, isinstance(model, MoELlama),
+                            logs, self.progress, self.note, checkpointer)
+        if compiling:
+            self.progress.set_postfix_str("compiling the blocks (torch.compile, first step)")
+        aux_coef = self.model_cfg.moe_aux_loss_coef if isinstance(model, MoELlama) else None
+        stop_signal = StopSignal(self.log)
+        step, stop = start_step, False
+        for step in range(start_step + 1, t.steps + 1):
+            lr = lr_at(t, step)
+            out = train_step(model, optimizer, lambda micro: sampler.batch(step, micro), d.microbatches, lr,
+                             t.grad_clip, aux_coef, stop_signal.requested, self.device)
+            end, extra = readout.mark(), {"lr": lr}
+            evaluated = evaluator is not None and (step % t.eval_every == 0 or step == t.steps)
+            if evaluated:  # read with this step's record, one step late; see the note in evaluate.py
+                extra["val_loss"] = evaluator(model)
+            stop = report(readout.push(step, out.pack(), extra, end)) or stop
+            if evaluated:
+                readout.restart_clock()  # the next step's time leaves the evaluation out
+            checkpointer.poll(step)  # publishes a finished background write, or raises
+            if (t.checkpoint_every and step % t.checkpoint_every == 0) or step == t.steps or stop:
+                stop = report(readout.flush()) or stop
+                checkpointer.save(step, model, optimizer, meta)
+                readout.restart_clock()
+            if stop:
+                break
+        report(readout.flush())
+        checkpointer.close()  # the end of the run waits for the last background write
+        self.progress.close()
+        return step, stop

@@ -1,0 +1,34 @@
+"""The training command, the offload, the optimizer wrapper and the planner stay readable: no class
+over 200 code lines and no function over 60 (blanks, comments and docstrings not counted, by
+``benchmarks/code_lines.py``'s rule)."""
+
+import importlib.util
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+WATCHED = ["mfsdp/train", "mfsdp/offload", "mfsdp/offload.py", "mfsdp/optimizer.py", "mfsdp/memory"]
+LIMITS = {"class": 200, "function": 60}
+
+
+def _counter():
+    spec = importlib.util.spec_from_file_location("code_lines", ROOT / "benchmarks" / "code_lines.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_counter_measures_bodies_without_docstrings():
+    sizes = _counter().definition_sizes('class A:\n    """Doc."""\n    def f(self):\n        """Doc."""\n'
+                                        '        # a comment\n        return 1\n\n\ndef g():\n    pass\n')
+    assert sizes == [("class", "A", 1, 3), ("function", "A.f", 3, 2), ("function", "g", 9, 2)]
+
+
+def test_no_class_or_function_is_over_its_limit():
+    counter = _counter()
+    files = [p for w in WATCHED for p in ([ROOT / w] if w.endswith(".py") else (ROOT / w).rglob("*.py"))
+             if p.is_file()]
+    assert any("train" in str(p) for p in files) and any("memory" in str(p) for p in files)
+    over = [f"{path.relative_to(ROOT)}:{line} {kind} {name}: {size} code lines"
+            for path in files for kind, name, line, size in counter.definition_sizes(path.read_text())
+            if size > LIMITS[kind]]
+    assert not over, "\n".join(over)
