@@ -8,6 +8,9 @@
 #   .carry/base/   a worktree of the commit to compare against (`git worktree add --detach
 #                  .carry/base <commit>`), for the `ab` section only
 # Sections:
+#   house   ONE GPU, <= 9 min, after a change to mfsdp train's code: `pytest -m gpu tests`, a bad flag
+#           through the launcher, `mfsdp train` 1b compiled for 10 steps then --resume to 14, and
+#           the same 1b run at .carry/base, the speed of both in one job                  issue 33
 #   final   ONE GPU, <= 8 min, the last call of a session whose time is short: the GPU suite, the
 #           compiled 1b rows in bf16 and FP8, and 8B + AC without offload (bf16 gradients)  issues 19 21 22
 #   smoke   ONE GPU, <= 9 min, first in any session that touches GPU code: `pytest -m gpu tests`,
@@ -88,6 +91,30 @@ section_smoke() {
   echo "train 1b --resume (bf16 reduction) rc=$?"; grep -v "^W1" "$OUT/train_1b.log" | tail -5
   summarize_train $run 4..10 12..14 | tee -a "$OUT/train_1b.log"
   cp $run/metrics.jsonl "$OUT/train_1b_metrics.jsonl"; rm -rf $run
+}
+
+section_house() {
+  timeout 260 python3 -m pytest -q -m gpu -p no:cacheprovider --durations=8 tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
+  timeout 60 python3 -m mfsdp.cli train --nproc-per-node 1 --train.stepz 3 > "$OUT/bad_flag.log" 2>&1
+  echo "bad flag through the launcher: rc=$? ($(grep -v '^W1' "$OUT/bad_flag.log" | tail -1))"
+  python3 -m mfsdp.cli prepare-data stdlib /tmp/stdlib.tokens > /dev/null 2>&1
+  local A=(--nproc-per-node 1 --model.preset 1b --data.local_batch 2 --data.seq_len 4096 --data.path /tmp/stdlib.tokens
+    --train.sample_tokens 0 --train.checkpoint_every 0 --train.progress false --train.eval_every 0)
+  rm -rf /tmp/house_head /tmp/house_base
+  timeout 150 python3 -m mfsdp.cli train "${A[@]}" --train.steps 10 --train.out_dir /tmp/house_head \
+    > "$OUT/train_1b_head.log" 2>&1; echo "train 1b HEAD rc=$?"; grep -v "^W1" "$OUT/train_1b_head.log" | tail -3
+  summarize_train /tmp/house_head 4..10 | tee -a "$OUT/train_1b_head.log"
+  cp /tmp/house_head/metrics.jsonl "$OUT/train_1b_head_metrics.jsonl"; rm -rf /tmp/house_head  # 18 GB
+  (cd .carry/base && PYTHONPATH=$PWD timeout 150 python3 -m mfsdp.cli train "${A[@]}" --train.steps 10 \
+    --train.out_dir /tmp/house_base > "$OUT/train_1b_base.log" 2>&1; echo "train 1b base rc=$?")
+  summarize_train /tmp/house_base 4..10 | tee -a "$OUT/train_1b_base.log"
+  cp /tmp/house_base/metrics.jsonl "$OUT/train_1b_base_metrics.jsonl"
+  # HEAD resumes the base tree's checkpoint (written before the change) to step 13.
+  timeout 130 python3 -m mfsdp.cli train "${A[@]}" --train.steps 13 --train.out_dir /tmp/house_base --resume \
+    > "$OUT/train_1b_resume_base.log" 2>&1; echo "train 1b HEAD --resume of base's step_10 rc=$?"
+  grep -v "^W1" "$OUT/train_1b_resume_base.log" | grep "resumed\|saved" | tail -3
+  summarize_train /tmp/house_base 11..13 | tee -a "$OUT/train_1b_resume_base.log"
+  rm -rf /tmp/house_head /tmp/house_base
 }
 
 section_final() {  # ONE GPU, <= 8 min: the GPU suite, the compiled 1b rows (bf16, FP8) and 8B without offload
