@@ -46,27 +46,56 @@ def main(argv: list[str] | None = None) -> int:
 def prepare_data(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="mfsdp prepare-data",
-        description="Tokenize text into the token file that `mfsdp train --data.path` reads.")
-    parser.add_argument("input", help="a .txt file, a .jsonl file (one document per line), "
+        description="Tokenize text, or prompt/completion and chat rows for fine-tuning, into the "
+                    "token file that `mfsdp train --data.path` reads. JSONL rows are "
+                    '{"text": ...} (a token stream, as for pretraining), {"prompt": ..., '
+                    '"completion": ...} (strings, or both lists of messages), or {"messages": '
+                    '[{"role": ..., "content": ...}, ...]} with roles system, user and assistant '
+                    "only (others, such as tool, are refused). The loss counts the completion or "
+                    "every assistant turn and the token closing it. Chats go through the "
+                    "tokenizer's chat template, or mfsdp's own (<|user|>\\n...\\n<|assistant|>\\n"
+                    "...<eos>) when it has none; a plain prompt/completion is prompt, completion, "
+                    "end-of-sequence token. A bad row stops with FILE:LINE and writes nothing.")
+    parser.add_argument("input", help="a .txt file, a .jsonl file (one row per line), "
                                       "or a directory, or 'stdlib' for the demo corpus")
     parser.add_argument("out", help="the token file to write")
     parser.add_argument("--tokenizer", default=None,
-                        help="a local Hugging Face tokenizer directory (default: bytes)")
+                        help="a local Hugging Face tokenizer directory (default: --model.hf DIR "
+                             "when given, else bytes)")
+    parser.add_argument("--model.hf", dest="model_hf", default=None, metavar="DIR",
+                        help="the Hugging Face model directory the data is for: its tokenizer "
+                             "is the default --tokenizer")
+    parser.add_argument("--format", choices=("text", "prompt_completion", "messages"), default=None,
+                        help="the JSONL row format (default: read from the first row)")
+    parser.add_argument("--train-on-prompt", action="store_true",
+                        help="count every token in the loss, prompts and user turns too "
+                             "(default: only the completion or the assistant turns)")
+    parser.add_argument("--max-len", type=int, default=None, metavar="N",
+                        help="keep at most N tokens of each sample, counting those cut "
+                             "(default: no limit)")
     parser.add_argument("--text-key", default="text", help="JSONL field holding the text")
     parser.add_argument("--glob", default="*.py",
                         help="files to read when INPUT is a directory (default: *.py)")
     args = parser.parse_args(argv)
-    from mfsdp.data import DataError, prepare
+    from mfsdp.data import DataError, RowOptions, prepare
     from mfsdp.data.prepare import STDLIB, stdlib_source
     source = stdlib_source() if args.input == STDLIB else args.input
     try:
-        info = prepare(source, args.out, tokenizer=args.tokenizer, text_key=args.text_key,
-                       glob=args.glob)
+        rows = RowOptions(format=args.format, train_on_prompt=args.train_on_prompt,
+                          max_len=args.max_len)
+        info = prepare(source, args.out, tokenizer=args.tokenizer or args.model_hf,
+                       text_key=args.text_key, glob=args.glob, rows=rows)
     except DataError as err:
         print(f"mfsdp prepare-data: error: {err}", file=sys.stderr)
         return 2
-    print(f"wrote {info['tokens']:,} tokens from {info['documents']:,} documents to "
-          f"{info['path']} (tokenizer {info['tokenizer']}, vocabulary {info['vocab_size']})")
+    where = f"to {info['path']} (tokenizer {info['tokenizer']}, vocabulary {info['vocab_size']})"
+    if info["format"] == "text":
+        print(f"wrote {info['tokens']:,} tokens from {info['documents']:,} documents {where}")
+    else:
+        limit = f" to {info['max_len']:,} tokens" if info["max_len"] else ""
+        print(f"wrote {info['samples']:,} {info['format']} samples, {info['tokens']:,} tokens, "
+              f"{info['counted']:,} answer tokens counted in the loss, {info['truncated']:,} "
+              f"samples truncated{limit} {where}")
     return 0
 
 

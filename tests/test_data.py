@@ -53,7 +53,7 @@ def test_prepare_text_jsonl_and_directory(tmp_path):
     assert prepare(tmp_path / "b.jsonl", tmp_path / "b.tokens")["tokens"] == 3 + 1 + 3 + 1
 
     (tmp_path / "bad.jsonl").write_text('{"body": "x"}\n')
-    with pytest.raises(DataError, match="bad.jsonl:1 .*--text-key"):
+    with pytest.raises(DataError, match="bad.jsonl:1: .*--text-key"):
         prepare(tmp_path / "bad.jsonl", tmp_path / "c.tokens")
 
     (tmp_path / "src").mkdir()

@@ -1,23 +1,50 @@
 """Turn text into a token file: ``mfsdp prepare-data INPUT OUT``.
 
-INPUT is a text file (one document), a ``.jsonl`` file (one document per line, read from
-a text field), or a directory (every file matching a glob, one document each). Documents
-are joined with the tokenizer's end-of-document id, so the model learns where one stops.
+INPUT is a text file (one document), a ``.jsonl`` file, or a directory (every file matching a
+glob, one document each). JSONL rows are plain documents (``{"text": ...}``), or fine-tuning
+samples, prompt/completion or chat messages (``mfsdp.data.rows``); the format is read from the
+first row unless forced. Documents are joined with the tokenizer's end-of-document id, so the
+model learns where one stops, into a version-1 token stream. Samples are written with their
+bounds and loss mask (``mfsdp.data.chat``) as a version-2 file. Every row is checked before
+anything is written, so a bad row leaves no output file behind.
 """
 
 from __future__ import annotations
 
-import json
 import sysconfig
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator, TypeVar
 
 import torch
 
+from mfsdp.data.chat import encode_sample
+from mfsdp.data.rows import FORMATS, detect_format, parse_line, read_sample, read_text
 from mfsdp.data.token_file import DataError, write_token_file
 from mfsdp.data.tokenizer import load_tokenizer
 
 STDLIB = "stdlib"
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class RowOptions:
+    """How JSONL rows become samples (prompt/completion and messages rows only)."""
+
+    format: str | None = None
+    """``text``, ``prompt_completion`` or ``messages``; None reads it from the first row."""
+    train_on_prompt: bool = False
+    """Count every token of a sample in the loss, prompts and user turns too, instead of the
+    answers alone (the default, as in torchtune, TRL and NeMo Automodel)."""
+    max_len: int | None = None
+    """Keep at most this many tokens of each sample (its start) and count the samples cut;
+    None keeps them whole (the sampler still truncates a sample longer than its window)."""
+
+    def __post_init__(self):
+        if self.format is not None and self.format not in FORMATS:
+            raise DataError(f"unknown format {self.format!r}; use one of {', '.join(FORMATS)}")
+        if self.max_len is not None and self.max_len < 2:
+            raise DataError(f"--max-len {self.max_len} leaves no token to predict; use 2 or more")
 
 
 def iter_documents(source: str | Path, text_key: str = "text",
@@ -33,24 +60,23 @@ def iter_documents(source: str | Path, text_key: str = "text",
         raise DataError(f"input {source} does not exist; pass a .txt or .jsonl file or a "
                         "directory")
     elif source.suffix == ".jsonl":
-        with open(source, encoding="utf-8") as f:
-            for line_no, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                    yield record[text_key]
-                except (json.JSONDecodeError, KeyError, TypeError) as err:
-                    raise DataError(f"{source}:{line_no} is not a JSON object with a "
-                                    f"{text_key!r} field ({err}); fix the line or pass "
-                                    "--text-key FIELD") from None
+        for line_no, row in _jsonl_rows(source):
+            yield _at(source, line_no, read_text, row, text_key)
     else:
         yield source.read_text(encoding="utf-8", errors="replace")
 
 
 def prepare(source: str | Path, out: str | Path, tokenizer: str | None = None,
-            text_key: str = "text", glob: str = "*.py") -> dict:
-    """Tokenize every document under ``source`` into the token file ``out``."""
+            text_key: str = "text", glob: str = "*.py", rows: RowOptions = RowOptions()) -> dict:
+    """Tokenize every document or sample under ``source`` into the token file ``out``."""
+    source = Path(source)
+    fmt = rows.format or _first_row_format(source, text_key)
+    if fmt != "text":
+        return _prepare_samples(source, out, load_tokenizer(tokenizer), fmt, rows)
+    if rows.train_on_prompt or rows.max_len is not None:
+        raise DataError(f"--train-on-prompt and --max-len apply to prompt_completion and "
+                        f"messages rows, and {source} holds text (every token already counts); "
+                        "drop them, or pass --format")
     tok = load_tokenizer(tokenizer)
     pieces, documents = [], 0
     for text in iter_documents(source, text_key, glob):
@@ -63,8 +89,58 @@ def prepare(source: str | Path, out: str | Path, tokenizer: str | None = None,
     if tokens.numel() == 0:
         raise DataError(f"{source} holds no text to tokenize")
     write_token_file(out, tokens, tok.vocab_size, tok.name)
-    return {"documents": documents, "tokens": tokens.numel(), "vocab_size": tok.vocab_size,
-            "tokenizer": tok.name, "path": str(out)}
+    return {"format": "text", "documents": documents, "tokens": tokens.numel(),
+            "vocab_size": tok.vocab_size, "tokenizer": tok.name, "path": str(out)}
+
+
+def _prepare_samples(source: Path, out: str | Path, tok, fmt: str, rows: RowOptions) -> dict:
+    if not source.is_file():
+        raise DataError(f"input {source} does not exist; pass a .jsonl file of {fmt} rows")
+    if source.suffix != ".jsonl":
+        raise DataError(f"{fmt} rows are read from a .jsonl file, and {source} is not one; "
+                        "pass a .jsonl file, or --format text")
+    ids, masks, truncated = [], [], 0
+    for line_no, row in _jsonl_rows(source):
+        sample = _at(source, line_no, read_sample, row, fmt)
+        sample_ids, mask = _at(source, line_no, encode_sample, tok, sample, rows.train_on_prompt)
+        if rows.max_len is not None and sample_ids.numel() > rows.max_len:
+            sample_ids, mask, truncated = sample_ids[:rows.max_len], mask[:rows.max_len], truncated + 1
+        ids.append(sample_ids)
+        masks.append(mask)
+    if not ids:
+        raise DataError(f"{source} holds no rows")
+    lengths = torch.tensor([len(i) for i in ids])
+    starts = torch.cumsum(lengths, 0) - lengths
+    tokens, mask = torch.cat(ids), torch.cat(masks)
+    write_token_file(out, tokens, tok.vocab_size, tok.name, loss_mask=mask, sample_starts=starts)
+    return {"format": fmt, "samples": len(ids), "tokens": tokens.numel(),
+            "counted": int(mask.sum()), "truncated": truncated, "max_len": rows.max_len,
+            "vocab_size": tok.vocab_size, "tokenizer": tok.name, "path": str(out)}
+
+
+def _first_row_format(source: Path, text_key: str) -> str:
+    """The format of the first row of a .jsonl file; ``text`` for any other input."""
+    if source.suffix != ".jsonl" or not source.is_file():
+        return "text"
+    for line_no, row in _jsonl_rows(source):
+        return _at(source, line_no, detect_format, row, text_key)
+    return "text"  # no rows: the text path says the file holds nothing
+
+
+def _jsonl_rows(source: Path) -> Iterator[tuple[int, dict]]:
+    """(line number, JSON object) for every non-blank line."""
+    with open(source, encoding="utf-8") as f:
+        for line_no, line in enumerate(f, 1):
+            if line.strip():
+                yield line_no, _at(source, line_no, parse_line, line)
+
+
+def _at(source: Path, line_no: int, fn: Callable[..., T], *args) -> T:
+    """``fn(*args)``, a DataError it raises prefixed with ``FILE:LINE:``."""
+    try:
+        return fn(*args)
+    except DataError as err:
+        raise DataError(f"{source}:{line_no}: {err}") from None
 
 
 def stdlib_source() -> Path:

@@ -21,7 +21,15 @@ class Batch:
     inputs: torch.Tensor
     """Token ids, (local_batch, seq_len), int64."""
     targets: torch.Tensor
-    """The inputs shifted left by one: the token each position must predict."""
+    """The token each position must predict (the inputs shifted left by one), or -100 where
+    the loss counts nothing (``ignore_index``: padding, prompts, a sample's last token)."""
+    positions: torch.Tensor | None = None
+    """Rotary positions, (local_batch, seq_len) int64, restarting at 0 where each packed
+    sample starts; None for 0 .. seq_len - 1 in every row (a plain token stream)."""
+    document_ids: torch.Tensor | None = None
+    """(local_batch, seq_len) int32: the index of each position's sample within its row, -1
+    for padding, so attention can stay within a sample (document-causal); None for plain
+    causal attention over the whole row."""
 
 
 class WindowSampler:
@@ -56,12 +64,13 @@ class WindowSampler:
         return Batch(inputs=windows[:, :-1], targets=windows[:, 1:])
 
     def _global_starts(self, step: int) -> torch.Tensor:
-        generator = torch.Generator().manual_seed(_mix(self.seed, step))
+        generator = torch.Generator().manual_seed(mix_seed(self.seed, step))
         count = self.microbatches * self.world_size * self.local_batch
         return torch.randint(0, self.limit - self.seq_len, (count,), generator=generator)
 
 
-def _mix(seed: int, step: int) -> int:
+def mix_seed(seed: int, step: int) -> int:
+    """One generator seed from a run's seed and a counter (a step, or an epoch)."""
     # A fixed odd multiplier spreads nearby (seed, step) pairs over the seed space; plain
     # seed + step would make run (seed=0, step=1) replay run (seed=1, step=0).
     return (seed * 0x9E3779B97F4A7C15 + step) % (2**63 - 1)

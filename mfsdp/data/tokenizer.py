@@ -3,12 +3,20 @@
 The byte tokenizer needs no files and no downloads: every UTF-8 byte is its own id
 (0-255), and one extra id marks the end of a document. It suits the tiny demo model,
 whose vocabulary of 512 leaves room to spare.
+
+For prompt/answer and chat data each tokenizer also renders a conversation to text
+(``render_chat``: the directory's chat template, else mfsdp's own, ``mfsdp.data.template``)
+and encodes a text with the character spans the loss counts (``encode_spans``), so that
+the ids are those of the whole text tokenized once.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
+from mfsdp.data.template import render_chat
 from mfsdp.data.token_file import DataError
 
 BYTES = "bytes"
@@ -18,12 +26,31 @@ class ByteTokenizer:
     name = BYTES
     end_of_document = 256
     vocab_size = 257
+    eos_text = "\uffff"
+    """Stands for the end-of-document id in rendered text: a Unicode noncharacter, which
+    text meant for interchange never holds (a row that does is refused)."""
+    template_name = "mfsdp's chat template"
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
 
     def decode(self, ids: list[int]) -> str:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool) -> str:
+        return render_chat(messages, add_generation_prompt, self.eos_text)
+
+    def encode_spans(self, text: str, spans: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ids of ``text`` and a bool mask, True for the bytes inside ``spans``. Bytes
+        need no context, so each piece between span edges is encoded on its own."""
+        cuts = sorted({0, len(text), *(edge for span in spans for edge in span)})
+        ids, mask = [], []
+        for a, b in zip(cuts, cuts[1:]):
+            pieces = [self.encode(part) for part in text[a:b].split(self.eos_text)]
+            piece = sum((p + [self.end_of_document] for p in pieces[:-1]), []) + pieces[-1]
+            ids += piece
+            mask += [any(s <= a and b <= e for s, e in spans)] * len(piece)
+        return torch.tensor(ids, dtype=torch.int64), torch.tensor(mask, dtype=torch.bool)
 
 
 class HuggingFaceTokenizer:
@@ -42,12 +69,49 @@ class HuggingFaceTokenizer:
         self.name = str(Path(path).resolve())
         self.vocab_size = len(self._tok)
         self.end_of_document = self._tok.eos_token_id
+        self.eos_text = self._tok.eos_token  # None when the tokenizer has none
+        self.template_name = (f"the chat template of {path}" if self._tok.chat_template is not None
+                              else f"mfsdp's chat template ({path} has none)")
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False)
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids)
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool) -> str:
+        if self._tok.chat_template is None:
+            return render_chat(messages, add_generation_prompt, require_eos_text(self))
+        try:
+            return self._tok.apply_chat_template(messages, tokenize=False,
+                                                 add_generation_prompt=add_generation_prompt)
+        except Exception as err:  # a user's Jinja template can raise anything
+            raise DataError(f"{self.template_name} cannot render this conversation "
+                            f"({type(err).__name__}: {err}); fix the row or the template") from None
+
+    def encode_spans(self, text: str, spans: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ids of ``text`` tokenized once and a bool mask, True for each token whose
+        characters overlap a span (a token that straddles a span's edge counts)."""
+        if not self._tok.is_fast:
+            raise DataError(f"tokenizer {self.name} is a slow (Python) tokenizer, which gives no "
+                            "character offsets to find the answer tokens; save it with its "
+                            "tokenizer.json (a fast tokenizer)")
+        encoded = self._tok(text, add_special_tokens=False, return_offsets_mapping=True)
+        ids = torch.tensor(encoded["input_ids"], dtype=torch.int64)
+        offsets = torch.tensor(encoded["offset_mapping"], dtype=torch.int64).view(-1, 2)
+        begin, end = offsets[:, 0], torch.maximum(offsets[:, 1], offsets[:, 0] + 1)
+        mask = torch.zeros(ids.numel(), dtype=torch.bool)
+        for a, b in spans:
+            mask |= (begin < b) & (end > a)
+        return ids, mask
+
+
+def require_eos_text(tokenizer) -> str:
+    """The text of the token that closes an answer, or a DataError when there is none."""
+    if tokenizer.eos_text is None:
+        raise DataError(f"tokenizer {tokenizer.name} has no end-of-sequence token to close an "
+                        "answer with; set eos_token in its tokenizer_config.json")
+    return tokenizer.eos_text
 
 
 def load_tokenizer(name: str | None) -> ByteTokenizer | HuggingFaceTokenizer:
