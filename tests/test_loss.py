@@ -8,7 +8,10 @@ timing or on the allocator.
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import weakref
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +20,7 @@ import torch.nn.functional as F
 from mfsdp import _compat
 from mfsdp.models.loss import CHUNK_LOGITS_BYTES, cross_entropy_sum, default_chunk_tokens, linear_cross_entropy
 
+ROOT = Path(__file__).resolve().parents[1]
 B, S, D, V = 2, 24, 16, 257  # N = 48 tokens
 
 
@@ -254,3 +258,19 @@ def test_rejects_mismatched_inputs():
     with pytest.raises(ValueError, match="chunk_tokens must be positive"):
         linear_cross_entropy(hidden, weight, labels, chunk_tokens=0)
 
+
+def test_loss_bench_cpu_smoke(tmp_path, capsys):
+    """benchmarks/loss_bench.py --cpu-smoke, in process: every variant runs, agrees with the plain
+    path, and writes one JSON line per variant and shape."""
+    spec = importlib.util.spec_from_file_location("loss_bench", ROOT / "benchmarks" / "loss_bench.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "loss_bench.jsonl"
+    records = bench.main(["--cpu-smoke", "--out", str(out)])
+    assert [json.loads(line) for line in out.read_text().splitlines()] == records
+    assert [(r["tokens"], r["variant"]) for r in records] == [(n, v) for n in (40,) for v in bench.VARIANTS]
+    for r in records:
+        assert r["status"] == "ok", r
+        assert r["ms_median"] > 0 and r["peak_gib"] is None  # no CUDA peak on CPU
+        assert r["loss_rel_diff"] < 1e-5 and r["grad_hidden_rel_diff"] < 1e-5 and r["grad_weight_rel_diff"] < 1e-5
+    assert len(capsys.readouterr().out.splitlines()) == len(records)
