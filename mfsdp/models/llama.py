@@ -457,7 +457,7 @@ class Head(nn.Linear):
     """
 
     def forward(self, hidden: torch.Tensor, labels: torch.Tensor | None = None,
-                loss_fn=None):
+                loss_fn=cross_entropy_sum):
         if labels is None:
             return super().forward(hidden)
         return loss_fn(hidden, self.weight, labels)
