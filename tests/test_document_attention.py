@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mfsdp.models import Llama, build_model, cross_entropy_sum, get_config
+from mfsdp.models import Llama, build_model, get_config, plain_linear_cross_entropy
 from mfsdp.models.document_mask import document_mask
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.filterwarnings("ignore::UserWarning")]
@@ -108,7 +108,7 @@ def test_the_loss_function_is_swappable_and_gets_the_head_weight():
 
     def loss_fn(hidden, weight, labels):
         calls.append((hidden.shape, weight is model.output.weight))
-        return cross_entropy_sum(hidden, weight, labels)
+        return plain_linear_cross_entropy(hidden, weight, labels)
 
     model.loss_fn = loss_fn
     tokens = _sample(12, 8)[None]

@@ -8,11 +8,11 @@ checkpoints (Llama, Qwen2, Mistral) as the bundled ``Llama``.
 from mfsdp.models.flops import flops_per_token, mfu, param_counts, peak_flops
 from mfsdp.models.hf_config import UnsupportedHFConfig, bundled_config_from_hf, supports_bundled
 from mfsdp.models.hf_weights import HFWeightsError, hf_weight_names, load_hf_weights
-from mfsdp.models.llama import (PRESETS, Block, Llama, Llama3RopeScaling, LlamaConfig, cross_entropy_sum,
-                                get_config)
+from mfsdp.models.llama import (PRESETS, Block, Llama, Llama3RopeScaling, LlamaConfig, get_config,
+                                plain_linear_cross_entropy)
 from mfsdp.models.moe import MoEFeedForward, MoELlama, build_model
 
 __all__ = ["Block", "HFWeightsError", "Llama", "Llama3RopeScaling", "LlamaConfig", "MoEFeedForward",
            "MoELlama", "PRESETS", "UnsupportedHFConfig", "build_model", "bundled_config_from_hf",
-           "cross_entropy_sum", "get_config", "hf_weight_names", "load_hf_weights", "supports_bundled",
-           "flops_per_token", "mfu", "param_counts", "peak_flops"]
+           "get_config", "hf_weight_names", "load_hf_weights", "plain_linear_cross_entropy",
+           "supports_bundled", "flops_per_token", "mfu", "param_counts", "peak_flops"]

@@ -435,12 +435,13 @@ class Block(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
 
-def cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor,
-                      labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def plain_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor,
+                               labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(fp32 sum of the token cross entropies, int64 count) over the tokens whose label is not -100.
 
-    The plain form: the whole (batch, seq, vocab) logits exist at once. ``Llama.loss_fn`` may be
-    swapped for a fused chunked one of the same signature that never holds them.
+    The plain form of ``linear_cross_entropy(hidden, weight, labels)``: the whole (batch, seq,
+    vocab) logits exist at once. ``Llama.loss_fn`` may be swapped for a fused chunked one of the
+    same signature that never holds them.
     """
     logits = F.linear(hidden, weight)
     loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX,
@@ -457,7 +458,7 @@ class Head(nn.Linear):
     """
 
     def forward(self, hidden: torch.Tensor, labels: torch.Tensor | None = None,
-                loss_fn=cross_entropy_sum):
+                loss_fn=plain_linear_cross_entropy):
         if labels is None:
             return super().forward(hidden)
         return loss_fn(hidden, self.weight, labels)
@@ -483,7 +484,7 @@ class Llama(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
         # The loss of ``forward(..., labels=...)``: any function (hidden, head weight, labels) ->
         # (fp32 sum, int64 count); swap in a fused chunked one to never hold the whole logits.
-        self.loss_fn = cross_entropy_sum
+        self.loss_fn = plain_linear_cross_entropy
         # Where document-masked attention runs ("auto": flex_attention on CUDA, SDPA with a
         # boolean mask elsewhere; see mfsdp.models.document_mask).
         self.document_mask_backend = "auto"
