@@ -47,6 +47,8 @@ def param_counts(cfg: LlamaConfig) -> dict[str, int]:
     """
     d, hd = cfg.dim, cfg.head_dim
     attention = d * cfg.n_heads * hd * 2 + d * cfg.n_kv_heads * hd * 2
+    if cfg.qkv_bias:
+        attention += (cfg.n_heads + 2 * cfg.n_kv_heads) * hd
     expert = 3 * d * cfg.ffn_dim
     router = d * cfg.num_experts
     feed_forward = expert * cfg.num_experts + router if cfg.num_experts else expert

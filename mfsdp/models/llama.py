@@ -14,6 +14,11 @@ Two choices exist for the sake of sharding wrappers such as ``mfsdp.fully_shard`
   hooks the block therefore sees exactly one forward call per step, and the
   recomputation in backward reuses the parameters the wrapper has already
   gathered for the block's backward.
+* Packed fine-tuning samples: ``Llama.forward`` takes ``positions`` (the rotary tables are
+  indexed by them) and ``document_ids`` (attention is causal within each document; the mask is
+  built once per forward at the root, ``mfsdp.models.document_mask``, and handed to every
+  block), and with ``labels`` returns the summed cross entropy and the token count, computed in
+  the output head's forward (``Head``) so that a sharding wrapper has its weight gathered there.
 
 The rotary tables are non-persistent buffers, so they are not in the state dict
 and ``init_weights`` rebuilds them; that is what makes meta-device construction
@@ -37,6 +42,51 @@ from torch.distributed.tensor import DTensor, Partial
 from torch.utils.checkpoint import checkpoint
 
 from mfsdp import _compat
+from mfsdp.models.document_mask import DocumentMask, document_mask, masked_attention
+
+IGNORE_INDEX = -100
+"""The label of a token that the loss does not count (torch's and Hugging Face's convention)."""
+
+
+@dataclass(frozen=True)
+class Llama3RopeScaling:
+    """Llama 3.1's rotary frequency rescaling (Hugging Face ``rope_type: llama3``).
+
+    Frequencies whose wavelength is longer than ``original_max_position_embeddings /
+    low_freq_factor`` are divided by ``factor``; those shorter than ``original_max_position_embeddings
+    / high_freq_factor`` are kept; those in between are interpolated smoothly. A pretrained model
+    needs exactly the tables it was trained with, so this must match its config.
+    """
+
+    factor: float
+    """How much the long wavelengths are stretched (8 for Llama 3.1)."""
+    low_freq_factor: float
+    """Wavelengths above ``original_max_position_embeddings / low_freq_factor`` are fully scaled (1)."""
+    high_freq_factor: float
+    """Wavelengths below ``original_max_position_embeddings / high_freq_factor`` are kept (4)."""
+    original_max_position_embeddings: int
+    """The context length the model was pretrained at (8192 for Llama 3.1)."""
+
+    def __post_init__(self) -> None:
+        if not self.factor > 0:
+            raise ValueError(f"Llama3RopeScaling.factor must be positive, got {self.factor!r}")
+        if not 0 < self.low_freq_factor < self.high_freq_factor:
+            raise ValueError(f"Llama3RopeScaling needs 0 < low_freq_factor < high_freq_factor, got "
+                             f"{self.low_freq_factor!r} and {self.high_freq_factor!r}")
+        n = self.original_max_position_embeddings
+        if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
+            raise ValueError("Llama3RopeScaling.original_max_position_embeddings must be a positive "
+                             f"integer, got {n!r}")
+
+    def rescale(self, inv_freq: torch.Tensor) -> torch.Tensor:
+        """The rescaled inverse frequencies (fp32 in, fp32 out)."""
+        context = float(self.original_max_position_embeddings)
+        wavelength = 2 * math.pi / inv_freq
+        long = wavelength > context / self.low_freq_factor  # fully scaled
+        short = wavelength < context / self.high_freq_factor  # kept as they are
+        smooth = (context / wavelength - self.low_freq_factor) / (self.high_freq_factor - self.low_freq_factor)
+        between = (1 - smooth) * inv_freq / self.factor + smooth * inv_freq
+        return torch.where(long, inv_freq / self.factor, torch.where(short, inv_freq, between))
 
 
 @dataclass(frozen=True)
@@ -73,6 +123,12 @@ class LlamaConfig:
     moe_aux_loss_coef: float = 0.01
     """Weight of the load-balancing loss (``MoELlama.aux_loss``) that ``mfsdp train`` adds to the
     cross entropy; 0 turns it off. 0.01 is the Switch Transformer's value."""
+    qkv_bias: bool = False
+    """Biases on the query, key and value projections (Qwen2 has them; the output projection
+    never does). They start at zero."""
+    rope_scaling: "Llama3RopeScaling | None" = None
+    """Llama 3.1's rescaling of the rotary frequencies for long contexts; None keeps the plain
+    ``rope_theta`` frequencies."""
 
     def __post_init__(self) -> None:
         for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size",
@@ -99,6 +155,11 @@ class LlamaConfig:
                              "set top_k to at most the number of experts")
         if not self.moe_aux_loss_coef >= 0:
             raise ValueError(f"moe_aux_loss_coef must not be negative, got {self.moe_aux_loss_coef!r}")
+        if not isinstance(self.qkv_bias, bool):
+            raise ValueError(f"LlamaConfig.qkv_bias must be a bool, got {self.qkv_bias!r}")
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, Llama3RopeScaling):
+            raise ValueError(f"LlamaConfig.rope_scaling must be a Llama3RopeScaling or None, got "
+                             f"{self.rope_scaling!r}")
 
     @property
     def head_dim(self) -> int:
@@ -109,7 +170,12 @@ class LlamaConfig:
     def from_hf(cls, c: dict, max_seq_len: int) -> "LlamaConfig":
         """The shape of a Hugging Face decoder ``config.json`` (for FLOP counts and shape checks).
 
-        Raises KeyError or ValueError when the dict is not a Llama-like decoder config.
+        Lenient on purpose: it reads the shape of any Llama-like decoder (Mixtral's experts too),
+        including ones the bundled model cannot run, because the manager trains those. The config
+        of a bundled model built from Hugging Face weights comes from
+        ``mfsdp.models.hf_config.bundled_config_from_hf``, which honours or refuses every key that
+        changes the forward. Raises KeyError or ValueError when the dict is not a Llama-like
+        decoder config.
         """
         # Mixtral-style experts (num_local_experts of width intermediate_size); other MoE layouts
         # (shared experts, a separate moe_intermediate_size) are counted as their dense shape.
@@ -248,10 +314,14 @@ class RMSNorm(nn.Module):
         return x32.to(x.dtype) * self.weight
 
 
-def rotary_tables(head_dim: int, seq_len: int, theta: float, device=None):
-    """fp32 cosine and sine tables, each of shape ``(seq_len, head_dim // 2)``."""
+def rotary_tables(head_dim: int, seq_len: int, theta: float, device=None,
+                  scaling: Llama3RopeScaling | None = None):
+    """fp32 cosine and sine tables, each of shape ``(seq_len, head_dim // 2)``; ``scaling``
+    rescales the frequencies as Llama 3.1 does."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim
     inv_freq = theta ** -exponents
+    if scaling is not None:
+        inv_freq = scaling.rescale(inv_freq)
     positions = torch.arange(seq_len, dtype=torch.float32, device=device)
     angles = torch.outer(positions, inv_freq)
     return angles.cos(), angles.sin()
@@ -261,13 +331,18 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     """Rotate ``x`` of shape (batch, seq, heads, head_dim) by position.
 
     Rotate-half form: element i of the first half pairs with element i of the second.
+    The tables are (seq, head_dim // 2), shared by the batch, or (batch, seq, head_dim // 2)
+    when each sequence has its own positions (packed samples restart at 0).
     ``Llama.forward`` passes tables already in the activation dtype, so the casts below
     are no-ops there; they keep direct callers with the fp32 tables working.
     """
     half = x.shape[-1] // 2
     first, second = x[..., :half], x[..., half:]
-    cos = cos[None, :, None, :].to(x.dtype)
-    sin = sin[None, :, None, :].to(x.dtype)
+    if cos.ndim == 2:
+        cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    else:
+        cos, sin = cos[:, :, None, :], sin[:, :, None, :]
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     return torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
 
 
@@ -277,13 +352,15 @@ class Attention(nn.Module):
         self.n_heads = cfg.n_heads
         self.n_kv_heads = cfg.n_kv_heads
         self.head_dim = cfg.head_dim
-        linear = dict(bias=False, dtype=dtype, device=device)
-        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, **linear)
-        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, **linear)
-        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, **linear)
-        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, **linear)
+        qkv = dict(bias=cfg.qkv_bias, dtype=dtype, device=device)
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, **qkv)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, **qkv)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, **qkv)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False, dtype=dtype, device=device)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: DocumentMask | None = None) -> torch.Tensor:
+        """Causal self-attention; with ``mask`` (``document_mask``) also within each document."""
         batch, seq, _ = x.shape
         q = self.wq(x).view(batch, seq, self.n_heads, self.head_dim)
         k = self.wk(x).view(batch, seq, self.n_kv_heads, self.head_dim)
@@ -291,8 +368,11 @@ class Attention(nn.Module):
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         # (batch, heads, seq, head_dim), the layout SDPA expects.
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        k, v = self._expand_kv(k), self._expand_kv(v)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if mask is None:
+            k, v = self._expand_kv(k), self._expand_kv(v)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            out = masked_attention(q, k, v, mask, expand_kv=self._expand_kv)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
     def _expand_kv(self, t: torch.Tensor) -> torch.Tensor:
@@ -343,14 +423,45 @@ class Block(nn.Module):
         self.checkpointing = False
         self.checkpoint_reentrant = False
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: DocumentMask | None = None) -> torch.Tensor:
         if self.checkpointing and torch.is_grad_enabled():
-            return checkpoint(self._body, x, cos, sin, use_reentrant=self.checkpoint_reentrant)
-        return self._body(x, cos, sin)
+            return checkpoint(self._body, x, cos, sin, mask, use_reentrant=self.checkpoint_reentrant)
+        return self._body(x, cos, sin, mask)
 
-    def _body(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin)
+    def _body(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+              mask: DocumentMask | None = None) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin, mask)
         return h + self.feed_forward(self.ffn_norm(h))
+
+
+def plain_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor,
+                               labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp32 sum of the token cross entropies, int64 count) over the tokens whose label is not -100.
+
+    The plain form of ``linear_cross_entropy(hidden, weight, labels)``: the whole (batch, seq,
+    vocab) logits exist at once. ``Llama.loss_fn`` may be swapped for a fused chunked one of the
+    same signature that never holds them.
+    """
+    logits = F.linear(hidden, weight)
+    loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX,
+                           reduction="sum")
+    return loss, (labels != IGNORE_INDEX).sum()
+
+
+class Head(nn.Linear):
+    """The output projection; with labels it returns the loss instead of the logits.
+
+    The loss is computed here, in the head's own forward, because a sharding wrapper that makes
+    the head a unit of its own (``mfsdp.models.parallelize``) gathers its weight only around this
+    forward; a loss that read ``weight`` from elsewhere would see a shard.
+    """
+
+    def forward(self, hidden: torch.Tensor, labels: torch.Tensor | None = None,
+                loss_fn=plain_linear_cross_entropy):
+        if labels is None:
+            return super().forward(hidden)
+        return loss_fn(hidden, self.weight, labels)
 
 
 class Llama(nn.Module):
@@ -364,12 +475,19 @@ class Llama(nn.Module):
                   feed_forward=self.make_feed_forward(cfg, dtype=dtype, device=device))
             for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps, dtype=dtype, device=device)
-        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False, dtype=dtype, device=device)
+        self.output = Head(cfg.dim, cfg.vocab_size, bias=False, dtype=dtype, device=device)
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
-        cos, sin = rotary_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, device=device)
+        cos, sin = rotary_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, device=device,
+                                 scaling=cfg.rope_scaling)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        # The loss of ``forward(..., labels=...)``: any function (hidden, head weight, labels) ->
+        # (fp32 sum, int64 count); swap in a fused chunked one to never hold the whole logits.
+        self.loss_fn = plain_linear_cross_entropy
+        # Where document-masked attention runs ("auto": flex_attention on CUDA, SDPA with a
+        # boolean mask elsewhere; see mfsdp.models.document_mask).
+        self.document_mask_backend = "auto"
 
     def make_feed_forward(self, cfg: LlamaConfig, dtype=None, device=None) -> nn.Module:
         """The feed-forward layer of one block: SwiGLU here; subclasses may return another."""
@@ -420,23 +538,51 @@ class Llama(nn.Module):
                 normal(linear, std)
             for linear in (block.attention.wo, *ffn_out):
                 normal(linear, residual_std)
+            for linear in (block.attention.wq, block.attention.wk, block.attention.wv):
+                if linear.bias is not None:
+                    _local_block(linear.bias)[0].zero_()
             block.attention_norm.reset_parameters()
             block.ffn_norm.reset_parameters()
         self.norm.reset_parameters()
         if not self.cfg.tie_embeddings:
             normal(self.output, std)
-        device = buffer_device if buffer_device is not None else self.rope_cos.device
-        self.rope_cos, self.rope_sin = rotary_tables(
-            self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta, device=device)
+        self.reset_rotary_tables(buffer_device)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Logits of shape (batch, seq, vocab) for token ids of shape (batch, seq)."""
-        seq = tokens.shape[1]
+    def reset_rotary_tables(self, device: torch.device | str | None = None) -> None:
+        """Rebuild the rotary tables (non-persistent buffers) on ``device`` (default: where they
+        are), as after ``to_empty``, which leaves them uninitialised."""
+        device = device if device is not None else self.rope_cos.device
+        self.rope_cos, self.rope_sin = rotary_tables(
+            self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta, device=device,
+            scaling=self.cfg.rope_scaling)
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
+                document_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None):
+        """Logits of shape (batch, seq, vocab) for token ids of shape (batch, seq).
+
+        ``positions`` (batch, seq) int64 index the rotary tables (default 0, 1, ...; packed
+        samples restart at 0, and each must stay below ``max_seq_len``, which is not checked on
+        the device). ``document_ids`` (batch, seq) ints restrict attention to earlier tokens of
+        the same id; the mask is built here once for all blocks. With ``labels`` (batch, seq)
+        int64, -100 where a token is not counted, the result is ``self.loss_fn``'s
+        ``(fp32 loss sum, int64 count)`` instead of the logits.
+        """
+        batch, seq = tokens.shape
         if seq > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {seq} exceeds max_seq_len {self.cfg.max_seq_len}")
+        for name, extra in (("positions", positions), ("document_ids", document_ids), ("labels", labels)):
+            if extra is not None and tuple(extra.shape) != (batch, seq):
+                raise ValueError(f"{name} must have the tokens' shape {(batch, seq)}, got "
+                                 f"{tuple(extra.shape)}")
         h = self.tok_embeddings(tokens)
         # Cast once here rather than for q and k in every layer.
-        cos, sin = self.rope_cos[:seq].to(h.dtype), self.rope_sin[:seq].to(h.dtype)
+        if positions is None:
+            cos, sin = self.rope_cos[:seq].to(h.dtype), self.rope_sin[:seq].to(h.dtype)
+        else:
+            cos, sin = self.rope_cos[positions].to(h.dtype), self.rope_sin[positions].to(h.dtype)
+        mask = None if document_ids is None else document_mask(document_ids, self.document_mask_backend)
         for block in self.layers:
-            h = block(h, cos, sin)
-        return self.output(self.norm(h))
+            h = block(h, cos, sin) if mask is None else block(h, cos, sin, mask)
+        if labels is None:
+            return self.output(self.norm(h))
+        return self.output(self.norm(h), labels, self.loss_fn)

@@ -1,0 +1,150 @@
+"""Hugging Face weights for the bundled Llama: one table of names, and a loader that reads only each
+rank's own rows.
+
+``hf_weight_names(cfg)`` is the one mapping between the bundled parameter names and those of
+``LlamaForCausalLM``, ``Qwen2ForCausalLM`` (its query/key/value biases) and ``MistralForCausalLM``,
+and ``MixtralForCausalLM`` for the mixtures of experts, in both directions: the loader reads it, and
+an exporter writes it. A tied head appears once, as the embedding. The bundled attention uses the
+same rotate-half rotary layout as these models, so no weight is permuted.
+
+``load_hf_weights(model, hf_dir)`` fills a model that was built on the meta device, sharded
+(``mfsdp.models.parallelize``, or any DTensor sharding on dim boundaries) and materialised with
+``to_empty``, or a plain unsharded one. For each parameter it asks the DTensor which block of the
+global tensor this rank holds (``_local_block``, the same rule the shard-local init uses) and reads
+just that block from the safetensors file (``safe_open(...).get_slice(name)[rows, cols]``), cast
+into the local shard. One tensor at a time, no collective: no rank ever holds the whole model, and
+every rank checks the same files, so a bad checkpoint fails alike everywhere, before any write.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from mfsdp import _compat
+from mfsdp.models.llama import Llama, LlamaConfig, _local_block
+
+SAFE_WEIGHTS = "model.safetensors"
+SAFE_INDEX = "model.safetensors.index.json"
+
+_LAYER = (("attention_norm.weight", "input_layernorm.weight"),
+          ("attention.wq.weight", "self_attn.q_proj.weight"),
+          ("attention.wk.weight", "self_attn.k_proj.weight"),
+          ("attention.wv.weight", "self_attn.v_proj.weight"),
+          ("attention.wo.weight", "self_attn.o_proj.weight"),
+          ("ffn_norm.weight", "post_attention_layernorm.weight"))
+_QKV_BIAS = {f"attention.w{x}.weight": (f"attention.w{x}.bias", f"self_attn.{x}_proj.bias")
+             for x in "qkv"}  # Qwen2's, each listed right after its weight
+_DENSE_FFN = (("feed_forward.w1.weight", "mlp.gate_proj.weight"),
+              ("feed_forward.w3.weight", "mlp.up_proj.weight"),
+              ("feed_forward.w2.weight", "mlp.down_proj.weight"))
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # a buffer some older checkpoints saved; rebuilt here
+
+
+class HFWeightsError(ValueError):
+    """A Hugging Face checkpoint that does not fit the bundled model; one line naming the tensor."""
+
+
+def hf_weight_names(cfg: LlamaConfig) -> list[tuple[str, str]]:
+    """``(hf_name, bundled_name)`` for every tensor of the bundled model of ``cfg``, in the order
+    Hugging Face lists them (embedding, layers, final norm, head)."""
+    pairs = [("model.embed_tokens.weight", "tok_embeddings.weight")]
+    for i in range(cfg.n_layers):
+        mine, theirs = f"layers.{i}.", f"model.layers.{i}."
+        for m, t in _LAYER:
+            pairs.append((theirs + t, mine + m))
+            if cfg.qkv_bias and m in _QKV_BIAS:
+                m_bias, t_bias = _QKV_BIAS[m]
+                pairs.append((theirs + t_bias, mine + m_bias))
+        if cfg.num_experts:
+            pairs.append((theirs + "block_sparse_moe.gate.weight", mine + "feed_forward.router.weight"))
+            pairs += [(f"{theirs}block_sparse_moe.experts.{e}.{w}.weight",
+                       f"{mine}feed_forward.experts.{e}.{w}.weight")
+                      for e in range(cfg.num_experts) for w in ("w1", "w2", "w3")]
+        else:
+            pairs += [(theirs + t, mine + m) for m, t in _DENSE_FFN]
+    pairs.append(("model.norm.weight", "norm.weight"))
+    if not cfg.tie_embeddings:
+        pairs.append(("lm_head.weight", "output.weight"))
+    return pairs
+
+
+def safetensors_files(hf_dir: str | Path) -> dict[str, Path]:
+    """Tensor name -> the safetensors file holding it (``model.safetensors`` or the index)."""
+    hf_dir = Path(hf_dir)
+    if (hf_dir / SAFE_INDEX).is_file():
+        weight_map = json.loads((hf_dir / SAFE_INDEX).read_text())["weight_map"]
+        return {name: hf_dir / file for name, file in weight_map.items()}
+    if (hf_dir / SAFE_WEIGHTS).is_file():
+        from safetensors import safe_open
+
+        with safe_open(hf_dir / SAFE_WEIGHTS, framework="pt") as f:
+            return {name: hf_dir / SAFE_WEIGHTS for name in f.keys()}
+    raise HFWeightsError(f"{hf_dir} holds neither {SAFE_WEIGHTS} nor {SAFE_INDEX}; a local Hugging Face "
+                         "directory with safetensors weights is needed (.bin checkpoints are not read)")
+
+
+@torch.no_grad()
+def load_hf_weights(model: Llama, hf_dir: str | Path) -> None:
+    """Copy a Hugging Face checkpoint's weights into ``model``'s parameters (their local shards when
+    sharded) and rebuild the rotary tables; raises ``HFWeightsError`` naming the first tensor that
+    is missing, of another shape, or left over."""
+    from safetensors import safe_open
+
+    hf_dir = Path(hf_dir)
+    files = safetensors_files(hf_dir)
+    params = dict(model.named_parameters())  # a tied matrix once, as the embedding
+    names = hf_weight_names(model.cfg)
+    unfilled = sorted(set(params) - {name for _, name in names})
+    if unfilled:
+        raise HFWeightsError(f"the bundled model's {unfilled[0]} has no Hugging Face name (a model "
+                             f"{type(model).__name__} these weights cannot fill)")
+    handles: dict[Path, object] = {}
+    plan = []
+    try:
+        for hf_name, name in names:  # check everything before writing anything
+            key = hf_name if hf_name in files else hf_name.removeprefix("model.")
+            if key not in files:
+                raise HFWeightsError(f"{hf_dir}: no tensor {hf_name} (for {name}) in its safetensors files; "
+                                     "does config.json describe these weights?")
+            if files[key] not in handles:
+                handles[files[key]] = safe_open(files[key], framework="pt", device="cpu")
+            tensor_slice = handles[files[key]].get_slice(key)
+            shape, expected = tuple(tensor_slice.get_shape()), tuple(params[name].shape)
+            if shape != expected:
+                raise HFWeightsError(f"{hf_dir}: {key} has shape {shape}, the bundled {name} {expected}; "
+                                     "does config.json describe these weights?")
+            plan.append((key, name, tensor_slice))
+        _refuse_left_over(hf_dir, files, {key for key, _, _ in plan}, model.cfg)
+        for key, name, tensor_slice in plan:
+            _copy_local_block(params[name], tensor_slice, name)
+    finally:
+        handles.clear()
+    model.reset_rotary_tables()
+
+
+def _refuse_left_over(hf_dir: Path, files: dict, used: set[str], cfg: LlamaConfig) -> None:
+    """A checkpoint tensor with no place in the model would be a trained weight dropped."""
+    benign = {"lm_head.weight"} if cfg.tie_embeddings else set()  # some tied checkpoints keep a copy
+    left = sorted(k for k in files if k not in used and k not in benign and not k.endswith(_IGNORED_SUFFIXES))
+    if left:
+        raise HFWeightsError(f"{hf_dir}: tensor {left[0]} has no place in the bundled model (and "
+                             f"{len(left) - 1} more); its config.json does not describe these weights")
+
+
+def _copy_local_block(param: torch.Tensor, tensor_slice, name: str) -> None:
+    """Read this rank's block of ``param`` from the file and copy it, cast, into the local tensor."""
+    if isinstance(param, DTensor) and any(_compat.is_strided_shard(p) for p in param.placements):
+        raise NotImplementedError(f"{name} is sharded twice on one dim ({param.placements}); its local rows "
+                                  "are not one block of the file's tensor, which this loader reads")
+    local, offset, shape = _local_block(param)
+    if local.is_meta:
+        raise HFWeightsError(f"{name} is still on the meta device; materialise the model first "
+                             "(model.to_empty(device=...)) and then load")
+    if local.numel() == 0:
+        return
+    block = tensor_slice[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
+    local.view(shape).copy_(block)
