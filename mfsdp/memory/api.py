@@ -20,6 +20,7 @@ from mfsdp.memory.estimate import MemoryEstimate, StepSettings, simulate
 from mfsdp.memory.model_state import Levels, describe_units, optimizer_state_bytes
 from mfsdp.memory.tensor_parallel import TensorParallel, apply_tp, default_group_exists, fake_tp_mesh, in_child
 from mfsdp.mixed_precision import MixedPrecisionPolicy
+from mfsdp.offload.policy import host_bytes, units_to_offload
 from mfsdp.placement import Placements
 
 PLACEMENT_NAMES = ("zero3", "zero2", "zero1", "ddp", "hsdp", "hfsdp")
@@ -119,13 +120,12 @@ class OffloadedEstimate(MemoryEstimate):
 
 
 def offloaded(e: MemoryEstimate, units: list, fraction: float, overlap: str = "step") -> OffloadedEstimate:
-    """``e`` with the optimizer states of ``fraction`` of ``units`` (``describe_units``' order, root
-    last) on the host: the units whose gradients finish first, as ``mfsdp.offload.choose_groups``
-    picks them (reverse registration order, the root last). The device keeps their fp32 main
-    weights (the runtime gathers from them), so only the states leave every phase."""
+    """``e`` with the optimizer states of ``fraction`` of ``units`` (``describe_units``' order:
+    registration order, the root first) on the host, chosen by the runtime's rule
+    (``mfsdp.offload.policy.units_to_offload``). The device keeps their fp32 main weights (the runtime
+    gathers from them), so only the states leave every phase."""
     trainable = [u for u in units if any(g.requires_grad for g in u.groups)]
-    order = [u for u in reversed(trainable) if u.parent is not None] + [u for u in trainable if u.parent is None]
-    chosen = order[:min(len(order), math.ceil(fraction * len(order) - 1e-9))]
+    chosen = units_to_offload(trainable, fraction)
     states = optimizer_state_bytes(chosen, e.settings.optimizer)
     shards = [g.optimizer_numel * g.main_itemsize for u in chosen for g in u.groups if g.requires_grad]
     master = sum(shards)
@@ -134,8 +134,7 @@ def offloaded(e: MemoryEstimate, units: list, fraction: float, overlap: str = "s
                    for p in e.phases)
     peak = max(phases, key=lambda p: p.total)
     reserve = int(e.allocator_reserve * peak.total / e.peak_bytes) if e.peak_bytes else e.allocator_reserve
-    host = {"master": master, "states": states, "backup": master + states if overlap == "step" else 0,
-            "staging": 2 * max(shards, default=0)}
+    host = host_bytes(shards, states, overlap)
     base = dataclasses.replace(e, phases=phases, peak_bytes=peak.total, peak_phase=peak.name,
                                breakdown=dict(peak.components), allocator_reserve=reserve)
     everything = sum(g.optimizer_numel * g.main_itemsize for u in trainable for g in u.groups if g.requires_grad)
