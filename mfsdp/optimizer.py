@@ -150,8 +150,8 @@ def fully_shard_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer,
 STEP_CALL_BYTES = 64 << 20
 """A call of the optimizer's body takes consecutive groups while their transient fits the largest
 group's or this, whichever is more (``step_batches``). Below it a call's host time costs more than
-its memory is worth: a call is a dozen foreach launches, and one per group of a 16-block CPU model
-(19 calls of AdamW against 2) took 2-3 ms more per step."""
+its memory is worth: a call is a dozen foreach launches
+(``benchmarks/results/2026-12-01_cpu_host_ab_session4.md``)."""
 
 
 def step_batches(step_bytes: list[int]) -> list[list[int]]:

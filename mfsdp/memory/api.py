@@ -156,11 +156,9 @@ def checkpoint_bytes(model_or_config, *, optimizer: str = "adamw", main_params_d
 
 COMPILED_BLOCK_SAVED = 0.70
 """What a compiled block of the bundled dense Llama saves for backward, without checkpointing, as a
-share of the eager block's (measured on fake tensors). Inductor's partitioner recomputes cheap
-pointwise results in backward instead of saving them. Measured on one H200: 1b at 2 x 4096 peaked at
-40.65 GiB compiled against 45.12 predicted eager (0.692 of the blocks' 14.52 GiB would match it);
-8B at 1 x 4096 x 4 microbatches peaked at 130.26 against 138.73 (0.687 of 27.02 GiB). 0.70 keeps
-both just above what was measured."""
+share of the eager block's (measured on fake tensors): Inductor's partitioner recomputes cheap
+pointwise results in backward instead of saving them. Set just above the shares measured on one H200
+at 1b and 8B (``benchmarks/results/2026-12-01_compiled_block_saved.md``)."""
 COMPILED_NOTE = (f"compiled blocks (--parallel.compile auto/true): a bundled dense Llama's blocks without "
                  f"checkpointing are predicted to save {COMPILED_BLOCK_SAVED:.2f}x the eager activations (measured "
                  "on one H200 at 1b and 8B); other models and FP8 blocks as eager ones, an upper bound")
@@ -238,9 +236,9 @@ _ACTS: dict = {}
 def _cached_acts(key, measure) -> ActivationProfile:
     """``measure()``, once per ``key`` (None: not cached): a profile depends only on the shape it
     is measured at (fake tensors, no data), and a search (``mfsdp plan``, the memory check's nearest
-    setting) estimates dozens of settings that differ only in placements, gradient dtype or offload:
-    the 8b search measured the same six (batch, checkpointing) pairs 84 times, 95 % of its time. The
-    oldest of 64 entries makes room for a new one."""
+    setting) estimates dozens of settings that differ only in placements, gradient dtype or offload,
+    so it would measure the same few (batch, checkpointing) pairs again and again. The oldest of 64
+    entries makes room for a new one."""
     if key is None:
         return measure()
     if key not in _ACTS:
