@@ -241,7 +241,7 @@ def _microbatch(w: _Walk, acts: ActivationProfile, s: StepSettings, which: str, 
     w.raw_grads = 0 if (first or every) else sum(u.total("module_grads") for u in w.units)
     w.gathered = {}
     _forward(w, acts, s.prefetch_depth, tag)
-    _Backward(w, acts, s.prefetch_depth, tag, first, every, reduces_now=every or which in ("last", "only")).run()
+    _backward(w, acts, s.prefetch_depth, tag, first, every, reduces_now=every or which in ("last", "only"))
 
 
 def _forward(w: _Walk, acts: ActivationProfile, depth: int, tag: str) -> None:
@@ -272,90 +272,75 @@ def _forward(w: _Walk, acts: ActivationProfile, depth: int, tag: str) -> None:
            logits_and_loss=head + acts.loss_backward_peak)
 
 
-class _Backward:
-    """One microbatch's backward walk over ``w``: the reductions pending (bytes held, bytes the
-    release rule counts) and the root's weight gradients arrived so far, by where they come from."""
-
-    def __init__(self, w: _Walk, acts: ActivationProfile, depth: int, tag: str, first: bool, every: bool,
-                 reduces_now: bool) -> None:
-        self.w, self.acts, self.depth, self.tag = w, acts, depth, tag
-        self.first, self.every, self.reduces_now = first, every, reduces_now
-        self.saved_all = acts.embed_bytes + len(w.blocks) * acts.block_bytes
-        self.pending: list[tuple[int, int]] = []
-        self.root_grads = _root_grads(w.root, acts)
-        self.arrived = {"head": self.root_grads["head"], "blocks": 0, "embed": 0}
-        self.head_done = False
-
-    def run(self) -> None:
-        for position, step in enumerate(self.w.schedule.backward):
-            if step.kind is StepKind.ENTER:
-                self.enter(position, step.module)
+def _backward(w: _Walk, acts: ActivationProfile, depth: int, tag: str, first: bool, every: bool,
+              reduces_now: bool) -> None:
+    """The backward walk: ENTER gathers and prefetches and records the backward of a block, the
+    embedding or the head; EXIT reshards, releases pending reductions by the runtime's rule, packs
+    and reduces."""
+    units, root, block, head = w.units, w.root, acts.block_bytes, acts.head_forward_bytes
+    saved_all = acts.embed_bytes + len(w.blocks) * block
+    pending: list[tuple[int, int]] = []  # (bytes held, bytes the release rule counts)
+    root_grads = _root_grads(root, acts)
+    arrived = {"head": root_grads["head"], "blocks": 0, "embed": 0}
+    head_done = False
+    for position, step in enumerate(w.schedule.backward):
+        u = step.module
+        if step.kind is StepKind.ENTER:
+            if u.gathers_in_backward:
+                w.gather(u)
+            for following in w.schedule.walk.prefetched_at(position, depth):
+                w.gather(following)
+            kind = w.kind[u.name]
+            own = sum(u.param_grad_bytes) if u is not root else 0  # the weight gradients its backward adds
+            if kind == "block":
+                arrived["blocks"] = root_grads["blocks"]
+                own = acts.block_weight_grad_bytes if u.name in w.blocks else own
+                parts = dict(act_saved=_saved_before(w, u, acts) + block,
+                             act_transient=acts.block_backward_peak - acts.block_weight_grad_bytes)
+            elif kind == "pre":
+                arrived["embed"] = root_grads["embed"]
+                parts = dict(act_saved=acts.embed_bytes, act_transient=acts.embed_backward_peak)
+            elif (kind == "post" or (kind == "root" and not any(w.kind[x.name] == "post" for x in units))) \
+                    and not head_done:
+                head_done = True
+                parts = dict(act_saved=saved_all - head, logits_and_loss=head + acts.head_backward_peak)
             else:
-                self.exit(step.module)
-        self.w.snap(f"backward: end{self.tag}")
-
-    def enter(self, position: int, u: UnitBytes) -> None:
-        """Gather ``u`` and prefetch; record the backward of a block, the embedding or the head."""
-        w, acts = self.w, self.acts
-        if u.gathers_in_backward:
-            w.gather(u)
-        for following in w.schedule.walk.prefetched_at(position, self.depth):
-            w.gather(following)
-        own = sum(u.param_grad_bytes) if u is not w.root else 0  # the weight gradients its backward adds
-        parts = self._compute(u)
-        if parts is None:
-            return
-        if w.kind[u.name] == "block" and u.name in w.blocks:
-            own = acts.block_weight_grad_bytes
-        arrived = sum(self.arrived.values())
-        w.snap(f"backward: {u.name or 'root'}{self.tag}", dict(module_grads=arrived),
-               unsharded_bwd=sum(w.gathered.values()), module_grads=own + arrived,
-               reduction_staging=sum(b for b, _ in self.pending), **parts)
-
-    def _compute(self, u: UnitBytes) -> Optional[dict]:
-        """What ``u``'s backward holds beside its gradients, by its kind (None: nothing recorded);
-        the root's gradients from that part of the model arrive with it."""
-        w, acts, kind = self.w, self.acts, self.w.kind[u.name]
-        if kind == "block":
-            self.arrived["blocks"] = self.root_grads["blocks"]
-            return dict(act_saved=_saved_before(w, u, acts) + acts.block_bytes,
-                        act_transient=acts.block_backward_peak - acts.block_weight_grad_bytes)
-        if kind == "pre":
-            self.arrived["embed"] = self.root_grads["embed"]
-            return dict(act_saved=acts.embed_bytes, act_transient=acts.embed_backward_peak)
-        if (kind == "post" or (kind == "root" and not any(w.kind[x.name] == "post" for x in w.units))) \
-                and not self.head_done:
-            self.head_done = True
-            return dict(act_saved=self.saved_all - acts.head_forward_bytes,
-                        logits_and_loss=acts.head_forward_bytes + acts.head_backward_peak)
-        return None
-
-    def exit(self, u: UnitBytes) -> None:
-        """Reshard ``u``, then release pending reductions by the runtime's rule, pack and reduce."""
-        w = self.w
-        if u is not w.root:
+                continue
+            w.snap(f"backward: {u.name or 'root'}{tag}", dict(module_grads=sum(arrived.values())),
+                   unsharded_bwd=sum(w.gathered.values()), module_grads=own + sum(arrived.values()),
+                   reduction_staging=sum(b for b, _ in pending), **parts)
+            continue
+        if u is not root:
             w.gathered.pop(u.name, None)
         if not any(g.requires_grad for g in u.groups):
-            return
-        own = sum(self.arrived.values()) if u is w.root else sum(u.param_grad_bytes)
-        if not self.reduces_now:  # ZeRO-1/DDP before the last microbatch: raw gradients stay in .grad
+            continue
+        own = sum(arrived.values()) if u is root else sum(u.param_grad_bytes)
+        if not reduces_now:  # ZeRO-1/DDP before the last microbatch: raw gradients stay in .grad
             w.raw_grads += own
-            return
-        incoming = u.total("reduction_nbytes")
-        while self.pending and not keeps_pending([r for _, r in self.pending], incoming):
-            self.pending.pop(0)
-        scatter = 0 if (self.first and all(g.direct for g in u.groups)) else u.total("scatter_out")
-        if self.first or not self.every:  # the main gradient is allocated by this unit's first reduction
-            w.main_grads += u.total("main_grad")
-        if w.raw_grads:
-            w.raw_grads -= u.total("module_grads")  # now held by the reduction (below)
-        if u is w.root:
-            self.arrived = {"head": 0, "blocks": 0, "embed": 0}
-        w.snap(f"backward: reduce {u.name or 'root'}{self.tag}", unsharded_bwd=sum(w.gathered.values()),
-               module_grads=sum(self.arrived.values()),
-               act_saved=0 if w.kind[u.name] == "pre" else _saved_before(w, u, self.acts),
-               reduction_staging=own + u.total("staging") + scatter + sum(b for b, _ in self.pending))
-        self.pending.append((own + u.total("staging"), incoming))
+            continue
+        if u is root:
+            arrived = {"head": 0, "blocks": 0, "embed": 0}
+        _reduce(w, u, acts, tag, first, every, own, sum(arrived.values()), pending)
+    w.snap(f"backward: end{tag}")
+
+
+def _reduce(w: _Walk, u: UnitBytes, acts: ActivationProfile, tag: str, first: bool, every: bool, own: int,
+            arrived: int, pending: list) -> None:
+    """``u``'s reduction of ``own`` gradient bytes: the pending ones the runtime's rule releases
+    first, then the pack (staging, scatter output) and the main gradient; ``arrived``: the root's
+    gradients still held."""
+    incoming = u.total("reduction_nbytes")
+    while pending and not keeps_pending([r for _, r in pending], incoming):
+        pending.pop(0)
+    scatter = 0 if (first and all(g.direct for g in u.groups)) else u.total("scatter_out")
+    if first or not every:  # the main gradient is allocated by this unit's first reduction
+        w.main_grads += u.total("main_grad")
+    if w.raw_grads:
+        w.raw_grads -= u.total("module_grads")  # now held by the reduction (below)
+    w.snap(f"backward: reduce {u.name or 'root'}{tag}", unsharded_bwd=sum(w.gathered.values()),
+           module_grads=arrived, act_saved=0 if w.kind[u.name] == "pre" else _saved_before(w, u, acts),
+           reduction_staging=own + u.total("staging") + scatter + sum(b for b, _ in pending))
+    pending.append((own + u.total("staging"), incoming))
 
 
 def _saved_before(w: _Walk, u: UnitBytes, acts: ActivationProfile) -> int:
