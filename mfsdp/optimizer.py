@@ -49,8 +49,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from mfsdp import _compat, kernels
-from mfsdp import offload as _offload
-from mfsdp.offload import OffloadPolicy
+from mfsdp.offload import OffloadedStep, OffloadPolicy, bind, offload_of
 from mfsdp.runtime.registry import GROUP_OF_SHARDED
 
 _BOUND_OPTIMIZERS: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
@@ -79,7 +78,7 @@ register_optimizer_step_pre_hook(_mark_stale_before_step)
 
 
 def _free_gradients_on_zero_grad(optimizer: torch.optim.Optimizer, groups: list,
-                                 offloaded: Optional[_offload.OffloadedStep] = None) -> None:
+                                 offloaded: Optional[OffloadedStep] = None) -> None:
     """``zero_grad(set_to_none=True)`` frees the gradient buffers right away.
 
     Otherwise they would stay allocated until the next forward (where the root frees them), and
@@ -116,20 +115,12 @@ def fully_shard_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer,
             "fully_shard(model, ...)"
         )
     if optimizer in _BOUND_OPTIMIZERS:
-        if offload is not None and _offload.offload_of(optimizer) is None:
+        if offload is not None and offload_of(optimizer) is None:
             raise ValueError("this optimizer is already bound without offload; bind it once, with offload")
         return optimizer
     upcast_groups = [g for g in groups if _upcasts(g)]
     swapped: list[tuple[nn.Parameter, torch.Tensor]] = []
-    grouped = _GroupedStep(model, optimizer, groups)
-    if offload is not None:
-        if grouped._body is None:
-            raise ValueError(f"offload needs one of torch's elementwise optimizers "
-                             f"({', '.join(c.__name__ for c in _PER_PARAMETER_OPTIMIZERS)}), got "
-                             f"{type(optimizer).__name__}")
-        grouped.offloaded = _offload.bind(model, optimizer, groups, offload)
-        params = grouped._params
-        grouped.offloaded.entries_of = lambda group: params(optimizer).get(id(group))
+    grouped = _GroupedStep(model, optimizer, groups, offload)
 
     def pre_step(opt, args, kwargs):
         if grouped.offloaded is not None:
@@ -159,8 +150,8 @@ def fully_shard_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer,
 STEP_CALL_BYTES = 64 << 20
 """A call of the optimizer's body takes consecutive groups while their transient fits the largest
 group's or this, whichever is more (``step_batches``). Below it a call's host time costs more than
-its memory is worth: a call is a dozen foreach launches, and one per group of a 16-block CPU model
-(19 calls of AdamW against 2) took 2-3 ms more per step."""
+its memory is worth: a call is a dozen foreach launches
+(``benchmarks/results/2026-12-01_cpu_host_ab_session4.md``)."""
 
 
 def step_batches(step_bytes: list[int]) -> list[list[int]]:
@@ -245,7 +236,8 @@ class _GroupedStep:
     parameter are hidden, so that torch's own call of the body steps only the parameters no group
     owns (a plain parameter added with ``add_param_group``); ``finish`` puts them back."""
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, groups: list) -> None:
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, groups: list,
+                 offload: Optional[OffloadPolicy] = None) -> None:
         self._model = weakref.ref(model)  # weak: the optimizer's hooks hold this object
         self._groups = groups
         self._own = {id(g) for g in groups}
@@ -254,12 +246,18 @@ class _GroupedStep:
         self._refreshed: set[int] = set()
         self._found: Optional[list] = None
         self._params_key: Optional[tuple] = None
-        self._params_of: dict[int, list[tuple[int, list]]] = {}
+        self._by_group: dict[int, list[tuple[int, list]]] = {}
         # Each group's transient (``step_batches``' input), fixed by the group and the optimizer's kernel.
         foreach_temporary = not optimizer.defaults.get("fused")
         self._step_bytes = {id(g): group_step_bytes(g.main.tensor.numel() * g.main.tensor.element_size(),
                                                     _upcasts(g), foreach_temporary) for g in groups}
-        self.offloaded: Optional[_offload.OffloadedStep] = None  # the groups stepped on the host
+        self.offloaded: Optional[OffloadedStep] = None  # the groups stepped on the host
+        if offload is not None:
+            if self._body is None:
+                raise ValueError(f"offload needs one of torch's elementwise optimizers "
+                                 f"({', '.join(c.__name__ for c in _PER_PARAMETER_OPTIMIZERS)}), got "
+                                 f"{type(optimizer).__name__}")
+            self.offloaded = bind(model, optimizer, groups, offload, self.params_of)
 
     def _contexts(self) -> list:
         """The contexts of the FSDP roots in the model (built by its first forward; then kept)."""
@@ -281,7 +279,7 @@ class _GroupedStep:
         closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
         if self._body is None or closure is not None or not _compat.is_last_step_pre_hook(optimizer, handle):
             return False
-        params_of = self._params(optimizer)
+        params_of = self.params_of(optimizer)
         first = [(ctx, ctx.first_forward_modules()) for ctx in self._contexts()]  # none before a forward
         early = list({id(g): g for _, modules in first for m in modules for g in m.parameter_groups
                       if id(g) in self._own}.values())
@@ -331,7 +329,7 @@ class _GroupedStep:
             optimizer.param_groups = everything
             _restore(swapped)
 
-    def _params(self, optimizer) -> dict[int, list[tuple[int, list]]]:
+    def params_of(self, optimizer) -> dict[int, list[tuple[int, list]]]:
         """id(group) -> [(index of an optimizer param group, its parameters in the group)]; kept
         until the optimizer's param groups change (``add_param_group``)."""
         key = tuple(len(pg["params"]) for pg in optimizer.param_groups)
@@ -345,8 +343,8 @@ class _GroupedStep:
                         by_group.setdefault(id(group), []).append(p)
                 for gid, params in by_group.items():
                     params_of.setdefault(gid, []).append((i, params))
-            self._params_key, self._params_of = key, params_of
-        return self._params_of
+            self._params_key, self._by_group = key, params_of
+        return self._by_group
 
     def finish(self) -> set[int]:
         """In the post hook: the hidden gradients return; the groups already refreshed."""

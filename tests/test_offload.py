@@ -181,7 +181,7 @@ def resume(rank, ws, path, load_kind, load_fraction):
         engine = offload_mod.offload_of(optim)
         on_host = engine is None or all(
             optim.state[p]["exp_avg"].to_local().untyped_storage().data_ptr()
-            == engine._cpu().state[engine._host[id(g)].params[j]]["exp_avg"].untyped_storage().data_ptr()
+            == engine.host.cpu.state[engine.host.of(g).params[j]]["exp_avg"].untyped_storage().data_ptr()
             for g in engine.groups for j, p in enumerate(g.sharded_params))
         for step in range(2, 4):
             _step(model, optim, step, rank, ws)
@@ -212,24 +212,25 @@ def staging(rank, ws, overlap):
     model, optim = _build(rank, ws, "zero3", offload=policy)
     engine = offload_mod.offload_of(optim)
     seen = []
-    original = engine.copy_down
+    original = engine.ring.copy_down
 
     def recording(sources, destinations, stream, after=None):
         seen.append({d.untyped_storage().data_ptr() for d in destinations if d.numel()})
         return original(sources, destinations, stream, after)
 
-    engine.copy_down = recording
+    engine.ring.copy_down = recording
     for step in range(3):
         _step(model, optim, step, rank, ws)
     main_bytes = [g.main.tensor.numel() * 4 for g in engine.groups]
     return engine.host_nbytes(), main_bytes, len(seen), len(set().union(*seen)), \
         sum(p.to_local().numel() for g in engine.groups for p in g.sharded_params), \
-        sum(len(g.sharded_params) for g in engine.groups), _counts(engine)
+        sum(len(g.sharded_params) for g in engine.groups), _counts(engine), engine.planned_host_bytes()
 
 
 @pytest.mark.parametrize("overlap", ["step", "copy", "none"])
 def test_host_memory_is_masters_states_and_a_staging_ring(world, overlap):
-    nbytes, main_bytes, copies, storages, shard_numel, tensors, counts = world(2).run(staging, overlap=overlap)[0]
+    nbytes, main_bytes, copies, storages, shard_numel, tensors, counts, planned = \
+        world(2).run(staging, overlap=overlap)[0]
     # every step clips: the first speculation is redone, then the groups stop speculating
     redone = len(main_bytes) if overlap == "step" else 0
     restaged = 0 if overlap == "none" else 3 * len(main_bytes)  # staged in backward, again after the clip
@@ -244,6 +245,13 @@ def test_host_memory_is_masters_states_and_a_staging_ring(world, overlap):
     # groups stopped speculating and never backed up again (host memory: at most master + states)
     assert nbytes["backup"] == (nbytes["master"] if overlap == "step" else 0)
     assert counts == {"kept": 0, "redone": redone, "serialized": 3 * len(main_bytes)}, counts
+    # the planner's rule (``policy.host_bytes``) over the same groups bounds what was held (but for
+    # the 4-byte step counts)
+    assert planned["master"] == nbytes["master"] and planned["staging"] == 2 * max(main_bytes)
+    assert planned["states"] == 2 * planned["master"] and planned["backup"] == (
+        planned["master"] + planned["states"] if overlap == "step" else 0)
+    assert list(planned) == list(nbytes), (nbytes, planned)
+    assert all(nbytes[k] <= planned[k] + 4 * tensors for k in planned), (nbytes, planned)
 
 
 # ------------------------------------------------------------------------------- gradient final
@@ -280,9 +288,9 @@ def overlapped(rank, ws, clip, early=False, trust=False, skip=None, steps=3, dev
         engine = None if offload is reference else offload_mod.offload_of(optim)
         hooked = None
         if engine is not None and delay:
-            engine.copy_down = lambda sources, destinations, stream, after=None: _Delayed(sources, destinations)
+            engine.ring.copy_down = lambda sources, destinations, stream, after=None: _Delayed(sources, destinations)
         if engine is not None and trust:
-            engine._changed = lambda: set()
+            engine.speculation.changed = lambda: set()
         if engine is not None and early:
             hooked = [(g, g.gradient_final_hooks[:]) for g in engine.groups]
             for g in engine.groups:
@@ -352,6 +360,19 @@ def test_policy_is_validated():
                             ({"staging_buffers": 0}, "staging_buffers must be")]:
         with pytest.raises(ValueError, match=message):
             mfsdp.OffloadPolicy(**kwargs)
+
+
+def test_the_pure_rules():
+    """The planner's and the runtime's one rule: the last-registered units first, the root last, whole
+    units rounded up (0.1 of 30 is 3, though 0.1 * 30 is a little above 3 in floating point)."""
+    from mfsdp.offload.policy import host_bytes, units_to_offload
+
+    assert units_to_offload(["", "blocks.0", "blocks.1", "head"], 0.5) == ["head", "blocks.1"]
+    assert units_to_offload(["", "blocks.0"], 0.1) == ["blocks.0"]
+    assert units_to_offload(["", "blocks.0"], 1.0) == ["blocks.0", ""]
+    assert len(units_to_offload(list(range(30)), 0.1)) == 3
+    assert host_bytes([8, 4], 24, "step", staging_buffers=3) == {"master": 12, "states": 24, "backup": 36, "staging": 24}
+    assert host_bytes([], 0, "copy") == {"master": 0, "states": 0, "backup": 0, "staging": 0}
 
 
 def bad_bindings(rank, ws):

@@ -33,7 +33,7 @@ def test_offloaded_estimate_moves_the_chosen_units_states_to_the_host(cfg):
     half = plan.estimate_run(cfg, 1, dataclasses.replace(base, offload=0.5))
     assert isinstance(half, OffloadedEstimate) and not isinstance(plain, OffloadedEstimate)
     # 35 units: the head, 32 layers, the embedding, the root (the final norm); half rounded up, from
-    # the head (its gradient finishes first), as mfsdp.offload.choose_groups picks them
+    # the head (its gradient finishes first), by the runtime's rule (mfsdp.offload.policy.units_to_offload)
     assert half.offloaded_units == ("output", *(f"layers.{i}" for i in range(31, 14, -1))), half.offloaded_units
     h = half.host_bytes
     assert h["states"] == 2 * h["master"] and h["backup"] == h["master"] + h["states"]

@@ -20,6 +20,7 @@ from mfsdp.memory.estimate import MemoryEstimate, StepSettings, simulate
 from mfsdp.memory.model_state import Levels, describe_units, optimizer_state_bytes
 from mfsdp.memory.tensor_parallel import TensorParallel, apply_tp, default_group_exists, fake_tp_mesh, in_child
 from mfsdp.mixed_precision import MixedPrecisionPolicy
+from mfsdp.offload.policy import host_bytes, units_to_offload
 from mfsdp.placement import Placements
 
 PLACEMENT_NAMES = ("zero3", "zero2", "zero1", "ddp", "hsdp", "hfsdp")
@@ -119,13 +120,12 @@ class OffloadedEstimate(MemoryEstimate):
 
 
 def offloaded(e: MemoryEstimate, units: list, fraction: float, overlap: str = "step") -> OffloadedEstimate:
-    """``e`` with the optimizer states of ``fraction`` of ``units`` (``describe_units``' order, root
-    last) on the host: the units whose gradients finish first, as ``mfsdp.offload.choose_groups``
-    picks them (reverse registration order, the root last). The device keeps their fp32 main
-    weights (the runtime gathers from them), so only the states leave every phase."""
+    """``e`` with the optimizer states of ``fraction`` of ``units`` (``describe_units``' order:
+    registration order, the root first) on the host, chosen by the runtime's rule
+    (``mfsdp.offload.policy.units_to_offload``). The device keeps their fp32 main weights (the runtime
+    gathers from them), so only the states leave every phase."""
     trainable = [u for u in units if any(g.requires_grad for g in u.groups)]
-    order = [u for u in reversed(trainable) if u.parent is not None] + [u for u in trainable if u.parent is None]
-    chosen = order[:min(len(order), math.ceil(fraction * len(order) - 1e-9))]
+    chosen = units_to_offload(trainable, fraction)
     states = optimizer_state_bytes(chosen, e.settings.optimizer)
     shards = [g.optimizer_numel * g.main_itemsize for u in chosen for g in u.groups if g.requires_grad]
     master = sum(shards)
@@ -134,8 +134,7 @@ def offloaded(e: MemoryEstimate, units: list, fraction: float, overlap: str = "s
                    for p in e.phases)
     peak = max(phases, key=lambda p: p.total)
     reserve = int(e.allocator_reserve * peak.total / e.peak_bytes) if e.peak_bytes else e.allocator_reserve
-    host = {"master": master, "states": states, "backup": master + states if overlap == "step" else 0,
-            "staging": 2 * max(shards, default=0)}
+    host = host_bytes(shards, states, overlap)
     base = dataclasses.replace(e, phases=phases, peak_bytes=peak.total, peak_phase=peak.name,
                                breakdown=dict(peak.components), allocator_reserve=reserve)
     everything = sum(g.optimizer_numel * g.main_itemsize for u in trainable for g in u.groups if g.requires_grad)
@@ -157,11 +156,9 @@ def checkpoint_bytes(model_or_config, *, optimizer: str = "adamw", main_params_d
 
 COMPILED_BLOCK_SAVED = 0.70
 """What a compiled block of the bundled dense Llama saves for backward, without checkpointing, as a
-share of the eager block's (measured on fake tensors). Inductor's partitioner recomputes cheap
-pointwise results in backward instead of saving them. Measured on one H200: 1b at 2 x 4096 peaked at
-40.65 GiB compiled against 45.12 predicted eager (0.692 of the blocks' 14.52 GiB would match it);
-8B at 1 x 4096 x 4 microbatches peaked at 130.26 against 138.73 (0.687 of 27.02 GiB). 0.70 keeps
-both just above what was measured."""
+share of the eager block's (measured on fake tensors): Inductor's partitioner recomputes cheap
+pointwise results in backward instead of saving them. Set just above the shares measured on one H200
+at 1b and 8B (``benchmarks/results/2026-12-01_compiled_block_saved.md``)."""
 COMPILED_NOTE = (f"compiled blocks (--parallel.compile auto/true): a bundled dense Llama's blocks without "
                  f"checkpointing are predicted to save {COMPILED_BLOCK_SAVED:.2f}x the eager activations (measured "
                  "on one H200 at 1b and 8B); other models and FP8 blocks as eager ones, an upper bound")
@@ -239,9 +236,9 @@ _ACTS: dict = {}
 def _cached_acts(key, measure) -> ActivationProfile:
     """``measure()``, once per ``key`` (None: not cached): a profile depends only on the shape it
     is measured at (fake tensors, no data), and a search (``mfsdp plan``, the memory check's nearest
-    setting) estimates dozens of settings that differ only in placements, gradient dtype or offload:
-    the 8b search measured the same six (batch, checkpointing) pairs 84 times, 95 % of its time. The
-    oldest of 64 entries makes room for a new one."""
+    setting) estimates dozens of settings that differ only in placements, gradient dtype or offload,
+    so it would measure the same few (batch, checkpointing) pairs again and again. The oldest of 64
+    entries makes room for a new one."""
     if key is None:
         return measure()
     if key not in _ACTS:

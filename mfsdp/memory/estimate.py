@@ -232,19 +232,22 @@ def simulate(units: list[UnitBytes], acts: ActivationProfile, s: StepSettings,
 
 
 def _microbatch(w: _Walk, acts: ActivationProfile, s: StepSettings, which: str, every: bool) -> None:
-    units, root = w.units, w.root
+    """One microbatch ("first", "last" or "only"): its forward, then its backward."""
     tag = "" if which == "only" else f" [{which} microbatch]"
     first = which in ("first", "only")
-    reduces_now = every or which in ("last", "only")
     # Main gradients: freed by zero_grad before the step; with several microbatches the later ones
     # start with every group's (ZeRO-1/DDP: with every raw gradient in .grad instead).
-    w.main_grads = 0 if first else (sum(u.total("main_grad") for u in units) if every else 0)
-    w.raw_grads = 0 if (first or every) else sum(u.total("module_grads") for u in units)
-    depth = s.prefetch_depth
-    embed, block, head = acts.embed_bytes, acts.block_bytes, acts.head_forward_bytes
+    w.main_grads = 0 if first else (sum(u.total("main_grad") for u in w.units) if every else 0)
+    w.raw_grads = 0 if (first or every) else sum(u.total("module_grads") for u in w.units)
     w.gathered = {}
+    _forward(w, acts, s.prefetch_depth, tag)
+    _backward(w, acts, s.prefetch_depth, tag, first, every, reduces_now=every or which in ("last", "only"))
 
-    # ------------------------------------------------------------------ forward
+
+def _forward(w: _Walk, acts: ActivationProfile, depth: int, tag: str) -> None:
+    """The forward walk: each unit gathered with ``depth`` more ahead, released after its forward
+    unless it is an ancestor of the next one (the root stays into backward); then the loss."""
+    units, root, block, head = w.units, w.root, acts.block_bytes, acts.head_forward_bytes
     computed: list[UnitBytes] = []
     for pos, u in enumerate(units):
         for q in range(pos, w.schedule.issued_by(pos, depth)):  # the earlier ones are gathered already
@@ -262,13 +265,20 @@ def _microbatch(w: _Walk, acts: ActivationProfile, s: StepSettings, which: str, 
     for done in computed:
         if done is not root:
             w.gathered.pop(done.name, None)
-    saved_all = embed + len(w.blocks) * block
+    saved_all = acts.embed_bytes + len(w.blocks) * block
     w.snap(f"forward: loss{tag}", unsharded_fwd=sum(w.gathered.values()), act_saved=saved_all,
            logits_and_loss=head + acts.head_forward_transient)
     w.snap(f"backward: loss{tag}", unsharded_bwd=sum(w.gathered.values()), act_saved=saved_all,
            logits_and_loss=head + acts.loss_backward_peak)
 
-    # ------------------------------------------------------------------ backward
+
+def _backward(w: _Walk, acts: ActivationProfile, depth: int, tag: str, first: bool, every: bool,
+              reduces_now: bool) -> None:
+    """The backward walk: ENTER gathers and prefetches and records the backward of a block, the
+    embedding or the head; EXIT reshards, releases pending reductions by the runtime's rule, packs
+    and reduces."""
+    units, root, block, head = w.units, w.root, acts.block_bytes, acts.head_forward_bytes
+    saved_all = acts.embed_bytes + len(w.blocks) * block
     pending: list[tuple[int, int]] = []  # (bytes held, bytes the release rule counts)
     root_grads = _root_grads(root, acts)
     arrived = {"head": root_grads["head"], "blocks": 0, "embed": 0}
@@ -289,7 +299,7 @@ def _microbatch(w: _Walk, acts: ActivationProfile, s: StepSettings, which: str, 
                              act_transient=acts.block_backward_peak - acts.block_weight_grad_bytes)
             elif kind == "pre":
                 arrived["embed"] = root_grads["embed"]
-                parts = dict(act_saved=embed, act_transient=acts.embed_backward_peak)
+                parts = dict(act_saved=acts.embed_bytes, act_transient=acts.embed_backward_peak)
             elif (kind == "post" or (kind == "root" and not any(w.kind[x.name] == "post" for x in units))) \
                     and not head_done:
                 head_done = True
@@ -300,7 +310,6 @@ def _microbatch(w: _Walk, acts: ActivationProfile, s: StepSettings, which: str, 
                    unsharded_bwd=sum(w.gathered.values()), module_grads=own + sum(arrived.values()),
                    reduction_staging=sum(b for b, _ in pending), **parts)
             continue
-        # exit: reshard, then release pending reductions, pack and reduce
         if u is not root:
             w.gathered.pop(u.name, None)
         if not any(g.requires_grad for g in u.groups):
@@ -309,22 +318,29 @@ def _microbatch(w: _Walk, acts: ActivationProfile, s: StepSettings, which: str, 
         if not reduces_now:  # ZeRO-1/DDP before the last microbatch: raw gradients stay in .grad
             w.raw_grads += own
             continue
-        incoming = u.total("reduction_nbytes")
-        while pending and not keeps_pending([r for _, r in pending], incoming):
-            pending.pop(0)
-        scatter = 0 if (first and all(g.direct for g in u.groups)) else u.total("scatter_out")
-        if first or not every:  # the main gradient is allocated by this unit's first reduction
-            w.main_grads += u.total("main_grad")
-        if w.raw_grads:
-            w.raw_grads -= u.total("module_grads")  # now held by the reduction (below)
         if u is root:
             arrived = {"head": 0, "blocks": 0, "embed": 0}
-        w.snap(f"backward: reduce {u.name or 'root'}{tag}", unsharded_bwd=sum(w.gathered.values()),
-               module_grads=sum(arrived.values()),
-               act_saved=0 if w.kind[u.name] == "pre" else _saved_before(w, u, acts),
-               reduction_staging=own + u.total("staging") + scatter + sum(b for b, _ in pending))
-        pending.append((own + u.total("staging"), incoming))
+        _reduce(w, u, acts, tag, first, every, own, sum(arrived.values()), pending)
     w.snap(f"backward: end{tag}")
+
+
+def _reduce(w: _Walk, u: UnitBytes, acts: ActivationProfile, tag: str, first: bool, every: bool, own: int,
+            arrived: int, pending: list) -> None:
+    """``u``'s reduction of ``own`` gradient bytes: the pending ones the runtime's rule releases
+    first, then the pack (staging, scatter output) and the main gradient; ``arrived``: the root's
+    gradients still held."""
+    incoming = u.total("reduction_nbytes")
+    while pending and not keeps_pending([r for _, r in pending], incoming):
+        pending.pop(0)
+    scatter = 0 if (first and all(g.direct for g in u.groups)) else u.total("scatter_out")
+    if first or not every:  # the main gradient is allocated by this unit's first reduction
+        w.main_grads += u.total("main_grad")
+    if w.raw_grads:
+        w.raw_grads -= u.total("module_grads")  # now held by the reduction (below)
+    w.snap(f"backward: reduce {u.name or 'root'}{tag}", unsharded_bwd=sum(w.gathered.values()),
+           module_grads=arrived, act_saved=0 if w.kind[u.name] == "pre" else _saved_before(w, u, acts),
+           reduction_staging=own + u.total("staging") + scatter + sum(b for b, _ in pending))
+    pending.append((own + u.total("staging"), incoming))
 
 
 def _saved_before(w: _Walk, u: UnitBytes, acts: ActivationProfile) -> int:

@@ -172,7 +172,8 @@ class _UnitMarker(type):
 def describe_units(model: nn.Module, units: list, policy: MixedPrecisionPolicy, levels: Levels,
                    rank_shard: int = 0) -> list[UnitBytes]:
     """Units of ``model`` (``units``: the non-root modules ``fully_shard`` is applied to, bottom-up,
-    as ``parallelize`` does), the root last, each with the bytes of its groups."""
+    as ``parallelize`` does), each with the bytes of its groups, in registration order (the root
+    first)."""
     marker = _UnitMarker("Unit", (), {"ids": set()})
     names = {id(m): n for n, m in model.named_modules()}
     param_names = {p: n for n, p in model.named_parameters(remove_duplicate=False)}

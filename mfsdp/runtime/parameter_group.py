@@ -66,7 +66,7 @@ class FsdpParameterGroup:
         # edit the user reports. Tensor version counters cannot say it: a fused optimizer step
         # bumps none, and in-place ops that DTensor runs on its local shard bump neither tensor's.
         self._weights_epoch = 0
-        # Seams for optimizer offload (mfsdp/offload.py): ``gradient_final_hooks`` are called as
+        # Seams for optimizer offload (mfsdp/offload/): ``gradient_final_hooks`` are called as
         # hook(group, stream) once the last microbatch's reduction is issued on ``stream``;
         # ``weights_ready`` is an event that the next refresh or gather waits for on its stream.
         self.gradient_final_hooks: list[Callable] = []
