@@ -89,3 +89,12 @@ def test_offload_ranks_by_its_predicted_exposed_host_step():
     assert small.step_cost(0.228) == pytest.approx(1.998 / 1.575, abs=0.01)
     one = [plan.Setting("zero3", a, 1, 1, "bf16", off, 4096) for a, off in ((True, 0.0), (False, 0.25))]
     assert sorted(one[::-1], key=plan.Setting.speed_key) == one
+
+
+def test_the_search_offloads_hugging_face_models_as_the_trainer_does(cfg):
+    """A Hugging Face model (the manager's) can offload, as ``mfsdp train`` offloads it: the search
+    offers the same fractions for it as for the bundled model."""
+    hf = dataclasses.replace(cfg, model="some/hf_dir")
+    assert hf.hf and not cfg.hf
+    offered = {s.offload for s in plan.candidates(hf)}
+    assert offered == {s.offload for s in plan.candidates(cfg)} == {0.0, *plan.OFFLOAD_FRACTIONS}

@@ -99,3 +99,21 @@ def test_a_checkpoint_without_generator_states_loads_and_leaves_them(tmp_path, m
     load_checkpoint(path, other, other_optimizer)
     torch.testing.assert_close(other.weight, model.weight, rtol=0, atol=0)
     assert torch.equal(torch.get_rng_state(), expected)
+
+
+def test_a_checkpoint_from_before_the_meta_format_resumes(tmp_path):
+    """meta.json as mfsdp wrote it before ``format`` (a plain dict, no version) reads as format 0,
+    its files are still checked, and it loads."""
+    import json
+
+    model, optimizer = make(0)
+    path = save_checkpoint(tmp_path, 3, model, optimizer, META)
+    record = json.loads((path / "meta.json").read_text())
+    old = {k: v for k, v in record.items() if k in ("model", "data_seed", "world_size", "config", "step", "files")}
+    (path / "meta.json").write_text(json.dumps(old))
+    meta = CheckpointMeta.read(path)
+    assert (meta.format, meta.step, meta.held_out, meta.files) == (0, 3, None, record["files"])
+    assert find_latest(tmp_path) == path
+    other, other_optimizer = make(1)
+    assert load_checkpoint(path, other, other_optimizer).step == 3
+    torch.testing.assert_close(other.weight, model.weight, rtol=0, atol=0)

@@ -103,5 +103,5 @@ def test_the_adamw_kernel_is_fused_on_cuda_foreach_on_cpu_unless_set():
         assert t.fused_adamw("cuda") == (kernel != "foreach")
         opt = adamw(model, t)
         assert bool(opt.defaults.get("fused")) == fused and bool(opt.defaults.get("foreach")) == (not fused)
-    with pytest.raises(ConfigError, match="train.adamw_kernel must be auto, fused or foreach, got 'apex'"):
+    with pytest.raises(ConfigError, match="train.adamw_kernel must be one of auto, fused, foreach, got 'apex'"):
         load_config(["--train.adamw_kernel", "apex"])

@@ -76,6 +76,14 @@ class HuggingFaceTokenizer:
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False)
 
+    def special_ids(self) -> dict:
+        """The begin- and end-of-sequence ids, as a Hugging Face ``config.json`` names them."""
+        return {"bos_token_id": self._tok.bos_token_id, "eos_token_id": self._tok.eos_token_id}
+
+    def save(self, out: Path) -> None:
+        """The tokenizer's files (its chat template too) into the model directory ``out``."""
+        self._tok.save_pretrained(out)
+
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids)
 

@@ -16,6 +16,7 @@ from mfsdp.memory.api import estimate
 from mfsdp.memory.estimate import COMPONENTS, GIB, PLANNER_OVERSHOOT, RESERVE_FRACTION, MemoryEstimate
 from mfsdp.memory.tensor_parallel import TensorParallel
 from mfsdp.mixed_precision import MixedPrecisionPolicy
+from mfsdp.models.parallelize import float8_placement_problem
 
 PLACEMENT_SPEED = ("zero1", "zero2", "zero3")
 """Faster first: ZeRO-1 and ZeRO-2 gather weights once per step, ZeRO-3 in every pass."""
@@ -109,25 +110,23 @@ class PlannedRun:
 OFFLOAD_FRACTIONS = (0.25, 0.5, 0.75, 1.0)
 """The offload fractions the search tries, after none."""
 AC_COST = 0.17
-"""What activation checkpointing adds to a step: 8B compiled on one H200 at 16k tokens per step,
-1.837 s with it against 1.575 s without (benchmarks/results/2026-12-01_h200x1_session4)."""
+"""What activation checkpointing adds to a step, as a share of it (measured at 8B compiled;
+benchmarks/results/2026-12-01_planner_step_costs.md)."""
 HOST_STEP_S_PER_PARAM = 0.375e-9
-"""Host seconds per offloaded parameter of one optimizer step, copies included: fused CPU AdamW on
-14 threads of one H200 host (16 cores), 0.53, 0.69 and 0.80 s for 1.40, 1.83 and 2.27B parameters
-of 8B (the exposed time plus the last microbatch's backward, session 4 and session 3)."""
+"""Host seconds per offloaded parameter of one optimizer step, copies included (fused CPU AdamW on
+an H200 host's cores; the same results file)."""
 HOST_TOKENS = 31_250
 """Tokens per GPU and optimizer step at which the host step of every parameter lasts as long as the
-step's compute: ``HOST_STEP_S_PER_PARAM`` times the GPU's model FLOP/s over 6 FLOPs per parameter
-and token (5.0e14 on one H200: 8B compiled at 10,400 tokens/s). Both scale with the parameters,
-so the ratio holds for any model size on that hardware."""
+step's compute: ``HOST_STEP_S_PER_PARAM`` times the GPU's model FLOP/s over 6 FLOPs per parameter and
+token. Both scale with the parameters, so the ratio holds for any model size on that hardware."""
 
 
 def exposed_share(setting: "Setting", share: float) -> float:
     """The host step that offload leaves exposed, as a share of the step's compute. The ranks of a
     node share its cores, so a node steps ``share`` of the parameters whatever its ranks (one node
     assumed); the step hides only behind the last microbatch's backward (2/3 of its compute), from
-    the first offloaded unit's gradient on. At 16k tokens (4 microbatches), 5 of 8B's 35 units
-    (share 0.174) predict 0.165, measured 0.168."""
+    the first offloaded unit's gradient on (checked against the measured offload rows in
+    benchmarks/results/2026-12-01_planner_step_costs.md)."""
     return max(0.0, HOST_TOKENS * share / setting.tokens - 2 / (3 * setting.microbatches))
 
 
@@ -167,8 +166,7 @@ def candidates(run: PlannedRun) -> list[Setting]:
     tokens = c.local_batch * c.microbatches
     batches = [b for b in range(tokens, 0, -1) if tokens % b == 0 and (b & (b - 1) == 0 or b == c.local_batch)]
     placements = [c.placements] if c.placements in ("hsdp", "hfsdp") else list(PLACEMENT_SPEED)
-    if run.float8 == "tensorwise":  # FP8 all-gather needs weights sharded at rest (fully_shard refuses)
-        placements = [pl for pl in placements if pl not in ("zero1", "zero2")]
+    placements = [pl for pl in placements if float8_placement_problem(run.float8, pl) is None]
     grads = [c.main_grads_dtype, *(g for g in ("fp32", "bf16") if g != (
         run.auto_grads if c.main_grads_dtype == "auto" else c.main_grads_dtype))]
     out = [Setting(pl, ac, b, tokens // b, g, off, tokens * run.seq_len) for pl in placements for ac in (False, True)
@@ -261,6 +259,32 @@ def plot_phases(e: MemoryEstimate, path: Path) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def report(run: PlannedRun, e: MemoryEstimate, model: str, world: int, tp: TensorParallel, gpu: int, source: str,
+           ranks_per_node: int, staging: int = 0) -> str:
+    """What ``mfsdp plan`` prints of ``run``'s estimate ``e`` on ``gpu`` bytes per GPU (``source``:
+    where that figure comes from): the breakdown, the verdict, the host RAM and the settings that
+    fit, fastest first; ``staging``: an asynchronous checkpoint's pinned bytes per rank."""
+    s = e.settings
+    float8 = f" (float8 {s.float8})" if s.float8 != "none" else ""
+    parallel = f" x {tp.describe()}" if tp.enabled else ""
+    verdict = {"fits": "fits", "no": "does NOT fit",
+               "tight": f"is tight (within the {RESERVE_FRACTION:.0%} allocator margin: it should train, "
+                        "but may run out of memory)"}[e.fit(gpu)]
+    lines = [f"mfsdp plan: {model}{float8}, {s.placements}{parallel} on {world} GPU(s), local batch {s.local_batch} "
+             f"x {s.seq_len} tokens, {s.microbatches} microbatch(es), activation checkpointing "
+             f"{'on' if s.activation_checkpointing else 'off'}\n", breakdown_table(e),
+             f"\nthis setting {verdict} in {gib(gpu)} GiB per GPU ({source})",
+             host_ram_line(e, ranks_per_node, staging) + "\n"]
+    fits = fitting(run, world, gpu, tp) or fitting(run, world, gpu, tp, tight=True)
+    if not fits:
+        return "\n".join(lines + [f"no setting of {SEARCHED} fits; use more GPUs"])
+    lines.append(f"settings that fit{' within the margin' if fits[0][1].fit(gpu) == 'tight' else ''}, fastest "
+                 f"first (tokens per step kept):\n{'':2}{'peak GiB':>8} {'needs GiB':>9}  flags")
+    lines += [f"  {gib(est.peak_bytes):>8} {gib(est.device_bytes):>9}  {setting.flags()}{offload_note(setting, est)}"
+              for setting, est in fits[:12]]
+    return "\n".join(lines)
 
 
 def host_ram_line(e: MemoryEstimate, ranks_per_node: int, staging: int = 0) -> str:

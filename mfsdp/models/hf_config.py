@@ -26,6 +26,7 @@ Both layouts of the rotary keys are read: transformers 4.x (``rope_theta``, ``ro
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping
 from pathlib import Path
@@ -213,3 +214,31 @@ def _refuse_short_window(c: dict, model_type: str, get, max_seq_len: int) -> Non
         raise UnsupportedHFConfig(key, value, f"attention limited to the last {window} tokens, shorter than "
                                   f"the {max_seq_len} trained on; train on sequences of at most {window} "
                                   f"tokens or {_MANAGER}")
+
+
+def hf_config_of(cfg: LlamaConfig, dtype: str) -> dict:
+    """The Hugging Face ``config.json`` of the bundled model of ``cfg`` with weights in ``dtype``
+    ("bfloat16", "float32"): ``LlamaForCausalLM`` (``Qwen2ForCausalLM`` with the query/key/value
+    biases, ``MixtralForCausalLM`` with experts), the inverse of ``bundled_config_from_hf``."""
+    model_type = "mixtral" if cfg.num_experts else "qwen2" if cfg.qkv_bias else "llama"
+    rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    if cfg.rope_scaling is not None:
+        rope = {**rope, "rope_type": "llama3", **dataclasses.asdict(cfg.rope_scaling)}
+    config = {
+        "architectures": [ARCHITECTURES.get(model_type, "MixtralForCausalLM")], "model_type": model_type,
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.dim, "intermediate_size": cfg.ffn_dim,
+        "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim, "hidden_act": "silu",
+        "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta,
+        "rope_scaling": rope if cfg.rope_scaling is not None else None, "rope_parameters": rope,
+        "attention_dropout": 0.0, "tie_word_embeddings": cfg.tie_embeddings, "initializer_range": cfg.init_std,
+        "use_cache": True, "bos_token_id": None, "eos_token_id": None, "dtype": dtype, "torch_dtype": dtype,
+    }
+    if model_type == "llama":
+        config.update(attention_bias=False, mlp_bias=False)
+    elif model_type == "qwen2":
+        config.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.n_layers)
+    else:
+        config.update(num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.top_k, output_router_logits=False,
+                      router_aux_loss_coef=cfg.moe_aux_loss_coef, router_jitter_noise=0.0, sliding_window=None)
+    return config

@@ -26,9 +26,8 @@ from torch.distributed.tensor import DTensor
 
 from mfsdp import _compat
 from mfsdp.models.llama import Llama, LlamaConfig, _local_block
+from mfsdp.models.safetensors_file import SAFE_INDEX, SAFE_WEIGHTS
 
-SAFE_WEIGHTS = "model.safetensors"
-SAFE_INDEX = "model.safetensors.index.json"
 
 _LAYER = (("attention_norm.weight", "input_layernorm.weight"),
           ("attention.wq.weight", "self_attn.q_proj.weight"),

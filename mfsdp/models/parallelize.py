@@ -157,3 +157,13 @@ def sharding_units(model: Llama, expert_units: bool = False) -> list:
 
 def _moe_layers(model: Llama) -> list:
     return [b.feed_forward for b in model.layers if isinstance(b.feed_forward, MoEFeedForward)]
+
+
+def float8_placement_problem(float8: str, placements: str) -> str | None:
+    """Why ``float8`` cannot run with ``placements``, or None: tensorwise gathers the weights in
+    FP8, which needs them sharded at rest."""
+    if float8 != "tensorwise" or resolve_placements(placements).num_param_sharded:
+        return None
+    return (f"--model.float8 tensorwise all-gathers the weights in FP8, which needs placements that shard "
+            f"them at rest (zero3, hsdp, hfsdp); --parallel.placements {placements} keeps them whole. Use "
+            "--model.float8 rowwise (float8 compute, bf16 gathers) or --parallel.placements zero3")

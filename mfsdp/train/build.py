@@ -49,11 +49,10 @@ def describe_offload(optimizer, cfg: RunConfig, log) -> None:
     engine = mfsdp.offload.offload_of(optimizer)
     if engine is None:
         return
-    numel = sum(g.main.tensor.numel() for g in engine.groups)
-    clip = cfg.train.grad_clip
+    numel, clip = sum(g.main.tensor.numel() for g in engine.groups), cfg.train.grad_clip
     log(f"optimizer offload: {len(engine.groups)} parameter groups stepped on the host "
-        f"({numel / 1e6:,.1f}M parameters on this rank, about {numel * 24 / 2**30:.1f} GiB of host "
-        f"memory with their backup), speculatively during backward"
+        f"({numel / 1e6:,.1f}M parameters on this rank, about {sum(engine.planned_host_bytes().values()) / 2**30:.1f} "
+        "GiB of host memory with their backup and staging), speculatively during backward"
         + (f"; a step whose gradient norm exceeds --train.grad_clip {clip:g} runs them after "
            "backward instead, and the next one too until a step is not clipped" if clip > 0 else ""))
 

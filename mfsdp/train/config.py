@@ -19,9 +19,9 @@ import torch
 
 from mfsdp.models.llama import LlamaConfig, get_config
 from mfsdp.models.parallelize import (FLOAT8_CHOICES, PLACEMENT_NAMES as PLACEMENTS, TWO_AXIS,
-                                      resolve_placements)
+                                      float8_placement_problem)
 from mfsdp.train import determinism
-from mfsdp.train.errors import ConfigError
+from mfsdp.train.errors import ConfigError, require
 from mfsdp.train.recipes import RECIPES, Recipe, recipe_for
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -30,19 +30,11 @@ COMPILE_CHOICES = ("auto", "true", "false")
 OFFLOAD_CHOICES = ("none", "optimizer", "auto")
 
 
-def float8_placement_problem(float8: str, placements: str) -> str | None:
-    """Why ``float8`` cannot run with ``placements``, or None: tensorwise gathers the weights in
-    FP8, which needs them sharded at rest."""
-    if float8 != "tensorwise" or resolve_placements(placements).num_param_sharded:
-        return None
-    return (f"--model.float8 tensorwise all-gathers the weights in FP8, which needs placements that shard "
-            f"them at rest (zero3, hsdp, hfsdp); --parallel.placements {placements} keeps them whole. Use "
-            "--model.float8 rowwise (float8 compute, bf16 gathers) or --parallel.placements zero3")
-
-
-def _require(condition: bool, message: str) -> None:
-    if not condition:
-        raise ConfigError(message)
+def _one_of(section: object, name: str, choices) -> None:
+    """ConfigError unless ``section.name`` is one of ``choices``, naming them."""
+    value = getattr(section, name)
+    require(value in choices, f"{type(section).__name__.removesuffix('Section').lower()}.{name} must be one of "
+             f"{', '.join(choices)}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -79,9 +71,8 @@ class ModelSection:
     also all-gathered in FP8) or rowwise; built-in models only."""
 
     def __post_init__(self) -> None:
-        _require(self.float8 in FLOAT8_CHOICES,
-                 f"model.float8 must be one of {', '.join(FLOAT8_CHOICES)}, got {self.float8!r}")
-        _require(self.float8 == "none" or self.hf is None, "--model.float8 applies to the built-in "
+        _one_of(self, "float8", FLOAT8_CHOICES)
+        require(self.float8 == "none" or self.hf is None, "--model.float8 applies to the built-in "
                  "models only; unset it with --model.hf")
 
     def llama_config(self, max_seq_len: int) -> LlamaConfig:
@@ -101,10 +92,10 @@ def _hf_shape(model: ModelSection, max_seq_len: int) -> LlamaConfig:
 
     set_fields = [f.name for f in dataclasses.fields(model)
                   if f.name not in ("preset", "hf", "float8") and getattr(model, f.name) is not None]
-    _require(not set_fields, f"--model.hf takes the shape from {model.hf}/config.json; unset "
+    require(not set_fields, f"--model.hf takes the shape from {model.hf}/config.json; unset "
              f"{', '.join('--model.' + n for n in set_fields)}")
     path = Path(model.hf) / "config.json"
-    _require(path.is_file(), f"--model.hf {model.hf}: no config.json there (a local Hugging Face "
+    require(path.is_file(), f"--model.hf {model.hf}: no config.json there (a local Hugging Face "
              "model directory is needed)")
     c = json.loads(path.read_text())
     try:
@@ -136,10 +127,10 @@ class DataSection:
     nothing out. A resumed run keeps the split its checkpoint recorded, so its windows do not change."""
 
     def __post_init__(self) -> None:
-        _require(self.seq_len > 0, "data.seq_len must be positive")
-        _require(self.local_batch > 0, "data.local_batch must be positive")
-        _require(self.microbatches > 0, "data.microbatches must be positive")
-        _require(0 <= self.val_fraction < 1, "data.val_fraction must lie in [0, 1)")
+        require(self.seq_len > 0, "data.seq_len must be positive")
+        require(self.local_batch > 0, "data.local_batch must be positive")
+        require(self.microbatches > 0, "data.microbatches must be positive")
+        require(0 <= self.val_fraction < 1, "data.val_fraction must lie in [0, 1)")
 
 
 @dataclass(frozen=True)
@@ -198,7 +189,7 @@ class TrainSection:
     CPU). Training then waits only for the copy of this rank's shards into pinned host buffers
     (about as many bytes as its checkpoint, held for the whole run), not for the disk; the next
     save or the end of the run waits for the write. Off, every save stalls training until its
-    files are written (about 27 s for the 18 GB of a 1b run on one H200)."""
+    files are written (tens of seconds for a model of a few billion parameters)."""
 
     def fused_adamw(self, device_type: str) -> bool:
         """Whether AdamW runs torch's fused kernel on a ``device_type`` ("cuda" or "cpu") run."""
@@ -215,24 +206,21 @@ class TrainSection:
     def __post_init__(self) -> None:
         # One spelling: YAML gives true/false as bools, a flag may say True.
         object.__setattr__(self, "async_checkpoint", str(self.async_checkpoint).lower())
-        _require(self.async_checkpoint in ("auto", "true", "false"),
-                 f"train.async_checkpoint must be auto, true or false, got {self.async_checkpoint!r}")
-        _require(self.adamw_kernel in ("auto", "fused", "foreach"),
-                 f"train.adamw_kernel must be auto, fused or foreach, got {self.adamw_kernel!r}")
-        _require(self.steps > 0, "train.steps must be positive")
-        _require(self.lr is None or self.lr > 0, "train.lr must be positive")
-        _require(self.warmup_steps is None or 0 <= self.warmup_steps,
+        _one_of(self, "async_checkpoint", ("auto", "true", "false"))
+        _one_of(self, "adamw_kernel", ("auto", "fused", "foreach"))
+        require(self.steps > 0, "train.steps must be positive")
+        require(self.lr is None or self.lr > 0, "train.lr must be positive")
+        require(self.warmup_steps is None or 0 <= self.warmup_steps,
                  "train.warmup_steps must not be negative")
-        _require(self.min_lr_ratio is None or 0 <= self.min_lr_ratio <= 1,
+        require(self.min_lr_ratio is None or 0 <= self.min_lr_ratio <= 1,
                  "train.min_lr_ratio must lie in [0, 1]")
-        _require(self.grad_clip >= 0, "train.grad_clip must not be negative")
-        _require(self.checkpoint_every >= 0, "train.checkpoint_every must not be negative")
-        _require(self.keep_checkpoints >= 0, "train.keep_checkpoints must not be negative")
-        _require(self.sample_tokens >= 0, "train.sample_tokens must not be negative")
-        _require(self.device in ("auto", "cuda", "cpu"),
-                 f"train.device must be auto, cuda or cpu, got {self.device!r}")
-        _require(self.eval_every >= 0, "train.eval_every must not be negative (0 turns it off)")
-        _require(self.eval_batches > 0, "train.eval_batches must be positive")
+        require(self.grad_clip >= 0, "train.grad_clip must not be negative")
+        require(self.checkpoint_every >= 0, "train.checkpoint_every must not be negative")
+        require(self.keep_checkpoints >= 0, "train.keep_checkpoints must not be negative")
+        require(self.sample_tokens >= 0, "train.sample_tokens must not be negative")
+        _one_of(self, "device", ("auto", "cuda", "cpu"))
+        require(self.eval_every >= 0, "train.eval_every must not be negative (0 turns it off)")
+        require(self.eval_batches > 0, "train.eval_batches must be positive")
 
 
 @dataclass(frozen=True)
@@ -272,7 +260,7 @@ class ParallelSection:
     AdamW states of the units chosen by --parallel.offload_fraction live in host memory (pinned
     on CUDA) and are stepped there by torch's fused CPU AdamW, speculatively during backward as
     each unit's gradient is final, validated at the step (exact with clipping and accumulation;
-    mfsdp/offload.py); "auto": the planner's smallest fraction that fits this GPU (none if the
+    mfsdp/offload/); "auto": the planner's smallest fraction that fits this GPU (none if the
     run fits without; CPU runs: none). Saves the states' 8 bytes per offloaded parameter on the
     GPU; costs host RAM (master, states and their backup: 24 bytes per offloaded parameter) and
     whatever CPU time backward does not hide (a clip that bites redoes the CPU steps after it)."""
@@ -281,27 +269,22 @@ class ParallelSection:
     those whose gradients finish first in backward (the last blocks and the head)."""
 
     def __post_init__(self) -> None:
-        _require(self.collective_timeout_s > 0, "parallel.collective_timeout_s must be positive")
-        _require(self.offload in OFFLOAD_CHOICES,
-                 f"parallel.offload must be one of {', '.join(OFFLOAD_CHOICES)}, got {self.offload!r}")
-        _require(0.0 < self.offload_fraction <= 1.0,
+        require(self.collective_timeout_s > 0, "parallel.collective_timeout_s must be positive")
+        _one_of(self, "offload", OFFLOAD_CHOICES)
+        require(0.0 < self.offload_fraction <= 1.0,
                  f"parallel.offload_fraction must be in (0, 1], got {self.offload_fraction}")
-        _require(self.offload_fraction == 1.0 or self.offload == "optimizer",
+        require(self.offload_fraction == 1.0 or self.offload == "optimizer",
                  "--parallel.offload_fraction needs --parallel.offload optimizer")
         if self.deterministic and (problem := determinism.environment_problem()):
             raise ConfigError(problem)
-        _require(self.placements in PLACEMENTS,
-                 f"parallel.placements must be one of {', '.join(PLACEMENTS)}, "
-                 f"got {self.placements!r}")
-        _require(self.replicate > 0, "parallel.replicate must be positive")
-        _require(self.replicate == 1 or self.placements in TWO_AXIS,
+        _one_of(self, "placements", PLACEMENTS)
+        require(self.replicate > 0, "parallel.replicate must be positive")
+        require(self.replicate == 1 or self.placements in TWO_AXIS,
                  f"parallel.replicate={self.replicate} needs --parallel.placements hsdp or "
                  "hfsdp")
-        _require(self.compile in COMPILE_CHOICES,
-                 f"parallel.compile must be one of {', '.join(COMPILE_CHOICES)}, got {self.compile!r}")
+        _one_of(self, "compile", COMPILE_CHOICES)
         for name in ("compute_dtype", "main_grads_dtype", "grad_comm_dtype"):
-            _require(getattr(self, name) == "auto" or getattr(self, name) in DTYPES,
-                     f"parallel.{name} must be one of auto, {', '.join(DTYPES)}")
+            _one_of(self, name, ("auto", *DTYPES))
 
 
 @dataclass(frozen=True)
@@ -313,7 +296,7 @@ class MetricsSection:
     def __post_init__(self) -> None:
         if self.tensorboard:
             import importlib.util
-            _require(importlib.util.find_spec("tensorboard") is not None,
+            require(importlib.util.find_spec("tensorboard") is not None,
                      "--metrics.tensorboard true needs the tensorboard package; "
                      "pip install tensorboard (or mfsdp[train])")
 
@@ -335,7 +318,7 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         problem = float8_placement_problem(self.model.float8, self.parallel.placements)
-        _require(problem is None, problem)
+        require(problem is None, problem)
         # The one place the schedule's unset fields (None) become the preset's: every reader of
         # cfg.train (the optimizer, the schedule, the checkpoint's meta.json) sees numbers.
         t = self.train
@@ -365,7 +348,7 @@ class RunConfig:
 
     def llama_config(self) -> LlamaConfig:
         shape = self.model.llama_config(max_seq_len=self.data.seq_len)
-        _require(not self.parallel.expert_units or (self.model.hf is None and shape.num_experts > 0),
+        require(not self.parallel.expert_units or (self.model.hf is None and shape.num_experts > 0),
                  "--parallel.expert_units true needs a built-in mixture-of-experts model "
                  "(--model.preset moe-tiny or moe-1b, or --model.num_experts N); unset it otherwise")
         return shape
@@ -416,10 +399,12 @@ class RunConfig:
 _SECTION_TYPES = {"model": ModelSection, "data": DataSection, "train": TrainSection,
                   "parallel": ParallelSection, "metrics": MetricsSection}
 
-# Flags of the `mfsdp train` launcher (mfsdp/train/launcher.py), named here so that a worker
-# started by torchrun can say where they belong.
-LAUNCHER_FLAGS = ("--nproc-per-node", "--nnodes", "--node-rank", "--rdzv-endpoint",
-                  "--rdzv-id", "--max-restarts", "--stop-timeout")
+# Flags of the `mfsdp train` launcher (mfsdp/train/launcher.py) and the LaunchOptions field each
+# sets, named here so that a worker started by torchrun can say where they belong.
+LAUNCHER_FLAGS = {"--nproc-per-node": ("nproc_per_node", int), "--nnodes": ("nnodes", int),
+                  "--node-rank": ("node_rank", int), "--rdzv-endpoint": ("rdzv_endpoint", str),
+                  "--rdzv-id": ("rdzv_id", str), "--max-restarts": ("max_restarts", int),
+                  "--stop-timeout": ("stop_timeout_s", float)}
 
 USAGE = """usage: mfsdp train [LAUNCHER FLAGS] [--config FILE.yaml] [--resume] [--SECTION.KEY VALUE ...]
 

@@ -31,6 +31,12 @@ class CollectiveTimeout(RuntimeError):
 USER_ERRORS = (ConfigError, DataError, CheckpointError)
 
 
+def require(condition: bool, message: str) -> None:
+    """ConfigError(``message``) unless ``condition`` holds."""
+    if not condition:
+        raise ConfigError(message)
+
+
 def first_problem(problem: str | None, group=None) -> tuple[int, str] | None:
     """Every rank's ``problem`` (None: none), exchanged; the first rank that has one and its text.
     Collective over ``group``; a world of one exchanges nothing."""

@@ -26,19 +26,18 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import shutil
 import warnings
 from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
 
+from mfsdp.models.hf_config import hf_config_of
+from mfsdp.models.hf_weights import hf_weight_names
 from mfsdp.train.checkpoint import META, CheckpointMeta, find_latest, is_complete
-from mfsdp.train.safetensors_out import Entry, plan_files, write_file
+from mfsdp.models.safetensors_file import Entry, write_weights
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-SAFE_WEIGHTS = "model.safetensors"
-SAFE_INDEX = "model.safetensors.index.json"
 MODEL = "model."  # the checkpoint's prefix of the model state (mfsdp.train.checkpoint)
 
 
@@ -89,18 +88,14 @@ def export_hf(source: str | Path, out_dir: str | Path, dtype: torch.dtype = torc
         config, plan = _bundled_plan(run, saved, dtype)
         covered = {key for _, key in plan} | {MODEL + "output.weight"}  # a tied head: the embedding
     _refuse_unplaced(saved, plan, covered, config["architectures"][0], checkpoint)
-    tokenizer = _tokenizer_dir(run)
+    tokenizer = _tokenizer(run)
     if tokenizer is not None:
-        config.update(_special_ids(tokenizer))
+        config.update(tokenizer.special_ids())
     elif not run["model"].get("hf"):
         config["eos_token_id"] = 256  # the byte tokenizer's end of document
     entries = [Entry(name, tuple(saved[key].size), dtype if saved[key].properties.dtype.is_floating_point
                      else saved[key].properties.dtype) for name, key in plan]
-    keys = dict(plan)
-    files = plan_files(entries, max_shard_bytes)
-    names = [SAFE_WEIGHTS] if len(files) == 1 else [
-        f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))]
-    reader = dcp.FileSystemReader(checkpoint)
+    keys, reader = dict(plan), dcp.FileSystemReader(checkpoint)
 
     def read(entry: Entry) -> torch.Tensor:
         md = saved[keys[entry.name]]
@@ -110,33 +105,15 @@ def export_hf(source: str | Path, out_dir: str | Path, dtype: torch.dtype = torc
             dcp.load(state, storage_reader=reader, no_dist=True)
         return state[keys[entry.name]]
 
-    for stale in [*out.glob("model*.safetensors"), out / SAFE_INDEX]:
-        stale.unlink(missing_ok=True)  # a previous export's files would shadow or mix with these
-    for name, file_entries in zip(names, files):
-        write_file(out / name, file_entries, read)
-    if len(files) > 1:
-        weight_map = {e.name: name for name, fe in zip(names, files) for e in fe}
-        (out / SAFE_INDEX).write_text(json.dumps({"metadata": {"total_size": sum(e.nbytes for e in entries)},
-                                                  "weight_map": weight_map}, indent=2))
+    files = write_weights(out, entries, read, max_shard_bytes)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     if tokenizer is not None:
-        _copy_tokenizer(tokenizer, out)
-    return Exported(out, config["architectures"][0], len(entries), len(files),
-                    sum(e.nbytes for e in entries), str(tokenizer) if tokenizer else None)
+        tokenizer.save(out)
+    return Exported(out, config["architectures"][0], len(entries), files,
+                    sum(e.nbytes for e in entries), tokenizer.name if tokenizer else None)
 
 
 # ------------------------------------------------------------------------- bundled models
-_LAYER_NAMES = (("attention_norm.weight", "input_layernorm.weight"),
-                ("attention.wq.weight", "self_attn.q_proj.weight"),
-                ("attention.wk.weight", "self_attn.k_proj.weight"),
-                ("attention.wv.weight", "self_attn.v_proj.weight"),
-                ("attention.wo.weight", "self_attn.o_proj.weight"),
-                ("ffn_norm.weight", "post_attention_layernorm.weight"))
-_DENSE_FFN = (("feed_forward.w1.weight", "mlp.gate_proj.weight"),
-              ("feed_forward.w3.weight", "mlp.up_proj.weight"),
-              ("feed_forward.w2.weight", "mlp.down_proj.weight"))
-
-
 def model_config_of(run: dict):
     """The bundled model's LlamaConfig from a checkpoint's recorded run config."""
     from mfsdp.train.config import ConfigError, ModelSection
@@ -151,40 +128,8 @@ def model_config_of(run: dict):
 
 def _bundled_plan(run: dict, saved: dict, dtype: torch.dtype) -> tuple[dict, list[tuple[str, str]]]:
     c = model_config_of(run)
-    plan = [("model.embed_tokens.weight", "tok_embeddings.weight")]
-    for i in range(c.n_layers):
-        mine, theirs = f"layers.{i}.", f"model.layers.{i}."
-        plan += [(theirs + t, mine + m) for m, t in _LAYER_NAMES]
-        if c.num_experts:
-            plan.append((theirs + "block_sparse_moe.gate.weight", mine + "feed_forward.router.weight"))
-            plan += [(f"{theirs}block_sparse_moe.experts.{e}.{w}.weight",
-                      f"{mine}feed_forward.experts.{e}.{w}.weight")
-                     for e in range(c.num_experts) for w in ("w1", "w2", "w3")]
-        else:
-            plan += [(theirs + t, mine + m) for m, t in _DENSE_FFN]
-    plan.append(("model.norm.weight", "norm.weight"))
-    if not c.tie_embeddings:
-        plan.append(("lm_head.weight", "output.weight"))
-    plan = [(name, MODEL + key) for name, key in plan]
-    config = {
-        "architectures": ["MixtralForCausalLM" if c.num_experts else "LlamaForCausalLM"],
-        "model_type": "mixtral" if c.num_experts else "llama",
-        "vocab_size": c.vocab_size, "hidden_size": c.dim, "intermediate_size": c.ffn_dim,
-        "num_hidden_layers": c.n_layers, "num_attention_heads": c.n_heads,
-        "num_key_value_heads": c.n_kv_heads, "head_dim": c.head_dim, "hidden_act": "silu",
-        "max_position_embeddings": c.max_seq_len, "rms_norm_eps": c.norm_eps,
-        "rope_theta": c.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": c.rope_theta},
-        "attention_bias": False, "attention_dropout": 0.0, "tie_word_embeddings": c.tie_embeddings,
-        "initializer_range": c.init_std, "use_cache": True, "bos_token_id": None, "eos_token_id": None,
-        "dtype": _dtype_name(dtype), "torch_dtype": _dtype_name(dtype),
-    }
-    if c.num_experts:
-        config.update(num_local_experts=c.num_experts, num_experts_per_tok=c.top_k,
-                      output_router_logits=False, router_aux_loss_coef=c.moe_aux_loss_coef,
-                      router_jitter_noise=0.0, sliding_window=None)
-    else:
-        config["mlp_bias"] = False
-    return config, plan
+    plan = [(name, MODEL + key) for name, key in hf_weight_names(c)]
+    return hf_config_of(c, _dtype_name(dtype)), plan
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -248,32 +193,17 @@ def _hf_plan(run: dict, meta: CheckpointMeta, saved: dict, dtype: torch.dtype, o
 
 
 # ------------------------------------------------------------------------------ tokenizer
-def _tokenizer_dir(run: dict) -> Path | None:
-    """The tokenizer directory the run's token file was made with, or None (bytes, or no file)."""
+def _tokenizer(run: dict):
+    """The Hugging Face tokenizer the run's token file was made with, or None (bytes, or no file)."""
     from mfsdp.data import STDLIB, DataError, TokenFile
-
-    path = run.get("data", {}).get("path")
-    if path == STDLIB:
-        return None  # the demo corpus is byte-tokenized
-    try:
-        name = TokenFile(path).tokenizer
-    except (DataError, TypeError, OSError):
-        return None
-    return Path(name) if Path(name).is_dir() else None
-
-
-def _special_ids(tokenizer: Path) -> dict:
     from mfsdp.data.tokenizer import HuggingFaceTokenizer
 
-    tok = HuggingFaceTokenizer(str(tokenizer))._tok
-    return {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id}
-
-
-def _copy_tokenizer(tokenizer: Path, out: Path) -> None:
-    for file in tokenizer.iterdir():
-        if file.is_file() and (file.name.startswith(("tokenizer", "special_tokens", "vocab", "merges",
-                                                     "added_tokens", "chat_template"))):
-            shutil.copy2(file, out / file.name)
+    path = run.get("data", {}).get("path")
+    try:
+        name = TokenFile(path).tokenizer if path != STDLIB else None  # the demo corpus is bytes
+    except (DataError, TypeError, OSError):
+        return None
+    return HuggingFaceTokenizer(name) if name and Path(name).is_dir() else None
 
 
 def exported_line(done: Exported) -> str:

@@ -29,9 +29,11 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+
 from mfsdp import _compat
 from mfsdp.train.config import LAUNCHER_FLAGS, RunConfig, flag_value, load_config, usage
-from mfsdp.train.errors import LAUNCHED_ENV, USER_ERRORS, ConfigError, is_timeout, timeout_hint
+from mfsdp.train.errors import LAUNCHED_ENV, USER_ERRORS, ConfigError, is_timeout, require, timeout_hint
 
 USER_ERROR_EXIT = 2
 _ERROR_PREFIX = "mfsdp train: error: "
@@ -60,31 +62,18 @@ class LaunchOptions:
     they are killed."""
 
     def __post_init__(self) -> None:
-        if self.nproc_per_node < 1:
-            raise ConfigError("--nproc-per-node must be at least 1")
-        if self.nnodes < 1:
-            raise ConfigError("--nnodes must be at least 1")
-        if self.nnodes > 1 and not self.rdzv_endpoint:
-            raise ConfigError(f"--nnodes {self.nnodes} needs --rdzv-endpoint HOST:PORT, the "
-                              "same on every node (HOST: the first node)")
-        if self.node_rank is not None and not 0 <= self.node_rank < self.nnodes:
-            raise ConfigError(f"--node-rank must lie in [0, {self.nnodes}), got "
-                              f"{self.node_rank}")
-        if self.max_restarts < 0:
-            raise ConfigError("--max-restarts must not be negative")
-        if self.stop_timeout_s <= 0:
-            raise ConfigError("--stop-timeout must be positive")
+        require(self.nproc_per_node >= 1, "--nproc-per-node must be at least 1")
+        require(self.nnodes >= 1, "--nnodes must be at least 1")
+        require(self.nnodes == 1 or bool(self.rdzv_endpoint), f"--nnodes {self.nnodes} needs --rdzv-endpoint "
+                "HOST:PORT, the same on every node (HOST: the first node)")
+        require(self.node_rank is None or 0 <= self.node_rank < self.nnodes,
+                f"--node-rank must lie in [0, {self.nnodes}), got {self.node_rank}")
+        require(self.max_restarts >= 0, "--max-restarts must not be negative")
+        require(self.stop_timeout_s > 0, "--stop-timeout must be positive")
 
     @property
     def world_size(self) -> int:
         return self.nnodes * self.nproc_per_node
-
-
-_OPTION_TYPES = {"--nproc-per-node": ("nproc_per_node", int), "--nnodes": ("nnodes", int),
-                 "--node-rank": ("node_rank", int), "--rdzv-endpoint": ("rdzv_endpoint", str),
-                 "--rdzv-id": ("rdzv_id", str), "--max-restarts": ("max_restarts", int),
-                 "--stop-timeout": ("stop_timeout_s", float)}
-assert set(_OPTION_TYPES) == set(LAUNCHER_FLAGS)
 
 
 def is_launch(argv: list[str]) -> bool:
@@ -98,12 +87,12 @@ def split_args(argv: list[str]) -> tuple[LaunchOptions, list[str]]:
     rest: list[str] = []
     i = 0
     while i < len(argv):
-        if argv[i].partition("=")[0] not in _OPTION_TYPES:
+        if argv[i].partition("=")[0] not in LAUNCHER_FLAGS:
             rest.append(argv[i])
             i += 1
             continue
         flag, text, i = flag_value(argv, i)
-        name, kind = _OPTION_TYPES[flag]
+        name, kind = LAUNCHER_FLAGS[flag]
         try:
             values[name] = kind(text)
         except ValueError:
@@ -191,25 +180,16 @@ def run(options: LaunchOptions, cfg: RunConfig, rest: list[str]) -> int:
         raise
 
 
-def _logs_specs_class():
-    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+class _LogsSpecs(DefaultLogsSpecs):
+    """torch's layout (OUT_DIR/logs/<run>/attempt_<n>/<local rank>/stderr.log), remembering the
+    paths of the latest attempt for the summary."""
 
-    class LogsSpecs(DefaultLogsSpecs):
-        """torch's layout (OUT_DIR/logs/<run>/attempt_<n>/<local rank>/stderr.log), remembering
-        the paths of the latest attempt for the summary."""
+    stderrs: dict[int, str] = {}
 
-        stderrs: dict[int, str] = {}
-
-        def reify(self, envs):
-            dest = super().reify(envs)
-            self.stderrs = dict(dest.stderrs)
-            return dest
-
-    return LogsSpecs
-
-
-def _LogsSpecs(**kwargs):  # noqa: N802: a class made on demand, torch imported late
-    return _logs_specs_class()(**kwargs)
+    def reify(self, envs):
+        dest = super().reify(envs)
+        self.stderrs = dict(dest.stderrs)
+        return dest
 
 
 def _error(message: str, code: int = USER_ERROR_EXIT) -> int:

@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
         return _report(rank, err)
     timeout_s = cfg.parallel.collective_timeout_s
     _join_process_group(device, timeout_s)
-    log = print if rank == 0 else (lambda message: None)
+    log = (lambda message: print(message, flush=True)) if rank == 0 else (lambda message: None)
     try:
         code = Trainer(preflight(cfg, device, log), device).run()
         # Tear down together: a rank that leaves while another still talks to it makes gloo
@@ -56,9 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         if dist.get_world_size() > 1:
             # Only this rank failed (say, a corrupt window of the token file): the others may be
             # inside a collective with it, and tearing the group down would wait for them. Leave
-            # at once; the launcher stops the rest.
-            sys.stdout.flush()
-            sys.stderr.flush()
+            # at once (its line is out: _report flushed it); the launcher stops the rest.
             os._exit(code)
         return code
     except RuntimeError as err:  # torch.distributed's errors (DistBackendError...) included
@@ -71,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _report(rank: int, err: Exception) -> int:
     """One line (on rank 0, or on every rank under the mfsdp launcher), exit code 2."""
+    sys.stdout.flush()
     if rank == 0 or os.environ.get(LAUNCHED_ENV):
         print(f"mfsdp train: error: {err}", file=sys.stderr, flush=True)
     return 2

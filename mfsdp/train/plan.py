@@ -14,7 +14,6 @@ from pathlib import Path
 import torch
 
 from mfsdp.memory import plan
-from mfsdp.memory.estimate import RESERVE_FRACTION
 from mfsdp.memory.tensor_parallel import TensorParallel
 from mfsdp.train.checkpoint.meta import MAIN_WEIGHT_BYTES, checkpoint_bytes
 from mfsdp.train.config import DTYPES, RunConfig, load_config
@@ -74,34 +73,11 @@ def main(argv: list[str]) -> int:
         e = plan.estimate_run(run, world, tp=tp, tp_in_process=True)
     except (ConfigError, ValueError, NotImplementedError) as err:
         return _error(str(err))
-    _print_plan(cfg, run, e, world, tp, gpu, source, int(own["--nproc-per-node"]))
+    staging = checkpoint_bytes(e.breakdown.get("main weights", 0) // MAIN_WEIGHT_BYTES) if run.async_checkpoint else 0
+    print(plan.report(run, e, str(cfg.model.hf or cfg.model.preset), world, tp, gpu, source,
+                      int(own["--nproc-per-node"]), staging))
     print(f"\nmemory over the step: {plan.plot_phases(e, Path(own['--out']))}")
     return 0
-
-
-def _print_plan(cfg: RunConfig, run: plan.PlannedRun, e, world: int, tp: TensorParallel, gpu: int, source: str,
-                ranks_per_node: int) -> None:
-    s, gib = e.settings, plan.gib
-    float8 = f" (float8 {s.float8})" if s.float8 != "none" else ""
-    parallel = f" x {tp.describe()}" if tp.enabled else ""
-    print(f"mfsdp plan: {cfg.model.hf or cfg.model.preset}{float8}, {s.placements}{parallel} on {world} GPU(s), "
-          f"local batch {s.local_batch} x {s.seq_len} tokens, {s.microbatches} microbatch(es), activation "
-          f"checkpointing {'on' if s.activation_checkpointing else 'off'}\n")
-    print(plan.breakdown_table(e))
-    verdict = {"fits": "fits", "no": "does NOT fit",
-               "tight": f"is tight (within the {RESERVE_FRACTION:.0%} allocator margin: it should train, "
-                        "but may run out of memory)"}[e.fit(gpu)]
-    print(f"\nthis setting {verdict} in {gib(gpu)} GiB per GPU ({source})")
-    staging = checkpoint_bytes(e.breakdown.get("main weights", 0) // MAIN_WEIGHT_BYTES) if run.async_checkpoint else 0
-    print(plan.host_ram_line(e, ranks_per_node, staging) + "\n")
-    fits = plan.fitting(run, world, gpu, tp) or plan.fitting(run, world, gpu, tp, tight=True)
-    if not fits:
-        print(f"no setting of {plan.SEARCHED} fits; use more GPUs")
-        return
-    print(f"settings that fit{' within the margin' if fits[0][1].fit(gpu) == 'tight' else ''}, fastest "
-          f"first (tokens per step kept):\n{'':2}{'peak GiB':>8} {'needs GiB':>9}  flags")
-    for setting, est in fits[:12]:
-        print(f"  {gib(est.peak_bytes):>8} {gib(est.device_bytes):>9}  {setting.flags()}{plan.offload_note(setting, est)}")
 
 
 def _tensor_parallel(own: dict) -> TensorParallel:

@@ -8,6 +8,3 @@ from mfsdp.train.checkpoint.storage import (LATEST, check_compatible, complete_c
                                             find_resumable, is_complete, load_checkpoint, save_checkpoint)
 from mfsdp.train.errors import CheckpointError
 
-__all__ = ["LATEST", "META", "CheckpointError", "CheckpointMeta", "Checkpointer", "HostStager",
-           "async_staging_problem", "check_compatible", "checkpoint_bytes", "complete_checkpoints", "damage",
-           "find_latest", "find_resumable", "is_complete", "load_checkpoint", "save_checkpoint", "staging_bytes"]

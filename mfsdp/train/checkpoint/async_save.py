@@ -202,7 +202,7 @@ class HostStager:
     placements, with the host copy as its local shard, so DCP writes the same checkpoint as from
     the device.
 
-    ``prepare`` allocates and page-locks the buffer in a background thread (16.7 GiB take seconds
+    ``prepare`` allocates and page-locks the buffer in a background thread (tens of GiB take seconds
     to fault in and lock), so that ``stage`` only waits for what is left of it. Each staged tensor
     is a view of the buffer that owns exactly its bytes (through DLPack): DCP's writer clones any
     CPU tensor whose storage is larger than itself, which for plain views of one flat buffer would

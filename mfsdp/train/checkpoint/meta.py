@@ -45,8 +45,7 @@ class CheckpointMeta:
         return dataclasses.replace(self, step=step, files=files, format=FORMAT)
 
     def write(self, directory: Path) -> None:
-        record = {k: v for k, v in dataclasses.asdict(self).items() if v is not None or k == "config"}
-        (directory / META).write_text(json.dumps(record, indent=1))
+        (directory / META).write_text(json.dumps(dataclasses.asdict(self), indent=1))
 
     @classmethod
     def read(cls, directory: Path) -> "CheckpointMeta":

@@ -74,3 +74,25 @@ def write_file(path: Path, entries: list[Entry], read: Callable[[Entry], torch.T
                 f.write(ctypes.string_at(tensor.data_ptr(), e.nbytes))
             del tensor  # one tensor alive at a time
     os.replace(temp, path)
+
+
+SAFE_WEIGHTS = "model.safetensors"
+SAFE_INDEX = "model.safetensors.index.json"
+
+
+def write_weights(out: Path, entries: list[Entry], read: Callable[[Entry], torch.Tensor],
+                  max_file_bytes: int) -> int:
+    """A Hugging Face directory's weights: ``model.safetensors``, or numbered files of at most
+    ``max_file_bytes`` and their index, replacing an earlier export's; returns the file count."""
+    files = plan_files(entries, max_file_bytes)
+    names = [SAFE_WEIGHTS] if len(files) == 1 else [
+        f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))]
+    for stale in [*out.glob("model*.safetensors"), out / SAFE_INDEX]:
+        stale.unlink(missing_ok=True)  # a previous export's files would shadow or mix with these
+    for name, file_entries in zip(names, files):
+        write_file(out / name, file_entries, read)
+    if len(files) > 1:
+        weight_map = {e.name: name for name, fe in zip(names, files) for e in fe}
+        (out / SAFE_INDEX).write_text(json.dumps({"metadata": {"total_size": sum(e.nbytes for e in entries)},
+                                                  "weight_map": weight_map}, indent=2))
+    return len(files)
