@@ -78,6 +78,23 @@ def pack(lengths: torch.Tensor, seq_len: int, packing: bool = True) -> tuple[tor
     return members, bounds
 
 
+def counted_targets(mask: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor,
+                    chunk: int = 1 << 24) -> torch.Tensor:
+    """Per sample of ``lengths`` tokens at ``starts``, the targets its window counts: position j
+    predicts token j + 1, so ``mask[start + 1:start + length].sum()``. From prefix sums of the
+    mask taken ``chunk`` tokens at a time: vectorised, with no int64 copy of a whole large file."""
+    points = torch.cat([starts + 1, starts + lengths])  # prefix sum P[i] = mask[:i].sum()
+    prefix = torch.zeros_like(points)
+    total = 0
+    for first in range(0, mask.numel(), chunk):
+        part = mask[first:first + chunk].to(torch.int64).cumsum(0)
+        inside = (points > first) & (points <= first + part.numel())
+        prefix[inside] = total + part[points[inside] - first - 1]
+        total += int(part[-1])
+    begin, end = prefix.chunk(2)
+    return end - begin
+
+
 class PackedWindows:
     """The fixed windows of the samples ``samples`` (a range of sample indices) of ``data``."""
 
@@ -101,6 +118,11 @@ class PackedWindows:
         """How many samples are longer than a window (each keeps its first seq_len tokens)."""
         members, self.bounds = pack(lengths.clamp(max=seq_len), seq_len, packing)
         self.members = ids[members]  # sample indices in data
+        per_sample = counted_targets(data.loss_mask, data.sample_starts[self.members],
+                                     lengths[members].clamp(max=seq_len))
+        window_of = torch.repeat_interleave(torch.arange(len(self)), self.bounds.diff())
+        self.counted = torch.zeros(len(self), dtype=torch.int64).index_add_(0, window_of, per_sample)
+        """Per window, the targets the loss counts (``Batch.targets`` other than -100)."""
 
     def __len__(self) -> int:
         return self.bounds.numel() - 1
@@ -190,9 +212,18 @@ class PackedSampler:
 
     def batch(self, step: int, microbatch: int = 0) -> Batch:
         """This rank's ``microbatch``-th batch of optimizer step ``step``."""
-        epoch = self.epoch_of(step)
-        order = self.window_order(epoch)
-        slot = ((step - 1) % self.steps_per_epoch * self.global_batch
-                + microbatch * self.world_size * self.local_batch + self.rank * self.local_batch)
+        order = self.window_order(self.epoch_of(step))
+        slot = self._first_slot(step) + microbatch * self.world_size * self.local_batch + self.rank * self.local_batch
         slots = range(slot, slot + self.local_batch)
         return self.windows.batch([int(order[s]) if s < len(order) else None for s in slots])
+
+    def loss_tokens(self, step: int) -> int:
+        """The targets the loss counts in the whole global batch of ``step`` (every rank and
+        microbatch): what the step's summed loss is divided by. Known on every rank without
+        communication, since the global batch is."""
+        order = self.window_order(self.epoch_of(step))
+        first = self._first_slot(step)
+        return int(self.windows.counted[order[first:first + self.global_batch]].sum())
+
+    def _first_slot(self, step: int) -> int:
+        return (step - 1) % self.steps_per_epoch * self.global_batch

@@ -63,6 +63,10 @@ class WindowSampler:
         windows = torch.stack(rows)
         return Batch(inputs=windows[:, :-1], targets=windows[:, 1:])
 
+    def loss_tokens(self, step: int) -> int:
+        """The targets the loss counts in the global batch of ``step``: every one of them."""
+        return self.microbatches * self.world_size * self.local_batch * self.seq_len
+
     def _global_starts(self, step: int) -> torch.Tensor:
         generator = torch.Generator().manual_seed(mix_seed(self.seed, step))
         count = self.microbatches * self.world_size * self.local_batch

@@ -124,7 +124,12 @@ class DataSection:
     val_fraction: float = 0.005
     """Without val_path: the fraction of the training file, taken from its end (at least one window
     of seq_len + 1 tokens), held out for the validation loss and never sampled for training; 0 holds
-    nothing out. A resumed run keeps the split its checkpoint recorded, so its windows do not change."""
+    nothing out. A resumed run keeps the split its checkpoint recorded, so its windows do not change.
+    A file of samples holds out its last samples instead (at least one)."""
+    packing: bool = True
+    """A file of samples (prompt/completion or chat rows): pack whole samples into each window,
+    attending only within a sample (document-causal attention, positions restarting per sample);
+    false puts one sample in each window, padded, for models without document attention."""
 
     def __post_init__(self) -> None:
         require(self.seq_len > 0, "data.seq_len must be positive")
@@ -136,7 +141,10 @@ class DataSection:
 @dataclass(frozen=True)
 class TrainSection:
     steps: int = 300
-    """Optimizer steps in the whole run (the cosine schedule ends here)."""
+    """Optimizer steps in the whole run (the cosine schedule ends here); see also ``epochs``."""
+    epochs: int | None = None
+    """With a file of samples: passes over the training samples, each in its own order; the run
+    then has epochs x (steps per epoch) steps, whatever ``steps`` says. None: ``steps`` decides."""
     lr: float | None = None
     """Peak learning rate of AdamW; None: the model preset's (mfsdp/train/recipes.py: 3e-3 for
     tiny, 3e-4 for 1b and 8b, 1.5e-4 for 70b)."""
@@ -209,6 +217,7 @@ class TrainSection:
         _one_of(self, "async_checkpoint", ("auto", "true", "false"))
         _one_of(self, "adamw_kernel", ("auto", "fused", "foreach"))
         require(self.steps > 0, "train.steps must be positive")
+        require(self.epochs is None or self.epochs > 0, "train.epochs must be positive")
         require(self.lr is None or self.lr > 0, "train.lr must be positive")
         require(self.warmup_steps is None or 0 <= self.warmup_steps,
                  "train.warmup_steps must not be negative")
@@ -317,6 +326,7 @@ class RunConfig:
     """Continue from the newest complete checkpoint in OUT_DIR/checkpoints."""
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "_given_train", self.train)  # before the recipe fills it in
         problem = float8_placement_problem(self.model.float8, self.parallel.placements)
         require(problem is None, problem)
         # The one place the schedule's unset fields (None) become the preset's: every reader of
@@ -328,6 +338,11 @@ class RunConfig:
                 t, lr=recipe.lr if t.lr is None else t.lr,
                 warmup_steps=recipe.warmup_for(t.steps) if t.warmup_steps is None else t.warmup_steps,
                 min_lr_ratio=recipe.min_lr_ratio if t.min_lr_ratio is None else t.min_lr_ratio))
+
+    def with_steps(self, steps: int) -> "RunConfig":
+        """This config for a run of ``steps`` steps (``--train.epochs``), the recipe's warm-up
+        re-derived for them where no flag set it."""
+        return dataclasses.replace(self, train=dataclasses.replace(self._given_train, steps=steps))
 
     def recipe(self) -> tuple[str, Recipe]:
         """The name and schedule of the model's recipe (``mfsdp.train.recipes``): the preset's, or

@@ -48,14 +48,24 @@ def export_hf(checkpoint: Path, out: Path, log) -> None:
     agree(problem)
 
 
+CHAT_PROMPT = "Write a short greeting."
+"""The user turn of a fine-tuned (chat) model's sample."""
+
+
 def print_sample(cfg: RunConfig, model, data: TokenFile, device: torch.device, log) -> None:
-    """A few hundred tokens continuing a short prompt; a collective (the model is sharded)."""
+    """A few hundred tokens continuing a short prompt: for a model trained on samples, the answer
+    to a user turn rendered by the data's chat template; a collective (the model is sharded)."""
     try:
         tokenizer = load_tokenizer(data.tokenizer)
+        chat = data.num_samples is not None
+        prompt = tokenizer.render_chat([{"role": "user", "content": CHAT_PROMPT}], True) if chat else "def "
     except DataError as err:
         log(f"(no text sample: {err})")
         return
-    prompt = "def "
     text = generate_text(model, tokenizer, prompt, cfg.train.sample_tokens, max_context=cfg.data.seq_len,
-                         device=device, seed=cfg.train.seed)
-    log(f"\n--- sample (temperature 0.8, prompt {prompt!r}) ---\n{text}\n--- end ---")
+                         device=device, seed=cfg.train.seed, stop_id=tokenizer.end_of_document if chat else None)
+    if chat:  # the answer, up to the end of its turn
+        log(f"\n--- sample (temperature 0.8, {tokenizer.template_name}; user: {CHAT_PROMPT!r}) ---\n"
+            f"{text}\n--- end ---")
+    else:
+        log(f"\n--- sample (temperature 0.8, prompt {prompt!r}) ---\n{prompt}{text}\n--- end ---")

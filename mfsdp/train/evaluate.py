@@ -1,7 +1,7 @@
-"""The validation loss of ``mfsdp train``: which tokens are held out, and the loss on them.
+"""The validation loss of ``mfsdp train``: which tokens (or samples) are held out, and the loss on them.
 
-The split is part of a run's data state: the training windows depend on how many tokens the held-out
-tail takes, so each checkpoint records it (``meta.json`` key ``held_out``) and a resumed run keeps
+The split is part of a run's data state: the training windows depend on how many tokens (in a file
+of samples: how many samples) the held-out tail takes, so each checkpoint records it (``meta.json`` key ``held_out``) and a resumed run keeps
 the recorded split, whatever ``--data.val_fraction`` says now. A checkpoint without the record was
 written before held-out splits existed and sampled the whole file: it resumes with none.
 The note below is the choreography of evaluating through the sharded model.
@@ -16,78 +16,86 @@ already have gathered the root and the next ``prefetch_depth`` modules for the n
 (``CommunicationPolicy.prefetch_across_step``); the evaluation's first forward uses those gathers
 (the weights are final for the step) and its last forward reshards them, so the next training
 forward gathers afresh: correct, at the cost of that one step's early overlap. The loss is
-cross entropy only (no MoE load-balancing term), summed over tokens in fp32 per batch, accumulated
-in fp64 and all-reduced with the token count: a token-weighted mean over the same windows at every
-world size and placement.
+cross entropy only (no MoE load-balancing term) over the targets training counts (answers only, for
+samples), summed in fp32 per batch, accumulated in fp64 and all-reduced with their count: a
+token-weighted mean over the same windows at every world size and placement.
 """
 
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
-from mfsdp.data import EvalWindows, TokenFile, held_out_tokens
-from mfsdp.models.outputs import logits_of
+from mfsdp.data import EvalWindows, PackedEvalWindows, TokenFile, held_out_samples, held_out_tokens
+from mfsdp.models.llama import IGNORE_INDEX
 from mfsdp.train.checkpoint import CheckpointMeta
+from mfsdp.train.step import summed_loss
+
 
 def held_out_split(cfg, data: TokenFile, resumed_meta: CheckpointMeta | None) -> tuple[int, list[str]]:
-    """How many tokens at the end of the training file are held out, and notes for the user.
+    """How many tokens (in a file of samples: samples) at the end of the training file are held
+    out, and notes for the user.
 
     A fresh run takes them from ``--data.val_fraction`` (none with ``--data.val_path``); a resumed
     run takes what its checkpoint recorded (none when it recorded nothing)."""
-    d = cfg.data
-    wanted = 0 if d.val_path is not None else held_out_tokens(len(data), d.val_fraction, d.seq_len)
+    d, unit = cfg.data, split_unit(data)
+    wanted = 0 if d.val_path is not None else (
+        held_out_samples(data.num_samples, d.val_fraction) if unit == "samples"
+        else held_out_tokens(len(data), d.val_fraction, d.seq_len))
     if resumed_meta is None:
         return wanted, []
     record = resumed_meta.held_out
-    held = int(record["tokens"]) if isinstance(record, dict) else 0
+    held = int(record.get(unit, 0)) if isinstance(record, dict) else 0
     notes = []
     if record is None and wanted:
         notes.append("the checkpoint records no held-out split (written before they existed): "
                      "training keeps sampling the whole file; pass --data.val_path FILE for a "
                      "validation loss")
     elif held != wanted:
-        notes.append(f"keeping the checkpoint's held-out split ({held:,} tokens at the end of the "
+        notes.append(f"keeping the checkpoint's held-out split ({held:,} {unit} at the end of the "
                      f"training file, not the {wanted:,} the current flags give), so the training "
                      "windows do not change")
     return held, notes
 
 
-def split_record(cfg, held: int) -> dict:
+def split_unit(data: TokenFile) -> str:
+    """What a split of ``data`` counts: "samples" for a file of samples, else "tokens"."""
+    return "tokens" if data.num_samples is None else "samples"
+
+
+def split_record(cfg, data: TokenFile, held: int) -> dict:
     """What ``meta.json`` records of the split (``held_out_split`` reads it back)."""
-    return {"tokens": held, "val_path": cfg.data.val_path, "val_fraction": cfg.data.val_fraction}
+    return {split_unit(data): held, "val_path": cfg.data.val_path, "val_fraction": cfg.data.val_fraction}
 
 
-def make_evaluator(cfg, data: TokenFile, held: int, rank: int, world: int, device: torch.device,
-                   to_device, log) -> "Evaluator | None":
+def make_evaluator(cfg, data: TokenFile, held: int, rank: int, world: int, device: torch.device, log) -> "Evaluator | None":
     """The run's evaluator over this rank's windows, from ``--data.val_path``, else the held-out tail;
     None (with a line saying why) when evaluation is off or nothing is held out."""
     d, t = cfg.data, cfg.train
     if t.eval_every == 0:
         return None
-    if d.val_path is not None:
-        windows = EvalWindows(TokenFile(d.val_path), d.seq_len, d.local_batch, rank, world, d.microbatches)
-    elif held:
-        windows = EvalWindows(data, d.seq_len, d.local_batch, rank, world, d.microbatches, start=len(data) - held)
-    else:
-        log("no held-out tokens (--data.val_fraction 0 and no --data.val_path): no validation loss")
+    source = TokenFile(d.val_path) if d.val_path is not None else data
+    shares = (d.seq_len, d.local_batch, rank, world, d.microbatches)
+    if d.val_path is None and not held:
+        log(f"no held-out {split_unit(data)} (--data.val_fraction 0 and no --data.val_path): no validation loss")
         return None
-    where = (f"{windows.data.path}" if d.val_path is not None else
-             f"the last {held:,} tokens of {data.path}, never trained on")
+    if source.num_samples is not None:
+        first = 0 if d.val_path is not None else source.num_samples - held
+        windows = PackedEvalWindows(source, *shares, samples=range(first, source.num_samples), packing=d.packing)
+    else:
+        windows = EvalWindows(source, *shares, start=0 if d.val_path is not None else len(data) - held)
+    where = (f"{source.path}" if d.val_path is not None else
+             f"the last {held:,} {split_unit(data)} of {data.path}, never trained on")
     log(f"validation loss every {t.eval_every} steps and at the end: {t.eval_batches} batches of "
         f"{world * d.local_batch * d.microbatches} windows from {where}")
-    return Evaluator(windows, t.eval_batches, device, to_device)
+    return Evaluator(windows, t.eval_batches, device)
 
 
 class Evaluator:
     """The validation loss over ``batches`` eval batches: a collective, every rank calls it."""
 
-    def __init__(self, windows: EvalWindows, batches: int, device: torch.device,
-                 to_device: Callable[[torch.Tensor, torch.device], torch.Tensor]):
-        self.windows, self.batches, self.device, self.to_device = windows, batches, device, to_device
+    def __init__(self, windows: EvalWindows | PackedEvalWindows, batches: int, device: torch.device):
+        self.windows, self.batches, self.device = windows, batches, device
 
     @torch.no_grad()
     def __call__(self, model: torch.nn.Module) -> torch.Tensor:
@@ -98,13 +106,8 @@ class Evaluator:
         totals = torch.zeros(2, dtype=torch.float64, device=self.device)
         try:
             for batch in self.windows.batches(self.batches):
-                inputs = self.to_device(batch.inputs, self.device)
-                targets = self.to_device(batch.targets, self.device)
-                logits = logits_of(model(inputs))
-                loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(),
-                                       reduction="sum")
-                totals[0] += loss.double()
-                totals[1] += targets.numel()
+                totals[0] += summed_loss(model, batch, self.device).double()
+                totals[1] += int((batch.targets != IGNORE_INDEX).sum())
         finally:
             model.train(was_training)
         dist.all_reduce(totals)

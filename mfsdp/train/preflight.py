@@ -16,9 +16,11 @@ import torch.distributed as dist
 from mfsdp.data import STDLIB, DataError, TokenFile, prepare_stdlib_corpus
 from mfsdp.models.llama import LlamaConfig
 from mfsdp.models.parallelize import mesh_shape_error
+from mfsdp.train.batches import steps_for_epochs
 from mfsdp.train.checkpoint import check_compatible, find_resumable
 from mfsdp.train.config import RunConfig
 from mfsdp.train.disk import check_disk
+from mfsdp.train.evaluate import held_out_split
 from mfsdp.train.report import run_line
 from mfsdp.train.errors import LAUNCHED_ENV, USER_ERRORS, ConfigError, RunFailed, agree
 
@@ -28,7 +30,8 @@ class ResolvedRun:
     """A run ready to build: every check passed on every rank."""
 
     cfg: RunConfig
-    """The config, with ``--parallel.offload auto`` resolved to a plain setting."""
+    """The config, with ``--parallel.offload auto`` resolved to a plain setting and
+    ``--train.epochs`` to steps."""
     data: TokenFile | None
     """The training token file (None where the launcher leaves the demo corpus to the workers)."""
     resume_from: Path | None
@@ -64,11 +67,13 @@ def check_run(cfg: RunConfig, world: int, device_type: str, open_data: Callable[
                         f"{model_cfg.vocab_size} embeddings; set --model.vocab_size {data.vocab_size} or more")
     if cfg.data.val_path is not None:
         _check_val_file(cfg.data.val_path, data, model_cfg)
-    resume_from, notes = None, []
+    resume_from, notes, meta = None, [], None
     if cfg.resume:
         resume_from, notes = find_resumable(Path(cfg.train.out_dir) / "checkpoints")
         if resume_from is not None:
-            check_compatible(resume_from, model_fingerprint(model_cfg))
+            meta = check_compatible(resume_from, model_fingerprint(model_cfg))
+    if data is not None:
+        cfg = _for_samples(cfg, data, world, meta)
     warning = check_disk(cfg, share=disk_share) if disk_share is not None else None
     return ResolvedRun(cfg, data, resume_from, tuple(notes), warning)
 
@@ -89,7 +94,7 @@ def preflight(cfg: RunConfig, device: torch.device, log: Callable[[str], None]) 
     agree(problem)
     if run.disk_warning:  # on the rank that checked its node's disk
         print(f"mfsdp train: warning: {run.disk_warning}", flush=True)
-    log(run_line(cfg, world, device, run.data))
+    log(run_line(run.cfg, world, device, run.data))
     cfg = resolve_offload(run.cfg, world, device, log)
     check_memory(cfg, world, device, log)
     return dataclasses.replace(run, cfg=cfg)
@@ -106,6 +111,18 @@ def open_data(cfg: RunConfig, log: Callable[[str], None]) -> TokenFile:
             prepare_stdlib_corpus(path)
         dist.barrier()
     return TokenFile(path)
+
+
+def _for_samples(cfg: RunConfig, data: TokenFile, world: int, resumed) -> RunConfig:
+    """The config for ``data``: ``--train.epochs`` as steps; packed samples refused where the
+    model has no document attention."""
+    if data.num_samples is not None and cfg.data.packing and cfg.model.hf is not None:
+        raise ConfigError(f"{data.path} holds samples, packed several to a window by default, and a "
+                          "--model.hf model trained through the manager has no document attention to keep "
+                          "them apart; use --data.packing false (one sample per window)")
+    if cfg.train.epochs is None:
+        return cfg
+    return cfg.with_steps(steps_for_epochs(cfg, data, held_out_split(cfg, data, resumed)[0], world))
 
 
 def cuda_problem(nproc: int = 1, local_rank: int = 0) -> str | None:

@@ -17,7 +17,15 @@ def run_line(cfg, world: int, device: torch.device, data) -> str:
     n_params = flops.param_counts(cfg.llama_config())["total"]
     return (f"mfsdp train: {cfg.model.preset} model, {n_params / 1e6:.1f}M parameters, {cfg.schedule_line()}, "
             f"{world} process(es) on {flops.device_name(device)}, {cfg.parallel.placements} placements, "
-            f"{len(data):,} tokens in {data.path}")
+            f"{data_words(cfg, data)}")
+
+
+def data_words(cfg, data) -> str:
+    """The training data in a few words: tokens, or samples and epochs."""
+    if data.num_samples is None:
+        return f"{len(data):,} tokens in {data.path}"
+    epochs = f", {cfg.train.epochs} epoch(s) of {cfg.train.steps // cfg.train.epochs} steps" if cfg.train.epochs else ""
+    return f"{data.num_samples:,} samples ({len(data):,} tokens) in {data.path}{epochs}"
 
 
 class StepReport:
@@ -38,13 +46,14 @@ class StepReport:
         if done is None:
             return False
         step, values, seconds, extra = done
-        out = StepOutput.unpack(values, self.world)
+        out = StepOutput.unpack(values, self.world, extra["loss_tokens"])
         tokens_per_s = self.tokens_per_step / seconds
         per_gpu = tokens_per_s / self.world
         record = {
             "step": step, "loss": out.loss, "lr": extra["lr"],
             "grad_norm": out.grad_norm, "step_time_s": seconds,
             "tokens_per_s": tokens_per_s, "tokens_per_s_per_gpu": per_gpu,
+            "loss_tokens": extra["loss_tokens"], "loss_tokens_per_s": extra["loss_tokens"] / seconds,
             "tflops_per_gpu": per_gpu * self.flops_per_token / 1e12,
             "mfu": per_gpu * self.flops_per_token / self.peak_flops if self.peak_flops else None,
             "peak_mem_gib": peak_memory_gib(self.device),

@@ -10,8 +10,10 @@ from mfsdp.models.outputs import logits_of
 @torch.no_grad()
 def generate_text(model: torch.nn.Module, tokenizer, prompt: str, new_tokens: int,
                   max_context: int, device: torch.device, seed: int = 0,
-                  temperature: float = 0.8) -> str:
-    """Sample ``new_tokens`` continuing ``prompt``; a collective when the model is sharded.
+                  temperature: float = 0.8, stop_id: int | None = None) -> str:
+    """The text of ``new_tokens`` sampled after ``prompt`` (the prompt not included); a collective
+    when the model is sharded. ``stop_id`` ends the text at that token's first occurrence (every
+    rank still runs all ``new_tokens`` forwards).
 
     Every rank runs the same number of forward passes, since each holds only a shard of
     the weights and must take part in gathering them. The ranks need not agree on the
@@ -20,10 +22,12 @@ def generate_text(model: torch.nn.Module, tokenizer, prompt: str, new_tokens: in
     recomputed per token, which is fine for a few hundred tokens of a small model.
     """
     ids = torch.tensor([tokenizer.encode(prompt)], dtype=torch.long, device=device)
+    prompt_tokens = ids.shape[1]
     generator = torch.Generator(device=device).manual_seed(seed)
     for _ in range(new_tokens):
         logits = logits_of(model(ids[:, -max_context:]))[:, -1].float()
         probs = torch.softmax(logits / temperature, dim=-1)
         next_id = torch.multinomial(probs, 1, generator=generator)
         ids = torch.cat([ids, next_id], dim=1)
-    return tokenizer.decode(ids[0].tolist())
+    new = ids[0, prompt_tokens:].tolist()
+    return tokenizer.decode(new[:new.index(stop_id)] if stop_id in new else new)

@@ -10,10 +10,11 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 import mfsdp
 from mfsdp.data import Batch
+from mfsdp.models.llama import Llama
+from mfsdp.models.loss import cross_entropy_sum
 from mfsdp.models.outputs import logits_of
 from mfsdp.train.config import TrainSection
 
@@ -24,7 +25,8 @@ class StepOutput:
     one step late (``unpack``); ``pack`` and ``unpack`` agree on the order, here only."""
 
     loss: object
-    """The cross entropy, the mean over the global batch (summed over ranks until ``unpack``)."""
+    """The cross entropy, the mean over the targets the global batch counts (the sum over them
+    and every rank until ``unpack``)."""
     stop_votes: object
     """How many ranks asked to stop (Ctrl-C, SIGTERM) before this step."""
     aux_loss: object
@@ -36,9 +38,9 @@ class StepOutput:
         return torch.stack([getattr(self, f.name).to(torch.float32).reshape(()) for f in dataclasses.fields(self)])
 
     @classmethod
-    def unpack(cls, values: list[float], world: int) -> "StepOutput":
+    def unpack(cls, values: list[float], world: int, loss_tokens: int) -> "StepOutput":
         loss, votes, aux, norm = values
-        return cls(loss / world, votes, aux / world, norm)
+        return cls(loss / loss_tokens, votes, aux / world, norm)
 
 
 def lr_at(t: TrainSection, step: int) -> float:
@@ -50,31 +52,36 @@ def lr_at(t: TrainSection, step: int) -> float:
     return t.lr * (t.min_lr_ratio + (1 - t.min_lr_ratio) * cosine)
 
 
-def train_step(model, optimizer, batch: Callable[[int], Batch], microbatches: int, lr: float, grad_clip: float,
-               aux_coef: float | None, stop_requested: bool, device: torch.device) -> StepOutput:
+def train_step(model, optimizer, batch: Callable[[int], Batch], microbatches: int, loss_tokens: int, lr: float,
+               grad_clip: float, aux_coef: float | None, stop_requested: bool, device: torch.device) -> StepOutput:
     """Forward and backward over ``microbatches`` batches (``batch(i)``), clip, step; returns the
-    step's scalars, reduced over ranks in one all-reduce. ``aux_coef``: the weight of a mixture of
-    experts' load-balancing loss (None: the model has none)."""
+    step's scalars, reduced over ranks in one all-reduce. ``loss_tokens``: the targets counted in
+    the whole global batch; ``aux_coef``: the weight of a mixture of experts' load-balancing loss
+    (None: the model has none).
+
+    The loss is the mean over the global batch's counted targets, not a mean of per-microbatch
+    means: each microbatch's summed loss is scaled by ``world / loss_tokens`` (the gradient
+    reduction averages over ranks), so accumulation and data parallelism give the full batch's
+    gradient whatever share of its counted targets each window holds."""
     for group in optimizer.param_groups:
         group["lr"] = lr
+    scale = dist.get_world_size() / loss_tokens
     loss_sum = torch.zeros((), device=device)
     aux_sum = torch.zeros((), device=device)
     for micro in range(microbatches):
         b = batch(micro)
-        inputs, targets = to_device(b.inputs, device), to_device(b.targets, device)
         # Without accumulation there is nothing to defer, so skip the context.
         accumulate = (mfsdp.microbatch(model, is_last=micro == microbatches - 1) if microbatches > 1
                       else nullcontext())
         with accumulate, torch.profiler.record_function("mfsdp.train.forward_backward"):
-            logits = logits_of(model(inputs))
-            loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
-            objective = loss
-            if aux_coef is not None:  # plus the weighted load-balancing loss
+            loss = summed_loss(model, b, device)
+            objective = loss * scale
+            if aux_coef is not None:  # plus the weighted load-balancing loss, a per-microbatch mean
                 aux = model.aux_loss()
-                objective = loss + aux_coef * aux
+                objective = objective + aux_coef * aux / microbatches
                 aux_sum += aux.detach() / microbatches
-            (objective / microbatches).backward()
-        loss_sum += loss.detach() / microbatches
+            objective.backward()
+        loss_sum += loss.detach()
     with torch.profiler.record_function("mfsdp.train.optimizer_step"):
         grad_norm = _clip(model, grad_clip)
         optimizer.step()
@@ -83,6 +90,18 @@ def train_step(model, optimizer, batch: Callable[[int], Batch], microbatches: in
     shared = torch.stack([loss_sum, torch.full((), float(stop_requested), device=device), aux_sum])
     dist.all_reduce(shared)
     return StepOutput(shared[0], shared[1], shared[2], grad_norm.to(device, torch.float32))
+
+
+def summed_loss(model, batch: Batch, device: torch.device) -> torch.Tensor:
+    """The fp32 sum of the cross entropy over ``batch``'s counted targets (-100: not counted).
+    The bundled model takes the positions and document ids of packed samples and computes the
+    loss in its head (``Llama.loss_fn``); other models return logits."""
+    inputs, targets = to_device(batch.inputs, device), to_device(batch.targets, device)
+    if isinstance(model, Llama):
+        extra = {name: to_device(value, device) for name in ("positions", "document_ids")
+                 if (value := getattr(batch, name)) is not None}
+        return model(inputs, labels=targets, **extra)[0]
+    return cross_entropy_sum(logits_of(model(inputs)), targets)[0]
 
 
 def _clip(model, grad_clip: float) -> torch.Tensor:

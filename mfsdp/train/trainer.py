@@ -10,8 +10,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from mfsdp.data import WindowSampler
 from mfsdp.models.moe import MoELlama
+from mfsdp.train.batches import make_sampler
 from mfsdp.train.build import build, shard_numel
 from mfsdp.train.checkpoint import CheckpointMeta, load_checkpoint
 from mfsdp.train.checkpoint.async_save import make_checkpointer
@@ -20,7 +20,7 @@ from mfsdp.train.evaluate import held_out_split, make_evaluator, split_record
 from mfsdp.train.metrics import MetricsLog, StepReadout, TensorBoardLog
 from mfsdp.train.preflight import ResolvedRun, model_fingerprint
 from mfsdp.train.report import NoProgress, StepReport, progress_bar
-from mfsdp.train.step import lr_at, to_device, train_step
+from mfsdp.train.step import lr_at, train_step
 
 
 class StopSignal:
@@ -65,9 +65,8 @@ class Trainer:
         held, notes = held_out_split(cfg, self.data, resumed)
         for line in notes:
             self.log(line)
-        sampler = WindowSampler(self.data, d.seq_len, d.local_batch, self.rank, self.world, seed=d.seed,
-                                microbatches=d.microbatches, limit=len(self.data) - held)
-        evaluator = make_evaluator(cfg, self.data, held, self.rank, self.world, self.device, to_device, self.log)
+        sampler = make_sampler(cfg, self.data, held, self.rank, self.world)
+        evaluator = make_evaluator(cfg, self.data, held, self.rank, self.world, self.device, self.log)
         logs = (MetricsLog(self.out_dir / "metrics.jsonl", enabled=self.rank == 0, keep_until_step=start_step),
                 TensorBoardLog(self.out_dir / "tensorboard", enabled=self.rank == 0 and cfg.metrics.tensorboard,
                                purge_step=start_step + 1 if start_step else None))
@@ -77,7 +76,7 @@ class Trainer:
                                          shard_numel(model), cfg.parallel.collective_timeout_s, self.note,
                                          model, optimizer)
         meta = CheckpointMeta(model=model_fingerprint(self.model_cfg), config=cfg.to_dict(), world_size=self.world,
-                              data_seed=d.seed, held_out=split_record(cfg, held), hf_config=cfg.hf_config())
+                              data_seed=d.seed, held_out=split_record(cfg, self.data, held), hf_config=cfg.hf_config())
         last, stopped = self.train(model, optimizer, sampler, evaluator, logs, checkpointer, start_step, meta)
         for log in logs:
             log.close()
@@ -114,14 +113,17 @@ class Trainer:
         stop_signal = StopSignal(self.log)
         step, stop = start_step, False
         for step in range(start_step + 1, t.steps + 1):
-            lr = lr_at(t, step)
-            out = train_step(model, optimizer, lambda micro: sampler.batch(step, micro), d.microbatches, lr,
-                             t.grad_clip, aux_coef, stop_signal.requested, self.device)
-            end, extra = readout.mark(), {"lr": lr}
+            lr, loss_tokens = lr_at(t, step), sampler.loss_tokens(step)
             evaluated = evaluator is not None and (step % t.eval_every == 0 or step == t.steps)
-            if evaluated:  # read with this step's record, one step late; see the note in evaluate.py
-                extra["val_loss"] = evaluator(model)
-            stop = report(readout.push(step, out.pack(), extra, end)) or stop
+            if loss_tokens:
+                out = train_step(model, optimizer, lambda micro: sampler.batch(step, micro), d.microbatches,
+                                 loss_tokens, lr, t.grad_clip, aux_coef, stop_signal.requested, self.device)
+                end, extra = readout.mark(), {"lr": lr, "loss_tokens": loss_tokens}
+                if evaluated:  # read with this step's record, one step late; see the note in evaluate.py
+                    extra["val_loss"] = evaluator(model)
+                stop = report(readout.push(step, out.pack(), extra, end)) or stop
+            else:  # every rank sees the same global batch, so all skip it
+                self.note(f"step {step}: the global batch counts no target (only prompts or padding); skipped")
             if evaluated:
                 readout.restart_clock()  # the next step's time leaves the evaluation out
             checkpointer.poll(step)  # publishes a finished background write, or raises
