@@ -1,0 +1,191 @@
+"""``--train.save_only_model``: checkpoints of the model's weights alone (in ``--train.save_dtype``),
+written by real two-rank CPU runs, synchronously and in the background; their size, a resume that
+starts the optimizer afresh, ``mfsdp export`` of them and the older meta.json formats."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from mfsdp.data import prepare
+from mfsdp.data.prepare import stdlib_source
+from mfsdp.models import param_counts
+from mfsdp.train.checkpoint import (CheckpointError, Checkpointer, CheckpointMeta, find_latest, load_checkpoint,
+                                    save_checkpoint, staging_bytes)
+from mfsdp.train.checkpoint.storage import state_of
+from mfsdp.train.config import ConfigError, load_config
+from test_eval_loss import SMALL
+from test_train_checkpoint import META, make
+from test_train_e2e import stopped_copy
+
+pytestmark = [pytest.mark.timeout(240), pytest.mark.filterwarnings("ignore::UserWarning")]
+
+RUN = [*SMALL, "--train.steps", "4", "--train.checkpoint_every", "2", "--train.keep_checkpoints", "0",
+       "--data.local_batch", "2", "--train.eval_every", "0"]
+MODEL_ONLY = ["--train.save_only_model", "true"]
+RESUMED = ("resumed the weights from {} at step 2; the optimizer state starts fresh (the checkpoint holds "
+           "the model only)")
+
+
+def run_logged(rank, world_size, argv):
+    """One `mfsdp train` run in this world's processes; rank 0 returns what it printed."""
+    from mfsdp.train.preflight import preflight
+    from mfsdp.train.trainer import Trainer
+
+    cfg, out = load_config(argv), io.StringIO()
+    with contextlib.redirect_stdout(out):
+        Trainer(preflight(cfg, torch.device("cpu"), print), torch.device("cpu")).run()
+    return out.getvalue() if rank == 0 else None
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    path = tmp_path_factory.mktemp("model_only") / "small.tokens"
+    prepare(stdlib_source(), path, glob="a*.py")
+    return path
+
+
+def train(world, corpus, out, *args, base=RUN) -> str:
+    return world(2).run(run_logged, argv=[*base, "--data.path", str(corpus), "--train.out_dir", str(out), *args])[0]
+
+
+@pytest.fixture(scope="module")
+def runs(world, corpus, tmp_path_factory):
+    """The same 4 steps three times, saving at steps 2 and 4: the full state (synchronously), the
+    weights in fp32 (synchronously) and the weights in bf16 (in the background)."""
+    root = tmp_path_factory.mktemp("runs")
+    train(world, corpus, root / "full")
+    train(world, corpus, root / "fp32", *MODEL_ONLY, "--train.save_dtype", "fp32")
+    log = train(world, corpus, root / "bf16", *MODEL_ONLY, "--train.save_dtype", "bf16",
+                "--train.async_checkpoint", "true")
+    assert "checkpoints are written in the background" in log and "checkpoint step_4 saved" in log, log
+    return root
+
+
+def tensors(checkpoint, prefix: str) -> dict[str, torch.Tensor]:
+    """Every tensor of ``checkpoint`` whose key starts with ``prefix``, read in one process."""
+    saved = dcp.FileSystemReader(checkpoint).read_metadata().state_dict_metadata
+    state = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in saved.items()
+             if k.startswith(prefix) and hasattr(m, "size")}
+    dcp.load(state, checkpoint_id=checkpoint, no_dist=True)
+    return state
+
+
+def on_disk(checkpoint) -> int:
+    return sum(p.stat().st_size for p in checkpoint.iterdir())
+
+
+def test_a_model_only_checkpoint_holds_the_weights_alone_in_its_dtype(runs):
+    params = param_counts(load_config(RUN).llama_config())["total"]
+    for name, size in (("fp32", 4), ("bf16", 2)):
+        checkpoint = runs / name / "checkpoints" / "step_4"
+        meta = CheckpointMeta.read(checkpoint)
+        assert (meta.format, meta.contents, meta.weights_dtype, meta.model_only) == (2, "model", name, True)
+        saved = dcp.FileSystemReader(checkpoint).read_metadata().state_dict_metadata
+        assert {k.split(".")[0] for k in saved} == {"model", "rng"}  # no optimizer state
+        assert {m.properties.dtype for k, m in saved.items() if k.startswith("model.")} == {getattr(torch, {
+            "fp32": "float32", "bf16": "bfloat16"}[name])}
+        # The weights, plus torch.save's header of each shard written (about 1.5 kB), the two ranks'
+        # generator states (5 kB each), .metadata and meta.json.
+        chunks = len(dcp.FileSystemReader(checkpoint).read_metadata().storage_data)
+        assert params * size <= on_disk(checkpoint) <= params * size + 2048 * chunks + 32 * 1024, name
+    full = CheckpointMeta.read(runs / "full" / "checkpoints" / "step_4")
+    assert (full.contents, full.weights_dtype) == ("full", "fp32")
+    assert on_disk(runs / "full" / "checkpoints" / "step_4") >= 12 * params
+
+
+def test_fp32_weights_are_the_full_checkpoints_main_weights_bit_for_bit(runs):
+    full, fp32, bf16 = (tensors(runs / n / "checkpoints" / "step_4", "model.") for n in ("full", "fp32", "bf16"))
+    assert full.keys() == fp32.keys() == bf16.keys() and full
+    for key, value in full.items():
+        assert torch.equal(fp32[key], value), key
+        assert torch.equal(bf16[key], value.to(torch.bfloat16)), key
+
+
+def test_a_resume_loads_the_weights_and_starts_the_optimizer_afresh(runs, world, corpus, tmp_path):
+    out = stopped_copy(runs / "bf16", 2, tmp_path / "resumed")
+    # Resumed with full saves, so the step-4 checkpoint shows the optimizer's own step count.
+    log = train(world, corpus, out, "--resume")
+    checkpoint = out / "checkpoints" / "step_2"
+    assert RESUMED.format(checkpoint) in log.splitlines() and "Traceback" not in log, log
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [3, 4] and all(r["loss"] == r["loss"] for r in records)
+    final = out / "checkpoints" / "step_4"
+    assert find_latest(out / "checkpoints") == final and not CheckpointMeta.read(final).model_only
+    steps = {v.item() for k, v in tensors(final, "optimizer.state.").items() if k.endswith(".step")}
+    assert steps == {2.0}  # two steps since the resume, not four
+
+
+def test_a_model_only_checkpoint_loads_back_exactly_and_leaves_the_optimizer_alone(tmp_path):
+    model, optimizer = make(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        path = save_checkpoint(tmp_path / str(dtype), 3, model, optimizer, META, save_dtype=dtype)
+        other = torch.nn.Linear(8, 8)
+        fresh = torch.optim.AdamW(other.parameters(), lr=0.1)
+        assert load_checkpoint(path, other, fresh).model_only and not fresh.state
+        assert torch.equal(other.weight, model.weight.detach().to(dtype).float())
+
+
+def test_the_background_staging_holds_the_model_only_bytes(tmp_path):
+    model, optimizer = make(0)
+    saver = Checkpointer(tmp_path, keep=2, asynchronous=True, model=model, optimizer=optimizer,
+                         save_dtype=torch.bfloat16)
+    path = saver.save(1, model, optimizer, META)
+    state = state_of(model, optimizer, model_only=True)
+    assert "optimizer" not in state and saver._stager.nbytes() == staging_bytes(state, torch.bfloat16)
+    saver.close()
+    n = model.weight.numel() + model.bias.numel()
+    assert 2 * n <= staging_bytes(state, torch.bfloat16) <= 2 * n + 8192  # the weights and the generator
+    assert CheckpointMeta.read(path).weights_dtype == "bf16"
+    assert torch.equal(tensors(path, "model.")["model.weight"], model.weight.detach().to(torch.bfloat16))
+
+
+def test_mfsdp_export_of_a_model_only_checkpoint_equals_that_of_the_full_one(runs, tmp_path):
+    from safetensors.torch import load_file
+
+    from mfsdp.cli import main as cli_main
+
+    def exported(run: str, dtype: str) -> dict:
+        out = tmp_path / f"{run}-{dtype}"
+        assert cli_main(["export", str(runs / run / "checkpoints" / "step_4"), str(out), "--dtype", dtype]) == 0
+        assert json.loads((out / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+        return load_file(out / "model.safetensors")
+
+    for run, dtype in (("fp32", "fp32"), ("fp32", "bf16"), ("bf16", "bf16")):
+        mine, full = exported(run, dtype), exported("full", dtype)
+        assert mine.keys() == full.keys() and all(torch.equal(mine[k], full[k]) for k in full), (run, dtype)
+
+
+def test_meta_json_of_the_formats_before_contents_reads_as_the_full_state(tmp_path):
+    model, optimizer = make(0)
+    path = save_checkpoint(tmp_path, 3, model, optimizer, META)
+    record = json.loads((path / "meta.json").read_text())
+    assert (record["format"], record["contents"], record["weights_dtype"]) == (2, "full", "fp32")
+    for old in ({"format": 1}, {}):  # format 1, and format 0 (no "format" at all)
+        kept = {k: v for k, v in record.items() if k not in ("format", "contents", "weights_dtype")}
+        (path / "meta.json").write_text(json.dumps({**kept, **old}))
+        meta = CheckpointMeta.read(path)
+        assert (meta.format, meta.contents, meta.weights_dtype, meta.model_only) == (old.get("format", 0), "full",
+                                                                                     "fp32", False)
+        other, fresh = make(1)
+        load_checkpoint(path, other, fresh)
+        assert torch.equal(fresh.state_dict()["state"][0]["exp_avg"], optimizer.state_dict()["state"][0]["exp_avg"])
+    (path / "meta.json").write_text(json.dumps({**record, "contents": "weights"}))
+    with pytest.raises(CheckpointError, match=r"unreadable meta.json \(contents 'weights' \(one of full, model\)"):
+        CheckpointMeta.read(path)
+
+
+def test_save_dtype_needs_save_only_model():
+    assert load_config([*MODEL_ONLY]).save_dtype("cuda") == torch.bfloat16  # auto: the compute dtype
+    assert load_config([*MODEL_ONLY]).save_dtype("cpu") == torch.float32
+    assert load_config([*MODEL_ONLY, "--train.save_dtype", "bf16"]).save_dtype("cpu") == torch.bfloat16
+    assert load_config([]).save_dtype("cuda") is None
+    with pytest.raises(ConfigError, match="--train.save_dtype applies to --train.save_only_model true"):
+        load_config(["--train.save_dtype", "fp32"])
+    with pytest.raises(ConfigError, match="train.save_dtype must be one of auto, fp32, bf16"):
+        load_config([*MODEL_ONLY, "--train.save_dtype", "fp16"])
