@@ -1,6 +1,7 @@
 """``--train.save_only_model``: checkpoints of the model's weights alone (in ``--train.save_dtype``),
 written by real two-rank CPU runs, synchronously and in the background; their size, a resume that
-starts the optimizer afresh, ``mfsdp export`` of them and the older meta.json formats."""
+starts the optimizer afresh, ``mfsdp export`` of them, the disk check that names them and the
+older meta.json formats."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from mfsdp.train.checkpoint import (CheckpointError, Checkpointer, CheckpointMet
 from mfsdp.train.checkpoint.storage import state_of
 from mfsdp.train.config import ConfigError, load_config
 from test_eval_loss import SMALL
+from test_prelaunch_checks import launch  # noqa: F401  (the disk check's fixture)
 from test_train_checkpoint import META, make
 from test_train_e2e import stopped_copy
 
@@ -159,6 +161,22 @@ def test_mfsdp_export_of_a_model_only_checkpoint_equals_that_of_the_full_one(run
     for run, dtype in (("fp32", "fp32"), ("fp32", "bf16"), ("bf16", "bf16")):
         mine, full = exported(run, dtype), exported("full", dtype)
         assert mine.keys() == full.keys() and all(torch.equal(mine[k], full[k]) for k in full), (run, dtype)
+
+
+def test_the_disk_check_names_save_only_model_where_the_weights_would_fit(launch):  # noqa: F811
+    # Half a full checkpoint of room: the fp32 weights (a third of one) fit, the full state does not.
+    code, err, _, started = launch(0.5, "--train.checkpoint_every", "0")
+    assert code == 2 and not started and err.count("\n") == 1, err
+    assert "--train.save_only_model true (1 of its" in err and "checkpoints in fp32 fit)" in err, err
+    code, err, _, started = launch(0.5, "--train.checkpoint_every", "0", *MODEL_ONLY)
+    assert code == 0 and started and err == "", err
+    # Three at once (two kept and the one being written) of the bf16 weights, a sixth each, fit in one.
+    code, err, _, started = launch(1.0, *MODEL_ONLY, "--parallel.compute_dtype", "bf16")
+    assert code == 0 and started and err == "", err
+    code, err, _, started = launch(0.4, *MODEL_ONLY)
+    assert code == 0 and started and "room for 1: a later save" in err and "(the model's" not in err, err
+    code, err, _, _ = launch(0.2, *MODEL_ONLY)
+    assert code == 2 and "(the model's weights in fp32)" in err and "save_only_model" not in err, err
 
 
 def test_meta_json_of_the_formats_before_contents_reads_as_the_full_state(tmp_path):

@@ -69,7 +69,7 @@ def check_run(cfg: RunConfig, world: int, device_type: str, open_data: Callable[
         resume_from, notes = find_resumable(Path(cfg.train.out_dir) / "checkpoints")
         if resume_from is not None:
             check_compatible(resume_from, model_fingerprint(model_cfg))
-    warning = check_disk(cfg, share=disk_share) if disk_share is not None else None
+    warning = check_disk(cfg, disk_share, device_type) if disk_share is not None else None
     return ResolvedRun(cfg, data, resume_from, tuple(notes), warning)
 
 
