@@ -1,13 +1,14 @@
 """``--train.save_only_model``: checkpoints of the model's weights alone (in ``--train.save_dtype``),
 written by real two-rank CPU runs, synchronously and in the background; their size, a resume that
-starts the optimizer afresh, ``mfsdp export`` of them, the disk check that names them and the
-older meta.json formats."""
+starts the optimizer afresh, ``mfsdp export`` of them, the disk check that names them, the older
+meta.json formats, and a ``--model.hf`` run's tokenizer files going out with its export."""
 
 from __future__ import annotations
 
 import contextlib
 import io
 import json
+import shutil
 
 import pytest
 import torch
@@ -207,3 +208,53 @@ def test_save_dtype_needs_save_only_model():
         load_config(["--train.save_dtype", "fp32"])
     with pytest.raises(ConfigError, match="train.save_dtype must be one of auto, fp32, bf16"):
         load_config([*MODEL_ONLY, "--train.save_dtype", "fp16"])
+
+
+# ------------------------------------------------------------------ --model.hf: the tokenizer goes out too
+CHAT_TEMPLATE = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<eos>{% endfor %}"
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    """A tiny Qwen2 directory with a byte-level BPE tokenizer and a chat template of its own."""
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    from test_manager_models import make_hf
+
+    path = tmp_path_factory.mktemp("hf") / "tiny-qwen2"
+    make_hf("qwen2", vocab=300).save_pretrained(path)
+    bpe = Tokenizer(models.BPE(unk_token="<unk>"))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel()
+    bpe.train_from_iterator(["def foo(): return 1", "import os, sys"] * 10, trainers.BpeTrainer(
+        vocab_size=290, special_tokens=["<unk>", "<eos>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    transformers.PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<eos>", unk_token="<unk>").save_pretrained(path)
+    (path / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    return path
+
+
+def test_a_model_hf_runs_export_carries_its_tokenizer_files_and_chat_template(world, corpus, hf_dir, tmp_path):
+    import transformers
+
+    from mfsdp.train.export import TOKENIZER_FILES, export_hf
+
+    base = [a for flag, value in zip(RUN[::2], RUN[1::2]) if not flag.startswith("--model.") for a in (flag, value)]
+    out = tmp_path / "run"
+    log = train(world, corpus, out, "--model.hf", str(hf_dir), "--train.export_hf", "true", *MODEL_ONLY, base=base)
+    names = sorted(n for n in TOKENIZER_FILES if (hf_dir / n).is_file())
+    assert {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja"} <= set(names)
+    for name in names:
+        assert (out / "hf" / name).read_bytes() == (hf_dir / name).read_bytes(), name
+    assert f"tokenizer from {hf_dir}" in log, log
+    loaded = transformers.AutoTokenizer.from_pretrained(out / "hf")
+    assert loaded.chat_template == CHAT_TEMPLATE
+    assert transformers.AutoModelForCausalLM.from_pretrained(out / "hf").config.vocab_size == 300
+    # `mfsdp export` copies them too while the directory is there; once it is gone, the token file's
+    # tokenizer (bytes here: none) as before.
+    assert export_hf(out, tmp_path / "again").tokenizer == str(hf_dir)
+    shutil.move(hf_dir, tmp_path / "moved")
+    try:
+        done = export_hf(out, tmp_path / "gone")
+    finally:
+        shutil.move(tmp_path / "moved", hf_dir)
+    assert done.tokenizer is None and not any((tmp_path / "gone" / n).exists() for n in names)
