@@ -59,8 +59,8 @@ def test_a_bad_flag_is_one_line_and_exit_code_2_before_any_worker_starts(tmp_pat
     assert run.stderr.strip().splitlines() == [
         "mfsdp train: error: unknown config key train.stepz; known keys of train: steps, lr, "
         "warmup_steps, min_lr_ratio, weight_decay, beta1, beta2, adamw_kernel, grad_clip, seed, out_dir, "
-        "checkpoint_every, keep_checkpoints, sample_tokens, progress, device, skip_memory_check, "
-        "eval_every, eval_batches, export_hf, async_checkpoint, skip_disk_check"], run.stderr
+        "checkpoint_every, keep_checkpoints, save_only_model, save_dtype, sample_tokens, progress, device, "
+        "skip_memory_check, eval_every, eval_batches, export_hf, async_checkpoint, skip_disk_check"], run.stderr
     assert run.stdout == "" and not (tmp_path / "logs").exists()  # no worker ever started
 
 

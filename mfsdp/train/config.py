@@ -26,6 +26,11 @@ from mfsdp.train.recipes import RECIPES, Recipe, recipe_for
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 """The dtype flags' values ("auto" is each flag's own default, resolved by ``RunConfig``)."""
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The dtype flags' name of ``dtype``: "fp32" or "bf16"."""
+    return next(name for name, value in DTYPES.items() if value == dtype)
 COMPILE_CHOICES = ("auto", "true", "false")
 OFFLOAD_CHOICES = ("none", "optimizer", "auto")
 
@@ -173,7 +178,16 @@ class TrainSection:
     checkpoint_every: int = 100
     """Save every N steps (and always at the end); 0 saves only at the end."""
     keep_checkpoints: int = 2
-    """How many of the newest checkpoints to keep; 0 keeps all."""
+    """How many of the newest checkpoints to keep; 0 keeps all. A save is pruned to these only once
+    it is complete, so the default has up to 3 on disk at once (plus OUT_DIR/hf with --train.export_hf):
+    the disk check before the first step counts them and says how many fit."""
+    save_only_model: bool = False
+    """Checkpoints hold only the model's weights (in --train.save_dtype), not the fp32 main weights
+    and AdamW's moments: 2 bytes a parameter in bf16 instead of 12, for fine-tunes on a small disk.
+    A resume from one loads the weights and starts the optimizer afresh; `mfsdp export` reads it."""
+    save_dtype: str = "auto"
+    """The weights' dtype in a --train.save_only_model checkpoint: "auto" (the compute dtype, bf16 on
+    CUDA), "bf16" or "fp32" (the fp32 main weights exactly)."""
     sample_tokens: int = 300
     """Length of the text sample printed after training; 0 skips it."""
     progress: bool = True
@@ -226,6 +240,9 @@ class TrainSection:
         require(self.grad_clip >= 0, "train.grad_clip must not be negative")
         require(self.checkpoint_every >= 0, "train.checkpoint_every must not be negative")
         require(self.keep_checkpoints >= 0, "train.keep_checkpoints must not be negative")
+        _one_of(self, "save_dtype", ("auto", *DTYPES))
+        require(self.save_dtype == "auto" or self.save_only_model, "--train.save_dtype applies to "
+                "--train.save_only_model true checkpoints (full ones keep the fp32 main weights); set both")
         require(self.sample_tokens >= 0, "train.sample_tokens must not be negative")
         _one_of(self, "device", ("auto", "cuda", "cpu"))
         require(self.eval_every >= 0, "train.eval_every must not be negative (0 turns it off)")
@@ -372,6 +389,13 @@ class RunConfig:
         """``--parallel.compute_dtype``: "auto" is bf16 on CUDA and fp32 on CPU."""
         return DTYPES.get(self.parallel.compute_dtype) or (
             torch.bfloat16 if device_type == "cuda" else torch.float32)
+
+    def save_dtype(self, device_type: str) -> torch.dtype | None:
+        """The weights' dtype of a ``--train.save_only_model`` checkpoint ("auto": the compute
+        dtype), or None when checkpoints hold the whole training state."""
+        if not self.train.save_only_model:
+            return None
+        return DTYPES.get(self.train.save_dtype) or self.compute_dtype(device_type)
 
     def main_grads_name(self, device_type: str = "cuda") -> str:
         """What ``--parallel.main_grads_dtype`` means, "fp32" or "bf16": "auto" is the compute dtype

@@ -1,13 +1,14 @@
 """Will the checkpoints fit on disk? ``mfsdp train`` asks before its first step.
 
 A save that fails for want of space comes after the training it was meant to keep, hours into a
-long run (an 8b checkpoint is 96 GB: fp32 main weights and two AdamW moments). So before any worker
-starts, the launcher sizes one checkpoint (``checkpoint.checkpoint_bytes`` of the model's
-parameters), counts how many the run holds at once, adds the export when one
-is asked for, and compares that with the free space of ``--train.out_dir`` (its nearest existing
-ancestor, when it does not exist yet). Not even one checkpoint fits: ``ConfigError``, one line, exit
-2. Not all of them fit: a warning line, and the run starts. ``--train.skip_disk_check true`` skips
-the check.
+long run (an 8b checkpoint is 96 GB: fp32 main weights and two AdamW moments; 16 GB with
+``--train.save_only_model`` in bf16). So before any worker starts, the launcher sizes one
+checkpoint (``checkpoint.checkpoint_bytes`` of the model's parameters), counts how many the run
+holds at once, adds the export when one is asked for, and compares that with the free space of
+``--train.out_dir`` (its nearest existing ancestor, when it does not exist yet). Not even one
+checkpoint fits: ``ConfigError``, one line, exit 2. Not all of them fit: a warning line, and the run
+starts. Either line says how many fit, and names ``--train.save_only_model true`` where the full
+state does not fit but the model's weights would. ``--train.skip_disk_check true`` skips the check.
 
 DCP writes each rank's shards where that rank runs, so every node's launcher checks its own disk for
 its own ranks' share of each checkpoint. A directory that the nodes share is therefore checked for one
@@ -21,7 +22,7 @@ from pathlib import Path
 
 from mfsdp.models import flops
 from mfsdp.train.checkpoint import checkpoint_bytes, complete_checkpoints
-from mfsdp.train.config import RunConfig, TrainSection
+from mfsdp.train.config import RunConfig, TrainSection, dtype_name
 from mfsdp.train.errors import ConfigError
 
 GIB = 1 << 30
@@ -60,34 +61,64 @@ def free_space(path: str | Path) -> tuple[Path, int]:
     return where, shutil.disk_usage(where).free
 
 
-def check_disk(cfg: RunConfig, share: float = 1.0) -> str | None:
+def check_disk(cfg: RunConfig, share: float = 1.0, device_type: str = "cuda") -> str | None:
     """Raise ConfigError when not even one checkpoint fits the free space of ``out_dir``; return a
     warning line when the checkpoints held at once (and the export) do not all fit, else None.
-    ``share``: the part of each checkpoint this node writes (its ranks over the world)."""
+    ``share``: the part of each checkpoint this node writes (its ranks over the world);
+    ``device_type``: the run's, whose compute dtype a model-only checkpoint's "auto" is."""
     t = cfg.train
     if t.skip_disk_check:
         return None
-    one = int(checkpoint_bytes(flops.param_counts(cfg.llama_config())["total"]) * share)
+    params = flops.param_counts(cfg.llama_config())["total"]
+    one = int(checkpoint_bytes(params, cfg.save_dtype(device_type)) * share)
     root = Path(t.out_dir) / "checkpoints"
     where, free = free_space(root)
-    existing = len(complete_checkpoints(root)) if root.is_dir() else 0
-    count = new_checkpoints_at_once(t, existing)
+    count = new_checkpoints_at_once(t, len(complete_checkpoints(root)) if root.is_dir() else 0)
     export = export_bytes(cfg)
+    smaller = _model_only_fix(cfg, params, share, device_type, free - export)
     what = "this node's share of one checkpoint" if share < 1 else "one checkpoint"
     if one > free:
         raise ConfigError(
-            f"{what} of this run takes {one / GIB:.2f} GiB (fp32 main weights and AdamW moments) but "
-            f"{where} has {free / GIB:.2f} GiB free, so its first save would fail and lose the "
-            f"{first_save(t)} steps before it; point --train.out_dir at a disk with room, or free space "
+            f"{what} of this run takes {one / GIB:.2f} GiB ({_contents(cfg, device_type)}) but {where} has "
+            f"{free / GIB:.2f} GiB free, so its first save would fail and lose the {first_save(t)} steps before "
+            f"it; {smaller + ', ' if smaller else ''}point --train.out_dir at a disk with room, or free space "
             "there (--train.skip_disk_check true trains anyway)")
     if count * one + export <= free:
         return None
-    fits = (free - export) // one
-    fixes = ([f"keep fewer with --train.keep_checkpoints {fits - 1}"] if fits >= 2 else []) + [
-        "save only at the end with --train.checkpoint_every 0", "point --train.out_dir elsewhere"]
+    return _too_many(t, count, one, export, where, free, smaller)
+
+
+def _too_many(t: TrainSection, count: int, one: int, export: int, where: Path, free: int,
+              smaller: str | None) -> str:
+    """The warning when ``count`` checkpoints of ``one`` byte each and the export do not all fit
+    ``free``: how many do, and the fixes."""
+    fits = max(0, free - export) // one
+    fixes = ([f"keep fewer with --train.keep_checkpoints {fits - 1}"] if fits >= 2 else []) + (
+        ["save only at the end with --train.checkpoint_every 0"] if count > 1 else []) + [
+        *([smaller] if smaller else []), "point --train.out_dir elsewhere"]
     held = (f"{count} checkpoints on disk at once ({t.keep_checkpoints} kept plus the one being written)"
-            if t.keep_checkpoints and count == t.keep_checkpoints + 1 else f"{count} checkpoints")
-    plus = f" plus a {export / GIB:.2f} GiB export" if export else ""
-    return (f"this run writes {held} of {one / GIB:.2f} GiB each{plus}, {(count * one + export) / GIB:.2f} GiB "
-            f"in all, but {where} has {free / GIB:.2f} GiB free: a later save will fail; "
-            f"{', '.join(fixes[:-1])} or {fixes[-1]}")
+            if t.keep_checkpoints and count == t.keep_checkpoints + 1 else f"{count} checkpoint{'s' * (count > 1)}")
+    plus, beside = (f" plus a {export / GIB:.2f} GiB export", " beside the export") if export else ("", "")
+    return (f"this run writes {held} of {one / GIB:.2f} GiB{' each' * (count > 1)}{plus}, "
+            f"{(count * one + export) / GIB:.2f} GiB in all, but {where} has {free / GIB:.2f} GiB free, room for "
+            f"{fits}{beside}: a later save will fail; {', '.join(fixes[:-1])} or {fixes[-1]}")
+
+
+def _contents(cfg: RunConfig, device_type: str) -> str:
+    """What a checkpoint of ``cfg`` holds, in a few words."""
+    dtype = cfg.save_dtype(device_type)
+    return "fp32 main weights and AdamW moments" if dtype is None else f"the model's weights in {dtype_name(dtype)}"
+
+
+def _model_only_fix(cfg: RunConfig, params: int, share: float, device_type: str, room: int) -> str | None:
+    """The --train.save_only_model fix, naming how many of its checkpoints fit in ``room`` bytes;
+    None where checkpoints hold the model only already, or not even one of them would fit."""
+    if cfg.train.save_only_model:
+        return None
+    dtype = cfg.compute_dtype(device_type)
+    small = int(checkpoint_bytes(params, dtype) * share)
+    if small > room:
+        return None
+    beside = " beside the export" if cfg.train.export_hf else ""
+    return (f"save only the model with --train.save_only_model true ({room // small} of its "
+            f"{small / GIB:.2f} GiB checkpoints in {dtype_name(dtype)} fit{beside})")

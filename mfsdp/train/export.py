@@ -2,9 +2,11 @@
 
 ``export_hf(CHECKPOINT_OR_RUN_DIR, OUT_DIR)`` writes ``config.json``, the weights as safetensors
 (``model.safetensors``, or numbered files of at most ``max_shard_bytes`` plus
-``model.safetensors.index.json``) and, when the run's token file was made with a tokenizer
-directory, that tokenizer; ``transformers.AutoModelForCausalLM.from_pretrained(OUT_DIR)`` then loads
-the trained model.
+``model.safetensors.index.json``) and a tokenizer: a ``--model.hf`` run's directory's tokenizer
+files and chat template as they are, where that directory still has them, else the tokenizer the
+run's token file was made with (if any); ``transformers.AutoModelForCausalLM.from_pretrained(OUT_DIR)``
+then loads the trained model. A model-only checkpoint (``--train.save_only_model``, bf16 or fp32)
+exports as a full one does.
 
 * ``--model.hf`` runs go back out as the architecture they came in as: the parameter names are the
   model's own, matched to the checkpoint by the manager's rules (``mfsdp.manager.hf_checkpoint``:
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 import warnings
 from pathlib import Path
 
@@ -53,7 +56,7 @@ class Exported:
     files: int
     nbytes: int
     tokenizer: str | None
-    """The tokenizer directory copied, or None (the byte tokenizer, or a token file gone)."""
+    """The directory whose tokenizer was copied, or None (the byte tokenizer, or a token file gone)."""
 
 
 def resolve_checkpoint(source: str | Path) -> Path:
@@ -88,11 +91,7 @@ def export_hf(source: str | Path, out_dir: str | Path, dtype: torch.dtype = torc
         config, plan = _bundled_plan(run, saved, dtype)
         covered = {key for _, key in plan} | {MODEL + "output.weight"}  # a tied head: the embedding
     _refuse_unplaced(saved, plan, covered, config["architectures"][0], checkpoint)
-    tokenizer = _tokenizer(run)
-    if tokenizer is not None:
-        config.update(tokenizer.special_ids())
-    elif not run["model"].get("hf"):
-        config["eos_token_id"] = 256  # the byte tokenizer's end of document
+    tokenizer = _write_tokenizer(run, config, out)
     entries = [Entry(name, tuple(saved[key].size), dtype if saved[key].properties.dtype.is_floating_point
                      else saved[key].properties.dtype) for name, key in plan]
     keys, reader = dict(plan), dcp.FileSystemReader(checkpoint)
@@ -107,10 +106,8 @@ def export_hf(source: str | Path, out_dir: str | Path, dtype: torch.dtype = torc
 
     files = write_weights(out, entries, read, max_shard_bytes)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    if tokenizer is not None:
-        tokenizer.save(out)
     return Exported(out, config["architectures"][0], len(entries), files,
-                    sum(e.nbytes for e in entries), tokenizer.name if tokenizer else None)
+                    sum(e.nbytes for e in entries), tokenizer)
 
 
 # ------------------------------------------------------------------------- bundled models
@@ -193,6 +190,31 @@ def _hf_plan(run: dict, meta: CheckpointMeta, saved: dict, dtype: torch.dtype, o
 
 
 # ------------------------------------------------------------------------------ tokenizer
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "chat_template.jinja", "chat_template.json", "vocab.json", "merges.txt", "vocab.txt",
+                   "tokenizer.model", "spiece.model", "sentencepiece.bpe.model")
+"""Hugging Face's file names of a tokenizer and its chat template, as ``save_pretrained`` writes them."""
+
+
+def _write_tokenizer(run: dict, config: dict, out: Path) -> str | None:
+    """The run's tokenizer into ``out``: a ``--model.hf`` directory's tokenizer files as they are,
+    where it still has any (its config.json has the special ids), else the token file's tokenizer,
+    its special ids into ``config``. Returns the directory it came from, or None."""
+    hf = run["model"].get("hf")
+    files = [Path(hf) / name for name in TOKENIZER_FILES if hf and (Path(hf) / name).is_file()]
+    for file in files:
+        shutil.copyfile(file, out / file.name)
+    if files:
+        return hf
+    tokenizer = _tokenizer(run)
+    if tokenizer is not None:
+        config.update(tokenizer.special_ids())
+        tokenizer.save(out)
+    elif not hf:
+        config["eos_token_id"] = 256  # the byte tokenizer's end of document
+    return tokenizer.name if tokenizer else None
+
+
 def _tokenizer(run: dict):
     """The Hugging Face tokenizer the run's token file was made with, or None (bytes, or no file)."""
     from mfsdp.data import STDLIB, DataError, TokenFile

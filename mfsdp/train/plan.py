@@ -73,7 +73,8 @@ def main(argv: list[str]) -> int:
         e = plan.estimate_run(run, world, tp=tp, tp_in_process=True)
     except (ConfigError, ValueError, NotImplementedError) as err:
         return _error(str(err))
-    staging = checkpoint_bytes(e.breakdown.get("main weights", 0) // MAIN_WEIGHT_BYTES) if run.async_checkpoint else 0
+    staging = checkpoint_bytes(e.breakdown.get("main weights", 0) // MAIN_WEIGHT_BYTES,
+                               cfg.save_dtype("cuda")) if run.async_checkpoint else 0
     print(plan.report(run, e, str(cfg.model.hf or cfg.model.preset), world, tp, gpu, source,
                       int(own["--nproc-per-node"]), staging))
     print(f"\nmemory over the step: {plan.plot_phases(e, Path(own['--out']))}")

@@ -74,7 +74,7 @@ def check_run(cfg: RunConfig, world: int, device_type: str, open_data: Callable[
             meta = check_compatible(resume_from, model_fingerprint(model_cfg))
     if data is not None:
         cfg = _for_samples(cfg, data, world, meta)
-    warning = check_disk(cfg, share=disk_share) if disk_share is not None else None
+    warning = check_disk(cfg, disk_share, device_type) if disk_share is not None else None
     return ResolvedRun(cfg, data, resume_from, tuple(notes), warning)
 
 

@@ -74,7 +74,7 @@ class Trainer:
         checkpointer = make_checkpointer(self.out_dir / "checkpoints", t.keep_checkpoints, t.async_checkpoint,
                                          t.async_checkpoint_on(self.device.type), self.device.type,
                                          shard_numel(model), cfg.parallel.collective_timeout_s, self.note,
-                                         model, optimizer)
+                                         model, optimizer, cfg.save_dtype(self.device.type))
         meta = CheckpointMeta(model=model_fingerprint(self.model_cfg), config=cfg.to_dict(), world_size=self.world,
                               data_seed=d.seed, held_out=split_record(cfg, self.data, held), hf_config=cfg.hf_config())
         last, stopped = self.train(model, optimizer, sampler, evaluator, logs, checkpointer, start_step, meta)
@@ -93,7 +93,9 @@ class Trainer:
             return 0, None
         meta = load_checkpoint(self.resume_from, model, optimizer)
         fallback = " (the newest whole checkpoint)" if self.resume_notes else ""
-        self.log(f"resumed from {self.resume_from}{fallback} at step {meta.step}")
+        self.log(f"resumed the weights from {self.resume_from}{fallback} at step {meta.step}; the optimizer state "
+                 "starts fresh (the checkpoint holds the model only)" if meta.model_only else
+                 f"resumed from {self.resume_from}{fallback} at step {meta.step}")
         return meta.step, meta
 
     def train(self, model, optimizer, sampler, evaluator, logs, checkpointer, start_step: int,

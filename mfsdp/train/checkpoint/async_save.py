@@ -63,10 +63,11 @@ class Checkpointer:
     def __init__(self, root: str | os.PathLike, keep: int, asynchronous: bool,
                  pinned: bool = False, timeout_s: float = 1800.0, log=None,
                  model: torch.nn.Module | None = None,
-                 optimizer: torch.optim.Optimizer | None = None):
+                 optimizer: torch.optim.Optimizer | None = None, save_dtype: torch.dtype | None = None):
         self.root = Path(root)
         self.keep = keep
         self.asynchronous = asynchronous
+        self.save_dtype = save_dtype  # --train.save_only_model: the weights' dtype (None: the full state)
         self.log = log or (lambda message: None)  # one line per published save
         self._write: _Write | None = None
         self._step = 0  # the training step of the last poll
@@ -78,7 +79,7 @@ class Checkpointer:
             self._already_staged = _compat.already_staged_stager()
         except RuntimeError as err:
             raise CheckpointError(str(err)) from None
-        self._stager = HostStager(pinned)
+        self._stager = HostStager(pinned, save_dtype)
         if dist.is_initialized():  # collective: every rank builds its Checkpointer together
             timeout = timedelta(seconds=timeout_s)
             self._write_group = dist.new_group(backend="gloo", timeout=timeout)
@@ -89,14 +90,15 @@ class Checkpointer:
 
     def _prepare(self) -> None:
         """Start making the staging buffer in the background once the state dict's layout is
-        known: the optimizer has state (after loading a checkpoint, or after the first step).
-        Before that, ``get_optimizer_state_dict`` would initialise it with a step of its own,
-        which would change the training."""
+        known: the optimizer has state (after loading a checkpoint, or after the first step), or
+        is not saved. Before that, ``get_optimizer_state_dict`` would initialise it with a step of
+        its own, which would change the training."""
         model, optimizer = self._unprepared
-        if not getattr(optimizer, "state", True):
+        model_only = self.save_dtype is not None
+        if not (model_only or getattr(optimizer, "state", True)):
             return
         self._unprepared = None
-        self._stager.prepare(state_of(model, optimizer))
+        self._stager.prepare(state_of(model, optimizer, model_only))
 
     @property
     def writing(self) -> str | None:
@@ -108,7 +110,7 @@ class Checkpointer:
         """Save ``step``: at once, or staged and then written in the background."""
         start = time.perf_counter()
         if not self.asynchronous:
-            path = save_checkpoint(self.root, step, model, optimizer, meta, keep=self.keep)
+            path = save_checkpoint(self.root, step, model, optimizer, meta, self.keep, self.save_dtype)
             self.log(f"checkpoint {path.name} saved: training waited "
                      f"{time.perf_counter() - start:.2f} s for the whole write")
             return path
@@ -122,7 +124,7 @@ class Checkpointer:
         make_temp(self.root, final, temp, self._poll_group)
         problem, staged, note = None, None, ""
         try:
-            state = state_of(model, optimizer)
+            state = state_of(model, optimizer, model_only=self.save_dtype is not None)
             stall.planning = time.perf_counter() - mark
             staged = self._stager.stage(state)
             stall.pinning, stall.copy = self._stager.last_wait_s, self._stager.last_copy_s
@@ -182,7 +184,7 @@ class Checkpointer:
         error = write.future.exception()
         problem = None if error is None else describe(error)
         publish_when_written(self.root, write.step, write.meta, self.keep, problem,
-                              self._poll_group)
+                             self._poll_group, self.save_dtype)
         # The write ended after the poll of the step before self._step: the steps between
         # write.step and self._step ran while it was written.
         during = (f", over steps {write.step + 1}-{self._step}" if self._step > write.step
@@ -208,6 +210,9 @@ class HostStager:
     CPU tensor whose storage is larger than itself, which for plain views of one flat buffer would
     be a second copy of every byte.
 
+    With ``cast`` (a model-only save's dtype), every floating-point tensor is staged in that dtype,
+    cast on its device as it is copied, so the buffer holds the checkpoint's bytes exactly.
+
     DCP's own ``DefaultStager`` is not used: it takes a DTensor whose wrapper reports a non-zero
     ``data_ptr`` (mfsdp's parameters are views at an offset into a flat buffer) for a plain
     tensor, and fails on its storage ("invalid python storage").
@@ -216,8 +221,9 @@ class HostStager:
     _ALIGN = 64  # bytes; every dtype's view of the flat buffer starts aligned
     _PAGE = 4096  # bytes; the buffer is touched once per page before it is page-locked
 
-    def __init__(self, pinned: bool):
+    def __init__(self, pinned: bool, cast: torch.dtype | None = None):
         self.pinned = pinned
+        self.cast = cast
         self._flat: torch.Tensor | None = None
         self._layout: dict[tuple, tuple] = {}  # key path -> (offset, shape, dtype)
         self._views: dict[tuple, torch.Tensor] = {}  # key path -> its exact-storage view
@@ -230,7 +236,7 @@ class HostStager:
 
     def prepare(self, state: dict) -> None:
         """Allocate (and page-lock) the buffer for ``state``'s tensors in a background thread."""
-        layout, total = _staging_layout(_leaves(state))
+        layout, total = _staging_layout(_leaves(state), self.cast)
         self._join()
         if layout == self._layout:
             return
@@ -257,7 +263,7 @@ class HostStager:
         if error is not None:
             raise error
         leaves = _leaves(state)
-        layout, total = _staging_layout(leaves)
+        layout, total = _staging_layout(leaves, self.cast)
         if layout != self._layout:  # not prepared (or the shapes changed): allocate now
             self.close()
             self._allocate(layout, total)
@@ -354,20 +360,22 @@ def _storage_writer(path: Path) -> dcp.FileSystemWriter:
     return dcp.FileSystemWriter(path)
 
 
-def staging_bytes(state: dict) -> int:
-    """Host bytes that ``HostStager`` holds to stage ``state`` (a state dict as ``Checkpointer``
-    saves it): its tensors', a DTensor's counted by its shard on this rank, each rounded up to
-    64 bytes."""
-    return _staging_layout(_leaves(state))[1]
+def staging_bytes(state: dict, cast: torch.dtype | None = None) -> int:
+    """Host bytes that ``HostStager(cast=cast)`` holds to stage ``state`` (a state dict as
+    ``Checkpointer`` saves it): its tensors', a DTensor's counted by its shard on this rank, each
+    rounded up to 64 bytes."""
+    return _staging_layout(_leaves(state), cast)[1]
 
 
-def _staging_layout(leaves: dict) -> tuple[dict, int]:
+def _staging_layout(leaves: dict, cast: torch.dtype | None) -> tuple[dict, int]:
     """Where ``HostStager`` puts each tensor of ``leaves`` (key path -> (byte offset, shape,
-    dtype)) in its flat buffer, and the buffer's bytes: each tensor rounded up to 64 bytes."""
+    dtype)) in its flat buffer, and the buffer's bytes: each tensor (floating-point ones in
+    ``cast``, if given) rounded up to 64 bytes."""
     layout, total, align = {}, 0, HostStager._ALIGN
     for key, local in leaves.items():
-        layout[key] = (total, local.shape, local.dtype)
-        total += -(-local.numel() * local.element_size() // align) * align
+        dtype = cast if cast is not None and local.is_floating_point() else local.dtype
+        layout[key] = (total, local.shape, dtype)
+        total += -(-local.numel() * dtype.itemsize // align) * align
     return layout, total
 
 
@@ -390,10 +398,11 @@ def async_staging_problem(staging_per_rank: int, ranks_per_node: int, host_bytes
             "--train.async_checkpoint true forces them")
 
 def make_checkpointer(root: Path, keep: int, mode: str, asynchronous: bool, device_type: str, shard_params: int,
-                      timeout_s: float, log, model, optimizer) -> Checkpointer:
+                      timeout_s: float, log, model, optimizer, save_dtype: torch.dtype | None = None) -> Checkpointer:
     """The run's Checkpointer: ``asynchronous`` as ``--train.async_checkpoint`` ``mode`` asks, except
-    that "auto" stays synchronous where the node's staging would pin too much of its RAM."""
-    held = checkpoint_bytes(shard_params)
+    that "auto" stays synchronous where the node's staging would pin too much of its RAM;
+    ``save_dtype``: a model-only checkpoint's (None: the full training state)."""
+    held = checkpoint_bytes(shard_params, save_dtype)
     if asynchronous and mode == "auto":  # "true" forces it whatever it pins
         problem = async_staging_problem(held, int(os.environ.get("LOCAL_WORLD_SIZE", "1")), host_memory())
         if problem:
@@ -404,7 +413,7 @@ def make_checkpointer(root: Path, keep: int, mode: str, asynchronous: bool, devi
         log(f"checkpoints are written in the background (--train.async_checkpoint {mode}), staged in about "
             f"{size} of {'pinned ' if device_type == 'cuda' else ''}host memory per rank")
     return Checkpointer(root, keep, asynchronous, pinned=device_type == "cuda", timeout_s=timeout_s, log=log,
-                        model=model, optimizer=optimizer)  # to pin its staging early
+                        model=model, optimizer=optimizer, save_dtype=save_dtype)  # to pin its staging early
 
 
 def host_memory() -> int:

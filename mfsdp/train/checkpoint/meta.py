@@ -4,6 +4,7 @@ It is written last and lists every file of the checkpoint with its size, so its 
 checkpoint complete and the list lets a resume find a truncated one. ``format`` versions the
 record: a checkpoint written before the field existed reads as format 0, and its missing entries
 (the file list, the held-out split) are None, the one place where old layouts are told apart.
+Formats 0 and 1 predate ``--train.save_only_model`` and read as the full state in fp32.
 """
 
 from __future__ import annotations
@@ -12,10 +13,14 @@ import dataclasses
 import json
 from pathlib import Path
 
+import torch
+
+from mfsdp.train.config import DTYPES, dtype_name
 from mfsdp.train.errors import CheckpointError
 
 META = "meta.json"
-FORMAT = 1
+FORMAT = 2
+CONTENTS = ("full", "model")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,9 +45,27 @@ class CheckpointMeta:
     """Every file and its bytes (set at publishing); None: written before the list existed."""
     format: int = FORMAT
     """The version of this record."""
+    contents: str = "full"
+    """"full": the training state (fp32 main weights, optimizer state); "model": the weights only
+    (``--train.save_only_model``), so a resume starts the optimizer afresh."""
+    weights_dtype: str = "fp32"
+    """The weights' dtype on disk, a key of ``config.DTYPES``."""
 
-    def published(self, step: int, files: dict[str, int]) -> "CheckpointMeta":
-        return dataclasses.replace(self, step=step, files=files, format=FORMAT)
+    def __post_init__(self) -> None:
+        if self.contents not in CONTENTS or self.weights_dtype not in DTYPES:
+            raise ValueError(f"contents {self.contents!r} (one of {', '.join(CONTENTS)}) or weights_dtype "
+                             f"{self.weights_dtype!r} (one of {', '.join(DTYPES)}) is unknown")
+
+    @property
+    def model_only(self) -> bool:
+        return self.contents == "model"
+
+    def published(self, step: int, files: dict[str, int], save_dtype: torch.dtype | None = None) -> "CheckpointMeta":
+        """The record of the checkpoint of ``step``, holding ``files``: the whole training state, or
+        with ``save_dtype`` the model's weights only, in that dtype."""
+        held = {"contents": "full", "weights_dtype": "fp32"} if save_dtype is None else {
+            "contents": "model", "weights_dtype": dtype_name(save_dtype)}
+        return dataclasses.replace(self, step=step, files=files, format=FORMAT, **held)
 
     def write(self, directory: Path) -> None:
         (directory / META).write_text(json.dumps(dataclasses.asdict(self), indent=1))
@@ -54,7 +77,7 @@ class CheckpointMeta:
             raw = json.loads((Path(directory) / META).read_text())
             known = {f.name for f in dataclasses.fields(cls)}
             return cls(**{"config": None, "format": 0, **{k: v for k, v in raw.items() if k in known}})
-        except (OSError, json.JSONDecodeError, TypeError, AttributeError) as err:
+        except (OSError, json.JSONDecodeError, TypeError, AttributeError, ValueError) as err:
             raise CheckpointError(f"checkpoint {directory} has an unreadable {META} ({err}); delete "
                                   f"the directory to resume from an older checkpoint") from None
 
@@ -63,7 +86,8 @@ MAIN_WEIGHT_BYTES = 4
 """Bytes of one main weight: ``mfsdp train`` keeps them in fp32."""
 
 
-def checkpoint_bytes(params: int) -> int:
-    """Bytes of a checkpoint of ``params`` parameters: fp32 main weights and AdamW's two fp32
-    moments, 12 per parameter (a rank's shard: the pinned staging of an asynchronous save)."""
-    return params * (MAIN_WEIGHT_BYTES + 2 * 4)
+def checkpoint_bytes(params: int, save_dtype: torch.dtype | None = None) -> int:
+    """Bytes of a checkpoint of ``params`` parameters (a rank's shard: the host staging of an
+    asynchronous save): fp32 main weights and AdamW's two fp32 moments, 12 per parameter, or with
+    ``save_dtype`` (``--train.save_only_model``) the weights alone in that dtype."""
+    return params * (save_dtype.itemsize if save_dtype is not None else MAIN_WEIGHT_BYTES + 2 * 4)

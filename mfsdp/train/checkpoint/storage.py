@@ -13,6 +13,10 @@ rename). A crash before the rename leaves ``latest`` and the previous checkpoint
 resume always finds a whole one; a checkpoint with a missing or truncated file is skipped, with a
 note, in favour of the newest whole one. Each rank's random generators are saved under a key of
 that rank and restored on resume, so dropout in Hugging Face models continues where it stopped.
+
+With ``--train.save_only_model`` (``save_dtype``) a checkpoint holds the model's weights in that
+dtype and the generators, not the optimizer: loading it casts the weights back to the fp32 main
+weights and leaves the optimizer as it is, fresh.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 
+from mfsdp import _compat
 from mfsdp.train.checkpoint.meta import META, CheckpointMeta
 from mfsdp.train.errors import CheckpointError, first_problem
 
@@ -117,8 +122,10 @@ def check_compatible(path: Path, fingerprint: dict) -> CheckpointMeta:
 
 
 def save_checkpoint(root: str | os.PathLike, step: int, model: torch.nn.Module,
-                    optimizer: torch.optim.Optimizer, meta: CheckpointMeta, keep: int = 2) -> Path:
-    """Save model and optimizer state as ``root/step_{step}``; collective over all ranks."""
+                    optimizer: torch.optim.Optimizer, meta: CheckpointMeta, keep: int = 2,
+                    save_dtype: torch.dtype | None = None) -> Path:
+    """Save model and optimizer state as ``root/step_{step}`` (with ``save_dtype``: the model's
+    weights only, in that dtype); collective over all ranks."""
     root = Path(root)
     final, temp = paths(root, step)
     if is_complete(final):
@@ -129,10 +136,11 @@ def save_checkpoint(root: str | os.PathLike, step: int, model: torch.nn.Module,
     problem = None
     try:
         # DCP gathers every rank's write errors and raises them on all ranks alike.
-        dcp.save(state_of(model, optimizer), checkpoint_id=temp)
+        state = state_of(model, optimizer, model_only=save_dtype is not None)
+        dcp.save(state if save_dtype is None else on_host(state, save_dtype), checkpoint_id=temp)
     except (Exception, CheckpointException) as err:  # CheckpointException is a BaseException
         problem = describe(err)
-    publish_when_written(root, step, meta, keep, problem)
+    publish_when_written(root, step, meta, keep, problem, save_dtype=save_dtype)
     return final
 
 
@@ -156,23 +164,40 @@ def make_temp(root: Path, final: Path, temp: Path, group=None) -> None:
     raise_if_any(problem, root, final, temp, group)
 
 
-def state_of(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-    """What a checkpoint holds: the model's and the optimizer's state dicts and the generators."""
-    return {"model": get_model_state_dict(model),
-            "optimizer": get_optimizer_state_dict(model, optimizer), RNG: _rng_state()}
+def state_of(model: torch.nn.Module, optimizer: torch.optim.Optimizer, model_only: bool = False) -> dict:
+    """What a checkpoint holds: the model's and (unless ``model_only``) the optimizer's state dicts
+    and the generators."""
+    state = {"model": get_model_state_dict(model)}
+    if not model_only:
+        state["optimizer"] = get_optimizer_state_dict(model, optimizer)
+    return {**state, RNG: _rng_state()}
+
+
+def on_host(state: dict, dtype: torch.dtype) -> dict:
+    """``state`` with its model's floating-point tensors copied to the host in ``dtype`` (a DTensor's
+    shard, keeping its spec), one at a time: a synchronous model-only save needs no second copy of
+    the weights on the device."""
+    def cast(value):
+        if not (isinstance(value, torch.Tensor) and value.is_floating_point()):
+            return value
+        if hasattr(value, "to_local"):
+            return _compat.dtensor_with_local(value, value.to_local().to("cpu", dtype))
+        return value.to("cpu", dtype)
+    return {**state, "model": {key: cast(value) for key, value in state["model"].items()}}
 
 
 def publish_when_written(root: Path, step: int, meta: CheckpointMeta, keep: int, problem: str | None,
-                         group=None) -> None:
+                         group=None, save_dtype: torch.dtype | None = None) -> None:
     """Finish the save of ``step`` once every rank's write has ended (``problem``: why this rank's
-    failed): CheckpointError on every rank when any failed, else rank 0 writes meta.json,
-    publishes the checkpoint and prunes old ones. Collective over ``group``."""
+    failed): CheckpointError on every rank when any failed, else rank 0 writes meta.json (a
+    model-only checkpoint's with ``save_dtype``), publishes the checkpoint and prunes old ones.
+    Collective over ``group``."""
     final, temp = paths(root, step)
     raise_if_any(problem, root, final, temp, group)
     if _rank() == 0:
         try:
             files = {p.name: p.stat().st_size for p in sorted(temp.iterdir()) if p.is_file()}
-            meta.published(step, files).write(temp)  # last: it marks the save complete
+            meta.published(step, files, save_dtype).write(temp)  # last: it marks the save complete
             _publish(temp, final)
         except OSError as err:
             problem = describe(err)
@@ -234,11 +259,16 @@ def _prune(root: Path, keep: int) -> None:
 
 def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module,
                     optimizer: torch.optim.Optimizer) -> CheckpointMeta:
-    """Load ``path`` into the (sharded) model and optimizer; returns its record. A failed load is a
-    CheckpointError naming the rank and cause, on every rank (DCP raises on all)."""
+    """Load ``path`` into the (sharded) model and optimizer (a model-only checkpoint: the model,
+    the optimizer left untouched); returns its record. A failed load is a CheckpointError naming
+    the rank and cause, on every rank (DCP raises on all)."""
     path = Path(path)
     meta = CheckpointMeta.read(path)
-    state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
+    # Not even asked for its state dict when the checkpoint has none: torch would give a fresh
+    # optimizer a step of its own to make one.
+    state = {"model": get_model_state_dict(model)}
+    if not meta.model_only:
+        state["optimizer"] = get_optimizer_state_dict(model, optimizer)
     rng = _saved_rng_state(path)
     if rng:
         state[RNG] = rng
@@ -248,7 +278,8 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module,
         raise CheckpointError(f"loading checkpoint {path} failed ({describe(err)}); move it aside to "
                               "resume from the one before it") from None
     set_model_state_dict(model, state["model"])
-    set_optimizer_state_dict(model, optimizer, state["optimizer"])
+    if not meta.model_only:
+        set_optimizer_state_dict(model, optimizer, state["optimizer"])
     generators = rng.get(_rng_key(), {})
     if "cpu" in generators:
         torch.set_rng_state(generators["cpu"])
