@@ -16,10 +16,12 @@ from mfsdp.train.config import RunConfig
 from mfsdp.train.metrics import peak_memory_gib
 
 
-def build(cfg: RunConfig, device: torch.device, world: int, log: Callable[[str], None]):
-    """The sharded model and its sharded optimizer (offloaded in part where the config asks)."""
+def build(cfg: RunConfig, device: torch.device, world: int, log: Callable[[str], None], resuming: bool = False):
+    """The sharded model and its sharded optimizer (offloaded in part where the config asks);
+    ``resuming``: a checkpoint's weights replace the initial ones, so pretrained ones are not read."""
     compute = cfg.compute_dtype(device.type)
-    model = build_hf(cfg, device, compute, world) if cfg.model.hf is not None else \
+    pretrained = cfg.loads_weights() and not resuming
+    model = build_hf(cfg, device, compute, world, pretrained) if cfg.model.hf is not None else \
         build_bundled(cfg, device, compute, world, log)
     optimizer = mfsdp.fully_shard_optimizer(model, adamw(model, cfg.train), offload=offload_policy(cfg.parallel))
     describe_offload(optimizer, cfg, log)
@@ -102,17 +104,17 @@ def offload_policy(p):
 HF_STRATEGIES = {"zero3": 3, "zero2": 2, "zero1": 1, "ddp": 0, "hsdp": 3, "hfsdp": 3}
 
 
-def build_hf(cfg, device: torch.device, compute_dtype: torch.dtype, world: int):
+def build_hf(cfg, device: torch.device, compute_dtype: torch.dtype, world: int, pretrained: bool = False):
     """``--model.hf DIR``: the Hugging Face model sharded by the manager.
 
     Built on the meta device from ``DIR/config.json`` in the compute dtype, parallelized by the
     manager (``--parallel.placements`` mapped to ``zero_dp_strategy``, hsdp/hfsdp to
-    ``dp_replicate_size``), then loaded slice by slice from ``DIR``'s safetensors if it has any,
-    else initialised shard-locally with ``--train.seed``.
+    ``dp_replicate_size``), then loaded slice by slice from ``DIR``'s safetensors when
+    ``pretrained``, else initialised shard-locally with ``--train.seed``.
     """
     from mfsdp.manager import MegatronFSDPConfig, MegatronFSDPManager, build_device_mesh
     from mfsdp.manager.core_options import resolve_unit_modules
-    from mfsdp.manager.hf_checkpoint import has_weights, meta_model_from_config
+    from mfsdp.manager.hf_checkpoint import meta_model_from_config
 
     p, path = cfg.parallel, cfg.model.hf
     config = MegatronFSDPConfig(
@@ -127,7 +129,7 @@ def build_hf(cfg, device: torch.device, compute_dtype: torch.dtype, world: int):
     # The units, named before sharding renames their classes; compiled after it, as the blocks are.
     units = [module for _, module in resolve_unit_modules(model, config.megatron_fsdp_unit_modules)]
     model, _ = MegatronFSDPManager(config, mesh).parallelize(
-        model, hf_path=path if has_weights(path) else None, init_seed=cfg.train.seed)
+        model, hf_path=path if pretrained else None, init_seed=cfg.train.seed)
     if cfg.compiles(device.type):
         compile_modules(units)
     return model
