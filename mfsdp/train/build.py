@@ -1,5 +1,6 @@
-"""What ``mfsdp train`` trains: the model (bundled, built on the meta device and initialised shard
-by shard, or a Hugging Face one through the manager), sharded, and its optimizer."""
+"""What ``mfsdp train`` trains: the model (the bundled Llama, built on the meta device and initialised
+shard by shard, then loaded from a Hugging Face directory's weights on the bundled route; or a
+Hugging Face model through the manager), sharded, and its optimizer."""
 
 from __future__ import annotations
 
@@ -8,11 +9,13 @@ from typing import Callable
 import torch
 
 import mfsdp
+from mfsdp.models.hf_weights import HFWeightsError, load_hf_weights
 from mfsdp.models.llama import Llama
 from mfsdp.models.moe import build_model
 from mfsdp.models.parallelize import ParallelizeConfig, build_mesh, compile_modules, parallelize
 from mfsdp.offload import OffloadPolicy
 from mfsdp.train.config import RunConfig
+from mfsdp.train.errors import ConfigError
 from mfsdp.train.metrics import peak_memory_gib
 
 
@@ -21,17 +24,20 @@ def build(cfg: RunConfig, device: torch.device, world: int, log: Callable[[str],
     ``resuming``: a checkpoint's weights replace the initial ones, so pretrained ones are not read."""
     compute = cfg.compute_dtype(device.type)
     pretrained = cfg.loads_weights() and not resuming
-    model = build_hf(cfg, device, compute, world, pretrained) if cfg.model.hf is not None else \
-        build_bundled(cfg, device, compute, world, log)
+    model = build_hf(cfg, device, compute, world, pretrained) if cfg.model.uses_manager else \
+        build_bundled(cfg, device, compute, world, log, pretrained)
     optimizer = mfsdp.fully_shard_optimizer(model, adamw(model, cfg.train), offload=offload_policy(cfg.parallel))
     describe_offload(optimizer, cfg, log)
     mfsdp.float8.precompute_fp8_scales_after(optimizer, model)  # FP8 all-gather's scales, if any
     return model, optimizer
 
 
-def build_bundled(cfg: RunConfig, device: torch.device, compute: torch.dtype, world: int, log) -> Llama:
+def build_bundled(cfg: RunConfig, device: torch.device, compute: torch.dtype, world: int, log,
+                  pretrained: bool = False) -> Llama:
     """The bundled Llama (or MoELlama), built on the meta device and sharded there: each rank
-    allocates only its shards, and the whole model never exists on any rank."""
+    allocates only its shards, and the whole model never exists on any rank. A --model.hf model on
+    the bundled route is the Llama of its config, built alike, then loaded from the directory's
+    weights (each rank reads only its slices) when ``pretrained``."""
     p = cfg.parallel
     policy = mfsdp.MixedPrecisionPolicy(main_params_dtype=torch.float32, main_grads_dtype=cfg.main_grads_dtype(),
                                         grad_comm_dtype=cfg.grad_comm_dtype())
@@ -43,6 +49,12 @@ def build_bundled(cfg: RunConfig, device: torch.device, compute: torch.dtype, wo
     materialize_and_init(model, device, cfg.train.seed)
     log(f"model built and initialised shard by shard: {shard_numel(model) / 1e6:,.1f}M parameters on this "
         f"rank, peak memory {peak_memory_gib(device):.2f} GiB")
+    if pretrained:
+        try:
+            load_hf_weights(model, cfg.model.hf)
+        except HFWeightsError as err:  # alike on every rank: each checks every tensor before writing
+            raise ConfigError(f"--model.hf {cfg.model.hf}: {err}") from None
+        log(f"loaded the weights of {cfg.model.hf} into the bundled Llama, each rank its own slices")
     return model
 
 

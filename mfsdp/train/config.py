@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from mfsdp.models.hf_config import UnsupportedHFConfig, bundled_config_from_hf, supports_bundled
 from mfsdp.models.llama import LlamaConfig, get_config
 from mfsdp.models.parallelize import (FLOAT8_CHOICES, PLACEMENT_NAMES as PLACEMENTS, TWO_AXIS,
                                       float8_placement_problem)
@@ -29,7 +30,8 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 """The dtype flags' values ("auto" is each flag's own default, resolved by ``RunConfig``)."""
 COMPILE_CHOICES = ("auto", "true", "false")
 OFFLOAD_CHOICES = ("none", "optimizer", "auto")
-_NOT_SHAPE = ("preset", "hf", "float8", "random_init")
+HF_IMPLS = ("auto", "bundled", "manager")
+_NOT_SHAPE = ("preset", "hf", "float8", "hf_impl", "random_init")
 """The ModelSection fields that are not overrides of the preset's shape."""
 
 
@@ -67,22 +69,49 @@ class ModelSection:
     0.01); the loss is logged as aux_loss in metrics.jsonl, the loss column stays cross entropy."""
     hf: str | None = None
     """A local Hugging Face model directory (config.json, plus safetensors weights if present) to
-    train instead of a preset, through mfsdp.manager; the shape fields above must then be unset.
-    With weights (and not ``random_init``) the run fine-tunes them, with the fine-tuning recipe
-    (mfsdp/train/recipes.py)."""
+    train instead of a preset; the shape fields above must then be unset. With weights (and not
+    ``random_init``) the run fine-tunes them, with the fine-tuning recipe (mfsdp/train/recipes.py)."""
     float8: str = "none"
     """Train the blocks' linears in float8 (torchao, mfsdp.float8): none, tensorwise (weights
-    also all-gathered in FP8) or rowwise; built-in models only."""
+    also all-gathered in FP8) or rowwise; the bundled Llama only (presets, and --model.hf models
+    on the bundled route)."""
+    hf_impl: str = "auto"
+    """How a --model.hf model is built: "bundled" runs it as the bundled Llama (compiled blocks, FP8,
+    planned as the preset of its shape; the Llama, Qwen2 and Mistral configs that
+    mfsdp.models.hf_config accepts), "manager" runs Hugging Face's own modeling code through
+    mfsdp.manager (any causal LM, slower), "auto" the bundled route where the config allows it,
+    else the manager's (the run says why). A run records the route it took, and resumes on it."""
     random_init: bool = False
     """With --model.hf: train the architecture from random weights (seeded by --train.seed) even if
     the directory holds weights, with the pretraining recipe of the preset nearest in size."""
 
     def __post_init__(self) -> None:
         _one_of(self, "float8", FLOAT8_CHOICES)
-        require(self.hf is not None or not self.random_init,
-                 "--model.random_init applies to --model.hf DIR runs; unset it")
-        require(self.float8 == "none" or self.hf is None, "--model.float8 applies to the built-in "
-                 "models only; unset it with --model.hf")
+        _one_of(self, "hf_impl", HF_IMPLS)
+        require(self.hf is not None or (self.hf_impl == "auto" and not self.random_init),
+                 "--model.hf_impl and --model.random_init apply to --model.hf DIR runs; unset them")
+        require(self.float8 == "none" or self.hf_impl != "manager",
+                 "--model.float8 needs the bundled Llama, and --model.hf_impl manager runs Hugging Face's "
+                 "modeling code; use --model.hf_impl auto (or bundled), or --model.float8 none")
+
+    @classmethod
+    def recorded(cls, model: dict) -> "ModelSection":
+        """The section a checkpoint's run config recorded, keys this mfsdp does not know dropped. A
+        --model.hf run recorded before the bundled route existed reads hf_impl "auto", which
+        ``uses_manager`` takes as the manager's, the route it was trained on."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in model.items() if k in known})
+
+    @property
+    def uses_manager(self) -> bool:
+        """Whether mfsdp.manager builds the model from Hugging Face's modeling code: a --model.hf one
+        not on the bundled route (``RunConfig`` resolves "auto" to one of the two)."""
+        return self.hf is not None and self.hf_impl != "bundled"
+
+    def bundled_problem(self, max_seq_len: int) -> str | None:
+        """Why the bundled Llama cannot run the --model.hf config on sequences of ``max_seq_len``
+        tokens (``mfsdp.models.hf_config.supports_bundled``), or None when it can."""
+        return supports_bundled(_hf_json(self), max_seq_len)
 
     def llama_config(self, max_seq_len: int) -> LlamaConfig:
         if self.hf is not None:
@@ -110,13 +139,24 @@ def _hf_json(model: ModelSection) -> dict:
 
 
 def _hf_shape(model: ModelSection, max_seq_len: int) -> LlamaConfig:
-    """The shape of a HF model directory as a LlamaConfig (for FLOP counts and checkpoint checks)."""
+    """A HF model directory as a LlamaConfig: on the bundled route the exact config of the bundled
+    Llama that runs it; through the manager its shape (for FLOP counts and checkpoint checks)."""
     c = _hf_json(model)
+    if model.hf_impl == "bundled":
+        try:
+            return bundled_config_from_hf(c, max_seq_len)
+        except UnsupportedHFConfig as err:
+            raise ConfigError(_bundled_refusal(model, err)) from None
     try:
         return LlamaConfig.from_hf(c, max_seq_len)
     except (KeyError, ValueError) as err:
         raise ConfigError(f"--model.hf {model.hf}: config.json is not a decoder config mfsdp "
                           f"can train ({err})") from None
+
+
+def _bundled_refusal(model: ModelSection, why) -> str:
+    return (f"--model.hf_impl bundled: {model.hf} cannot run as the bundled Llama: {why} (--model.hf_impl "
+            "manager or auto)")
 
 
 @dataclass(frozen=True)
@@ -348,12 +388,26 @@ class RunConfig:
     def __post_init__(self) -> None:
         problem = float8_placement_problem(self.model.float8, self.parallel.placements)
         require(problem is None, problem)
+        self._resolve_route()
         # The one place the recipe's unset fields (None) become the recipe's values: every reader of
         # cfg.train (the optimizer, the schedule, the checkpoint's meta.json) sees numbers.
         t = self.train
         if any(getattr(t, key) is None for key in FROM_RECIPE):
             object.__setattr__(self, "train", dataclasses.replace(t, **{
                 key: value for key, value in self.recipe_values().items() if getattr(t, key) is None}))
+
+    def _resolve_route(self) -> None:
+        """Check the --model.hf route against the config.json and resolve "auto" to the bundled route
+        or the manager's, once: the checkpoint records it and a resume keeps it."""
+        m = self.model
+        if m.hf is None or m.hf_impl == "manager":
+            return
+        why = m.bundled_problem(self.data.seq_len)
+        require(why is None or m.hf_impl == "auto", _bundled_refusal(m, why))
+        require(why is None or m.float8 == "none", f"--model.float8 needs the bundled Llama, which cannot run "
+                 f"{m.hf} ({why}); use --model.float8 none")
+        if m.hf_impl == "auto":
+            object.__setattr__(self, "model", dataclasses.replace(m, hf_impl="manager" if why else "bundled"))
 
     def loads_weights(self) -> bool:
         """Whether the run starts from pretrained weights: --model.hf DIR with safetensors there, and
@@ -394,6 +448,14 @@ class RunConfig:
         name = (c.get("architectures") or [c.get("model_type") or "Hugging Face model"])[0]
         return f"{name} from {self.model.hf}" + ("" if self.loads_weights() else " (random init)")
 
+    def route_note(self) -> str | None:
+        """Why a --model.hf model trains through the manager although the bundled Llama is faster, in
+        one line; None where it is on the bundled route (or the manager was asked for a config
+        the bundled Llama could run)."""
+        m = self.model
+        why = m.bundled_problem(self.data.seq_len) if m.uses_manager else None
+        return None if why is None else (f"--model.hf {m.hf}: trained through the manager (Hugging Face's "
+                                         f"modeling code), not as the bundled Llama: {why}")
 
     def llama_config(self) -> LlamaConfig:
         shape = self.model.llama_config(max_seq_len=self.data.seq_len)
@@ -418,12 +480,12 @@ class RunConfig:
     def main_grads_dtype(self, name: str | None = None) -> torch.dtype | None:
         """The core's ``main_grads_dtype`` for ``--parallel.main_grads_dtype`` (or ``name``): None for
         "auto", the core's default, which is the compute dtype (``main_grads_name``); the manager
-        reduces in fp32 exactly when this is fp32."""
+        route reduces in fp32 exactly when this is fp32."""
         return DTYPES.get(self.parallel.main_grads_dtype if name is None else name)
 
     def grad_comm_dtype(self) -> torch.dtype | None:
         """The core's ``grad_comm_dtype`` (None: its default); the manager picks its own."""
-        return None if self.model.hf is not None else DTYPES.get(self.parallel.grad_comm_dtype)
+        return None if self.model.uses_manager else DTYPES.get(self.parallel.grad_comm_dtype)
 
     def compiles(self, device_type: str) -> bool:
         """Whether the blocks are compiled on ``device_type`` ("cuda" or "cpu")."""

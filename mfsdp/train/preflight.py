@@ -16,11 +16,11 @@ import torch.distributed as dist
 from mfsdp.data import STDLIB, DataError, TokenFile, prepare_stdlib_corpus
 from mfsdp.models.llama import LlamaConfig
 from mfsdp.models.parallelize import mesh_shape_error
-from mfsdp.train.checkpoint import check_compatible, find_resumable
-from mfsdp.train.config import RunConfig
+from mfsdp.train.checkpoint import CheckpointMeta, check_compatible, find_resumable
+from mfsdp.train.config import ModelSection, RunConfig
 from mfsdp.train.disk import check_disk
 from mfsdp.train.report import run_line
-from mfsdp.train.errors import LAUNCHED_ENV, USER_ERRORS, ConfigError, RunFailed, agree
+from mfsdp.train.errors import LAUNCHED_ENV, USER_ERRORS, CheckpointError, ConfigError, RunFailed, agree
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,9 +68,19 @@ def check_run(cfg: RunConfig, world: int, device_type: str, open_data: Callable[
     if cfg.resume:
         resume_from, notes = find_resumable(Path(cfg.train.out_dir) / "checkpoints")
         if resume_from is not None:
-            check_compatible(resume_from, model_fingerprint(model_cfg))
+            _check_route(resume_from, check_compatible(resume_from, model_fingerprint(model_cfg)), cfg)
     warning = check_disk(cfg, share=disk_share) if disk_share is not None else None
     return ResolvedRun(cfg, data, resume_from, tuple(notes), warning)
+
+
+def _check_route(path: Path, meta: CheckpointMeta, cfg: RunConfig) -> None:
+    """A checkpoint resumes on the route that wrote it: the bundled Llama's parameters and a Hugging
+    Face model's have other names (and optimizer states), so a route change cannot load it."""
+    was = "manager" if ModelSection.recorded((meta.config or {}).get("model") or {}).uses_manager else "bundled"
+    now = "manager" if cfg.model.uses_manager else "bundled"
+    if was != now:
+        raise CheckpointError(f"checkpoint {path} was trained on the {was} route and this run takes the {now} "
+                              f"one; resume with --model.hf_impl {was}, or start fresh in another --train.out_dir")
 
 
 def preflight(cfg: RunConfig, device: torch.device, log: Callable[[str], None]) -> ResolvedRun:
@@ -90,6 +100,8 @@ def preflight(cfg: RunConfig, device: torch.device, log: Callable[[str], None]) 
     if run.disk_warning:  # on the rank that checked its node's disk
         print(f"mfsdp train: warning: {run.disk_warning}", flush=True)
     log(run_line(cfg, world, device, run.data))
+    if note := cfg.route_note():
+        log(note)
     cfg = resolve_offload(run.cfg, world, device, log)
     check_memory(cfg, world, device, log)
     return dataclasses.replace(run, cfg=cfg)
