@@ -138,9 +138,9 @@ def test_train_hf_stops_on_a_nan_loss_on_every_rank(tmp_path):
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(inject), str(REPO), env.get("PYTHONPATH")) if p)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "--log-dir", str(logs), "--redirects", "3",
-           "-m", "mfsdp.train", "--model.hf", str(hf), "--data.path", str(corpus), "--data.seq_len", "16",
-           "--data.local_batch", "2", "--train.steps", "4", "--train.warmup_steps", "1", "--train.lr", "1e-3",
-           "--train.sample_tokens", "0", "--train.progress", "false", "--train.device", "cpu",
+           "-m", "mfsdp.train", "--model.hf", str(hf), "--model.hf_impl", "manager", "--data.path", str(corpus),
+           "--data.seq_len", "16", "--data.local_batch", "2", "--train.steps", "4", "--train.warmup_steps", "1",
+           "--train.lr", "1e-3", "--train.sample_tokens", "0", "--train.progress", "false", "--train.device", "cpu",
            "--train.out_dir", str(out)]
     run = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=180)
     assert run.returncode != 0, run.stdout + run.stderr

@@ -120,7 +120,9 @@ def test_model_hf_runs_export_their_own_architecture(world, corpus, tmp_path, fa
     from mfsdp.train.export import export_hf
 
     source = _hf_dir(family, tmp_path / "source")
-    out = train(world, corpus, tmp_path / "run", "--model.hf", str(source), shape=NO_SHAPE)
+    # Through the manager (the bundled route's export: tests/test_finetune_recipe.py).
+    out = train(world, corpus, tmp_path / "run", "--model.hf", str(source), "--model.hf_impl", "manager",
+                shape=NO_SHAPE)
     checkpoint = out / "checkpoints" / "step_2"
     config = transformers.AutoConfig.from_pretrained(source)
     source.rename(tmp_path / "moved")  # the checkpoint recorded config.json: the export needs no source

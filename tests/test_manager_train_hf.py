@@ -34,8 +34,8 @@ def test_train_hf_two_processes(hf_dir, tmp_path):
     corpus = tmp_path / "small.tokens"
     prepare(stdlib_source(), corpus, glob="a*.py")
     out = tmp_path / "run"
-    run = torchrun("--model.hf", str(hf_dir), "--data.path", str(corpus), "--data.seq_len", "16",
-                   "--data.local_batch", "2", "--train.steps", "3", "--train.warmup_steps", "1",
+    run = torchrun("--model.hf", str(hf_dir), "--model.hf_impl", "manager", "--data.path", str(corpus),
+                   "--data.seq_len", "16", "--data.local_batch", "2", "--train.steps", "3", "--train.warmup_steps", "1",
                    "--train.lr", "1e-2", "--train.sample_tokens", "4", "--train.progress", "false",
                    "--train.device", "cpu", "--train.out_dir", str(out))
     assert run.returncode == 0, run.stdout + run.stderr

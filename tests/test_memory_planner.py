@@ -465,13 +465,14 @@ def test_train_refuses_a_run_that_does_not_fit(monkeypatch):
 
 
 def test_plan_sizes_a_hugging_face_directory(tmp_path):
-    """--model.hf DIR: the manager's units (decoder layers), activations measured on the HF layers."""
+    """--model.hf DIR --model.hf_impl manager: the manager's units (decoder layers), activations measured
+    on the HF layers (the bundled route: tests/test_finetune_recipe.py)."""
     transformers = pytest.importorskip("transformers")
     transformers.LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                              use_cache=False).save_pretrained(tmp_path / "hf")
-    code, text = _plan(["--model.hf", str(tmp_path / "hf"), "--data.seq_len", "128", "--data.local_batch", "2",
-                        "--nproc-per-node", "2", "--gpu-memory", "4GiB"], tmp_path)
+    code, text = _plan(["--model.hf", str(tmp_path / "hf"), "--model.hf_impl", "manager", "--data.seq_len", "128",
+                        "--data.local_batch", "2", "--nproc-per-node", "2", "--gpu-memory", "4GiB"], tmp_path)
     assert code == 0, text
     assert "activations (saved)" in text and "settings that fit" in text, text
 

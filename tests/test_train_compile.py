@@ -65,7 +65,8 @@ def test_compiled_hugging_face_model(corpus, tmp_path):
 
     hf = tmp_path / "tiny-llama"
     make_hf("llama", vocab=260).save_pretrained(hf)
-    eager, compiled = eager_and_compiled(tmp_path, "--model.hf", str(hf), "--data.path", str(corpus),
+    eager, compiled = eager_and_compiled(tmp_path, "--model.hf", str(hf), "--model.hf_impl", "manager",
+                                         "--data.path", str(corpus),
                                          "--data.seq_len", "16", "--data.local_batch", "2",
                                          "--train.progress", "false", "--train.device", "cpu")
     assert_close(eager, compiled, (1, 2, 3))

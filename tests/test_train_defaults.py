@@ -1,5 +1,5 @@
-"""The learning-rate schedule follows the model preset unless a flag or the YAML sets it, and the
-first line of a run says which rate it trains with."""
+"""The learning-rate schedule follows the model's pretraining recipe unless a flag or the YAML sets it,
+and the first line of a run says which rate it trains with (fine-tuning: tests/test_finetune_recipe.py)."""
 
 import json
 import os
@@ -67,9 +67,10 @@ def test_a_hugging_face_model_takes_the_recipe_of_its_size(tmp_path):
     assert cfg.train.lr == 3e-4 and "the 8b-sized recipe" in cfg.schedule_line()
 
 
-def test_help_says_the_schedule_comes_from_the_preset():
+def test_help_says_the_schedule_comes_from_the_recipe():
     text = usage()
-    assert "--train.lr (the preset's)" in text and "--train.steps (300)" in text
+    assert "--train.lr (the recipe's)" in text and "--train.steps (300)" in text
+    assert "--train.weight_decay (the recipe's)" in text and "--train.lr_schedule (the recipe's)" in text
 
 
 def test_the_first_line_of_a_run_names_its_learning_rate(tmp_path):

@@ -80,6 +80,12 @@ SAFE_WEIGHTS = "model.safetensors"
 SAFE_INDEX = "model.safetensors.index.json"
 
 
+def has_weights(directory: str | os.PathLike) -> bool:
+    """Whether a Hugging Face model directory holds safetensors weights: ``model.safetensors``, or
+    the index of numbered files (what ``write_weights`` writes and ``hf_weights`` reads)."""
+    return (Path(directory) / SAFE_INDEX).is_file() or (Path(directory) / SAFE_WEIGHTS).is_file()
+
+
 def write_weights(out: Path, entries: list[Entry], read: Callable[[Entry], torch.Tensor],
                   max_file_bytes: int) -> int:
     """A Hugging Face directory's weights: ``model.safetensors``, or numbered files of at most

@@ -1,5 +1,6 @@
-"""What ``mfsdp train`` trains: the model (bundled, built on the meta device and initialised shard
-by shard, or a Hugging Face one through the manager), sharded, and its optimizer."""
+"""What ``mfsdp train`` trains: the model (the bundled Llama, built on the meta device and initialised
+shard by shard, then loaded from a Hugging Face directory's weights on the bundled route; or a
+Hugging Face model through the manager), sharded, and its optimizer."""
 
 from __future__ import annotations
 
@@ -8,28 +9,35 @@ from typing import Callable
 import torch
 
 import mfsdp
+from mfsdp.models.hf_weights import HFWeightsError, load_hf_weights
 from mfsdp.models.llama import Llama
 from mfsdp.models.moe import build_model
 from mfsdp.models.parallelize import ParallelizeConfig, build_mesh, compile_modules, parallelize
 from mfsdp.offload import OffloadPolicy
 from mfsdp.train.config import RunConfig
+from mfsdp.train.errors import ConfigError
 from mfsdp.train.metrics import peak_memory_gib
 
 
-def build(cfg: RunConfig, device: torch.device, world: int, log: Callable[[str], None]):
-    """The sharded model and its sharded optimizer (offloaded in part where the config asks)."""
+def build(cfg: RunConfig, device: torch.device, world: int, log: Callable[[str], None], resuming: bool = False):
+    """The sharded model and its sharded optimizer (offloaded in part where the config asks);
+    ``resuming``: a checkpoint's weights replace the initial ones, so pretrained ones are not read."""
     compute = cfg.compute_dtype(device.type)
-    model = build_hf(cfg, device, compute, world) if cfg.model.hf is not None else \
-        build_bundled(cfg, device, compute, world, log)
+    pretrained = cfg.loads_weights() and not resuming
+    model = build_hf(cfg, device, compute, world, pretrained) if cfg.model.uses_manager else \
+        build_bundled(cfg, device, compute, world, log, pretrained)
     optimizer = mfsdp.fully_shard_optimizer(model, adamw(model, cfg.train), offload=offload_policy(cfg.parallel))
     describe_offload(optimizer, cfg, log)
     mfsdp.float8.precompute_fp8_scales_after(optimizer, model)  # FP8 all-gather's scales, if any
     return model, optimizer
 
 
-def build_bundled(cfg: RunConfig, device: torch.device, compute: torch.dtype, world: int, log) -> Llama:
+def build_bundled(cfg: RunConfig, device: torch.device, compute: torch.dtype, world: int, log,
+                  pretrained: bool = False) -> Llama:
     """The bundled Llama (or MoELlama), built on the meta device and sharded there: each rank
-    allocates only its shards, and the whole model never exists on any rank."""
+    allocates only its shards, and the whole model never exists on any rank. A --model.hf model on
+    the bundled route is the Llama of its config, built alike, then loaded from the directory's
+    weights (each rank reads only its slices) when ``pretrained``."""
     p = cfg.parallel
     policy = mfsdp.MixedPrecisionPolicy(main_params_dtype=torch.float32, main_grads_dtype=cfg.main_grads_dtype(),
                                         grad_comm_dtype=cfg.grad_comm_dtype())
@@ -41,6 +49,12 @@ def build_bundled(cfg: RunConfig, device: torch.device, compute: torch.dtype, wo
     materialize_and_init(model, device, cfg.train.seed)
     log(f"model built and initialised shard by shard: {shard_numel(model) / 1e6:,.1f}M parameters on this "
         f"rank, peak memory {peak_memory_gib(device):.2f} GiB")
+    if pretrained:
+        try:
+            load_hf_weights(model, cfg.model.hf)
+        except HFWeightsError as err:  # alike on every rank: each checks every tensor before writing
+            raise ConfigError(f"--model.hf {cfg.model.hf}: {err}") from None
+        log(f"loaded the weights of {cfg.model.hf} into the bundled Llama, each rank its own slices")
     return model
 
 
@@ -102,17 +116,17 @@ def offload_policy(p):
 HF_STRATEGIES = {"zero3": 3, "zero2": 2, "zero1": 1, "ddp": 0, "hsdp": 3, "hfsdp": 3}
 
 
-def build_hf(cfg, device: torch.device, compute_dtype: torch.dtype, world: int):
+def build_hf(cfg, device: torch.device, compute_dtype: torch.dtype, world: int, pretrained: bool = False):
     """``--model.hf DIR``: the Hugging Face model sharded by the manager.
 
     Built on the meta device from ``DIR/config.json`` in the compute dtype, parallelized by the
     manager (``--parallel.placements`` mapped to ``zero_dp_strategy``, hsdp/hfsdp to
-    ``dp_replicate_size``), then loaded slice by slice from ``DIR``'s safetensors if it has any,
-    else initialised shard-locally with ``--train.seed``.
+    ``dp_replicate_size``), then loaded slice by slice from ``DIR``'s safetensors when
+    ``pretrained``, else initialised shard-locally with ``--train.seed``.
     """
     from mfsdp.manager import MegatronFSDPConfig, MegatronFSDPManager, build_device_mesh
     from mfsdp.manager.core_options import resolve_unit_modules
-    from mfsdp.manager.hf_checkpoint import has_weights, meta_model_from_config
+    from mfsdp.manager.hf_checkpoint import meta_model_from_config
 
     p, path = cfg.parallel, cfg.model.hf
     config = MegatronFSDPConfig(
@@ -127,7 +141,7 @@ def build_hf(cfg, device: torch.device, compute_dtype: torch.dtype, world: int):
     # The units, named before sharding renames their classes; compiled after it, as the blocks are.
     units = [module for _, module in resolve_unit_modules(model, config.megatron_fsdp_unit_modules)]
     model, _ = MegatronFSDPManager(config, mesh).parallelize(
-        model, hf_path=path if has_weights(path) else None, init_seed=cfg.train.seed)
+        model, hf_path=path if pretrained else None, init_seed=cfg.train.seed)
     if cfg.compiles(device.type):
         compile_modules(units)
     return model

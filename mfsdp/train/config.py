@@ -17,12 +17,14 @@ from pathlib import Path
 
 import torch
 
+from mfsdp.models.hf_config import UnsupportedHFConfig, bundled_config_from_hf, supports_bundled
 from mfsdp.models.llama import LlamaConfig, get_config
 from mfsdp.models.parallelize import (FLOAT8_CHOICES, PLACEMENT_NAMES as PLACEMENTS, TWO_AXIS,
                                       float8_placement_problem)
+from mfsdp.models.safetensors_file import has_weights
 from mfsdp.train import determinism
 from mfsdp.train.errors import ConfigError, require
-from mfsdp.train.recipes import RECIPES, Recipe, recipe_for
+from mfsdp.train.recipes import RECIPES, SCHEDULES, Recipe, recipe_for
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 """The dtype flags' values ("auto" is each flag's own default, resolved by ``RunConfig``)."""
@@ -33,6 +35,9 @@ def dtype_name(dtype: torch.dtype) -> str:
     return next(name for name, value in DTYPES.items() if value == dtype)
 COMPILE_CHOICES = ("auto", "true", "false")
 OFFLOAD_CHOICES = ("none", "optimizer", "auto")
+HF_IMPLS = ("auto", "bundled", "manager")
+_NOT_SHAPE = ("preset", "hf", "float8", "hf_impl", "random_init")
+"""The ModelSection fields that are not overrides of the preset's shape."""
 
 
 def _one_of(section: object, name: str, choices) -> None:
@@ -69,45 +74,94 @@ class ModelSection:
     0.01); the loss is logged as aux_loss in metrics.jsonl, the loss column stays cross entropy."""
     hf: str | None = None
     """A local Hugging Face model directory (config.json, plus safetensors weights if present) to
-    train instead of the built-in Llama, through mfsdp.manager; the shape fields above must then
-    be unset."""
+    train instead of a preset; the shape fields above must then be unset. With weights (and not
+    ``random_init``) the run fine-tunes them, with the fine-tuning recipe (mfsdp/train/recipes.py)."""
     float8: str = "none"
     """Train the blocks' linears in float8 (torchao, mfsdp.float8): none, tensorwise (weights
-    also all-gathered in FP8) or rowwise; built-in models only."""
+    also all-gathered in FP8) or rowwise; the bundled Llama only (presets, and --model.hf models
+    on the bundled route)."""
+    hf_impl: str = "auto"
+    """How a --model.hf model is built: "bundled" runs it as the bundled Llama (compiled blocks, FP8,
+    planned as the preset of its shape; the Llama, Qwen2 and Mistral configs that
+    mfsdp.models.hf_config accepts), "manager" runs Hugging Face's own modeling code through
+    mfsdp.manager (any causal LM, slower), "auto" the bundled route where the config allows it,
+    else the manager's (the run says why). A run records the route it took, and resumes on it."""
+    random_init: bool = False
+    """With --model.hf: train the architecture from random weights (seeded by --train.seed) even if
+    the directory holds weights, with the pretraining recipe of the preset nearest in size."""
 
     def __post_init__(self) -> None:
         _one_of(self, "float8", FLOAT8_CHOICES)
-        require(self.float8 == "none" or self.hf is None, "--model.float8 applies to the built-in "
-                 "models only; unset it with --model.hf")
+        _one_of(self, "hf_impl", HF_IMPLS)
+        require(self.hf is not None or (self.hf_impl == "auto" and not self.random_init),
+                 "--model.hf_impl and --model.random_init apply to --model.hf DIR runs; unset them")
+        require(self.float8 == "none" or self.hf_impl != "manager",
+                 "--model.float8 needs the bundled Llama, and --model.hf_impl manager runs Hugging Face's "
+                 "modeling code; use --model.hf_impl auto (or bundled), or --model.float8 none")
+
+    @classmethod
+    def recorded(cls, model: dict) -> "ModelSection":
+        """The section a checkpoint's run config recorded, keys this mfsdp does not know dropped. A
+        --model.hf run recorded before the bundled route existed reads hf_impl "auto", which
+        ``uses_manager`` takes as the manager's, the route it was trained on."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in model.items() if k in known})
+
+    @property
+    def uses_manager(self) -> bool:
+        """Whether mfsdp.manager builds the model from Hugging Face's modeling code: a --model.hf one
+        not on the bundled route (``RunConfig`` resolves "auto" to one of the two)."""
+        return self.hf is not None and self.hf_impl != "bundled"
+
+    def bundled_problem(self, max_seq_len: int) -> str | None:
+        """Why the bundled Llama cannot run the --model.hf config on sequences of ``max_seq_len``
+        tokens (``mfsdp.models.hf_config.supports_bundled``), or None when it can."""
+        return supports_bundled(_hf_json(self), max_seq_len)
 
     def llama_config(self, max_seq_len: int) -> LlamaConfig:
         if self.hf is not None:
             return _hf_shape(self, max_seq_len)
         overrides = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                     if f.name not in ("preset", "float8") and getattr(self, f.name) is not None}
+                     if f.name not in _NOT_SHAPE and getattr(self, f.name) is not None}
         try:
             return get_config(self.preset, max_seq_len=max_seq_len, **overrides)
         except ValueError as err:
             raise ConfigError(f"{err}; set --model.preset or the --model.* fields") from None
 
 
-def _hf_shape(model: ModelSection, max_seq_len: int) -> LlamaConfig:
-    """The shape of a HF model directory as a LlamaConfig (for FLOP counts and checkpoint checks)."""
+def _hf_json(model: ModelSection) -> dict:
+    """The --model.hf directory's config.json, after checking that no shape field is set."""
     import json
 
     set_fields = [f.name for f in dataclasses.fields(model)
-                  if f.name not in ("preset", "hf", "float8") and getattr(model, f.name) is not None]
+                  if f.name not in _NOT_SHAPE and getattr(model, f.name) is not None]
     require(not set_fields, f"--model.hf takes the shape from {model.hf}/config.json; unset "
              f"{', '.join('--model.' + n for n in set_fields)}")
     path = Path(model.hf) / "config.json"
     require(path.is_file(), f"--model.hf {model.hf}: no config.json there (a local Hugging Face "
              "model directory is needed)")
-    c = json.loads(path.read_text())
+    return json.loads(path.read_text())
+
+
+def _hf_shape(model: ModelSection, max_seq_len: int) -> LlamaConfig:
+    """A HF model directory as a LlamaConfig: on the bundled route the exact config of the bundled
+    Llama that runs it; through the manager its shape (for FLOP counts and checkpoint checks)."""
+    c = _hf_json(model)
+    if model.hf_impl == "bundled":
+        try:
+            return bundled_config_from_hf(c, max_seq_len)
+        except UnsupportedHFConfig as err:
+            raise ConfigError(_bundled_refusal(model, err)) from None
     try:
         return LlamaConfig.from_hf(c, max_seq_len)
     except (KeyError, ValueError) as err:
         raise ConfigError(f"--model.hf {model.hf}: config.json is not a decoder config mfsdp "
                           f"can train ({err})") from None
+
+
+def _bundled_refusal(model: ModelSection, why) -> str:
+    return (f"--model.hf_impl bundled: {model.hf} cannot run as the bundled Llama: {why} (--model.hf_impl "
+            "manager or auto)")
 
 
 @dataclass(frozen=True)
@@ -146,24 +200,28 @@ class DataSection:
 @dataclass(frozen=True)
 class TrainSection:
     steps: int = 300
-    """Optimizer steps in the whole run (the cosine schedule ends here); see also ``epochs``."""
+    """Optimizer steps in the whole run (the learning-rate decay ends here); see also ``epochs``."""
     epochs: int | None = None
     """With a file of samples: passes over the training samples, each in its own order; the run
     then has epochs x (steps per epoch) steps, whatever ``steps`` says. None: ``steps`` decides."""
     lr: float | None = None
-    """Peak learning rate of AdamW; None: the model preset's (mfsdp/train/recipes.py: 3e-3 for
-    tiny, 3e-4 for 1b and 8b, 1.5e-4 for 70b)."""
+    """Peak learning rate of AdamW; None: the recipe's (mfsdp/train/recipes.py: 2e-5 for pretrained
+    --model.hf weights; 3e-3 for tiny, 3e-4 for 1b and 8b, 1.5e-4 for 70b)."""
     warmup_steps: int | None = None
-    """Steps of linear warm-up from zero to ``lr``; None: the preset's (2,000 for 1b to 70b, 20
-    for tiny), at most a fifth of ``steps``."""
+    """Steps of linear warm-up from zero to ``lr``; None: the recipe's (fine-tuning min(100, steps
+    // 10); 2,000 for 1b to 70b and 20 for tiny, at most a fifth of ``steps``)."""
+    lr_schedule: str | None = None
+    """The decay after the warm-up: "cosine" (a half cosine) or "linear", both down to ``lr *
+    min_lr_ratio`` at the last step, or "constant" (``lr`` to the end); None: the recipe's (cosine)."""
     min_lr_ratio: float | None = None
-    """The cosine decay ends at ``lr * min_lr_ratio``; None: the preset's (0.1)."""
-    weight_decay: float = 0.1
-    """AdamW decoupled weight decay."""
+    """The decay ends at ``lr * min_lr_ratio``; None: the recipe's (0 fine-tuning, 0.1 pretraining)."""
+    weight_decay: float | None = None
+    """AdamW decoupled weight decay of the matrices (norm scales and biases are never decayed);
+    None: the recipe's (0 fine-tuning, 0.1 pretraining)."""
     beta1: float = 0.9
     """AdamW first-moment decay."""
-    beta2: float = 0.95
-    """AdamW second-moment decay."""
+    beta2: float | None = None
+    """AdamW second-moment decay; None: the recipe's (0.999 fine-tuning, 0.95 pretraining)."""
     adamw_kernel: str = "auto"
     """torch's AdamW kernels for the units stepped on the device: "fused" (one kernel per dtype, no
     temporary), "foreach" (a dozen passes and a shard-sized temporary: about 4 more bytes per
@@ -237,6 +295,11 @@ class TrainSection:
                  "train.warmup_steps must not be negative")
         require(self.min_lr_ratio is None or 0 <= self.min_lr_ratio <= 1,
                  "train.min_lr_ratio must lie in [0, 1]")
+        if self.lr_schedule is not None:
+            _one_of(self, "lr_schedule", SCHEDULES)
+        require(self.weight_decay is None or self.weight_decay >= 0, "train.weight_decay must not be negative")
+        for name in ("beta1", "beta2"):
+            require(getattr(self, name) is None or 0 <= getattr(self, name) < 1, f"train.{name} must lie in [0, 1)")
         require(self.grad_clip >= 0, "train.grad_clip must not be negative")
         require(self.checkpoint_every >= 0, "train.checkpoint_every must not be negative")
         require(self.keep_checkpoints >= 0, "train.keep_checkpoints must not be negative")
@@ -249,6 +312,10 @@ class TrainSection:
         require(self.eval_batches > 0, "train.eval_batches must be positive")
 
 
+FROM_RECIPE = ("lr", "warmup_steps", "lr_schedule", "min_lr_ratio", "weight_decay", "beta2")
+"""The ``--train`` fields whose None is the recipe's value (``RunConfig.recipe_values``)."""
+
+
 @dataclass(frozen=True)
 class ParallelSection:
     placements: str = "zero3"
@@ -258,7 +325,9 @@ class ParallelSection:
     compute_dtype: str = "auto"
     """Dtype of forward and backward: bf16 on CUDA and fp32 on CPU when "auto"."""
     main_grads_dtype: str = "auto"
-    """Dtype gradients accumulate in; "auto" follows the core's default."""
+    """Dtype gradients accumulate and are reduced in; "auto" is the compute dtype (the core's default)
+    for every model, Hugging Face ones included: bf16 gradients halve their buffers, and the step
+    upcasts them to fp32 one group at a time. fp32 accumulates in fp32."""
     grad_comm_dtype: str = "auto"
     """Dtype of the gradient reduce-scatter; "auto" follows the core's default."""
     activation_checkpointing: bool = False
@@ -346,15 +415,32 @@ class RunConfig:
         object.__setattr__(self, "_given_train", self.train)  # before the recipe fills it in
         problem = float8_placement_problem(self.model.float8, self.parallel.placements)
         require(problem is None, problem)
-        # The one place the schedule's unset fields (None) become the preset's: every reader of
+        self._resolve_route()
+        # The one place the recipe's unset fields (None) become the recipe's values: every reader of
         # cfg.train (the optimizer, the schedule, the checkpoint's meta.json) sees numbers.
         t = self.train
-        if None in (t.lr, t.warmup_steps, t.min_lr_ratio):
-            _, recipe = self.recipe()
-            object.__setattr__(self, "train", dataclasses.replace(
-                t, lr=recipe.lr if t.lr is None else t.lr,
-                warmup_steps=recipe.warmup_for(t.steps) if t.warmup_steps is None else t.warmup_steps,
-                min_lr_ratio=recipe.min_lr_ratio if t.min_lr_ratio is None else t.min_lr_ratio))
+        if any(getattr(t, key) is None for key in FROM_RECIPE):
+            object.__setattr__(self, "train", dataclasses.replace(t, **{
+                key: value for key, value in self.recipe_values().items() if getattr(t, key) is None}))
+
+    def _resolve_route(self) -> None:
+        """Check the --model.hf route against the config.json and resolve "auto" to the bundled route
+        or the manager's, once: the checkpoint records it and a resume keeps it."""
+        m = self.model
+        if m.hf is None or m.hf_impl == "manager":
+            return
+        why = m.bundled_problem(self.data.seq_len)
+        require(why is None or m.hf_impl == "auto", _bundled_refusal(m, why))
+        require(why is None or m.float8 == "none", f"--model.float8 needs the bundled Llama, which cannot run "
+                 f"{m.hf} ({why}); use --model.float8 none")
+        if m.hf_impl == "auto":
+            object.__setattr__(self, "model", dataclasses.replace(m, hf_impl="manager" if why else "bundled"))
+
+    def loads_weights(self) -> bool:
+        """Whether the run starts from pretrained weights: --model.hf DIR with safetensors there, and
+        not --model.random_init true."""
+        m = self.model
+        return m.hf is not None and not m.random_init and has_weights(m.hf)
 
     def with_steps(self, steps: int) -> "RunConfig":
         """This config for a run of ``steps`` steps (``--train.epochs``), the recipe's warm-up
@@ -362,21 +448,46 @@ class RunConfig:
         return dataclasses.replace(self, train=dataclasses.replace(self._given_train, steps=steps))
 
     def recipe(self) -> tuple[str, Recipe]:
-        """The name and schedule of the model's recipe (``mfsdp.train.recipes``): the preset's, or
-        for ``--model.hf`` that of the preset nearest in size."""
+        """The name and values of the run's recipe (``mfsdp.train.recipes``): fine-tuning for
+        pretrained weights, else the preset's or, for ``--model.hf``, that of the preset nearest in
+        size."""
         hf = self.model.hf is not None
         shape = self.model.llama_config(self.data.seq_len) if hf or self.model.preset not in RECIPES else None
-        return recipe_for(self.model.preset, shape, by_size=hf)
+        return recipe_for(self.model.preset, shape, by_size=hf, pretrained=self.loads_weights())
+
+    def recipe_values(self) -> dict:
+        """The recipe's value of each ``FROM_RECIPE`` field of ``--train``, for this run's length."""
+        _, r = self.recipe()
+        return {"lr": r.lr, "warmup_steps": r.warmup_for(self.train.steps), "lr_schedule": r.schedule,
+                "min_lr_ratio": r.min_lr_ratio, "weight_decay": r.weight_decay, "beta2": r.beta2}
 
     def schedule_line(self) -> str:
-        """The learning rate and its schedule in a few words, for the first line of a run."""
+        """The learning rate and its schedule in a few words, for the first line of a run; names the
+        recipe and the ``--train`` flags that changed its values."""
         t = self.train
-        name, recipe = self.recipe()
-        given = [f"--train.{key}" for key, mine, preset in (
-            ("lr", t.lr, recipe.lr), ("warmup_steps", t.warmup_steps, recipe.warmup_for(t.steps)),
-            ("min_lr_ratio", t.min_lr_ratio, recipe.min_lr_ratio)) if mine != preset]
+        name, _ = self.recipe()
+        given = [f"--train.{key}" for key, value in self.recipe_values().items() if getattr(t, key) != value]
         source = f"the {name} recipe" + (f", {' and '.join(given)} given" if given else "")
-        return f"lr {t.lr:g} (warm-up {t.warmup_steps} steps, cosine to {t.min_lr_ratio:g}x; {source})"
+        decay = "then constant" if t.lr_schedule == "constant" else f"{t.lr_schedule} to {t.min_lr_ratio:g}x"
+        return f"lr {t.lr:g} (warm-up {t.warmup_steps} steps, {decay}; {source})"
+
+    def model_line(self) -> str:
+        """The model in a few words, for the first line of a run: the preset, or the Hugging Face
+        architecture and its directory."""
+        if self.model.hf is None:
+            return f"{self.model.preset} model"
+        c = self.hf_config()
+        name = (c.get("architectures") or [c.get("model_type") or "Hugging Face model"])[0]
+        return f"{name} from {self.model.hf}" + ("" if self.loads_weights() else " (random init)")
+
+    def route_note(self) -> str | None:
+        """Why a --model.hf model trains through the manager although the bundled Llama is faster, in
+        one line; None where it is on the bundled route (or the manager was asked for a config
+        the bundled Llama could run)."""
+        m = self.model
+        why = m.bundled_problem(self.data.seq_len) if m.uses_manager else None
+        return None if why is None else (f"--model.hf {m.hf}: trained through the manager (Hugging Face's "
+                                         f"modeling code), not as the bundled Llama: {why}")
 
     def llama_config(self) -> LlamaConfig:
         shape = self.model.llama_config(max_seq_len=self.data.seq_len)
@@ -399,24 +510,21 @@ class RunConfig:
 
     def main_grads_name(self, device_type: str = "cuda") -> str:
         """What ``--parallel.main_grads_dtype`` means, "fp32" or "bf16": "auto" is the compute dtype
-        for the bundled model (the core's default) and fp32 for a ``--model.hf`` one (the manager's)."""
+        on ``device_type``, for every model."""
         chosen = self.parallel.main_grads_dtype
         if chosen != "auto":
             return chosen
-        return "fp32" if self.model.hf is not None or self.compute_dtype(device_type) == torch.float32 else "bf16"
+        return "fp32" if self.compute_dtype(device_type) == torch.float32 else "bf16"
 
     def main_grads_dtype(self, name: str | None = None) -> torch.dtype | None:
-        """The core's ``main_grads_dtype`` for ``--parallel.main_grads_dtype`` (or ``name``; None: the
-        core's default, the compute dtype); a ``--model.hf`` model accumulates in fp32 unless bf16
-        is asked for."""
-        name = self.parallel.main_grads_dtype if name is None else name
-        if self.model.hf is not None:
-            return None if name == "bf16" else torch.float32
-        return DTYPES.get(name)
+        """The core's ``main_grads_dtype`` for ``--parallel.main_grads_dtype`` (or ``name``): None for
+        "auto", the core's default, which is the compute dtype (``main_grads_name``); the manager
+        route reduces in fp32 exactly when this is fp32."""
+        return DTYPES.get(self.parallel.main_grads_dtype if name is None else name)
 
     def grad_comm_dtype(self) -> torch.dtype | None:
         """The core's ``grad_comm_dtype`` (None: its default); the manager picks its own."""
-        return None if self.model.hf is not None else DTYPES.get(self.parallel.grad_comm_dtype)
+        return None if self.model.uses_manager else DTYPES.get(self.parallel.grad_comm_dtype)
 
     def compiles(self, device_type: str) -> bool:
         """Whether the blocks are compiled on ``device_type`` ("cuda" or "cpu")."""
@@ -464,14 +572,11 @@ Sections and keys (defaults in parentheses):
 """
 
 
-_FROM_PRESET = {("train", "lr"), ("train", "warmup_steps"), ("train", "min_lr_ratio")}
-
-
 def usage() -> str:
     lines = [USAGE]
     for section, cls in _SECTION_TYPES.items():
         for f in dataclasses.fields(cls):
-            default = "the preset's" if (section, f.name) in _FROM_PRESET else repr(f.default)
+            default = "the recipe's" if section == "train" and f.name in FROM_RECIPE else repr(f.default)
             lines.append(f"  --{section}.{f.name} ({default})")
     return "\n".join(lines)
 

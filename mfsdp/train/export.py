@@ -8,9 +8,12 @@ run's token file was made with (if any); ``transformers.AutoModelForCausalLM.fro
 then loads the trained model. A model-only checkpoint (``--train.save_only_model``, bf16 or fp32)
 exports as a full one does.
 
-* ``--model.hf`` runs go back out as the architecture they came in as: the parameter names are the
+* ``--model.hf`` runs go back out as the architecture they came in as, with the config.json they
+  came in with (recorded in the checkpoint). Through the manager the parameter names are the
   model's own, matched to the checkpoint by the manager's rules (``mfsdp.manager.hf_checkpoint``:
-  tied weights written once under their first name, the base-model prefix added or removed).
+  tied weights written once under their first name, the base-model prefix added or removed); on
+  the bundled route the bundled names go out under the Hugging Face ones
+  (``mfsdp.models.hf_weights.hf_weight_names``, the table the weights came in by).
 * The bundled Llama goes out as ``LlamaForCausalLM``: the same rotate-half RoPE (no q/k
   permutation is needed, unlike Meta's interleaved checkpoints), ``rope_theta``, ``rms_norm_eps``
   and tied embeddings carried over. The mixtures of experts go out as ``MixtralForCausalLM``, whose
@@ -35,7 +38,7 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 
-from mfsdp.models.hf_config import hf_config_of
+from mfsdp.models.hf_config import ARCHITECTURES, bundled_config_from_hf, hf_config_of
 from mfsdp.models.hf_weights import hf_weight_names
 from mfsdp.train.checkpoint import META, CheckpointMeta, find_latest, is_complete
 from mfsdp.models.safetensors_file import Entry, write_weights
@@ -85,10 +88,10 @@ def export_hf(source: str | Path, out_dir: str | Path, dtype: torch.dtype = torc
     saved = dcp.FileSystemReader(checkpoint).read_metadata().state_dict_metadata
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    if run["model"].get("hf"):
+    if _section(run).uses_manager:
         config, plan, covered = _hf_plan(run, meta, saved, dtype, out)
     else:
-        config, plan = _bundled_plan(run, saved, dtype)
+        config, plan = _bundled_hf_plan(run, meta, dtype) if run["model"].get("hf") else _bundled_plan(run, dtype)
         covered = {key for _, key in plan} | {MODEL + "output.weight"}  # a tied head: the embedding
     _refuse_unplaced(saved, plan, covered, config["architectures"][0], checkpoint)
     tokenizer = _write_tokenizer(run, config, out)
@@ -111,22 +114,48 @@ def export_hf(source: str | Path, out_dir: str | Path, dtype: torch.dtype = torc
 
 
 # ------------------------------------------------------------------------- bundled models
-def model_config_of(run: dict):
-    """The bundled model's LlamaConfig from a checkpoint's recorded run config."""
+def _section(run: dict):
+    """The checkpoint's recorded ``--model`` section."""
     from mfsdp.train.config import ConfigError, ModelSection
 
-    known = {f.name for f in dataclasses.fields(ModelSection)}
     try:
-        section = ModelSection(**{k: v for k, v in run["model"].items() if k in known})
-        return section.llama_config(max_seq_len=int(run["data"]["seq_len"]))
+        return ModelSection.recorded(run["model"])
+    except (ConfigError, TypeError) as err:
+        raise ExportError(f"the checkpoint's recorded model config is not one this mfsdp reads ({err})") from None
+
+
+def model_config_of(run: dict, hf_config: dict | None = None):
+    """The bundled model's LlamaConfig from a checkpoint's recorded run config; a --model.hf run on
+    the bundled route's from its recorded ``hf_config`` (the source directory need not exist)."""
+    from mfsdp.train.config import ConfigError
+
+    try:
+        seq_len = int(run["data"]["seq_len"])
+        if hf_config is not None:
+            return bundled_config_from_hf(hf_config, seq_len)
+        return _section(run).llama_config(max_seq_len=seq_len)
     except (ConfigError, KeyError, TypeError, ValueError) as err:
         raise ExportError(f"the checkpoint's recorded model config does not build a model ({err})") from None
 
 
-def _bundled_plan(run: dict, saved: dict, dtype: torch.dtype) -> tuple[dict, list[tuple[str, str]]]:
+def _bundled_plan(run: dict, dtype: torch.dtype) -> tuple[dict, list[tuple[str, str]]]:
     c = model_config_of(run)
-    plan = [(name, MODEL + key) for name, key in hf_weight_names(c)]
-    return hf_config_of(c, _dtype_name(dtype)), plan
+    return hf_config_of(c, _dtype_name(dtype)), _bundled_names(c)
+
+
+def _bundled_hf_plan(run: dict, meta: CheckpointMeta, dtype: torch.dtype) -> tuple[dict, list[tuple[str, str]]]:
+    """A --model.hf run trained as the bundled Llama: its source's config.json, with the export's
+    dtype, and the bundled names under the Hugging Face ones."""
+    raw = _source_config(run, meta)
+    c = model_config_of(run, raw)
+    config = {**raw, "dtype": _dtype_name(dtype), "torch_dtype": _dtype_name(dtype)}
+    config.setdefault("architectures", [ARCHITECTURES[raw["model_type"]]])
+    return config, _bundled_names(c)
+
+
+def _bundled_names(c) -> list[tuple[str, str]]:
+    """(Hugging Face name, checkpoint key) of every tensor of the bundled model of ``c``."""
+    return [(name, MODEL + key) for name, key in hf_weight_names(c)]
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -158,14 +187,7 @@ def _hf_plan(run: dict, meta: CheckpointMeta, saved: dict, dtype: torch.dtype, o
                           "pip install transformers") from None
     from mfsdp.manager.hf_checkpoint import _candidate_keys, _model_tensors, meta_model_from_config
 
-    source = Path(run["model"]["hf"])
-    raw = meta.hf_config
-    if raw is None:
-        if not (source / "config.json").is_file():
-            raise ExportError(f"the run trained --model.hf {source}, whose config.json is gone, and the "
-                              "checkpoint predates recording it; restore that directory to export")
-        raw = json.loads((source / "config.json").read_text())
-    (out / "config.json").write_text(json.dumps(raw))
+    (out / "config.json").write_text(json.dumps(_source_config(run, meta)))
     config = transformers.AutoConfig.from_pretrained(out, local_files_only=True)
     model = meta_model_from_config(config)
     prefix = getattr(model, "base_model_prefix", "") or ""
@@ -187,6 +209,18 @@ def _hf_plan(run: dict, meta: CheckpointMeta, saved: dict, dtype: torch.dtype, o
     exported["architectures"] = [type(model).__name__]
     exported["dtype"] = exported["torch_dtype"] = _dtype_name(dtype)
     return exported, plan, covered
+
+
+def _source_config(run: dict, meta: CheckpointMeta) -> dict:
+    """The config.json a --model.hf run trained: the checkpoint's record, else (a checkpoint from
+    before it was recorded) the source directory's."""
+    if meta.hf_config is not None:
+        return meta.hf_config
+    source = Path(run["model"]["hf"])
+    if not (source / "config.json").is_file():
+        raise ExportError(f"the run trained --model.hf {source}, whose config.json is gone, and the "
+                          "checkpoint predates recording it; restore that directory to export")
+    return json.loads((source / "config.json").read_text())
 
 
 # ------------------------------------------------------------------------------ tokenizer

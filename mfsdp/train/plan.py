@@ -8,6 +8,7 @@ itself is the planner's (``mfsdp.memory.plan``); this module turns a config into
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -25,20 +26,23 @@ USAGE = """usage: mfsdp plan [--config FILE.yaml] [--nproc-per-node N] [--nnodes
 
 Predicts one GPU's memory for a `mfsdp train` run (peak of allocated memory, the phase where it
 occurs, every component), lists the settings that fit, fastest first, and draws the step's memory.
---tp N plans a Hugging Face model (--model.hf DIR) through the manager with tensor parallel over N
-of the GPUs (sequence parallel and the vocabulary-parallel loss on unless turned off).
+A --model.hf DIR that the bundled Llama can run is planned as that Llama (--model.hf_impl auto), the
+model `mfsdp train` builds for it. --tp N plans a Hugging Face model through the manager with tensor
+parallel over N of the GPUs (sequence parallel and the vocabulary-parallel loss on unless turned off).
 """
 
 
 def planned_run(cfg: RunConfig) -> plan.PlannedRun:
-    """What the planner needs of ``cfg``, planned for GPUs (``--parallel.offload auto`` as none)."""
+    """What the planner needs of ``cfg``, planned for GPUs (``--parallel.offload auto`` as none). A
+    --model.hf model on the bundled route is planned as the bundled Llama of its config, the model
+    that trains (compiled blocks included); through the manager, as the Hugging Face model."""
     p, d = cfg.parallel, cfg.data
     setting = plan.Setting(p.placements, p.activation_checkpointing, d.local_batch, d.microbatches,
                            p.main_grads_dtype, p.offload_fraction if p.offload == "optimizer" else 0.0,
                            d.local_batch * d.microbatches * d.seq_len)
     grads = {name: cfg.main_grads_dtype(name) for name in ("auto", *DTYPES)}
     return plan.PlannedRun(
-        cfg.model.hf if cfg.model.hf is not None else cfg.llama_config(), setting, d.seq_len, grads,
+        cfg.model.hf if cfg.model.uses_manager else cfg.llama_config(), setting, d.seq_len, grads,
         cfg.main_grads_name("cuda"), p.replicate, cfg.compute_dtype("cuda"), cfg.grad_comm_dtype(),
         p.expert_units, cfg.model.float8, not cfg.train.fused_adamw("cuda"), cfg.compiles("cuda"),
         cfg.train.async_checkpoint_on("cuda"))
@@ -61,9 +65,11 @@ def main(argv: list[str]) -> int:
             return _error(f"{key} needs a value")
     try:
         cfg = load_config(rest)
+        tp = _tensor_parallel(own)
+        if tp.enabled and cfg.model.hf is not None:  # tensor parallel is the manager's
+            cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, hf_impl="manager"))
         run = planned_run(cfg)
         world = int(own["--nproc-per-node"]) * int(own["--nnodes"])
-        tp = _tensor_parallel(own)
         if own["--gpu-memory"]:
             gpu, source = plan.parse_bytes(own["--gpu-memory"]), "--gpu-memory"
         elif torch.cuda.is_available():
@@ -75,7 +81,9 @@ def main(argv: list[str]) -> int:
         return _error(str(err))
     staging = checkpoint_bytes(e.breakdown.get("main weights", 0) // MAIN_WEIGHT_BYTES,
                                cfg.save_dtype("cuda")) if run.async_checkpoint else 0
-    print(plan.report(run, e, str(cfg.model.hf or cfg.model.preset), world, tp, gpu, source,
+    model = cfg.model.preset if cfg.model.hf is None else \
+        cfg.model.hf + ("" if cfg.model.uses_manager else " (the bundled Llama)")
+    print(plan.report(run, e, model, world, tp, gpu, source,
                       int(own["--nproc-per-node"]), staging))
     print(f"\nmemory over the step: {plan.plot_phases(e, Path(own['--out']))}")
     return 0

@@ -17,12 +17,12 @@ from mfsdp.data import STDLIB, DataError, TokenFile, prepare_stdlib_corpus
 from mfsdp.models.llama import LlamaConfig
 from mfsdp.models.parallelize import mesh_shape_error
 from mfsdp.train.batches import steps_for_epochs
-from mfsdp.train.checkpoint import check_compatible, find_resumable
-from mfsdp.train.config import RunConfig
+from mfsdp.train.checkpoint import CheckpointMeta, check_compatible, find_resumable
+from mfsdp.train.config import ModelSection, RunConfig
 from mfsdp.train.disk import check_disk
 from mfsdp.train.evaluate import held_out_split
 from mfsdp.train.report import run_line
-from mfsdp.train.errors import LAUNCHED_ENV, USER_ERRORS, ConfigError, RunFailed, agree
+from mfsdp.train.errors import LAUNCHED_ENV, USER_ERRORS, CheckpointError, ConfigError, RunFailed, agree
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,10 +72,21 @@ def check_run(cfg: RunConfig, world: int, device_type: str, open_data: Callable[
         resume_from, notes = find_resumable(Path(cfg.train.out_dir) / "checkpoints")
         if resume_from is not None:
             meta = check_compatible(resume_from, model_fingerprint(model_cfg))
+            _check_route(resume_from, meta, cfg)
     if data is not None:
         cfg = _for_samples(cfg, data, world, meta)
     warning = check_disk(cfg, disk_share, device_type) if disk_share is not None else None
     return ResolvedRun(cfg, data, resume_from, tuple(notes), warning)
+
+
+def _check_route(path: Path, meta: CheckpointMeta, cfg: RunConfig) -> None:
+    """A checkpoint resumes on the route that wrote it: the bundled Llama's parameters and a Hugging
+    Face model's have other names (and optimizer states), so a route change cannot load it."""
+    was = "manager" if ModelSection.recorded((meta.config or {}).get("model") or {}).uses_manager else "bundled"
+    now = "manager" if cfg.model.uses_manager else "bundled"
+    if was != now:
+        raise CheckpointError(f"checkpoint {path} was trained on the {was} route and this run takes the {now} "
+                              f"one; resume with --model.hf_impl {was}, or start fresh in another --train.out_dir")
 
 
 def preflight(cfg: RunConfig, device: torch.device, log: Callable[[str], None]) -> ResolvedRun:
@@ -95,6 +106,8 @@ def preflight(cfg: RunConfig, device: torch.device, log: Callable[[str], None]) 
     if run.disk_warning:  # on the rank that checked its node's disk
         print(f"mfsdp train: warning: {run.disk_warning}", flush=True)
     log(run_line(run.cfg, world, device, run.data))
+    if note := run.cfg.route_note():
+        log(note)
     cfg = resolve_offload(run.cfg, world, device, log)
     check_memory(cfg, world, device, log)
     return dataclasses.replace(run, cfg=cfg)
@@ -116,10 +129,11 @@ def open_data(cfg: RunConfig, log: Callable[[str], None]) -> TokenFile:
 def _for_samples(cfg: RunConfig, data: TokenFile, world: int, resumed) -> RunConfig:
     """The config for ``data``: ``--train.epochs`` as steps; packed samples refused where the
     model has no document attention."""
-    if data.num_samples is not None and cfg.data.packing and cfg.model.hf is not None:
+    if data.num_samples is not None and cfg.data.packing and cfg.model.uses_manager:
         raise ConfigError(f"{data.path} holds samples, packed several to a window by default, and a "
                           "--model.hf model trained through the manager has no document attention to keep "
-                          "them apart; use --data.packing false (one sample per window)")
+                          "them apart; use --data.packing false (one sample per window), or the bundled "
+                          "route (--model.hf_impl auto or bundled) where the config allows it")
     if cfg.train.epochs is None:
         return cfg
     return cfg.with_steps(steps_for_epochs(cfg, data, held_out_split(cfg, data, resumed)[0], world))

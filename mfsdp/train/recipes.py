@@ -1,11 +1,16 @@
-"""The learning-rate schedule of each model preset: what ``mfsdp train`` uses unless ``--train.lr``,
-``--train.warmup_steps`` or ``--train.min_lr_ratio`` say otherwise.
+"""The optimizer recipes of ``mfsdp train``: the learning-rate schedule and AdamW's settings that a
+run uses unless ``--train.*`` flags say otherwise.
 
-One rate for every size diverges: the tiny model's 3e-3 took an 8B run from a loss of 12.4 to
-33 in three steps. The large presets follow the published recipes of their shapes; the tiny ones
-keep the demo's schedule. A short run warms up over at most ``WARMUP_FRACTION`` of its steps, so a
-200-step trial of the 8b preset is not all warm-up (2,000 steps in the recipe); torchtitan's 1000-step
-Llama 3 configs warm up for 200 steps, the same fifth.
+Pretraining (a preset, or a Hugging Face architecture trained from random weights): one rate for
+every size diverges (the tiny model's 3e-3 took an 8B run from a loss of 12.4 to 33 in three steps),
+so the large presets follow the published recipes of their shapes and the tiny ones keep the demo's
+schedule; a Hugging Face model takes the recipe of the dense preset nearest in size. A short run
+warms up over at most ``WARMUP_FRACTION`` of its steps, so a 200-step trial of the 8b preset is not
+all warm-up (2,000 steps in the recipe); torchtitan's 1000-step Llama 3 configs warm up for 200
+steps, the same fifth.
+
+Fine-tuning (``--model.hf DIR`` with pretrained weights): ``FINE_TUNING``, the same for every size,
+since the published full fine-tuning recipes do not scale their rate with the model either.
 """
 
 from __future__ import annotations
@@ -16,31 +21,49 @@ from dataclasses import dataclass
 from mfsdp.models import flops
 from mfsdp.models.llama import PRESETS, LlamaConfig
 
+SCHEDULES = ("cosine", "linear", "constant")
+"""How the rate decays after the warm-up (``mfsdp.train.step.lr_at``): a half cosine or a straight
+line from the peak down to ``lr * min_lr_ratio`` at the last step, or not at all."""
+
 
 @dataclass(frozen=True)
 class Recipe:
-    """A peak learning rate, its warm-up and where its cosine decay ends."""
+    """A peak learning rate, its warm-up and decay, and AdamW's second-moment decay and weight decay
+    (the first-moment decay 0.9 and clipping at 1.0 are every recipe's: the TrainSection defaults)."""
 
     lr: float
     """Peak learning rate of AdamW."""
     warmup_steps: int
-    """Steps of linear warm-up of a long run (a short one takes at most ``WARMUP_FRACTION`` of its
+    """Steps of linear warm-up of a long run (a short one takes at most ``warmup_fraction`` of its
     steps)."""
     min_lr_ratio: float
-    """The cosine decay ends at ``lr * min_lr_ratio``."""
+    """The decay ends at ``lr * min_lr_ratio``."""
+    warmup_fraction: float = 0.2
+    """The largest share of a run spent warming up when ``warmup_steps`` is longer."""
+    schedule: str = "cosine"
+    """The decay after the warm-up, one of ``SCHEDULES``."""
+    beta2: float = 0.95
+    """AdamW's second-moment decay."""
+    weight_decay: float = 0.1
+    """AdamW's decoupled weight decay (of the matrices; norms and biases are never decayed)."""
+
+    def __post_init__(self) -> None:
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"Recipe.schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
 
     def warmup_for(self, steps: int) -> int:
-        """The warm-up of a run of ``steps`` optimizer steps."""
-        return min(self.warmup_steps, int(WARMUP_FRACTION * steps))
+        """The warm-up of a run of ``steps`` optimizer steps. (0.2 and 0.1 as doubles lie just above a
+        fifth and a tenth, so this is ``steps // 5`` or ``steps // 10`` exactly.)"""
+        return min(self.warmup_steps, int(self.warmup_fraction * steps))
 
 
 WARMUP_FRACTION = 0.2
-"""The largest share of a run spent warming up when the preset's warm-up is longer."""
+"""The largest share of a pretraining run spent warming up when the preset's warm-up is longer."""
 
 # Llama 2 (Touvron et al. 2023, section 2.2): AdamW with betas 0.9/0.95, weight decay 0.1, clipping
-# at 1.0 (the TrainSection defaults), 2,000 warm-up steps and a cosine decay to 10 % of the peak:
-# 3e-4 for 7B and 13B, 1.5e-4 for 70B. torchtitan's Llama 3 configs keep those peaks
-# (train_configs/llama3_1b.toml and llama3_8b.toml: lr 3e-4; llama3_70b.toml: 1.5e-4).
+# at 1.0, 2,000 warm-up steps and a cosine decay to 10 % of the peak: 3e-4 for 7B and 13B, 1.5e-4
+# for 70B. torchtitan's Llama 3 configs keep those peaks (train_configs/llama3_1b.toml and
+# llama3_8b.toml: lr 3e-4; llama3_70b.toml: 1.5e-4).
 RECIPES: dict[str, Recipe] = {
     # mfsdp's demo schedule (make demo, configs/tiny.yaml): a 3.4M-parameter model, 300 steps.
     "tiny": Recipe(lr=3e-3, warmup_steps=20, min_lr_ratio=0.1),
@@ -55,10 +78,32 @@ RECIPES: dict[str, Recipe] = {
     "70b": Recipe(lr=1.5e-4, warmup_steps=2000, min_lr_ratio=0.1),
 }
 
+# Full fine-tuning of pretrained weights.
+# * lr 2e-5: torchtune's llama3_1/8B_full.yaml (torch.optim.AdamW, lr 2e-5) and TRL's SFTConfig
+#   default (learning_rate 2e-5, where HF's TrainingArguments has 5e-5).
+# * Warm-up min(100, steps // 10): torchtune's fine-tuning schedule, get_cosine_schedule_with_warmup
+#   with num_warmup_steps 100 (llama3_1/8B_lora.yaml); a tenth of a shorter run at most, as the
+#   pretraining recipes take a fifth, so a 50-step trial is not all warm-up.
+# * Cosine decay to 0: torchtune's get_cosine_schedule_with_warmup and HF's lr_scheduler_type
+#   "cosine" both end at zero (HF's default, "linear" to 0, is --train.lr_schedule linear).
+# * AdamW betas (0.9, 0.999), weight decay 0, clipping at 1.0: HF TrainingArguments' defaults
+#   (adam_beta1, adam_beta2, weight_decay 0.0, max_grad_norm 1.0), which TRL's SFTConfig inherits.
+# Where the anchors differ: NeMo Automodel's fine-tuning recipes use lr 5e-6 to 1e-5 and weight
+# decay 0.01, and torchtune's full configs keep torch AdamW's weight decay of 0.01. We take the
+# HF/TRL values: most published fine-tunes of Hugging Face checkpoints ran them, so a run here
+# reproduces theirs by default; NeMo's more cautious rate is within a factor of 2 to 4 (--train.lr
+# 1e-5 for it); and a decay of 0.01 at lr 2e-5 shrinks each weight by 2e-7 a step, 0.02 % over a
+# thousand steps, too little to matter beside the rate (--train.weight_decay 0.01 for it).
+FINE_TUNING = Recipe(lr=2e-5, warmup_steps=100, min_lr_ratio=0.0, warmup_fraction=0.1, schedule="cosine",
+                     beta2=0.999, weight_decay=0.0)
 
-def recipe_for(preset: str, shape: LlamaConfig, by_size: bool) -> tuple[str, Recipe]:
-    """The name and recipe of a run's model: its preset's, or (``by_size``: a Hugging Face model)
-    that of the dense preset nearest in parameter count."""
+
+def recipe_for(preset: str, shape: LlamaConfig, by_size: bool, pretrained: bool = False) -> tuple[str, Recipe]:
+    """The name and recipe of a run's model: ``FINE_TUNING`` for ``pretrained`` weights, else its
+    preset's or (``by_size``: a Hugging Face model) that of the dense preset nearest in parameter
+    count."""
+    if pretrained:
+        return "fine-tuning", FINE_TUNING
     if not by_size:
         return preset, RECIPES[preset]
     n = flops.param_counts(shape)["total"]

@@ -44,12 +44,16 @@ class StepOutput:
 
 
 def lr_at(t: TrainSection, step: int) -> float:
-    """Linear warm-up, then cosine decay to ``min_lr_ratio * lr`` at the last step."""
+    """The learning rate of optimizer step ``step`` (1 to ``t.steps``): a linear warm-up to ``t.lr``
+    at step ``warmup_steps``, then ``t.lr_schedule``: a half cosine or a straight line down to
+    ``min_lr_ratio * lr`` at the last step, or ``lr`` to the end (constant)."""
     if step <= t.warmup_steps:
         return t.lr * step / max(1, t.warmup_steps)
-    progress = (step - t.warmup_steps) / max(1, t.steps - t.warmup_steps)
-    cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-    return t.lr * (t.min_lr_ratio + (1 - t.min_lr_ratio) * cosine)
+    if t.lr_schedule == "constant":
+        return t.lr
+    progress = min(1.0, (step - t.warmup_steps) / max(1, t.steps - t.warmup_steps))
+    left = 1 - progress if t.lr_schedule == "linear" else 0.5 * (1 + math.cos(math.pi * progress))
+    return t.lr * (t.min_lr_ratio + (1 - t.min_lr_ratio) * left)
 
 
 def train_step(model, optimizer, batch: Callable[[int], Batch], microbatches: int, loss_tokens: int, lr: float,

@@ -60,7 +60,7 @@ class Trainer:
 
     def run(self) -> int:
         cfg, d = self.cfg, self.cfg.data
-        model, optimizer = build(cfg, self.device, self.world, self.log)
+        model, optimizer = build(cfg, self.device, self.world, self.log, resuming=self.resume_from is not None)
         start_step, resumed = self._resume(model, optimizer)
         held, notes = held_out_split(cfg, self.data, resumed)
         for line in notes:
