@@ -185,14 +185,15 @@ def test_throughput_float8_row(tmp_path):
     """--float8 tensorwise --fp8-all-gather: mfsdp (one FP8 gather per block, precomputed scales),
     FSDP2 with torchao's FP8 all-gather, and the unsharded float8 model, from the same weights."""
     pytest.importorskip("torchao.float8")
-    stdout, records = run_tiny(tmp_path, 2, "--impl", "mfsdp,fsdp2,none", "--steps", "2", "--seq", "32",
-                               "--float8", "tensorwise", "--fp8-all-gather")
+    # One block: float8 GEMMs on the CPU are emulated, slowly.
+    stdout, records = run_tiny(tmp_path, 2, "--impl", "mfsdp,fsdp2,none", "--steps", "1", "--seq", "32",
+                               "--float8", "tensorwise", "--fp8-all-gather", "--n-layers", "1")
     for impl, rec in records.items():
         assert rec["status"] == "ok" and rec["loss_finite"], (impl, rec["status"])
         assert rec["float8"] == "tensorwise" and rec["fp8_all_gather"] is True
-        assert "torchao float8 tensorwise (28 linears)" in rec["setup"], rec["setup"]  # 4 blocks x 7
+        assert "torchao float8 tensorwise (7 linears)" in rec["setup"], rec["setup"]  # 1 block x 7
     assert "precompute_fp8_scales" in records["mfsdp"]["setup"]
     assert "enable_fsdp_float8_all_gather" in records["fsdp2"]["setup"]
     # The same initial weights and data, float8 GEMMs everywhere: the same first loss up to rounding.
     assert abs(records["mfsdp"]["loss_first"] - records["fsdp2"]["loss_first"]) < 1e-3, records
-    assert len(list(tmp_path.glob("*_cpu_tiny-b2-s32-fp8tensorwise-ag-w2.md"))) == 1
+    assert len(list(tmp_path.glob("*_cpu_tiny-l1-b2-s32-fp8tensorwise-ag-w2.md"))) == 1

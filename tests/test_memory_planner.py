@@ -495,9 +495,9 @@ def test_plan_with_tensor_parallel(tmp_path):
 
 
 def test_memory_accuracy_cpu_smoke(tmp_path):
-    """benchmarks/memory_accuracy.py --device cpu on 4 gloo ranks: the GPU grid's new points (a
-    Hugging Face model through the manager at tp=2, dp=2; moe-tiny with and without expert units)
-    build, step and land in the table."""
+    """benchmarks/memory_accuracy.py --device cpu on 2 gloo ranks: the GPU grid's new points (a
+    Hugging Face model through the manager at tp=2; moe-tiny with and without expert units) build,
+    step and land in the table."""
     pytest.importorskip("transformers")
     import os
     import subprocess
@@ -506,7 +506,7 @@ def test_memory_accuracy_cpu_smoke(tmp_path):
 
     root = Path(__file__).resolve().parents[1]
     out = tmp_path / "table.md"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            str(root / "benchmarks" / "memory_accuracy.py"), "--device", "cpu", "--models", "hf-tiny", "moe-tiny",
            "--tp", "2", "--placements", "zero3", "--ac", "off", "--batches", "1", "--seq-len", "32", "--warmup", "1",
            "--expert-units", "off", "on", "--out", str(out)]
