@@ -137,6 +137,7 @@ def test_lr_at_each_schedule(schedule, mid, last):
 
 class _Data:
     path = "corpus.tokens"
+    num_samples = None
 
     def __len__(self):
         return 1000
