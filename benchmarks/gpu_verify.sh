@@ -11,6 +11,10 @@
 #   house   ONE GPU, <= 9 min, after a change to mfsdp train's code: `pytest -m gpu tests`, a bad flag
 #           through the launcher, `mfsdp train` 1b compiled for 10 steps then --resume to 14, and
 #           the same 1b run at .carry/base, the speed of both in one job                  issue 33
+#   ft      ONE GPU, <= 9 min, after the fine-tuning change: `mfsdp train` 1b compiled for 10 steps with
+#           --train.save_only_model (async, bf16) then --resume to 13; the same 1b run at .carry/base
+#           in the same job; a random Llama-3.2-1B-shaped HF directory fine-tuned on synthetic chat rows
+#           (bundled route, packed, compiled) with --train.export_hf; then `pytest -m gpu tests`  issue 31
 #   final   ONE GPU, <= 8 min, the last call of a session whose time is short: the GPU suite, the
 #           compiled 1b rows in bf16 and FP8, and 8B + AC without offload (bf16 gradients)  issues 19 21 22
 #   smoke   ONE GPU, <= 9 min, first in any session that touches GPU code: `pytest -m gpu tests`,
@@ -115,6 +119,43 @@ section_house() {
   grep -v "^W1" "$OUT/train_1b_resume_base.log" | grep "resumed\|saved" | tail -3
   summarize_train /tmp/house_base 11..13 | tee -a "$OUT/train_1b_resume_base.log"
   rm -rf /tmp/house_head /tmp/house_base
+}
+
+section_ft() {
+  python3 -m mfsdp.cli prepare-data stdlib /tmp/stdlib.tokens > /dev/null 2>&1
+  local A=(--nproc-per-node 1 --model.preset 1b --data.local_batch 2 --data.seq_len 4096 --data.path /tmp/stdlib.tokens
+    --train.sample_tokens 0 --train.checkpoint_every 0 --train.progress false --train.eval_every 0)
+  rm -rf /tmp/ft_head /tmp/ft_base
+  timeout 110 python3 -m mfsdp.cli train "${A[@]}" --train.steps 10 --train.out_dir /tmp/ft_head \
+    --train.save_only_model true > "$OUT/train_1b_head.log" 2>&1; echo "train 1b HEAD (model-only save) rc=$?"
+  grep -v "^W1" "$OUT/train_1b_head.log" | tail -3; du -sh /tmp/ft_head/checkpoints/step_10
+  summarize_train /tmp/ft_head 4..10 | tee -a "$OUT/train_1b_head.log"
+  timeout 90 python3 -m mfsdp.cli train "${A[@]}" --train.steps 13 --train.out_dir /tmp/ft_head --resume \
+    --train.save_only_model true > "$OUT/train_1b_resume.log" 2>&1; echo "train 1b HEAD --resume of a model-only save rc=$?"
+  grep -v "^W1" "$OUT/train_1b_resume.log" | grep "resumed\|saved" | tail -3
+  summarize_train /tmp/ft_head 11..13 | tee -a "$OUT/train_1b_resume.log"
+  cp /tmp/ft_head/metrics.jsonl "$OUT/train_1b_head_metrics.jsonl"; rm -rf /tmp/ft_head
+  (cd .carry/base && PYTHONPATH=$PWD timeout 110 python3 -m mfsdp.cli train "${A[@]}" --train.steps 10 \
+    --train.out_dir /tmp/ft_base > "$OUT/train_1b_base.log" 2>&1; echo "train 1b base rc=$?")
+  summarize_train /tmp/ft_base 4..10 | tee -a "$OUT/train_1b_base.log"
+  cp /tmp/ft_base/metrics.jsonl "$OUT/train_1b_base_metrics.jsonl"; rm -rf /tmp/ft_base
+  local hf=/tmp/hf_1b
+  timeout 90 python3 benchmarks/make_hf_dir.py $hf/model --shape llama3.2-1b --rows $hf/rows.jsonl --n-rows 3000 \
+    2>&1 | tail -1
+  python3 -m mfsdp.cli prepare-data $hf/rows.jsonl $hf/chat.tokens --model.hf $hf/model | tee "$OUT/sft_prepare.log"
+  timeout 150 python3 -m mfsdp.cli train --nproc-per-node 1 --model.hf $hf/model --data.path $hf/chat.tokens \
+    --data.seq_len 4096 --data.local_batch 1 --data.microbatches 2 --train.steps 24 --train.eval_every 12 \
+    --train.save_only_model true --train.export_hf true --train.sample_tokens 24 --train.progress false \
+    --train.out_dir $hf/run > "$OUT/sft_1b.log" 2>&1; echo "sft 1b-shaped HF dir rc=$?"
+  grep -v "^W1" "$OUT/sft_1b.log" | grep -v "^ *$" | tail -14
+  summarize_train $hf/run 6..24 | tee -a "$OUT/sft_1b.log"
+  cp $hf/run/metrics.jsonl "$OUT/sft_1b_metrics.jsonl"
+  python3 -c "import transformers, torch; m = transformers.AutoModelForCausalLM.from_pretrained('$hf/run/hf', \
+torch_dtype=torch.bfloat16); t = transformers.AutoTokenizer.from_pretrained('$hf/run/hf'); \
+print('from_pretrained:', type(m).__name__, sum(p.numel() for p in m.parameters()), 'params, chat template', \
+t.chat_template is not None)" 2>&1 | tail -1 | tee -a "$OUT/sft_1b.log"
+  rm -rf $hf
+  timeout ${TESTS_TIMEOUT:-200} python3 -m pytest -q -m gpu -p no:cacheprovider --durations=8 tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
 }
 
 section_final() {  # ONE GPU, <= 8 min: the GPU suite, the compiled 1b rows (bf16, FP8) and 8B without offload
