@@ -1,6 +1,7 @@
 """`mfsdp train --nproc-per-node N`: checks before any worker starts, the crash summary, torch's
 error record under plain torchrun, and the Slurm script as two launchers on localhost."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -13,6 +14,7 @@ import pytest
 from mfsdp.cli import main as cli_main
 from mfsdp.data import prepare, write_token_file
 from mfsdp.data.prepare import stdlib_source
+from mfsdp.train.config import TrainSection
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.filterwarnings("ignore::UserWarning")]
 
@@ -56,11 +58,10 @@ def test_a_bad_flag_is_one_line_and_exit_code_2_before_any_worker_starts(tmp_pat
     run = mfsdp_train("--nproc-per-node", "2", "--train.stepz", "3", "--train.out_dir",
                       str(tmp_path), timeout=60)
     assert run.returncode == 2
+    keys = ", ".join(f.name for f in dataclasses.fields(TrainSection))
     assert run.stderr.strip().splitlines() == [
-        "mfsdp train: error: unknown config key train.stepz; known keys of train: steps, lr, "
-        "warmup_steps, min_lr_ratio, weight_decay, beta1, beta2, adamw_kernel, grad_clip, seed, out_dir, "
-        "checkpoint_every, keep_checkpoints, save_only_model, save_dtype, sample_tokens, progress, device, "
-        "skip_memory_check, eval_every, eval_batches, export_hf, async_checkpoint, skip_disk_check"], run.stderr
+        f"mfsdp train: error: unknown config key train.stepz; known keys of train: {keys}"], run.stderr
+    assert keys.startswith("steps, ") and "skip_disk_check" in keys
     assert run.stdout == "" and not (tmp_path / "logs").exists()  # no worker ever started
 
 
