@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 TORCH  ?= torch==2.13.0
 
-.PHONY: venv test test-gpu demo clean
+.PHONY: venv test test-all test-gpu demo clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -17,7 +17,11 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
+# `make test` leaves out the benchmark scripts' smoke tests (marked slow); `make test-all` runs them too.
 test: $(STAMP)
+	$(PY) -m pytest -q -x --timeout=900 -m "not slow" tests
+
+test-all: $(STAMP)
 	$(PY) -m pytest -q -x --timeout=900 tests
 
 test-gpu: $(STAMP)

@@ -494,6 +494,7 @@ def test_plan_with_tensor_parallel(tmp_path):
     assert code == 2
 
 
+@pytest.mark.slow  # a benchmark script: `make test-all` runs it
 def test_memory_accuracy_cpu_smoke(tmp_path):
     """benchmarks/memory_accuracy.py --device cpu on 2 gloo ranks: the GPU grid's new points (a
     Hugging Face model through the manager at tp=2; moe-tiny with and without expert units) build,

@@ -5,7 +5,11 @@ tokens per second count every microbatch."""
 
 from __future__ import annotations
 
+import pytest
+
 from test_bench_smoke import REQUIRED_KEYS, run_tiny
+
+pytestmark = pytest.mark.slow  # a benchmark script: `make test-all` runs it, `make test` does not
 
 
 def test_offload_rows_run_side_by_side(tmp_path):
