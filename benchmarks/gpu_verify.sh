@@ -15,6 +15,8 @@
 #           --train.save_only_model (async, bf16) then --resume to 13; the same 1b run at .carry/base
 #           in the same job; a random Llama-3.2-1B-shaped HF directory fine-tuned on synthetic chat rows
 #           (bundled route, packed, compiled) with --train.export_hf; then `pytest -m gpu tests`  issue 31
+#   profile8b ONE GPU, <= 6 min: `mfsdp train --model.preset 8b` 1 x 4096 x 4, compiled, no AC, bf16 and
+#           FP8 tensorwise, each with --train.profile_step 8: their breakdowns by phase    issue 32
 #   final   ONE GPU, <= 8 min, the last call of a session whose time is short: the GPU suite, the
 #           compiled 1b rows in bf16 and FP8, and 8B + AC without offload (bf16 gradients)  issues 19 21 22
 #   smoke   ONE GPU, <= 9 min, first in any session that touches GPU code: `pytest -m gpu tests`,
@@ -156,6 +158,21 @@ print('from_pretrained:', type(m).__name__, sum(p.numel() for p in m.parameters(
 t.chat_template is not None)" 2>&1 | tail -1 | tee -a "$OUT/sft_1b.log"
   rm -rf $hf
   timeout ${TESTS_TIMEOUT:-200} python3 -m pytest -q -m gpu -p no:cacheprovider --durations=8 tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
+}
+
+section_profile8b() {
+  python3 -m mfsdp.cli prepare-data stdlib /tmp/stdlib.tokens > /dev/null 2>&1
+  local A=(--nproc-per-node 1 --model.preset 8b --data.local_batch 1 --data.seq_len 4096 --data.microbatches 4
+    --data.path /tmp/stdlib.tokens --train.sample_tokens 0 --train.checkpoint_every 0 --train.progress false
+    --train.eval_every 0 --train.steps 10 --train.profile_step 8 --train.save_only_model true)
+  for f8 in none tensorwise; do
+    local name; name=$([ $f8 = none ] && echo bf16 || echo fp8)
+    rm -rf /tmp/p8b; timeout 170 python3 -m mfsdp.cli train "${A[@]}" --model.float8 $f8 --train.out_dir /tmp/p8b \
+      > "$OUT/train_8b_$name.log" 2>&1; echo "train 8b float8=$f8 rc=$?"
+    summarize_train /tmp/p8b 4..7 | tee -a "$OUT/train_8b_$name.log"
+    cp /tmp/p8b/profile/step_8_breakdown.md "$OUT/profile_8b_${name}_breakdown.md"
+    cp /tmp/p8b/metrics.jsonl "$OUT/train_8b_${name}_metrics.jsonl"; rm -rf /tmp/p8b
+  done
 }
 
 section_final() {  # ONE GPU, <= 8 min: the GPU suite, the compiled 1b rows (bf16, FP8) and 8B without offload

@@ -119,7 +119,7 @@ def test_chat_samples_train_by_epochs_with_masked_metrics_validation_and_a_chat_
     _prepare(_rows(tmp_path / "chat.jsonl", 60), data)
     done = _train(tmp_path, data, "--data.seq_len", "64", "--data.local_batch", "2", "--train.epochs", "2",
                   "--data.val_fraction", "0.1", "--train.eval_every", "3", "--train.sample_tokens", "8",
-                  "--train.checkpoint_every", "0")
+                  "--train.checkpoint_every", "0", "--train.profile_step", "2")
     assert done.returncode == 0, done.stdout + done.stderr
     first = done.stdout.splitlines()[0]
     samples = TokenFile(data)
@@ -137,6 +137,15 @@ def test_chat_samples_train_by_epochs_with_masked_metrics_validation_and_a_chat_
     assert "--- sample (temperature 0.8, mfsdp's chat template; user: 'Write a short greeting.')" in done.stdout
     meta = json.loads((tmp_path / "run" / "checkpoints" / f"step_{steps}" / "meta.json").read_text())
     assert meta["held_out"]["samples"] == 6
+    # --train.profile_step 2: a trace per rank and the step by phase.
+    profile = tmp_path / "run" / "profile"
+    assert [r["step"] for r in records if r.get("profiled")] == [2]
+    assert json.loads((profile / "step_2_rank0.json").read_text())["traceEvents"]
+    table = (profile / "step_2_breakdown.md").read_text()
+    for phase in ("mfsdp.train.data", "mfsdp.train.forward_backward", "mfsdp.train.optimizer_step",
+                  "mfsdp.model.head_and_loss"):
+        assert f"| {phase} | " in table, table
+    assert f"profiled step 2: {profile / 'step_2_rank0.json'}" in done.stdout
 
 
 def test_a_global_batch_counting_nothing_is_skipped_and_never_a_nan(tmp_path):

@@ -460,8 +460,10 @@ class Head(nn.Linear):
     def forward(self, hidden: torch.Tensor, labels: torch.Tensor | None = None,
                 loss_fn=plain_linear_cross_entropy):
         if labels is None:
-            return super().forward(hidden)
-        return loss_fn(hidden, self.weight, labels)
+            with torch.profiler.record_function("mfsdp.model.head"):
+                return super().forward(hidden)
+        with torch.profiler.record_function("mfsdp.model.head_and_loss"):
+            return loss_fn(hidden, self.weight, labels)
 
 
 class Llama(nn.Module):

@@ -279,6 +279,11 @@ class TrainSection:
         """Whether saves are asynchronous on a ``device_type`` ("cuda" or "cpu") run."""
         return self.async_checkpoint == "true" or (self.async_checkpoint == "auto"
                                                     and device_type == "cuda")
+    profile_step: int = 0
+    """Profile this step (torch.profiler, CPU and CUDA): a chrome trace per rank in
+    OUT_DIR/profile/ and, from rank 0, the step's time by mfsdp's profiler ranges (data, forward
+    and backward, head and loss, optimizer step); 0 profiles nothing. Its metrics record says
+    "profiled": the profiler slows that step."""
     skip_disk_check: bool = False
     """Before the first step the run checks that its checkpoints fit the free space of ``out_dir``
     (mfsdp/train/disk.py) and stops when not even one does; true skips that check."""
@@ -310,6 +315,8 @@ class TrainSection:
         _one_of(self, "device", ("auto", "cuda", "cpu"))
         require(self.eval_every >= 0, "train.eval_every must not be negative (0 turns it off)")
         require(self.eval_batches > 0, "train.eval_batches must be positive")
+        require(self.profile_step >= 0 and (self.epochs is not None or self.profile_step <= self.steps),
+                f"train.profile_step must lie in [0, train.steps], got {self.profile_step} (0 profiles nothing)")
 
 
 FROM_RECIPE = ("lr", "warmup_steps", "lr_schedule", "min_lr_ratio", "weight_decay", "beta2")

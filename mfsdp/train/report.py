@@ -60,6 +60,8 @@ class StepReport:
         }
         if self.moe:  # the load-balancing loss, unweighted; "loss" stays the cross entropy
             record["aux_loss"] = out.aux_loss
+        if extra.get("profiled"):
+            record["profiled"] = True
         if "val_loss" in extra:  # evaluated after this step (a device tensor until now)
             record["val_loss"] = self.val_loss = float(extra["val_loss"])
         for log in self.logs:

@@ -73,7 +73,8 @@ def train_step(model, optimizer, batch: Callable[[int], Batch], microbatches: in
     loss_sum = torch.zeros((), device=device)
     aux_sum = torch.zeros((), device=device)
     for micro in range(microbatches):
-        b = batch(micro)
+        with torch.profiler.record_function("mfsdp.train.data"):
+            b = batch(micro)
         # Without accumulation there is nothing to defer, so skip the context.
         accumulate = (mfsdp.microbatch(model, is_last=micro == microbatches - 1) if microbatches > 1
                       else nullcontext())
@@ -100,12 +101,16 @@ def summed_loss(model, batch: Batch, device: torch.device) -> torch.Tensor:
     """The fp32 sum of the cross entropy over ``batch``'s counted targets (-100: not counted).
     The bundled model takes the positions and document ids of packed samples and computes the
     loss in its head (``Llama.loss_fn``); other models return logits."""
-    inputs, targets = to_device(batch.inputs, device), to_device(batch.targets, device)
-    if isinstance(model, Llama):
+    bundled = isinstance(model, Llama)
+    with torch.profiler.record_function("mfsdp.train.data"):
+        inputs, targets = to_device(batch.inputs, device), to_device(batch.targets, device)
         extra = {name: to_device(value, device) for name in ("positions", "document_ids")
-                 if (value := getattr(batch, name)) is not None}
+                 if bundled and (value := getattr(batch, name)) is not None}
+    if bundled:
         return model(inputs, labels=targets, **extra)[0]
-    return cross_entropy_sum(logits_of(model(inputs)), targets)[0]
+    logits = logits_of(model(inputs))
+    with torch.profiler.record_function("mfsdp.train.loss"):
+        return cross_entropy_sum(logits, targets)[0]
 
 
 def _clip(model, grad_clip: float) -> torch.Tensor:

@@ -19,6 +19,7 @@ from mfsdp.train.epilogue import finish
 from mfsdp.train.evaluate import held_out_split, make_evaluator, split_record
 from mfsdp.train.metrics import MetricsLog, StepReadout, TensorBoardLog
 from mfsdp.train.preflight import ResolvedRun, model_fingerprint
+from mfsdp.train.profile import StepProfiler
 from mfsdp.train.report import NoProgress, StepReport, progress_bar
 from mfsdp.train.step import lr_at, train_step
 
@@ -113,14 +114,18 @@ class Trainer:
             self.progress.set_postfix_str("compiling the blocks (torch.compile, first step)")
         aux_coef = self.model_cfg.moe_aux_loss_coef if isinstance(model, MoELlama) else None
         stop_signal = StopSignal(self.log)
+        profiler = StepProfiler(self.out_dir, t.profile_step, self.rank, self.device, self.note)
         step, stop = start_step, False
         for step in range(start_step + 1, t.steps + 1):
             lr, loss_tokens = lr_at(t, step), sampler.loss_tokens(step)
             evaluated = evaluator is not None and (step % t.eval_every == 0 or step == t.steps)
             if loss_tokens:
-                out = train_step(model, optimizer, lambda micro: sampler.batch(step, micro), d.microbatches,
-                                 loss_tokens, lr, t.grad_clip, aux_coef, stop_signal.requested, self.device)
+                with profiler.around(step):
+                    out = train_step(model, optimizer, lambda micro: sampler.batch(step, micro), d.microbatches,
+                                     loss_tokens, lr, t.grad_clip, aux_coef, stop_signal.requested, self.device)
                 end, extra = readout.mark(), {"lr": lr, "loss_tokens": loss_tokens}
+                if step == t.profile_step:  # its time includes the profiler's
+                    extra["profiled"] = True
                 if evaluated:  # read with this step's record, one step late; see the note in evaluate.py
                     extra["val_loss"] = evaluator(model)
                 stop = report(readout.push(step, out.pack(), extra, end)) or stop
