@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.timeout(240), pytest.mark.filterwarnings("ignore::User
 
 MOE = ["--model.preset", "moe-tiny", "--data.seq_len", "32", "--data.local_batch", "4",
        "--train.lr", "1e-2", "--train.warmup_steps", "2", "--train.progress", "false",
-       "--train.device", "cpu", "--train.checkpoint_every", "0"]
+       "--train.device", "cpu", "--train.checkpoint_every", "0", "--train.eval_every", "0"]
 
 
 def torchrun(*args, timeout=150) -> subprocess.CompletedProcess:
