@@ -26,7 +26,8 @@ REPO = Path(__file__).resolve().parents[1]
 SMALL = ["--model.n_layers", "2", "--model.dim", "64", "--model.n_heads", "4",
          "--model.n_kv_heads", "2", "--model.ffn_dim", "128", "--data.seq_len", "32",
          "--data.local_batch", "4", "--train.lr", "1e-2", "--train.warmup_steps", "2",
-         "--train.sample_tokens", "16", "--train.progress", "false", "--train.device", "cpu"]
+         "--train.sample_tokens", "16", "--train.progress", "false", "--train.device", "cpu",
+         "--train.eval_every", "0"]  # the validation loss has its tests (test_eval_loss.py)
 
 
 # Deterministic mode in bf16 (the GPU default; the CPU computes bf16 too): reruns and resumes must
