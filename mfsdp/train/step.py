@@ -102,10 +102,11 @@ def summed_loss(model, batch: Batch, device: torch.device) -> torch.Tensor:
     The bundled model takes the positions and document ids of packed samples and computes the
     loss in its head (``Llama.loss_fn``); other models return logits."""
     bundled = isinstance(model, Llama)
+    packed = ("positions", "document_ids") if bundled else ()  # what only the bundled model takes
     with torch.profiler.record_function("mfsdp.train.data"):
         inputs, targets = to_device(batch.inputs, device), to_device(batch.targets, device)
-        extra = {name: to_device(value, device) for name in ("positions", "document_ids")
-                 if bundled and (value := getattr(batch, name)) is not None}
+        extra = {name: to_device(value, device) for name in packed
+                 if (value := getattr(batch, name)) is not None}
     if bundled:
         return model(inputs, labels=targets, **extra)[0]
     logits = logits_of(model(inputs))

@@ -124,7 +124,7 @@ class Trainer:
                     out = train_step(model, optimizer, lambda micro: sampler.batch(step, micro), d.microbatches,
                                      loss_tokens, lr, t.grad_clip, aux_coef, stop_signal.requested, self.device)
                 end, extra = readout.mark(), {"lr": lr, "loss_tokens": loss_tokens}
-                if step == t.profile_step:  # its time includes the profiler's
+                if step == profiler.step:  # its time includes the profiler's
                     extra["profiled"] = True
                 if evaluated:  # read with this step's record, one step late; see the note in evaluate.py
                     extra["val_loss"] = evaluator(model)

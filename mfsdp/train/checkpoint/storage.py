@@ -167,10 +167,16 @@ def make_temp(root: Path, final: Path, temp: Path, group=None) -> None:
 def state_of(model: torch.nn.Module, optimizer: torch.optim.Optimizer, model_only: bool = False) -> dict:
     """What a checkpoint holds: the model's and (unless ``model_only``) the optimizer's state dicts
     and the generators."""
+    return {**_train_state(model, optimizer, model_only), RNG: _rng_state()}
+
+
+def _train_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, model_only: bool) -> dict:
+    """The model's state dict and, unless ``model_only``, the optimizer's: a fresh optimizer is not
+    even asked for one there, since torch would give it a step of its own to make it."""
     state = {"model": get_model_state_dict(model)}
     if not model_only:
         state["optimizer"] = get_optimizer_state_dict(model, optimizer)
-    return {**state, RNG: _rng_state()}
+    return state
 
 
 def on_host(state: dict, dtype: torch.dtype) -> dict:
@@ -264,11 +270,7 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module,
     the rank and cause, on every rank (DCP raises on all)."""
     path = Path(path)
     meta = CheckpointMeta.read(path)
-    # Not even asked for its state dict when the checkpoint has none: torch would give a fresh
-    # optimizer a step of its own to make one.
-    state = {"model": get_model_state_dict(model)}
-    if not meta.model_only:
-        state["optimizer"] = get_optimizer_state_dict(model, optimizer)
+    state = _train_state(model, optimizer, meta.model_only)
     rng = _saved_rng_state(path)
     if rng:
         state[RNG] = rng
