@@ -17,6 +17,9 @@
 #           (bundled route, packed, compiled) with --train.export_hf; then `pytest -m gpu tests`  issue 31
 #   profile8b ONE GPU, <= 6 min: `mfsdp train --model.preset 8b` 1 x 4096 x 4, compiled, no AC, bf16 and
 #           FP8 tensorwise, each with --train.profile_step 8: their breakdowns by phase    issue 32
+#   rows8b  ONE GPU, <= 9.5 min: a random Llama-3-8B-shaped HF directory at its defaults beside
+#           --model.preset 8b (bf16), then the preset in FP8, 1 x 4096 x 4, compiled, no AC, step 6
+#           profiled (ranges, kernels by category, idle gaps), steps 7-26 timed   issues 31 32
 #   final   ONE GPU, <= 8 min, the last call of a session whose time is short: the GPU suite, the
 #           compiled 1b rows in bf16 and FP8, and 8B + AC without offload (bf16 gradients)  issues 19 21 22
 #   smoke   ONE GPU, <= 9 min, first in any session that touches GPU code: `pytest -m gpu tests`,
@@ -172,6 +175,39 @@ section_profile8b() {
     summarize_train /tmp/p8b 4..7 | tee -a "$OUT/train_8b_$name.log"
     cp /tmp/p8b/profile/step_8_breakdown.md "$OUT/profile_8b_${name}_breakdown.md"
     cp /tmp/p8b/metrics.jsonl "$OUT/train_8b_${name}_metrics.jsonl"; rm -rf /tmp/p8b
+  done
+}
+
+section_rows8b() {  # ONE GPU, <= 9.5 min: issue 31's HF row beside the preset and issue 32's profiles
+  # `mfsdp train` 1 x 4096 x 4, compiled, no AC, exact AdamW, the defaults otherwise, same data and flags:
+  # --model.preset 8b (bf16), a random Llama-3-8B-shaped HF directory, then the preset in FP8 tensorwise
+  # if the call has the time. Step 6 is profiled; steps 7-26 are timed (20 steps).
+  python3 -m mfsdp.cli prepare-data stdlib /tmp/stdlib.tokens > /dev/null 2>&1
+  local hf=/tmp/hf8b
+  timeout 150 python3 benchmarks/make_hf_dir.py $hf --shape llama3-8b 2>&1 | tail -1; du -sh $hf
+  local A=(--nproc-per-node 1 --data.local_batch 1 --data.seq_len 4096 --data.microbatches 4
+    --data.path /tmp/stdlib.tokens --train.sample_tokens 0 --train.checkpoint_every 0 --train.progress false
+    --train.eval_every 0 --train.steps 26 --train.profile_step 6 --train.save_only_model true)
+  local name model
+  for name in preset_bf16 hf_bf16 preset_fp8; do
+    case $name in
+      preset_bf16) model=(--model.preset 8b);;
+      hf_bf16) model=(--model.hf $hf);;
+      preset_fp8) model=(--model.preset 8b --model.float8 tensorwise)
+        if [ $((560 - SECONDS)) -lt 150 ]; then echo "preset_fp8 skipped: $((560 - SECONDS)) s left"; break; fi;;
+    esac
+    rm -rf /tmp/r8b; timeout 220 python3 -m mfsdp.cli train "${A[@]}" "${model[@]}" --train.out_dir /tmp/r8b \
+      > "$OUT/train_8b_$name.log" 2>&1; echo "train 8b $name rc=$? at ${SECONDS}s"
+    grep -v "^W1" "$OUT/train_8b_$name.log" | grep "mfsdp train:\|loaded\|profiled\|rror" | head -4
+    summarize_train /tmp/r8b 7..26 | tee -a "$OUT/train_8b_$name.log"
+    cp /tmp/r8b/metrics.jsonl "$OUT/train_8b_${name}_metrics.jsonl"
+    cp /tmp/r8b/profile/step_6_breakdown.md "$OUT/profile_8b_${name}_ranges.md"
+    timeout 60 python3 benchmarks/trace_breakdown.py kernels /tmp/r8b/profile/step_6_rank0.json \
+      > "$OUT/profile_8b_${name}_kernels.txt" 2>&1
+    timeout 40 python3 benchmarks/trace_breakdown.py idle /tmp/r8b/profile/step_6_rank0.json \
+      > "$OUT/profile_8b_${name}_idle.txt" 2>&1
+    [ $name = hf_bf16 ] && rm -rf $hf
+    rm -rf /tmp/r8b
   done
 }
 
