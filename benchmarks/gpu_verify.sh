@@ -209,6 +209,10 @@ section_rows8b() {  # ONE GPU, <= 9.5 min: issue 31's HF row beside the preset a
     [ $name = hf_bf16 ] && rm -rf $hf
     rm -rf /tmp/r8b
   done
+  if [ $((585 - SECONDS)) -gt 45 ]; then  # the head + loss alone at the 8B shape, plain against fused
+    timeout $((585 - SECONDS)) python3 benchmarks/loss_bench.py --tokens 4096 --iters 10 --out "$OUT/loss_bench.jsonl" \
+      2>&1 | grep -v "^W1" | tail -4
+  fi
 }
 
 section_final() {  # ONE GPU, <= 8 min: the GPU suite, the compiled 1b rows (bf16, FP8) and 8B without offload
