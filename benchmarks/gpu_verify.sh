@@ -20,6 +20,9 @@
 #   rows8b  ONE GPU, <= 9.5 min: a random Llama-3-8B-shaped HF directory at its defaults beside
 #           --model.preset 8b (bf16), then the preset in FP8, 1 x 4096 x 4, compiled, no AC, step 6
 #           profiled (ranges, kernels by category, idle gaps), steps 7-26 timed   issues 31 32
+#   sft8b   ONE GPU, <= 9.5 min: a random Llama-3-8B-shaped HF directory fine-tuned on synthetic chat
+#           rows at its defaults, model-only save + HF export on the 64 GiB disk, from_pretrained;
+#           then a Qwen2.5-7B-shaped directory's row if the call has the time         issue 31
 #   final   ONE GPU, <= 8 min, the last call of a session whose time is short: the GPU suite, the
 #           compiled 1b rows in bf16 and FP8, and 8B + AC without offload (bf16 gradients)  issues 19 21 22
 #   smoke   ONE GPU, <= 9 min, first in any session that touches GPU code: `pytest -m gpu tests`,
@@ -213,6 +216,40 @@ section_rows8b() {  # ONE GPU, <= 9.5 min: issue 31's HF row beside the preset a
     timeout $((585 - SECONDS)) python3 benchmarks/loss_bench.py --tokens 4096 --iters 10 --out "$OUT/loss_bench.jsonl" \
       2>&1 | grep -v "^W1" | tail -4
   fi
+}
+
+section_sft8b() {  # ONE GPU, <= 9.5 min: issue 31's 8B fine-tune on the 64 GiB disk, then the Qwen row if time
+  # A random Llama-3-8B-shaped HF directory (15 GB) and synthetic chat rows; prepare-data through its
+  # chat template; `mfsdp train --model.hf DIR` at its defaults (the fine-tuning recipe), 1 x 4096 x 4,
+  # with a validation loss, a model-only save and the HF export; then from_pretrained on the export.
+  local hf=/tmp/sft8b
+  timeout 150 python3 benchmarks/make_hf_dir.py $hf/model --shape llama3-8b --rows $hf/rows.jsonl --n-rows 8000 \
+    2>&1 | tail -1
+  python3 -m mfsdp.cli prepare-data $hf/rows.jsonl $hf/chat.tokens --model.hf $hf/model 2>&1 | tee "$OUT/sft8b_prepare.log"
+  df -h /tmp | tail -1
+  timeout 330 python3 -m mfsdp.cli train --nproc-per-node 1 --model.hf $hf/model --data.path $hf/chat.tokens \
+    --data.seq_len 4096 --data.local_batch 1 --data.microbatches 4 --train.steps 30 --train.eval_every 15 \
+    --train.checkpoint_every 0 --train.save_only_model true --train.export_hf true --train.sample_tokens 24 \
+    --train.progress false --train.out_dir $hf/run > "$OUT/sft8b.log" 2>&1; echo "sft 8B-shaped HF dir rc=$? at ${SECONDS}s"
+  grep -v "^W1" "$OUT/sft8b.log" | grep -v "^ *$" | tail -16
+  summarize_train $hf/run 6..30 | tee -a "$OUT/sft8b.log"
+  cp $hf/run/metrics.jsonl "$OUT/sft8b_metrics.jsonl"
+  du -sh $hf/model $hf/run/checkpoints/* $hf/run/hf 2>&1 | tee -a "$OUT/sft8b.log"; df -h /tmp | tail -1 | tee -a "$OUT/sft8b.log"
+  timeout 120 python3 -c "import transformers, torch; m = transformers.AutoModelForCausalLM.from_pretrained('$hf/run/hf', \
+torch_dtype=torch.bfloat16); t = transformers.AutoTokenizer.from_pretrained('$hf/run/hf'); \
+print('from_pretrained:', type(m).__name__, sum(p.numel() for p in m.parameters()), 'params, chat template', \
+t.chat_template is not None)" 2>&1 | tail -1 | tee -a "$OUT/sft8b.log"
+  rm -rf $hf
+  if [ $((585 - SECONDS)) -lt 200 ]; then echo "qwen row skipped: $((585 - SECONDS)) s left"; return; fi
+  python3 -m mfsdp.cli prepare-data stdlib /tmp/stdlib.tokens > /dev/null 2>&1
+  timeout 150 python3 benchmarks/make_hf_dir.py /tmp/qwen --shape qwen2.5-7b 2>&1 | tail -1
+  rm -rf /tmp/rq; timeout $((585 - SECONDS)) python3 -m mfsdp.cli train --nproc-per-node 1 --model.hf /tmp/qwen \
+    --data.local_batch 1 --data.seq_len 4096 --data.microbatches 4 --data.path /tmp/stdlib.tokens \
+    --train.sample_tokens 0 --train.checkpoint_every 0 --train.progress false --train.eval_every 0 --train.steps 26 \
+    --train.save_only_model true --train.out_dir /tmp/rq > "$OUT/train_qwen7b.log" 2>&1; echo "train qwen2.5-7b rc=$?"
+  grep -v "^W1" "$OUT/train_qwen7b.log" | grep "mfsdp train:\|loaded\|rror" | head -3
+  summarize_train /tmp/rq 7..26 | tee -a "$OUT/train_qwen7b.log"
+  cp /tmp/rq/metrics.jsonl "$OUT/train_qwen7b_metrics.jsonl"; rm -rf /tmp/rq /tmp/qwen
 }
 
 section_final() {  # ONE GPU, <= 8 min: the GPU suite, the compiled 1b rows (bf16, FP8) and 8B without offload
@@ -584,6 +621,8 @@ section_ab22() {  # ONE GPU, <= 9 min: the GPU suite, then the compiled 1b bf16 
   grep -h '^| \(mfsdp\|fsdp2\) ' "$OUT/bench.log"
 }
 
+# At most 8 files come back from a device call: everything leaves in one tarball.
+trap 'cd "$OUT" && tar czf /tmp/results.tgz . && rm -rf ./* && mv /tmp/results.tgz .' EXIT
 for section in "$@"; do
   echo "== $section $(date +%T)"
   "section_$section"
