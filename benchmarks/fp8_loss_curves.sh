@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# Issue 16's loss-curve check: FP8 against bf16 on the 1b preset over 200 steps, 2 GPUs.
+# The FP8 loss-curve check: FP8 against bf16, same seeds and data, on the standard-library corpus.
 #
-#   bash benchmarks/fp8_loss_curves.sh [OUT]      # from anywhere; default OUT below
+#   [GPUS=1] [STEPS=300] [PRESET=1b] [LOCAL_BATCH=2] [MICROBATCHES=1] bash benchmarks/fp8_loss_curves.sh [OUT]
 #
-# 1. trains the 1b preset for 200 steps on 2 GPUs (bf16 compute, fp32 main weights, seq 4096, local
-#    batch 2, the same seeds and data) twice: --model.float8 none, then --model.float8 tensorwise
+# 1. trains PRESET for STEPS steps on GPUS GPUs (bf16 compute, fp32 main weights, seq 4096, local
+#    batch LOCAL_BATCH x MICROBATCHES, the same seeds and data) twice: --model.float8 none, then
+#    --model.float8 tensorwise
 #    (torchao float8 linears, weights all-gathered in FP8, one gather per block);
 # 2. writes OUT/fp8_vs_bf16.png (both curves and their relative difference) and OUT/fp8_vs_bf16.md
 #    (the table every 20 steps, the final losses as a mean over the last 10 steps, and versions);
@@ -14,12 +15,14 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 source benchmarks/gpu_env.sh
 OUT=${1:-runs/fp8_loss_curves}
-STEPS=${STEPS:-200}
+STEPS=${STEPS:-300} GPUS=${GPUS:-1} PRESET=${PRESET:-1b}
+LOCAL_BATCH=${LOCAL_BATCH:-2} MICROBATCHES=${MICROBATCHES:-1}
 rm -rf "$OUT" && mkdir -p "$OUT"
 
 $PY -m mfsdp.cli prepare-data stdlib "$OUT/stdlib.tokens"
-ARGS=(--nproc-per-node 2 --model.preset 1b --data.path "$OUT/stdlib.tokens"
-      --data.seq_len 4096 --data.local_batch 2 --parallel.compute_dtype bf16
+ARGS=(--nproc-per-node "$GPUS" --model.preset "$PRESET" --data.path "$OUT/stdlib.tokens"
+      --data.seq_len 4096 --data.local_batch "$LOCAL_BATCH" --data.microbatches "$MICROBATCHES"
+      --parallel.compute_dtype bf16 --train.save_only_model true --train.eval_every 0
       --train.steps "$STEPS" --train.warmup_steps 20 --train.lr 3e-4 --train.checkpoint_every 0
       --train.keep_checkpoints 1 --train.sample_tokens 0 --train.progress false)
 
@@ -28,14 +31,14 @@ for float8 in none tensorwise; do
   rm -rf "$OUT/$float8/checkpoints"
 done
 
-$PY - "$OUT" <<'EOF'
+$PY - "$OUT" "$PRESET" "$GPUS" <<'EOF'
 import json, statistics, subprocess, sys
 import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import torch
 
-out = sys.argv[1]
+out, preset, gpus = sys.argv[1], sys.argv[2], int(sys.argv[3])
 def losses(run):
     return {r["step"]: r["loss"] for r in map(json.loads, open(f"{out}/{run}/metrics.jsonl"))}
 bf16, fp8 = losses("none"), losses("tensorwise")
@@ -47,7 +50,7 @@ rel = (final_fp8 - final_bf16) / final_bf16
 fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 7), sharex=True, height_ratios=(3, 1))
 top.plot(steps, [bf16[s] for s in steps], label="bf16")
 top.plot(steps, [fp8[s] for s in steps], label="float8 tensorwise + FP8 all-gather")
-top.set_ylabel("loss"); top.legend(); top.set_title("mfsdp train, 1b preset, 2 GPUs")
+top.set_ylabel("loss"); top.legend(); top.set_title(f"mfsdp train, {preset} preset, {gpus} GPU(s)")
 bottom.plot(steps, [100 * (fp8[s] - bf16[s]) / bf16[s] for s in steps])
 bottom.axhline(0, color="grey", lw=0.5)
 bottom.set_ylabel("fp8 vs bf16 (%)"); bottom.set_xlabel("step")
@@ -62,7 +65,7 @@ commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=
 gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
 rows = "\n".join(f"| {s} | {bf16[s]:.4f} | {fp8[s]:.4f} | {100 * (fp8[s] - bf16[s]) / bf16[s]:+.2f} |"
                  for s in steps if s % 20 == 0 or s == steps[-1])
-text = (f"# FP8 vs bf16 loss, 1b preset, {len(steps)} steps, 2 GPUs\n\n"
+text = (f"# FP8 vs bf16 loss, {preset} preset, {len(steps)} steps, {gpus} GPU(s)\n\n"
         f"- versions: {gpu}, torch {torch.__version__}, torchao {ao}, mfsdp commit {commit}\n"
         f"- final loss (mean of steps {tail[0]}-{tail[-1]}): bf16 {final_bf16:.4f}, fp8 {final_fp8:.4f}, "
         f"difference {100 * rel:+.2f}% (target: within 1%)\n\n"
