@@ -23,6 +23,8 @@
 #   sft8b   ONE GPU, <= 9.5 min: a random Llama-3-8B-shaped HF directory fine-tuned on synthetic chat
 #           rows at its defaults, model-only save + HF export on the 64 GiB disk, from_pretrained;
 #           then a Qwen2.5-7B-shaped directory's row if the call has the time         issue 31
+#   levers8b ONE GPU, <= 9.5 min: the attention backends at 8B; `mfsdp train` 8b at HEAD (profiled) and
+#           at .carry/base, then the HF 8B directory at HEAD's defaults, in one job   issues 31 32
 #   final   ONE GPU, <= 8 min, the last call of a session whose time is short: the GPU suite, the
 #           compiled 1b rows in bf16 and FP8, and 8B + AC without offload (bf16 gradients)  issues 19 21 22
 #   smoke   ONE GPU, <= 9 min, first in any session that touches GPU code: `pytest -m gpu tests`,
@@ -250,6 +252,41 @@ t.chat_template is not None)" 2>&1 | tail -1 | tee -a "$OUT/sft8b.log"
   grep -v "^W1" "$OUT/train_qwen7b.log" | grep "mfsdp train:\|loaded\|rror" | head -3
   summarize_train /tmp/rq 7..26 | tee -a "$OUT/train_qwen7b.log"
   cp /tmp/rq/metrics.jsonl "$OUT/train_qwen7b_metrics.jsonl"; rm -rf /tmp/rq /tmp/qwen
+}
+
+section_levers8b() {  # ONE GPU, <= 9.5 min: issue 32's levers at 8B, HEAD beside .carry/base in one job
+  # The attention backends at the 8B shape; `mfsdp train --model.preset 8b` 1 x 4096 x 4, compiled, no AC,
+  # bf16, at HEAD (step 6 profiled: ranges, kernels by name, idle gaps) and at .carry/base; then a
+  # random Llama-3-8B-shaped HF directory at HEAD's defaults, beside them. Steps 7-26 are timed.
+  timeout 90 python3 benchmarks/attention_bench.py --out "$OUT/attention_bench.jsonl" 2>&1 | grep -v "^W1" \
+    | cut -c1-170
+  python3 -m mfsdp.cli prepare-data stdlib /tmp/stdlib.tokens > /dev/null 2>&1
+  local hf=/tmp/hf8b
+  timeout 150 python3 benchmarks/make_hf_dir.py $hf --shape llama3-8b 2>&1 | tail -1
+  local A=(--nproc-per-node 1 --data.local_batch 1 --data.seq_len 4096 --data.microbatches 4
+    --data.path /tmp/stdlib.tokens --train.sample_tokens 0 --train.checkpoint_every 0 --train.progress false
+    --train.eval_every 0 --train.steps 26 --train.save_only_model true)
+  local name
+  for name in head_preset base_preset head_hf; do
+    if [ $((585 - SECONDS)) -lt 140 ]; then echo "$name skipped: $((585 - SECONDS)) s left"; break; fi
+    local tree=$ROOT model=(--model.preset 8b) extra=(--train.profile_step 6)
+    [ $name = base_preset ] && tree=$ROOT/.carry/base && extra=()
+    [ $name = head_hf ] && model=(--model.hf $hf)
+    rm -rf /tmp/r8b; (cd $tree && PYTHONPATH=$tree timeout $((585 - SECONDS)) python3 -m mfsdp.cli train "${A[@]}" \
+      "${model[@]}" "${extra[@]}" --train.out_dir /tmp/r8b > "$OUT/train_8b_$name.log" 2>&1
+      echo "train 8b $name rc=$? at ${SECONDS}s")
+    grep -v "^W1" "$OUT/train_8b_$name.log" | grep "rror" | head -3
+    summarize_train /tmp/r8b 7..26 | tee -a "$OUT/train_8b_$name.log"
+    cp /tmp/r8b/metrics.jsonl "$OUT/train_8b_${name}_metrics.jsonl"
+    if [ $name = head_preset ]; then
+      cp /tmp/r8b/profile/step_6_breakdown.md "$OUT/profile_8b_${name}_ranges.md"
+      timeout 60 python3 benchmarks/trace_breakdown.py kernels /tmp/r8b/profile/step_6_rank0.json \
+        > "$OUT/profile_8b_${name}_kernels.txt" 2>&1
+      head -60 "$OUT/profile_8b_${name}_kernels.txt"
+    fi
+    rm -rf /tmp/r8b
+  done
+  rm -rf $hf
 }
 
 section_final() {  # ONE GPU, <= 8 min: the GPU suite, the compiled 1b rows (bf16, FP8) and 8B without offload

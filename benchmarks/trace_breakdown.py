@@ -5,7 +5,8 @@
 
 ``kernels``: per trace, kernel milliseconds by category on the compute streams and, for kernels
 that are not NCCL's, on the communication streams (any stream that runs an NCCL kernel); then,
-per trace, the kernels whose compute-stream time differs most from the first trace's. Run with
+the first trace's largest kernels by name; per trace, the kernels whose compute-stream time differs
+most from the first trace's. Run with
 the ``none`` (single-GPU ceiling) trace first, the same GEMMs slower under FSDP are the cost of
 communication kernels sharing the SMs and memory bandwidth.
 
@@ -106,6 +107,7 @@ def kernel_times(path: str) -> dict:
         ms = (e["end"] - e["start"]) / 1e3
         out[where][category(e["name"])] += ms
         out[where + "_names"][re.sub(r"\s+", " ", e["name"])[:90]] += ms
+        out["streams"][e["stream"]] += ms
     return out
 
 
@@ -116,7 +118,14 @@ def report_kernels(paths: list[str]) -> None:
               "comm-stream non-NCCL ms")
         for name, ms in sorted(t["compute"].items(), key=lambda kv: -kv[1]):
             print(f"   {name:20s} {ms:8.2f}   comm-stream: {t['comm'].get(name, 0):7.2f}")
+        print("   kernel ms per stream: " + ", ".join(f"{k}: {v:.1f}" for k, v in t["streams"].most_common()))
     base_path, base = traces[0]
+    for where in ("compute", "comm"):  # the first trace's largest kernels by name, per stream class
+        names = base[where + "_names"]
+        if names:
+            print(f"== {base_path.split('/')[-1]}: largest {where}-stream kernels (ms, of {sum(names.values()):.1f})")
+            for name, ms in names.most_common(30):
+                print(f"   {ms:8.2f}  {name}")
     for path, t in traces[1:]:
         print(f"== {path.split('/')[-1]} minus {base_path.split('/')[-1]}: compute-stream kernels, "
               "largest differences (ms)")

@@ -196,6 +196,18 @@ def test_reduction_plans_per_placement(cworld):
     }, got
 
 
+def test_reduction_plans_leave_out_one_rank_scatters(cworld):
+    """A reduce-scatter over a mesh dimension of one rank is the identity, so the plan leaves it out
+    and the gradients go straight onto their target (no staging copy per microbatch): on two ranks
+    the 2-D meshes are (2, 1)."""
+    got = cworld(2).run(plans, timeout=60)[0]
+    rs, ar = "reduce_scatter", "all_reduce"
+    assert got["zero3"] == (("raw", [rs], 2), "main", None), got
+    assert got["hsdp"] == (("raw", [ar], 2), "main", None), got
+    assert got["zero3_2d"] == (("raw", [rs], 2), "main", None), got
+    assert got["hfsdp"] == (("raw", [], 1), "accumulator", ("accumulator", [rs], 2)), got
+
+
 def freed_without_gc(rank, ws):
     """A trained model and its optimizer free every buffer by reference counting alone: no cycle
     (a recursive closure over the ownership walk, a group and its reducer, a hook holding its group)

@@ -98,7 +98,10 @@ class ReductionPlan:
     @classmethod
     def compile(cls, g: ShardGeometry) -> "ReductionPlan":
         def path(source, start, stop, all_reduce_groups, divide):
-            stages = [Stage("reduce_scatter", g.groups[j], g.ways(j + 1)) for j in range(start, stop)]
+            # A reduce-scatter over one rank is the identity: its stage is left out, so the
+            # gradients go straight into (or onto) their target, with no staging copy between.
+            stages = [Stage("reduce_scatter", g.groups[j], g.ways(j + 1)) for j in range(start, stop)
+                      if dist.get_world_size(g.groups[j]) > 1]
             stages += [Stage("all_reduce", pg, g.ways(stop)) for pg in all_reduce_groups]
             scale = math.prod(dist.get_world_size(s.group) for s in stages)
             return ReductionPath(source, tuple(stages), scale, divide)
