@@ -158,18 +158,23 @@ COMPILED_BLOCK_SAVED = 0.70
 """What a compiled block of the bundled dense Llama saves for backward, without checkpointing, as a
 share of the eager block's (measured on fake tensors): Inductor's partitioner recomputes cheap
 pointwise results in backward instead of saving them. Set just above the shares measured on one H200
-at 1b and 8B (``benchmarks/results/2026-12-01_compiled_block_saved.md``)."""
+at 1b and 8B in bf16 and at 8B in FP8 tensorwise (``benchmarks/results/2026-12-01_compiled_block_saved.md``)."""
+COMPILED_FLOAT8 = ("none", "tensorwise")
+"""The float8 settings whose compiled blocks ``COMPILED_BLOCK_SAVED`` was measured for (bf16 at 1b and
+8B, tensorwise at 8B); other recipes' blocks are planned as eager ones, an upper bound."""
 COMPILED_NOTE = (f"compiled blocks (--parallel.compile auto/true): a bundled dense Llama's blocks without "
-                 f"checkpointing are predicted to save {COMPILED_BLOCK_SAVED:.2f}x the eager activations (measured "
-                 "on one H200 at 1b and 8B); other models and FP8 blocks as eager ones, an upper bound")
+                 f"checkpointing, in bf16 or FP8 tensorwise, are predicted to save {COMPILED_BLOCK_SAVED:.2f}x "
+                 "the eager activations (measured on one H200); other models and recipes as eager ones, an "
+                 "upper bound")
 
 
 def _compiled(acts: ActivationProfile, model: nn.Module, ac: bool, float8: str, notes: list) -> ActivationProfile:
     """``acts`` of compiled blocks, with ``COMPILED_NOTE`` in ``notes``; measured only where it is
-    scaled: the bundled dense Llama, no checkpointing (which saves the block inputs either way), no FP8."""
+    scaled: the bundled dense Llama, no checkpointing (which saves the block inputs either way), bf16
+    or FP8 tensorwise (``COMPILED_FLOAT8``)."""
     notes.append(COMPILED_NOTE)
     cfg = getattr(model, "cfg", None)
-    if cfg is None or not hasattr(model, "layers") or cfg.num_experts or ac or float8 != "none":
+    if cfg is None or not hasattr(model, "layers") or cfg.num_experts or ac or float8 not in COMPILED_FLOAT8:
         return acts
     return dataclasses.replace(acts, block_bytes=int(acts.block_bytes * COMPILED_BLOCK_SAVED))
 
