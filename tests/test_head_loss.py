@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from mfsdp.data import write_token_file
-from mfsdp.train.config import ConfigError, load_config
+from mfsdp.train.config import ConfigError, ModelSection, load_config
 from test_eval_loss import SMALL, run_trainer
 from test_model_only_checkpoint import tensors
 
@@ -104,3 +104,5 @@ def test_the_manager_route_refuses_the_fused_loss_and_auto_trains_it_plain(tmp_p
     assert load_config(["--model.hf", llama, "--model.head_loss", "fused"]).model.head_loss == "fused"  # bundled
     auto = load_config(["--model.hf", biased, "--model.head_loss", "fused"])  # to the manager: plain there
     assert (auto.model.hf_impl, auto.model.head_loss) == ("manager", "plain")
+    # A checkpoint's config from before the flag: plain, the loss it trained with, whatever the default.
+    assert ModelSection.recorded({"hf": llama, "hf_impl": "manager"}).head_loss == "plain"

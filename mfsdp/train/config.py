@@ -120,9 +120,10 @@ class ModelSection:
     def recorded(cls, model: dict) -> "ModelSection":
         """The section a checkpoint's run config recorded, keys this mfsdp does not know dropped. A
         --model.hf run recorded before the bundled route existed reads hf_impl "auto", which
-        ``uses_manager`` takes as the manager's, the route it was trained on."""
+        ``uses_manager`` takes as the manager's, the route it was trained on; one recorded before
+        --model.head_loss existed trained with the plain loss, whatever the default is now."""
         known = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in model.items() if k in known})
+        return cls(**{"head_loss": "plain", **{k: v for k, v in model.items() if k in known}})
 
     def on_manager(self) -> "ModelSection":
         """This section on the manager's route, whose Hugging Face model returns logits: the head loss
