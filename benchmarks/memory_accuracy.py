@@ -4,8 +4,10 @@ For each grid point that the planner says fits, every rank builds the model as `
 does (a bundled preset, dense or mixture of experts, on the meta device, ``parallelize``; or a
 Hugging Face Llama-3.2-1B shape through the manager, at tp=1 or, with ``--tp``, tensor parallel
 with sequence parallel and the vocabulary-parallel loss), runs ``--warmup`` steps of the training
-loop's step (logits kept, fp32 cross entropy plus the MoE load-balancing loss, gradient clipping,
-foreach AdamW, ``zero_grad(set_to_none=True)``), resets the peak and measures one more step. Rank 0
+loop's step (a bundled model computes its loss in its head from the labels, ``--head-loss``, as
+``mfsdp train`` runs it; a Hugging Face one returns logits, kept, for the fp32 cross entropy; plus the
+MoE load-balancing loss, gradient clipping, foreach AdamW, ``zero_grad(set_to_none=True)``), resets
+the peak and measures one more step. Rank 0
 prints and writes a Markdown table: predicted and measured peak (GiB), the error, and the phase
 the planner names. Rank 0 makes every point's estimate and sends it to the others (it is the same on
 every rank); a tensor-parallel estimate runs in a spawned child process (over a fake process group of
@@ -41,13 +43,14 @@ HF_SHAPES = {"hf-1b": HF_1B, "hf-tiny": dict(vocab_size=512, hidden_size=64, int
                                              use_cache=False, max_position_embeddings=256)}
 
 
-def build_bundled(preset, placements, ac, world, policy, device, expert_units=False):
+def build_bundled(preset, placements, ac, world, policy, device, expert_units=False, head_loss="plain"):
     from mfsdp.models import build_model, get_config
     from mfsdp.models.parallelize import ParallelizeConfig, build_mesh, parallelize
 
     cfg = get_config(preset)
     with torch.device("meta"):
         model = build_model(cfg, dtype=torch.bfloat16)
+    model.set_head_loss(head_loss)
     model.to_empty(device=device)
     torch.manual_seed(0)
     model.init_weights(buffer_device=device)
@@ -75,9 +78,14 @@ def build_hf(name, placements, ac, world, grad_fp32, device, tp=1):
 
 def step(model, opt, x, y):
     with getattr(model, "loss_context", contextlib.nullcontext)():  # the manager's loss_parallel()
-        logits = model(x)
-        logits = getattr(logits, "logits", logits)
-        loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+        if hasattr(model, "set_head_loss"):  # the bundled Llama: the loss in its head, as mfsdp train runs it
+            logits = None
+            loss_sum, count = model(x, labels=y)
+            loss = loss_sum / count
+        else:
+            logits = model(x)
+            logits = getattr(logits, "logits", logits)
+            loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
         if hasattr(model, "aux_loss") and model.moe_layers():  # what mfsdp train adds for a MoE
             loss = loss + model.cfg.moe_aux_loss_coef * model.aux_loss()
         loss.backward()
@@ -102,6 +110,8 @@ def main() -> None:
                          "parallel loss); bundled presets always run tp=1")
     ap.add_argument("--expert-units", nargs="+", default=["off"], choices=["off", "on"],
                     help="MoE presets: experts sharded with their block (off) or as units of their own (on)")
+    ap.add_argument("--head-loss", default="plain", choices=["plain", "fused"],
+                    help="the bundled models' head loss (mfsdp train --model.head_loss); Hugging Face models: plain")
     ap.add_argument("--seq-len", type=int, default=4096)
     ap.add_argument("--grad-dtype", default="bf16", choices=["bf16", "fp32"],
                     help="main gradients and reduction dtype (mfsdp train's default is bf16)")
@@ -141,9 +151,9 @@ def main() -> None:
             e = estimate(estimate_target(name), world_size=world, placements=placements,
                          mixed_precision_policy=policy, local_batch=batch, seq_len=args.seq_len,
                          activation_checkpointing=ac == "on", expert_units=experts == "on", tensor_parallel=tp,
-                         device=args.device)
+                         device=args.device, head_loss="plain" if name in HF_SHAPES else args.head_loss)
         label = (f"{name}{f' tp={tp}' if tp > 1 else ''}{' expert units' if experts == 'on' else ''} {placements} "
-                 f"ac={ac} b={batch}")
+                 f"ac={ac} b={batch}" + (" fused loss" if args.head_loss == "fused" and name not in HF_SHAPES else ""))
         points.append((name, placements, ac == "on", batch, experts == "on", tp, label, e, time.perf_counter() - t0))
     box = [points]
     dist.broadcast_object_list(box, src=0)
@@ -182,7 +192,7 @@ def measure_point(args, name, placements, ac, batch, experts, tp, world, policy,
     if name.startswith("hf-"):
         model, vocab = build_hf(name, placements, ac, world, args.grad_dtype == "fp32", device, tp)
     else:
-        model, vocab = build_bundled(name, placements, ac, world, policy, device, experts)
+        model, vocab = build_bundled(name, placements, ac, world, policy, device, experts, args.head_loss)
     opt = mfsdp.fully_shard_optimizer(model, torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True))
     g = torch.Generator().manual_seed(dist.get_rank() // tp)  # the ranks of one tp group read the same batch
     x = torch.randint(0, vocab, (batch, args.seq_len), generator=g).to(device)
@@ -222,6 +232,7 @@ def render(rows, world, args) -> str:
              f"--batches {' '.join(map(str, args.batches))} --seq-len {args.seq_len} --grad-dtype {args.grad_dtype}"
              + (f" --tp {args.tp}" if args.tp > 1 else "")
              + (f" --expert-units {' '.join(args.expert_units)}" if args.expert_units != ["off"] else "")
+             + (" --head-loss fused" if args.head_loss == "fused" else "")
              + (" --device cpu" if args.device == "cpu" else ""))
     lines = [f"# Memory planner accuracy, {world} x {device}, torch {torch.__version__}",
              "", f"seq {args.seq_len}, bf16 compute, fp32 main weights, {args.grad_dtype} gradients, foreach AdamW. "

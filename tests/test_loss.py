@@ -214,6 +214,25 @@ def test_no_tensor_holds_more_than_one_chunk_of_logits(dtype):
     assert unfused[4 * B].peak - unfused[B].peak >= 2 * more_tokens * V * 4
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("grad", [True, False])
+def test_one_chunk_of_logits_is_live_at_a_time(dtype, grad):
+    """A chunk's logits go before the next chunk's GEMM makes its own: the peak of live bytes is one
+    chunk's logits and fp32 log-probabilities (in bf16 also log_softmax's passing fp32 upcast) above
+    the head's gradients it holds, in training and under no_grad; a chunk's logits held one chunk too
+    long exceed the bound."""
+    chunk, size = 16, torch.finfo(dtype).bits // 8  # 3 chunks of the 48 tokens
+    hidden, weight, labels = make_inputs(dtype)
+    with torch.set_grad_enabled(grad), CreatedTensors() as mode:
+        loss, count = linear_cross_entropy(hidden, weight, labels, chunk_tokens=chunk)
+        if grad:
+            (loss / count).backward()
+    logits = chunk * V * (size + 4 + (4 if dtype == torch.bfloat16 else 0))
+    gradients = (V * D + B * S * D) * size if grad else 0
+    assert logits + gradients <= mode.peak + chunk * V * size // 2  # the bound is tight ...
+    assert mode.peak <= logits + gradients + chunk * V * size // 2, (mode.peak, logits, gradients)  # ... and holds
+
+
 def test_no_grad_runs_only_the_logits_products():
     """Under no_grad (evaluation) only the logits GEMM runs; with a frozen hidden, two per chunk."""
     hidden, weight, labels = make_inputs()

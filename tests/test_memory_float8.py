@@ -185,7 +185,7 @@ def test_float8_activations_fake_equal_real():
     """float8 blocks (tensorwise, weights pre-cast as FP8 all-gather hands them; rowwise, cast by
     torchao) measured on fake tensors equal the same measurement of a real CPU run; tensorwise saves
     what bf16 saves (torchao keeps the high-precision input), its transients differ."""
-    from mfsdp.memory.activations import cross_entropy_run, float8_blocks, measure, measure_llama
+    from mfsdp.memory.activations import float8_blocks, labels_run, measure, measure_llama
     from mfsdp.models import build_model, get_config
 
     cfg = get_config("tiny", n_layers=2, dim=128, n_heads=4, n_kv_heads=2, ffn_dim=256)  # float8 is emulated on CPU
@@ -196,7 +196,7 @@ def test_float8_activations_fake_equal_real():
         torch.manual_seed(0)
         model = build_model(dataclasses.replace(cfg, max_seq_len=seq), dtype=torch.bfloat16)
         float8_blocks(model, list(model.layers), recipe)
-        real = measure(model, list(model.layers), cross_entropy_run(torch.randint(0, cfg.vocab_size, (batch, seq))))
+        real = measure(model, list(model.layers), labels_run(torch.randint(0, cfg.vocab_size, (batch, seq))))
         assert dataclasses.asdict(real) == dataclasses.asdict(fake), recipe
         assert fake.block_bytes == plain.block_bytes and fake.block_forward_transient != plain.block_forward_transient
     precast = measure_llama(cfg, torch.bfloat16, batch, seq, False, float8="tensorwise")

@@ -257,25 +257,52 @@ def _real_block_saved(cfg, dtype, batch, seq):
     return sum(saved.values()), out.untyped_storage().nbytes()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_activation_measurement_matches_a_real_cpu_run(dtype):
+@pytest.mark.parametrize("dtype,head_loss", [(torch.float32, "plain"), (torch.bfloat16, "plain"),
+                                             (torch.bfloat16, "fused")])
+def test_activation_measurement_matches_a_real_cpu_run(dtype, head_loss):
     """On fake tensors a block leaves exactly what a real CPU forward saves, plus its output; and the
-    whole profile measured on fake tensors equals the same measurement on real ones."""
-    from mfsdp.memory.activations import cross_entropy_run, measure, measure_llama
+    whole profile measured on fake tensors equals the same measurement on real ones, the labels through
+    the model's forward and its head's loss (``--model.head_loss``), as mfsdp train runs it."""
+    from mfsdp.memory.activations import labels_run, measure, measure_llama
     from mfsdp.models import build_model, get_config
 
     cfg = get_config("tiny", n_layers=2)
     batch, seq = 2, 64
-    fake = measure_llama(cfg, dtype, batch, seq, checkpointing=False)
+    fake = measure_llama(cfg, dtype, batch, seq, checkpointing=False, head_loss=head_loss)
     saved, output = _real_block_saved(cfg, dtype, batch, seq)
     assert fake.block_bytes == saved + output, (fake.block_bytes, saved, output)
     torch.manual_seed(0)
     model = build_model(dataclasses.replace(cfg, max_seq_len=seq), dtype=dtype)
-    real = measure(model, list(model.layers), cross_entropy_run(torch.randint(0, cfg.vocab_size, (batch, seq))))
+    model.set_head_loss(head_loss)
+    real = measure(model, list(model.layers), labels_run(torch.randint(0, cfg.vocab_size, (batch, seq))))
     assert dataclasses.asdict(real) == dataclasses.asdict(fake)
-    ckpt = measure_llama(cfg, dtype, batch, seq, checkpointing=True)
+    ckpt = measure_llama(cfg, dtype, batch, seq, checkpointing=True, head_loss=head_loss)
     assert ckpt.block_bytes == output  # a checkpointed block keeps only its output (its input is the previous one's)
     assert ckpt.block_backward_peak > fake.block_backward_peak - fake.block_bytes  # recompute happens in backward
+
+
+@pytest.mark.parametrize("head_loss", ["plain", "fused"])
+def test_the_heads_backward_phase_holds_what_a_real_run_holds(head_loss):
+    """The plan's phase of the head's backward, where a loss computed in the head's forward runs
+    backward too, holds what a real CPU run of the same model holds at its highest point there: the
+    activations the blocks saved, what the loss saved and the backward's own, and the weight gradients
+    (the head's counted once, the final norm's from the start of backward)."""
+    from mfsdp.memory import estimate
+    from mfsdp.memory.activations import _LiveBytes, _measure, labels_run
+    from mfsdp.models import build_model, get_config
+
+    cfg, batch, seq = get_config("tiny", n_layers=2, vocab_size=2048), 2, 64
+    torch.manual_seed(0)
+    model = build_model(dataclasses.replace(cfg, max_seq_len=seq))
+    model.set_head_loss(head_loss)
+    real = _LiveBytes()
+    _measure(model, list(model.layers), labels_run(torch.randint(0, cfg.vocab_size, (batch, seq))), None, real)
+    e = estimate(cfg, world_size=1, placements="zero3", local_batch=batch, seq_len=seq, compute_dtype=torch.float32,
+                 device="cpu", head_loss=head_loss)
+    phase = next(p.components for p in e.phases if p.name == "backward: output")
+    predicted = sum(phase[c] for c in ("activations (saved)", "activations (transient)", "logits and loss"))
+    highest_act, highest_grads = max(real.window("loss_backward_end", "bwd_enter_1"), key=sum)
+    assert (predicted, phase["module grads"]) == (highest_act, highest_grads + 4 * cfg.dim)
 
 
 TRANSIENTS = ("block_forward_transient", "block_backward_peak", "embed_backward_peak")
@@ -375,14 +402,14 @@ def test_moe_activations_with_uniform_routing():
     """moe-tiny: the fake measurement routes uniformly; a real CPU run, whose router is not
     uniform, leaves the same saved bytes per block (they depend only on the total of assignments)."""
     from mfsdp.memory import estimate
-    from mfsdp.memory.activations import cross_entropy_run, measure, measure_llama
+    from mfsdp.memory.activations import labels_run, measure, measure_llama
     from mfsdp.models import build_model, get_config
 
     cfg = get_config("moe-tiny", n_layers=2)
     fake = measure_llama(cfg, torch.float32, 2, 64, checkpointing=False)
     torch.manual_seed(0)
     model = build_model(dataclasses.replace(cfg, max_seq_len=64), dtype=torch.float32)
-    real = measure(model, list(model.layers), cross_entropy_run(torch.randint(0, cfg.vocab_size, (2, 64))))
+    real = measure(model, list(model.layers), labels_run(torch.randint(0, cfg.vocab_size, (2, 64))))
     assert fake.block_bytes == real.block_bytes and fake.embed_bytes == real.embed_bytes
     assert fake.head_forward_bytes == real.head_forward_bytes
     e = estimate("moe-tiny", world_size=2, placements="zero3", seq_len=64, expert_units=True, device="cpu")

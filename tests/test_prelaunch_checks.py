@@ -177,12 +177,20 @@ def test_no_committed_run_that_trained_would_have_been_refused():
         assert e.fit(smallest) != "no", (r, e.peak_bytes / GIB, e.least_device_bytes / GIB)
 
 
+def _kept_logits(r) -> int:
+    """The bf16 logits that the loop of the committed records (``benchmarks/throughput.py``) keeps
+    referenced through backward (``logits = model(inp)``, then the loss): mfsdp train computes the
+    loss in the head from the labels and keeps none, and the planner predicts that."""
+    return r["local_batch"] * r["seq"] * get_config(r["preset"]).vocab_size * 2
+
+
 def test_the_refusal_allows_for_the_planners_largest_over_prediction():
-    """PLANNER_OVERSHOOT covers every committed point where the planner predicts more than was measured."""
+    """PLANNER_OVERSHOOT covers every committed point where the planner predicts more than was measured
+    (for the step that was measured: with the logits its loop kept)."""
     errors = []
     for _, r in _records():
         if r["status"] == "ok" and r["seq"] and r["world_size"] <= 4:
-            predicted = _estimate(_config(r), r["world_size"]).peak_bytes / GIB
+            predicted = (_estimate(_config(r), r["world_size"]).peak_bytes + _kept_logits(r)) / GIB
             errors.append(predicted / r["peak_mem_alloc_gib"] - 1)
     assert len(errors) > 10 and max(errors) > 0, errors
     assert max(errors) <= PLANNER_OVERSHOOT, max(errors)

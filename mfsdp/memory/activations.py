@@ -48,16 +48,21 @@ class ActivationProfile:
     block_weight_grad_bytes: int
     """Weight-gradient bytes of one block counted in ``block_backward_peak`` at its peak."""
     head_forward_bytes: int
-    """Live bytes the layers after the last block and the loss add by the end of forward (logits,
-    the fp32 copy, the log-softmax saved by the loss)."""
+    """Live bytes the layers after the last block and the loss add by the end of forward: what the
+    loss saved for backward (the plain loss's fp32 log-softmax, the fused loss's head gradients),
+    and the logits where the loop keeps them."""
     head_forward_transient: int
     """Peak above the end-of-forward bytes while the head and the loss run forward."""
     loss_backward_peak: int
     """Peak above the end-of-forward bytes while the loss runs backward (until the model's output
-    has its gradient)."""
+    has its gradient); nothing for a model whose forward returns the loss (the bundled Llama with
+    labels), whose loss runs backward with its head."""
     head_backward_peak: int
-    """Peak above the end-of-forward bytes while the head runs backward, weight gradients
-    excluded."""
+    """Activations above the end-of-forward bytes at the highest point (activations and weight
+    gradients) of the head's backward, a loss computed in the head included."""
+    head_weight_grad_bytes: int
+    """Weight-gradient bytes that arrived in the head's backward by that point (a weight gradient
+    made but not yet accumulated counts as an activation)."""
     embed_backward_peak: int
     """Peak above the block-free bytes while the layers before the first block run backward, weight
     gradients excluded."""
@@ -217,9 +222,9 @@ def _measure(model, blocks, run, names, tracker) -> ActivationProfile:
 
     handles = [p.register_post_accumulate_grad_hook(on_grad) for p in model.parameters() if p.requires_grad]
 
-    def root_output(module, args, output):
-        out = logits_of(output)
-        if isinstance(out, torch.Tensor) and out.requires_grad:
+    def root_output(module, args, output):  # the logits, or the loss of a model that computes it
+        out = next((t for t in _tensors(logits_of(output)) if t.requires_grad), None)
+        if out is not None:
             out.register_hook(lambda grad: tracker.mark("loss_backward_end"))
     handles.append(model.register_forward_hook(root_output))
     for i, block in enumerate(blocks):
@@ -241,6 +246,7 @@ def _measure(model, blocks, run, names, tracker) -> ActivationProfile:
     last = len(blocks) - 1
     # The second block's backward peaks where activations and the weight gradients so far are highest.
     peak_act, peak_grads = max(tracker.window("bwd_enter_1", "bwd_exit_1"), key=sum)
+    head_act, head_grads = max(tracker.window("loss_backward_end", f"bwd_enter_{last}"), key=sum)
     return ActivationProfile(
         embed_bytes=act("fwd_enter_0") - act("start"),
         block_bytes=act("fwd_exit_1") - act("fwd_enter_1"),
@@ -250,7 +256,8 @@ def _measure(model, blocks, run, names, tracker) -> ActivationProfile:
         head_forward_bytes=act("forward_end") - act(f"fwd_exit_{last}"),
         head_forward_transient=tracker.peak(f"fwd_exit_{last}", "forward_end") - act("forward_end"),
         loss_backward_peak=tracker.peak("forward_end", "loss_backward_end") - act("forward_end"),
-        head_backward_peak=tracker.peak("loss_backward_end", f"bwd_enter_{last}") - act("forward_end"),
+        head_backward_peak=head_act - act("forward_end"),
+        head_weight_grad_bytes=head_grads - tracker.at("loss_backward_end")[1],
         embed_backward_peak=tracker.peak("bwd_exit_0", "backward_end") - act("bwd_exit_0"),
         grad_window=arrival,
     )
@@ -288,9 +295,17 @@ def _block_marks(tracker, i, window):
 
 
 # ------------------------------------------------------------------------------ model builders
+def labels_run(tokens: torch.Tensor) -> Callable[[nn.Module], torch.Tensor]:
+    """What ``mfsdp train`` runs on the bundled Llama (``mfsdp.train.step.summed_loss``): the labels
+    through the model's forward, whose head computes the loss sum with the model's ``loss_fn``
+    (``Llama.set_head_loss``); nothing else stays referenced into backward."""
+    return lambda model: model(tokens, labels=tokens)[0]
+
+
 def cross_entropy_run(tokens: torch.Tensor) -> Callable[[nn.Module], torch.Tensor]:
-    """What ``mfsdp train`` runs: the model's logits, upcast, against shifted targets. The logits
-    stay referenced through backward, as the training loop's local variable keeps them."""
+    """A model that returns logits (Hugging Face's): its logits, upcast, against shifted targets, as
+    the benchmarks' loops run it (``benchmarks/memory_accuracy.py``). The logits stay referenced
+    through backward, as those loops' local variable keeps them."""
     kept = []
 
     def run(model):
@@ -304,9 +319,10 @@ def cross_entropy_run(tokens: torch.Tensor) -> Callable[[nn.Module], torch.Tenso
 
 
 def measure_llama(cfg, dtype: torch.dtype, batch: int, seq: int, checkpointing: bool,
-                  float8: str = "none") -> ActivationProfile:
-    """A bundled Llama (or MoE) shape, cut to two blocks, measured on fake tensors; ``float8`` (a
-    recipe of ``mfsdp.float8``) converts its linears first, as ``parallelize`` does (``float8_blocks``)."""
+                  float8: str = "none", head_loss: str = "plain") -> ActivationProfile:
+    """A bundled Llama (or MoE) shape, cut to two blocks, measured on fake tensors as ``mfsdp train``
+    runs it (``labels_run``) with ``head_loss`` (``Llama.set_head_loss``); ``float8`` (a recipe of
+    ``mfsdp.float8``) converts its linears first, as ``parallelize`` does (``float8_blocks``)."""
     from mfsdp.models import build_model
 
     small = dataclasses.replace(cfg, n_layers=2, max_seq_len=max(cfg.max_seq_len, seq))
@@ -315,8 +331,9 @@ def measure_llama(cfg, dtype: torch.dtype, batch: int, seq: int, checkpointing: 
         if float8 != "none":
             float8_blocks(model, list(model.layers), float8)
         model.set_activation_checkpointing(checkpointing)
+        model.set_head_loss(head_loss)
         tokens = torch.zeros(batch, seq, dtype=torch.long)
-        return measure(model, list(model.layers), cross_entropy_run(tokens), uniform_routing=cfg.num_experts > 0)
+        return measure(model, list(model.layers), labels_run(tokens), uniform_routing=cfg.num_experts > 0)
 
 
 def float8_blocks(model: nn.Module, blocks: list, recipe: str) -> None:

@@ -47,7 +47,7 @@ def estimate(model_or_config, *, world_size: Optional[int] = None, mesh_shape: O
              compute_dtype: torch.dtype = torch.bfloat16, expert_units: bool = False,
              tensor_parallel: Union[int, TensorParallel] = 1, tp_in_process: bool = False,
              float8: str = "none", device: str = "cuda", offload_fraction: float = 0.0,
-             offload_overlap: str = "step", compiled: bool = False) -> MemoryEstimate:
+             offload_overlap: str = "step", compiled: bool = False, head_loss: str = "plain") -> MemoryEstimate:
     """Predict one rank's memory over a training step and its peak.
 
     ``model_or_config``: a bundled preset name ("8b", "moe-1b"), a ``LlamaConfig``, a model built on
@@ -70,6 +70,8 @@ def estimate(model_or_config, *, world_size: Optional[int] = None, mesh_shape: O
     optimizer states of that share of the units live on the host (``mfsdp.OffloadPolicy``, with
     ``offload_overlap`` its ``overlap``); the result is then an ``OffloadedEstimate``, with the
     host bytes. ``compiled``: the blocks run through torch.compile (``COMPILED_BLOCK_SAVED``).
+    ``head_loss``: the bundled Llama's loss, "plain" or "fused" (``Llama.set_head_loss``), measured
+    as that model computes it, in its head's forward; a Hugging Face model returns logits (plain).
     """
     tp = TensorParallel.of(tensor_parallel)
     if tp.enabled and (default_group_exists() or not tp_in_process):
@@ -91,7 +93,7 @@ def estimate(model_or_config, *, world_size: Optional[int] = None, mesh_shape: O
     levels = Levels.of(placements, mesh_shape)
     with fake_tp_mesh(tp.size) if tp.enabled else contextlib.nullcontext() as tp_mesh:
         model, units, blocks, measure, notes = _resolve(model_or_config, compute_dtype, seq_len, expert_units,
-                                                        tp, tp_mesh, float8)
+                                                        tp, tp_mesh, float8, head_loss)
         unit_bytes = describe_units(model, units, mixed_precision_policy or MixedPrecisionPolicy(), levels)
         acts = measure(local_batch, seq_len, activation_checkpointing)
     if compiled:
@@ -100,7 +102,8 @@ def estimate(model_or_config, *, world_size: Optional[int] = None, mesh_shape: O
                             microbatches, activation_checkpointing, optimizer, foreach,
                             prefetch_depth=comm.prefetch_depth if comm.overlap else 0,
                             prefetch_across_step=comm.prefetch_across_step and comm.overlap,
-                            double_buffer=comm.double_buffer, cuda=device == "cuda", tp=tp.size, float8=float8)
+                            double_buffer=comm.double_buffer, cuda=device == "cuda", tp=tp.size, float8=float8,
+                            head_loss=head_loss)
     e = dataclasses.replace(simulate(unit_bytes, acts, settings, blocks), notes=tuple(notes))
     return offloaded(e, unit_bytes, offload_fraction, offload_overlap) if offload_fraction > 0 else e
 
@@ -179,9 +182,11 @@ def _compiled(acts: ActivationProfile, model: nn.Module, ac: bool, float8: str, 
     return dataclasses.replace(acts, block_bytes=int(acts.block_bytes * COMPILED_BLOCK_SAVED))
 
 
-def _resolve(obj, dtype, seq_len, expert_units, tp: TensorParallel, tp_mesh, float8: str = "none"):
+def _resolve(obj, dtype, seq_len, expert_units, tp: TensorParallel, tp_mesh, float8: str = "none",
+             head_loss: str = "plain"):
     """(meta model, non-root units bottom-up, block names, activation measurement, notes)."""
     from mfsdp.models import LlamaConfig, get_config
+    from mfsdp.models.llama import HEAD_LOSSES
     from mfsdp.models.parallelize import FLOAT8_CHOICES
 
     if isinstance(obj, str) and not os.path.isdir(obj):
@@ -193,19 +198,24 @@ def _resolve(obj, dtype, seq_len, expert_units, tp: TensorParallel, tp_mesh, flo
     if float8 != "none" and not llama:
         raise ValueError("estimate: float8 applies to the bundled Llama (as --model.float8 does), not to a "
                          "Hugging Face model")
+    if head_loss not in HEAD_LOSSES:
+        raise ValueError(f"estimate: unknown head_loss {head_loss!r}; use {', '.join(HEAD_LOSSES)}")
+    if head_loss != "plain" and not llama:
+        raise ValueError(f"estimate: head_loss {head_loss!r} applies to the bundled Llama (as --model.head_loss "
+                         "does); a Hugging Face model returns logits")
     if llama and tp.enabled:
         raise ValueError("tensor parallel is the manager's (mfsdp.manager, Hugging Face models); the bundled "
                          "Llama has no tensor-parallel plan: estimate it with tensor_parallel=1")
     if llama:
         cfg, model = (obj, None) if isinstance(obj, LlamaConfig) else (obj.cfg, obj)
-        return _llama(cfg, dtype, seq_len, expert_units, model=model, float8=float8)
+        return _llama(cfg, dtype, seq_len, expert_units, model=model, float8=float8, head_loss=head_loss)
     if isinstance(obj, (str, os.PathLike)) or hasattr(obj, "to_json_string") or isinstance(obj, nn.Module):
         return _hf(obj, dtype, tp, tp_mesh)
     raise TypeError(f"estimate: cannot size a {type(obj).__name__}; pass a preset name, a LlamaConfig, a "
                     "meta-device model, a Hugging Face config or a local Hugging Face directory")
 
 
-def _llama(cfg, dtype, seq_len, expert_units, model=None, float8="none"):
+def _llama(cfg, dtype, seq_len, expert_units, model=None, float8="none", head_loss="plain"):
     from mfsdp.models import build_model
     from mfsdp.models.parallelize import sharding_units
 
@@ -230,8 +240,8 @@ def _llama(cfg, dtype, seq_len, expert_units, model=None, float8="none"):
                if expert_units else "each block gathers all its experts with it"))
 
     def acts(batch, seq, ac):
-        return _cached_acts(("llama", cfg, dtype, batch, seq, ac, float8),
-                            functools.partial(measure_llama, cfg, dtype, batch, seq, ac, float8))
+        return _cached_acts(("llama", cfg, dtype, batch, seq, ac, float8, head_loss),
+                            functools.partial(measure_llama, cfg, dtype, batch, seq, ac, float8, head_loss))
     return model, units, blocks, acts, notes
 
 

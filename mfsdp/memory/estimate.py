@@ -86,6 +86,8 @@ class StepSettings:
     """Tensor-parallel ranks (``world_size`` counts them: data-parallel ranks x tp)."""
     float8: str = "none"
     """torchao float8 recipe of the linears ("none", "tensorwise" with FP8 all-gather, "rowwise")."""
+    head_loss: str = "plain"
+    """The bundled Llama's head loss ("plain" or "fused", ``Llama.set_head_loss``)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -303,7 +305,8 @@ def _backward(w: _Walk, acts: ActivationProfile, depth: int, tag: str, first: bo
             elif (kind == "post" or (kind == "root" and not any(w.kind[x.name] == "post" for x in units))) \
                     and not head_done:
                 head_done = True
-                parts = dict(act_saved=saved_all - head, logits_and_loss=head + acts.head_backward_peak)
+                own = acts.head_weight_grad_bytes if kind == "post" else own  # its own, measured at its peak
+                parts = dict(act_saved=saved_all, logits_and_loss=head + acts.head_backward_peak)
             else:
                 continue
             w.snap(f"backward: {u.name or 'root'}{tag}", dict(module_grads=sum(arrived.values())),

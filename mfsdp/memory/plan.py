@@ -101,6 +101,8 @@ class PlannedRun:
     """Blocks compiled with torch.compile."""
     async_checkpoint: bool = True
     """Checkpoints staged in pinned host memory (counted in the host RAM line)."""
+    head_loss: str = "plain"
+    """The bundled Llama's head loss, "plain" or "fused" (``Llama.set_head_loss``)."""
 
     @property
     def hf(self) -> bool:
@@ -156,7 +158,8 @@ def estimate_run(run: PlannedRun, world: int, setting: Optional[Setting] = None,
                     offload_fraction=s.offload, mixed_precision_policy=policy, local_batch=s.local_batch,
                     seq_len=run.seq_len, microbatches=s.microbatches, activation_checkpointing=s.activation_checkpointing,
                     compute_dtype=run.compute_dtype, expert_units=run.expert_units, tensor_parallel=tp,
-                    tp_in_process=tp_in_process, float8=run.float8, foreach=run.foreach, compiled=run.compiled)
+                    tp_in_process=tp_in_process, float8=run.float8, foreach=run.foreach, compiled=run.compiled,
+                    head_loss=run.head_loss)
 
 
 def candidates(run: PlannedRun) -> list[Setting]:
@@ -267,12 +270,13 @@ def report(run: PlannedRun, e: MemoryEstimate, model: str, world: int, tp: Tenso
     where that figure comes from): the breakdown, the verdict, the host RAM and the settings that
     fit, fastest first; ``staging``: an asynchronous checkpoint's pinned bytes per rank."""
     s = e.settings
-    float8 = f" (float8 {s.float8})" if s.float8 != "none" else ""
+    variant = (f" (float8 {s.float8})" if s.float8 != "none" else "") + \
+        (f" ({s.head_loss} head loss)" if s.head_loss != "plain" else "")
     parallel = f" x {tp.describe()}" if tp.enabled else ""
     verdict = {"fits": "fits", "no": "does NOT fit",
                "tight": f"is tight (within the {RESERVE_FRACTION:.0%} allocator margin: it should train, "
                         "but may run out of memory)"}[e.fit(gpu)]
-    lines = [f"mfsdp plan: {model}{float8}, {s.placements}{parallel} on {world} GPU(s), local batch {s.local_batch} "
+    lines = [f"mfsdp plan: {model}{variant}, {s.placements}{parallel} on {world} GPU(s), local batch {s.local_batch} "
              f"x {s.seq_len} tokens, {s.microbatches} microbatch(es), activation checkpointing "
              f"{'on' if s.activation_checkpointing else 'off'}\n", breakdown_table(e),
              f"\nthis setting {verdict} in {gib(gpu)} GiB per GPU ({source})",

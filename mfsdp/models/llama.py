@@ -43,6 +43,7 @@ from torch.utils.checkpoint import checkpoint
 
 from mfsdp import _compat
 from mfsdp.models.document_mask import DocumentMask, document_mask, masked_attention
+from mfsdp.models.loss import linear_cross_entropy
 
 IGNORE_INDEX = -100
 """The label of a token that the loss does not count (torch's and Hugging Face's convention)."""
@@ -449,6 +450,14 @@ def plain_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor,
     return loss, (labels != IGNORE_INDEX).sum()
 
 
+HEAD_LOSSES = {"plain": plain_linear_cross_entropy, "fused": linear_cross_entropy}
+"""The losses of ``Llama.set_head_loss``, by name. "plain" makes the whole (batch, seq, vocab) logits
+and holds their fp32 log-probabilities from the forward to the backward. "fused"
+(``mfsdp.models.loss.linear_cross_entropy``) goes over the tokens in chunks, holds one chunk's logits
+at a time and, from the forward to the backward, the head's weight and hidden gradients instead
+(vocab x dim plus tokens x dim in the compute dtype; see that module's design note)."""
+
+
 class Head(nn.Linear):
     """The output projection; with labels it returns the loss instead of the logits.
 
@@ -485,7 +494,8 @@ class Llama(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         # The loss of ``forward(..., labels=...)``: any function (hidden, head weight, labels) ->
-        # (fp32 sum, int64 count); swap in a fused chunked one to never hold the whole logits.
+        # (fp32 sum, int64 count); ``set_head_loss("fused")`` swaps in the chunked one that never
+        # holds the whole logits.
         self.loss_fn = plain_linear_cross_entropy
         # Where document-masked attention runs ("auto": flex_attention on CUDA, SDPA with a
         # boolean mask elsewhere; see mfsdp.models.document_mask).
@@ -498,6 +508,13 @@ class Llama(nn.Module):
                              "build it with mfsdp.models.build_model(cfg) or "
                              "mfsdp.models.moe.MoELlama(cfg), or set num_experts=0")
         return FeedForward(cfg, dtype=dtype, device=device)
+
+    def set_head_loss(self, name: str) -> None:
+        """Compute the loss of ``forward(..., labels=...)`` with ``HEAD_LOSSES[name]``, "plain" or
+        "fused"; ``mfsdp train --model.head_loss`` and the memory planner both set it here."""
+        if name not in HEAD_LOSSES:
+            raise ValueError(f"unknown head loss {name!r}; use one of {', '.join(HEAD_LOSSES)}")
+        self.loss_fn = HEAD_LOSSES[name]
 
     def set_activation_checkpointing(self, enabled: bool, reentrant: bool = False) -> None:
         """Make every block recompute its activations in backward (or stop doing so)."""

@@ -140,11 +140,12 @@ def _chunked(h: Tensor, weight: Tensor, labels: Tensor, ignore_index: int, chunk
         logp_target = logp.gather(1, target)  # (T, 1)
         loss = loss + torch.where(counted, -logp_target.squeeze(1), 0.0).sum()
         if not (need_h or need_w):
+            del z, logp  # this chunk's logits go before the next chunk's GEMM makes its own
             continue
         # g = softmax - onehot in the compute dtype, over z's storage: the target entry is
         # p - 1 taken in fp32 before its one rounding, as the unfused path does.
         g = torch.exp(logp, out=z)
-        del logp
+        del logp, z
         g.scatter_(1, target, (logp_target.exp() - 1.0).to(g.dtype))
         mask = counted.unsqueeze(1)
         if need_h:
@@ -152,6 +153,7 @@ def _chunked(h: Tensor, weight: Tensor, labels: Tensor, ignore_index: int, chunk
         if need_w:
             h_counted = torch.where(mask, h_c, 0.0)
             grad_w = g.t() @ h_counted if grad_w is None else grad_w.addmm_(g.t(), h_counted)
+        del g  # as above: z's storage
     if h.shape[0] == 0:  # no tokens at all
         grad_h_chunks, grad_w = [torch.zeros_like(h)], torch.zeros_like(weight) if need_w else None
     grad_h = torch.cat(grad_h_chunks) if need_h else None

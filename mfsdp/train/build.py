@@ -37,12 +37,14 @@ def build_bundled(cfg: RunConfig, device: torch.device, compute: torch.dtype, wo
     """The bundled Llama (or MoELlama), built on the meta device and sharded there: each rank
     allocates only its shards, and the whole model never exists on any rank. A --model.hf model on
     the bundled route is the Llama of its config, built alike, then loaded from the directory's
-    weights (each rank reads only its slices) when ``pretrained``."""
+    weights (each rank reads only its slices) when ``pretrained``. Its head computes the loss of
+    ``--model.head_loss``."""
     p = cfg.parallel
     policy = mfsdp.MixedPrecisionPolicy(main_params_dtype=torch.float32, main_grads_dtype=cfg.main_grads_dtype(),
                                         grad_comm_dtype=cfg.grad_comm_dtype())
     with torch.device("meta"):
         model = build_model(cfg.llama_config(), dtype=compute)
+    model.set_head_loss(cfg.model.head_loss)
     parallelize(model, build_mesh(device.type, world, p.placements, p.replicate), ParallelizeConfig(
         placements=p.placements, mixed_precision=policy, float8=cfg.model.float8, compile=cfg.compiles(device.type),
         activation_checkpointing=p.activation_checkpointing, expert_units=p.expert_units))

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from mfsdp.models.hf_config import UnsupportedHFConfig, bundled_config_from_hf, supports_bundled
-from mfsdp.models.llama import LlamaConfig, get_config
+from mfsdp.models.llama import HEAD_LOSSES, LlamaConfig, get_config
 from mfsdp.models.parallelize import (FLOAT8_CHOICES, PLACEMENT_NAMES as PLACEMENTS, TWO_AXIS,
                                       float8_placement_problem)
 from mfsdp.models.safetensors_file import has_weights
@@ -36,7 +36,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 COMPILE_CHOICES = ("auto", "true", "false")
 OFFLOAD_CHOICES = ("none", "optimizer", "auto")
 HF_IMPLS = ("auto", "bundled", "manager")
-_NOT_SHAPE = ("preset", "hf", "float8", "hf_impl", "random_init")
+_NOT_SHAPE = ("preset", "hf", "float8", "hf_impl", "random_init", "head_loss")
 """The ModelSection fields that are not overrides of the preset's shape."""
 
 
@@ -89,6 +89,18 @@ class ModelSection:
     random_init: bool = False
     """With --model.hf: train the architecture from random weights (seeded by --train.seed) even if
     the directory holds weights, with the pretraining recipe of the preset nearest in size."""
+    head_loss: str = "plain"
+    """The output head's cross entropy (``Llama.set_head_loss``; the memory plan measures the one
+    chosen): "plain" makes the whole logits and holds their fp32 log-probabilities from the forward
+    to the backward (4 bytes x vocabulary per token: 2 GiB per 4,096 tokens at 128,256); "fused"
+    (mfsdp/models/loss.py) goes over the tokens in chunks (at most 1 GiB of fp32 logits at a time) and
+    holds the head's weight and hidden gradients instead (vocabulary x dim plus tokens x dim in the
+    compute dtype: about 1 GiB at the 8B shape); three GEMMs either way, the same loss and gradients
+    (one rounding more in bf16). It saves memory where a microbatch has more tokens than the model is
+    wide (the logits then outweigh the head's gradients).
+    The bundled Llama only: refused with --model.hf_impl manager; a --model.hf_impl auto model that
+    goes through the manager trains with plain. Plain stays the default until a GPU measurement shows
+    fused pays."""
 
     def __post_init__(self) -> None:
         _one_of(self, "float8", FLOAT8_CHOICES)
@@ -98,14 +110,25 @@ class ModelSection:
         require(self.float8 == "none" or self.hf_impl != "manager",
                  "--model.float8 needs the bundled Llama, and --model.hf_impl manager runs Hugging Face's "
                  "modeling code; use --model.hf_impl auto (or bundled), or --model.float8 none")
+        _one_of(self, "head_loss", HEAD_LOSSES)
+        require(self.head_loss == "plain" or self.hf_impl != "manager",
+                f"--model.head_loss {self.head_loss} needs the bundled Llama, and --model.hf_impl manager runs "
+                "Hugging Face's modeling code, which returns logits; use --model.hf_impl auto (or bundled), "
+                "or --model.head_loss plain")
 
     @classmethod
     def recorded(cls, model: dict) -> "ModelSection":
         """The section a checkpoint's run config recorded, keys this mfsdp does not know dropped. A
         --model.hf run recorded before the bundled route existed reads hf_impl "auto", which
-        ``uses_manager`` takes as the manager's, the route it was trained on."""
+        ``uses_manager`` takes as the manager's, the route it was trained on; one recorded before
+        --model.head_loss existed trained with the plain loss, whatever the default is now."""
         known = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in model.items() if k in known})
+        return cls(**{"head_loss": "plain", **{k: v for k, v in model.items() if k in known}})
+
+    def on_manager(self) -> "ModelSection":
+        """This section on the manager's route, whose Hugging Face model returns logits: the head loss
+        is the plain one there (``RunConfig`` resolving "auto", ``mfsdp plan --tp``)."""
+        return dataclasses.replace(self, hf_impl="manager", head_loss="plain")
 
     @property
     def uses_manager(self) -> bool:
@@ -441,7 +464,7 @@ class RunConfig:
         require(why is None or m.float8 == "none", f"--model.float8 needs the bundled Llama, which cannot run "
                  f"{m.hf} ({why}); use --model.float8 none")
         if m.hf_impl == "auto":
-            object.__setattr__(self, "model", dataclasses.replace(m, hf_impl="manager" if why else "bundled"))
+            object.__setattr__(self, "model", m.on_manager() if why else dataclasses.replace(m, hf_impl="bundled"))
 
     def loads_weights(self) -> bool:
         """Whether the run starts from pretrained weights: --model.hf DIR with safetensors there, and

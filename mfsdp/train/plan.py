@@ -45,7 +45,7 @@ def planned_run(cfg: RunConfig) -> plan.PlannedRun:
         cfg.model.hf if cfg.model.uses_manager else cfg.llama_config(), setting, d.seq_len, grads,
         cfg.main_grads_name("cuda"), p.replicate, cfg.compute_dtype("cuda"), cfg.grad_comm_dtype(),
         p.expert_units, cfg.model.float8, not cfg.train.fused_adamw("cuda"), cfg.compiles("cuda"),
-        cfg.train.async_checkpoint_on("cuda"))
+        cfg.train.async_checkpoint_on("cuda"), cfg.model.head_loss)
 
 
 def main(argv: list[str]) -> int:
@@ -67,7 +67,7 @@ def main(argv: list[str]) -> int:
         cfg = load_config(rest)
         tp = _tensor_parallel(own)
         if tp.enabled and cfg.model.hf is not None:  # tensor parallel is the manager's
-            cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, hf_impl="manager"))
+            cfg = dataclasses.replace(cfg, model=cfg.model.on_manager())
         run = planned_run(cfg)
         world = int(own["--nproc-per-node"]) * int(own["--nnodes"])
         if own["--gpu-memory"]:
