@@ -23,8 +23,8 @@
 #   sft8b   ONE GPU, <= 9.5 min: a random Llama-3-8B-shaped HF directory fine-tuned on synthetic chat
 #           rows at its defaults, model-only save + HF export on the 64 GiB disk, from_pretrained;
 #           then a Qwen2.5-7B-shaped directory's row if the call has the time         issue 31
-#   levers8b ONE GPU, <= 9.5 min: the attention backends at 8B; `mfsdp train` 8b at HEAD (profiled) and
-#           at .carry/base, then the HF 8B directory at HEAD's defaults, in one job   issues 31 32
+#   levers8b ONE GPU, <= 9.5 min: the attention backends at 8B; `mfsdp train` 8b bf16 (profiled), the HF
+#           8B directory at its defaults and 8b FP8, in one job; 1b with fp32 gradients (its peak)  31 32
 #   final   ONE GPU, <= 8 min, the last call of a session whose time is short: the GPU suite, the
 #           compiled 1b rows in bf16 and FP8, and 8B + AC without offload (bf16 gradients)  issues 19 21 22
 #   smoke   ONE GPU, <= 9 min, first in any session that touches GPU code: `pytest -m gpu tests`,
@@ -254,10 +254,10 @@ t.chat_template is not None)" 2>&1 | tail -1 | tee -a "$OUT/sft8b.log"
   cp /tmp/rq/metrics.jsonl "$OUT/train_qwen7b_metrics.jsonl"; rm -rf /tmp/rq /tmp/qwen
 }
 
-section_levers8b() {  # ONE GPU, <= 9.5 min: issue 32's levers at 8B, HEAD beside .carry/base in one job
-  # The attention backends at the 8B shape; `mfsdp train --model.preset 8b` 1 x 4096 x 4, compiled, no AC,
-  # bf16, at HEAD (step 6 profiled: ranges, kernels by name, idle gaps) and at .carry/base; then a
-  # random Llama-3-8B-shaped HF directory at HEAD's defaults, beside them. Steps 7-26 are timed.
+section_levers8b() {  # ONE GPU, <= 9.5 min: issue 32's levers at 8B and the planner's new points
+  # The attention backends at the 8B shape; `mfsdp train` 1 x 4096 x 4, compiled, no AC: --model.preset 8b
+  # (bf16, step 6 profiled: ranges, kernels by name), a random Llama-3-8B-shaped HF directory at its
+  # defaults, the preset in FP8 tensorwise; steps 7-20 timed. Then 1b, 2 x 4096, fp32 gradients: its peak.
   timeout 90 python3 benchmarks/attention_bench.py --out "$OUT/attention_bench.jsonl" 2>&1 | grep -v "^W1" \
     | cut -c1-170
   python3 -m mfsdp.cli prepare-data stdlib /tmp/stdlib.tokens > /dev/null 2>&1
@@ -265,28 +265,37 @@ section_levers8b() {  # ONE GPU, <= 9.5 min: issue 32's levers at 8B, HEAD besid
   timeout 150 python3 benchmarks/make_hf_dir.py $hf --shape llama3-8b 2>&1 | tail -1
   local A=(--nproc-per-node 1 --data.local_batch 1 --data.seq_len 4096 --data.microbatches 4
     --data.path /tmp/stdlib.tokens --train.sample_tokens 0 --train.checkpoint_every 0 --train.progress false
-    --train.eval_every 0 --train.steps 26 --train.save_only_model true)
+    --train.eval_every 0 --train.steps 20 --train.save_only_model true)
   local name
-  for name in head_preset base_preset head_hf; do
-    if [ $((585 - SECONDS)) -lt 140 ]; then echo "$name skipped: $((585 - SECONDS)) s left"; break; fi
-    local tree=$ROOT model=(--model.preset 8b) extra=(--train.profile_step 6)
-    [ $name = base_preset ] && tree=$ROOT/.carry/base && extra=()
-    [ $name = head_hf ] && model=(--model.hf $hf)
-    rm -rf /tmp/r8b; (cd $tree && PYTHONPATH=$tree timeout $((585 - SECONDS)) python3 -m mfsdp.cli train "${A[@]}" \
-      "${model[@]}" "${extra[@]}" --train.out_dir /tmp/r8b > "$OUT/train_8b_$name.log" 2>&1
-      echo "train 8b $name rc=$? at ${SECONDS}s")
-    grep -v "^W1" "$OUT/train_8b_$name.log" | grep "rror" | head -3
-    summarize_train /tmp/r8b 7..26 | tee -a "$OUT/train_8b_$name.log"
+  for name in preset_bf16 hf_bf16 preset_fp8; do
+    if [ $((585 - SECONDS)) -lt 120 ]; then echo "$name skipped: $((585 - SECONDS)) s left"; break; fi
+    local model=(--model.preset 8b) extra=()
+    [ $name = preset_bf16 ] && extra=(--train.profile_step 6)
+    [ $name = hf_bf16 ] && model=(--model.hf $hf)
+    [ $name = preset_fp8 ] && extra=(--model.float8 tensorwise)
+    rm -rf /tmp/r8b; timeout $((585 - SECONDS)) python3 -m mfsdp.cli train "${A[@]}" "${model[@]}" "${extra[@]}" \
+      --train.out_dir /tmp/r8b > "$OUT/train_8b_$name.log" 2>&1; echo "train 8b $name rc=$? at ${SECONDS}s"
+    grep -v "^W1" "$OUT/train_8b_$name.log" | grep "rror\|warning" | head -3
+    summarize_train /tmp/r8b 7..20 | tee -a "$OUT/train_8b_$name.log"
     cp /tmp/r8b/metrics.jsonl "$OUT/train_8b_${name}_metrics.jsonl"
-    if [ $name = head_preset ]; then
+    if [ $name = preset_bf16 ]; then
       cp /tmp/r8b/profile/step_6_breakdown.md "$OUT/profile_8b_${name}_ranges.md"
       timeout 60 python3 benchmarks/trace_breakdown.py kernels /tmp/r8b/profile/step_6_rank0.json \
         > "$OUT/profile_8b_${name}_kernels.txt" 2>&1
-      head -60 "$OUT/profile_8b_${name}_kernels.txt"
+      head -45 "$OUT/profile_8b_${name}_kernels.txt"
     fi
+    [ $name = hf_bf16 ] && rm -rf $hf
     rm -rf /tmp/r8b
   done
   rm -rf $hf
+  if [ $((585 - SECONDS)) -gt 60 ]; then
+    rm -rf /tmp/r1b; timeout $((585 - SECONDS)) python3 -m mfsdp.cli train --nproc-per-node 1 --model.preset 1b \
+      --data.local_batch 2 --data.seq_len 4096 --data.path /tmp/stdlib.tokens --parallel.main_grads_dtype fp32 \
+      --train.steps 8 --train.sample_tokens 0 --train.checkpoint_every 0 --train.progress false --train.eval_every 0 \
+      --train.save_only_model true --train.out_dir /tmp/r1b > "$OUT/train_1b_fp32.log" 2>&1; echo "train 1b fp32 rc=$?"
+    summarize_train /tmp/r1b 4..8 | tee -a "$OUT/train_1b_fp32.log"; cp /tmp/r1b/metrics.jsonl "$OUT/train_1b_fp32_metrics.jsonl"
+    rm -rf /tmp/r1b
+  fi
 }
 
 section_final() {  # ONE GPU, <= 8 min: the GPU suite, the compiled 1b rows (bf16, FP8) and 8B without offload

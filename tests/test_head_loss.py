@@ -70,16 +70,20 @@ def _planned(*args):
 
 def test_the_plan_measures_the_head_loss_of_the_run():
     """A vocabulary-heavy shape (131,072 tokens, width 64, 8,192 tokens a microbatch: four chunks of the
-    fused loss), through the config as `mfsdp plan` reads it: the plain loss holds the fp32 logits and
-    log-probabilities of the microbatch, the fused one a chunk's."""
+    fused loss), through the config as `mfsdp plan` reads it: the eager plain loss holds the fp32 logits
+    and log-probabilities of the microbatch; compiled with the blocks (a GPU run's default), the bf16
+    logits and their bf16 gradient (``CompiledPlainLoss``, as measured on one H200); the fused one a
+    chunk's."""
     shape = ["--model.dim", "64", "--model.n_heads", "4", "--model.n_kv_heads", "2", "--model.ffn_dim", "128",
              "--model.vocab_size", "131072", "--data.seq_len", "2048", "--data.local_batch", "4"]
+    eager = _planned(*shape, "--parallel.compile", "false")
     plain, fused = _planned(*shape), _planned(*shape, "--model.head_loss", "fused")
     assert (plain.settings.head_loss, fused.settings.head_loss) == ("plain", "fused")
     logits = 4 * 2048 * 131072 * 4  # the microbatch's (tokens, vocab) in fp32
-    assert plain.component_max("logits and loss") > 2 * logits  # the log-probabilities and their gradient
+    assert eager.component_max("logits and loss") > 2 * logits  # the log-probabilities and their gradient
+    assert logits <= plain.component_max("logits and loss") < 1.01 * logits  # 2 x (tokens, vocab) in bf16
     assert fused.component_max("logits and loss") < logits  # a chunk's (bf16, upcast, log-probabilities)
-    assert fused.peak_bytes < plain.peak_bytes
+    assert fused.peak_bytes < plain.peak_bytes < eager.peak_bytes
     assert plain.breakdown["main weights"] == fused.breakdown["main weights"]
 
 
@@ -106,3 +110,28 @@ def test_the_manager_route_refuses_the_fused_loss_and_auto_trains_it_plain(tmp_p
     assert (auto.model.hf_impl, auto.model.head_loss) == ("manager", "plain")
     # A checkpoint's config from before the flag: plain, the loss it trained with, whatever the default.
     assert ModelSection.recorded({"hf": llama, "hf_impl": "manager"}).head_loss == "plain"
+
+
+def test_the_compiled_head_loss_gives_the_eager_loss_and_gradients():
+    """``Llama.set_head_loss(name, compiled=True)`` (what a compiled ``mfsdp train`` run sets): the loss
+    sum, the count and the gradients of a tiny Llama match the eager loss's in fp32, with -100 labels."""
+    from mfsdp.models import LlamaConfig, build_model
+
+    cfg = LlamaConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=97, max_seq_len=16)
+    torch.manual_seed(0)
+    model = build_model(cfg, dtype=torch.float32)
+    tokens = torch.randint(0, 97, (2, 16))
+    labels = tokens.clone()
+    labels[:, ::3] = -100
+    results = []
+    for compiled in (False, True):
+        model.set_head_loss("plain", compiled=compiled)
+        model.zero_grad()
+        loss, count = model(tokens, labels=labels)
+        loss.backward()
+        results.append((loss.detach(), count, [p.grad.clone() for p in model.parameters()]))
+    (eager, n_eager, g_eager), (comp, n_comp, g_comp) = results
+    assert int(n_eager) == int(n_comp) == int((labels != -100).sum())
+    torch.testing.assert_close(comp, eager, rtol=1e-5, atol=0)
+    for a, b in zip(g_comp, g_eager):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)

@@ -1,6 +1,7 @@
 """The checks before the first step: the checkpoints against the disk (a fake ``shutil.disk_usage``),
 and the memory check's margins against the committed GPU results (the planner runs on CPU)."""
 
+import dataclasses
 import json
 import re
 import shutil
@@ -248,7 +249,8 @@ def test_trainer_warns_within_the_margin_and_refuses_beyond_it(monkeypatch):
 
 
 def _estimate(cfg, world):
-    return _estimate_run(planned_run(cfg), world)
+    """The plan of ``cfg`` with the loss computed eagerly, as the committed records' loop did."""
+    return _estimate_run(dataclasses.replace(planned_run(cfg), compiled_head=False), world)
 
 
 def memory_check(cfg, world, gpu_bytes):

@@ -318,11 +318,42 @@ def cross_entropy_run(tokens: torch.Tensor) -> Callable[[nn.Module], torch.Tenso
     return run
 
 
+class CompiledPlainLoss(torch.autograd.Function):
+    """What the compiled plain head loss (``mfsdp.models.llama.compiled_head_loss("plain")``) holds,
+    for measuring on fake tensors, where inductor cannot run: its forward keeps the compute-dtype
+    logits and nothing in fp32 (the upcast and the log-softmax are fused into one reduction); its
+    backward makes the logits' gradient in the compute dtype, drops the logits, then runs the two
+    GEMMs. On one H200 at 4,096 tokens and a 128,256 vocabulary (``benchmarks/loss_bench.py``,
+    plain_compiled) the head's forward and backward peaked 1.99 GiB above their inputs: the logits'
+    gradient and the weight's, as here."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels):
+        ctx.logits = [F.linear(hidden, weight)]  # not saved_tensors: the backward drops it early
+        ctx.save_for_backward(hidden, weight)
+        return hidden.new_zeros((), dtype=torch.float32)
+
+    @staticmethod
+    def backward(ctx, grad_sum):
+        hidden, weight = ctx.saved_tensors
+        grad_logits = torch.empty_like(ctx.logits.pop())
+        grad_hidden = grad_logits @ weight
+        grad_weight = grad_logits.flatten(0, -2).t() @ hidden.flatten(0, -2)
+        return grad_hidden, grad_weight, None
+
+
+def compiled_plain_loss(hidden, weight, labels):
+    """``plain_linear_cross_entropy``'s signature over ``CompiledPlainLoss``: (fp32 sum, int64 count)."""
+    return CompiledPlainLoss.apply(hidden, weight, labels), (labels != -100).sum()
+
+
 def measure_llama(cfg, dtype: torch.dtype, batch: int, seq: int, checkpointing: bool,
-                  float8: str = "none", head_loss: str = "plain") -> ActivationProfile:
+                  float8: str = "none", head_loss: str = "plain", compiled_head: bool = False) -> ActivationProfile:
     """A bundled Llama (or MoE) shape, cut to two blocks, measured on fake tensors as ``mfsdp train``
-    runs it (``labels_run``) with ``head_loss`` (``Llama.set_head_loss``); ``float8`` (a recipe of
-    ``mfsdp.float8``) converts its linears first, as ``parallelize`` does (``float8_blocks``)."""
+    runs it (``labels_run``) with ``head_loss`` (``Llama.set_head_loss``), compiled with the blocks
+    where ``compiled_head`` (the plain loss then as ``CompiledPlainLoss``; the fused one as its eager
+    self, an upper bound); ``float8`` (a recipe of ``mfsdp.float8``) converts its linears first, as
+    ``parallelize`` does (``float8_blocks``)."""
     from mfsdp.models import build_model
 
     small = dataclasses.replace(cfg, n_layers=2, max_seq_len=max(cfg.max_seq_len, seq))
@@ -332,6 +363,8 @@ def measure_llama(cfg, dtype: torch.dtype, batch: int, seq: int, checkpointing: 
             float8_blocks(model, list(model.layers), float8)
         model.set_activation_checkpointing(checkpointing)
         model.set_head_loss(head_loss)
+        if compiled_head and head_loss == "plain":
+            model.loss_fn = compiled_plain_loss
         tokens = torch.zeros(batch, seq, dtype=torch.long)
         return measure(model, list(model.layers), labels_run(tokens), uniform_routing=cfg.num_experts > 0)
 

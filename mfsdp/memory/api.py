@@ -47,7 +47,8 @@ def estimate(model_or_config, *, world_size: Optional[int] = None, mesh_shape: O
              compute_dtype: torch.dtype = torch.bfloat16, expert_units: bool = False,
              tensor_parallel: Union[int, TensorParallel] = 1, tp_in_process: bool = False,
              float8: str = "none", device: str = "cuda", offload_fraction: float = 0.0,
-             offload_overlap: str = "step", compiled: bool = False, head_loss: str = "plain") -> MemoryEstimate:
+             offload_overlap: str = "step", compiled: bool = False, head_loss: str = "plain",
+             compiled_head: bool = False) -> MemoryEstimate:
     """Predict one rank's memory over a training step and its peak.
 
     ``model_or_config``: a bundled preset name ("8b", "moe-1b"), a ``LlamaConfig``, a model built on
@@ -69,7 +70,8 @@ def estimate(model_or_config, *, world_size: Optional[int] = None, mesh_shape: O
     cuBLAS workspaces, the allocator reserve and the CUDA context. ``offload_fraction`` > 0: the
     optimizer states of that share of the units live on the host (``mfsdp.OffloadPolicy``, with
     ``offload_overlap`` its ``overlap``); the result is then an ``OffloadedEstimate``, with the
-    host bytes. ``compiled``: the blocks run through torch.compile (``COMPILED_BLOCK_SAVED``).
+    host bytes. ``compiled``: the blocks run through torch.compile (``COMPILED_BLOCK_SAVED``);
+    ``compiled_head``: the bundled Llama's head loss does too (``measure_llama``), as in ``mfsdp train``.
     ``head_loss``: the bundled Llama's loss, "plain" or "fused" (``Llama.set_head_loss``), measured
     as that model computes it, in its head's forward; a Hugging Face model returns logits (plain).
     """
@@ -93,7 +95,7 @@ def estimate(model_or_config, *, world_size: Optional[int] = None, mesh_shape: O
     levels = Levels.of(placements, mesh_shape)
     with fake_tp_mesh(tp.size) if tp.enabled else contextlib.nullcontext() as tp_mesh:
         model, units, blocks, measure, notes = _resolve(model_or_config, compute_dtype, seq_len, expert_units,
-                                                        tp, tp_mesh, float8, head_loss)
+                                                        tp, tp_mesh, float8, head_loss, compiled_head)
         unit_bytes = describe_units(model, units, mixed_precision_policy or MixedPrecisionPolicy(), levels)
         acts = measure(local_batch, seq_len, activation_checkpointing)
     if compiled:
@@ -183,7 +185,7 @@ def _compiled(acts: ActivationProfile, model: nn.Module, ac: bool, float8: str, 
 
 
 def _resolve(obj, dtype, seq_len, expert_units, tp: TensorParallel, tp_mesh, float8: str = "none",
-             head_loss: str = "plain"):
+             head_loss: str = "plain", compiled_head: bool = False):
     """(meta model, non-root units bottom-up, block names, activation measurement, notes)."""
     from mfsdp.models import LlamaConfig, get_config
     from mfsdp.models.llama import HEAD_LOSSES
@@ -208,14 +210,15 @@ def _resolve(obj, dtype, seq_len, expert_units, tp: TensorParallel, tp_mesh, flo
                          "Llama has no tensor-parallel plan: estimate it with tensor_parallel=1")
     if llama:
         cfg, model = (obj, None) if isinstance(obj, LlamaConfig) else (obj.cfg, obj)
-        return _llama(cfg, dtype, seq_len, expert_units, model=model, float8=float8, head_loss=head_loss)
+        return _llama(cfg, dtype, seq_len, expert_units, model=model, float8=float8, head_loss=head_loss,
+                      compiled_head=compiled_head)
     if isinstance(obj, (str, os.PathLike)) or hasattr(obj, "to_json_string") or isinstance(obj, nn.Module):
         return _hf(obj, dtype, tp, tp_mesh)
     raise TypeError(f"estimate: cannot size a {type(obj).__name__}; pass a preset name, a LlamaConfig, a "
                     "meta-device model, a Hugging Face config or a local Hugging Face directory")
 
 
-def _llama(cfg, dtype, seq_len, expert_units, model=None, float8="none", head_loss="plain"):
+def _llama(cfg, dtype, seq_len, expert_units, model=None, float8="none", head_loss="plain", compiled_head=False):
     from mfsdp.models import build_model
     from mfsdp.models.parallelize import sharding_units
 
@@ -240,8 +243,9 @@ def _llama(cfg, dtype, seq_len, expert_units, model=None, float8="none", head_lo
                if expert_units else "each block gathers all its experts with it"))
 
     def acts(batch, seq, ac):
-        return _cached_acts(("llama", cfg, dtype, batch, seq, ac, float8, head_loss),
-                            functools.partial(measure_llama, cfg, dtype, batch, seq, ac, float8, head_loss))
+        return _cached_acts(("llama", cfg, dtype, batch, seq, ac, float8, head_loss, compiled_head),
+                            functools.partial(measure_llama, cfg, dtype, batch, seq, ac, float8, head_loss,
+                                              compiled_head))
     return model, units, blocks, acts, notes
 
 

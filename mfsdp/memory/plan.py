@@ -99,6 +99,9 @@ class PlannedRun:
     """AdamW's foreach kernels (a shard-sized temporary at the step), else the fused one."""
     compiled: bool = True
     """Blocks compiled with torch.compile."""
+    compiled_head: Optional[bool] = None
+    """The bundled Llama's head loss compiled too; None: as the blocks (``mfsdp train`` compiles both;
+    a benchmark loop that computes the loss eagerly sets False)."""
     async_checkpoint: bool = True
     """Checkpoints staged in pinned host memory (counted in the host RAM line)."""
     head_loss: str = "plain"
@@ -159,6 +162,7 @@ def estimate_run(run: PlannedRun, world: int, setting: Optional[Setting] = None,
                     seq_len=run.seq_len, microbatches=s.microbatches, activation_checkpointing=s.activation_checkpointing,
                     compute_dtype=run.compute_dtype, expert_units=run.expert_units, tensor_parallel=tp,
                     tp_in_process=tp_in_process, float8=run.float8, foreach=run.foreach, compiled=run.compiled,
+                    compiled_head=run.compiled if run.compiled_head is None else run.compiled_head,
                     head_loss=run.head_loss)
 
 

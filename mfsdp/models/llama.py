@@ -31,6 +31,7 @@ matrix on one process.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import math
 from dataclasses import dataclass
@@ -458,6 +459,15 @@ at a time and, from the forward to the backward, the head's weight and hidden gr
 (vocab x dim plus tokens x dim in the compute dtype; see that module's design note)."""
 
 
+@functools.lru_cache(maxsize=None)
+def compiled_head_loss(name: str):
+    """``HEAD_LOSSES[name]`` through torch.compile, made once per process. Inductor fuses the plain
+    loss's upcast, log-softmax and their gradient, so neither the fp32 logits nor their fp32
+    log-probabilities exist: the forward keeps the compute-dtype logits, the backward makes their
+    gradient in the compute dtype (``mfsdp.memory.activations.CompiledPlainLoss`` plans that)."""
+    return torch.compile(HEAD_LOSSES[name])
+
+
 class Head(nn.Linear):
     """The output projection; with labels it returns the loss instead of the logits.
 
@@ -509,12 +519,13 @@ class Llama(nn.Module):
                              "mfsdp.models.moe.MoELlama(cfg), or set num_experts=0")
         return FeedForward(cfg, dtype=dtype, device=device)
 
-    def set_head_loss(self, name: str) -> None:
+    def set_head_loss(self, name: str, compiled: bool = False) -> None:
         """Compute the loss of ``forward(..., labels=...)`` with ``HEAD_LOSSES[name]``, "plain" or
-        "fused"; ``mfsdp train --model.head_loss`` and the memory planner both set it here."""
+        "fused", through torch.compile when ``compiled`` (``compiled_head_loss``); ``mfsdp train
+        --model.head_loss`` (compiled with the blocks) and the memory planner both set it here."""
         if name not in HEAD_LOSSES:
             raise ValueError(f"unknown head loss {name!r}; use one of {', '.join(HEAD_LOSSES)}")
-        self.loss_fn = HEAD_LOSSES[name]
+        self.loss_fn = compiled_head_loss(name) if compiled else HEAD_LOSSES[name]
 
     def set_activation_checkpointing(self, enabled: bool, reentrant: bool = False) -> None:
         """Make every block recompute its activations in backward (or stop doing so)."""

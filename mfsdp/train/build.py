@@ -44,7 +44,7 @@ def build_bundled(cfg: RunConfig, device: torch.device, compute: torch.dtype, wo
                                         grad_comm_dtype=cfg.grad_comm_dtype())
     with torch.device("meta"):
         model = build_model(cfg.llama_config(), dtype=compute)
-    model.set_head_loss(cfg.model.head_loss)
+    model.set_head_loss(cfg.model.head_loss, compiled=cfg.compiles(device.type))
     parallelize(model, build_mesh(device.type, world, p.placements, p.replicate), ParallelizeConfig(
         placements=p.placements, mixed_precision=policy, float8=cfg.model.float8, compile=cfg.compiles(device.type),
         activation_checkpointing=p.activation_checkpointing, expert_units=p.expert_units))
