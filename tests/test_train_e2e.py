@@ -56,6 +56,22 @@ def single(*args):
                           capture_output=True, text=True, timeout=60)
 
 
+def in_process(capsys, *args) -> subprocess.CompletedProcess:
+    """``python -m mfsdp.train ARGS`` as one process does it (a world of one), run in this one:
+    ``main``'s exit code and what it printed. ``single`` runs a fresh interpreter instead (the
+    entry point itself: tests below)."""
+    import warnings
+
+    from mfsdp.train.main import main
+
+    capsys.readouterr()
+    with warnings.catch_warnings():  # torch's errors.record: no fault handler on a captured stderr
+        warnings.filterwarnings("ignore", "Unable to enable fault handler")
+        code = main(list(args))
+    printed = capsys.readouterr()
+    return subprocess.CompletedProcess(args, code, printed.out, printed.err)
+
+
 def losses(out_dir: Path) -> dict[int, float]:
     lines = (out_dir / "metrics.jsonl").read_text().splitlines()
     return {r["step"]: r["loss"] for r in map(json.loads, lines)}
@@ -181,8 +197,8 @@ def test_the_deterministic_flag_is_checked_against_the_environment(env, message,
     assert load_config(["--parallel.deterministic", "true"]).parallel.deterministic
 
 
-def test_a_bad_deterministic_value_is_one_line():
-    _one_error_line(single("--parallel.deterministic", "maybe"),
+def test_a_bad_deterministic_value_is_one_line(capsys):
+    _one_error_line(in_process(capsys, "--parallel.deterministic", "maybe"),
                     "--parallel.deterministic expects bool, got 'maybe'")
 
 
@@ -240,26 +256,28 @@ def _one_error_line(run, expected: str) -> None:
     assert "Traceback" not in run.stderr.split("mfsdp train: error:")[0] + run.stdout
 
 
-def test_missing_and_corrupt_data_files(tmp_path):
+def test_missing_and_corrupt_data_files(tmp_path, capsys):
+    """The first in a fresh interpreter (``python -m mfsdp.train``: the process group joined, the
+    data found missing, one line and no traceback on the way out), the second in this one."""
     _one_error_line(single(*SMALL, "--data.path", str(tmp_path / "none.tokens"),
                            "--train.out_dir", str(tmp_path)),
                     "does not exist; create it with `mfsdp prepare-data")
     bad = tmp_path / "bad.tokens"
     bad.write_bytes(b"\0" * 1000)
-    _one_error_line(single(*SMALL, "--data.path", str(bad), "--train.out_dir", str(tmp_path)),
+    _one_error_line(in_process(capsys, *SMALL, "--data.path", str(bad), "--train.out_dir", str(tmp_path)),
                     "not an mfsdp token file")
 
 
-def test_unknown_key_and_unknown_preset():
-    _one_error_line(single("--train.stepz", "3"), "unknown config key train.stepz")
-    _one_error_line(single("--model.preset", "13b"), "known presets: tiny, 1b, 8b, 70b")
+def test_unknown_key_and_unknown_preset(capsys):
+    _one_error_line(in_process(capsys, "--train.stepz", "3"), "unknown config key train.stepz")
+    _one_error_line(in_process(capsys, "--model.preset", "13b"), "known presets: tiny, 1b, 8b, 70b")
 
 
-def test_checkpoint_of_another_shape_is_refused(baseline, corpus):
+def test_checkpoint_of_another_shape_is_refused(baseline, corpus, capsys):
     out, _ = baseline
     args = [a if a != "64" else "96" for a in SMALL]  # a wider model
-    _one_error_line(single(*args, "--data.path", str(corpus), "--train.out_dir", str(out),
-                           "--resume"), "was written for a different model (dim: checkpoint 64")
+    _one_error_line(in_process(capsys, *args, "--data.path", str(corpus), "--train.out_dir", str(out),
+                               "--resume"), "was written for a different model (dim: checkpoint 64")
 
 
 def test_world_size_that_does_not_fit_the_mesh(corpus, tmp_path):
