@@ -17,7 +17,8 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
-# `make test` leaves out the benchmark scripts' smoke tests (marked slow); `make test-all` runs them too.
+# `make test` leaves out the tests marked slow (the benchmark scripts' smoke tests, and checks that not-slow
+# tests also make); `make test-all` runs them too.
 test: $(STAMP)
 	$(PY) -m pytest -q -x --timeout=900 -m "not slow" tests
 

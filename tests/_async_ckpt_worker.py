@@ -1,6 +1,6 @@
-"""The `mfsdp train` worker of tests/test_async_checkpoint.py (started by torchrun): the real training
-loop, whose background checkpoint writes go through a DCP ``FileSystemWriter`` the test steers by
-environment variables.
+"""The `mfsdp train` worker of tests/test_async_checkpoint.py (started by torchrun, or ``steered_run``
+in a test world's processes): the real training loop, whose background checkpoint writes go through
+a DCP ``FileSystemWriter`` the test steers by environment variables.
 
 ``HOLD_WRITE=S:T``  the write of checkpoint step_S waits, inside ``write_data``, until metrics.jsonl
                     (rank 0's, one step late) holds step T, then writes; it gives up after 120 s.
@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from mfsdp.train.checkpoint import async_save
@@ -35,7 +36,7 @@ class SteeredWriter(dcp.FileSystemWriter):
         self.temp = Path(path)  # OUT_DIR/checkpoints/.tmp-step_N
         self.step = int(self.temp.name.rsplit("_", 1)[1])
         self.out_dir = self.temp.parent.parent
-        self.rank = int(os.environ.get("RANK", "0"))
+        self.rank = dist.get_rank()
 
     def write_data(self, plan, planner):
         hold, kill = _spec("HOLD_WRITE"), _spec("KILL_WRITE")
@@ -59,7 +60,22 @@ class SteeredWriter(dcp.FileSystemWriter):
         (self.out_dir / f"hold_rank{self.rank}.json").write_text(json.dumps(record))
 
 
-async_save._storage_writer = SteeredWriter
+def steered_run(rank, world_size, argv, env):
+    """A world case: the run of ``argv`` with its writes steered by ``env`` (HOLD_WRITE, KILL_WRITE);
+    returns run_trainer's (rank 0: the records and what it printed)."""
+    from test_eval_loss import run_trainer
+
+    writer = async_save._storage_writer
+    os.environ.update(env)
+    async_save._storage_writer = SteeredWriter
+    try:
+        return run_trainer(rank, world_size, argv, stdout=True)
+    finally:
+        async_save._storage_writer = writer
+        for name in env:
+            del os.environ[name]
+
 
 if __name__ == "__main__":
+    async_save._storage_writer = SteeredWriter
     sys.exit(main(sys.argv[1:]))

@@ -1,10 +1,10 @@
 """Asynchronous checkpoints (``--train.async_checkpoint``): staged copies, background writes that
 training does not wait for, and crash safety while a write is in flight.
 
-Two kinds of test: ``Checkpointer`` in one process without a process group (fast), and real
-two-process torchrun launches of the training loop (tests/_async_ckpt_worker.py) whose storage
-writer the test holds back or kills. Nothing here depends on timing: a held write waits for an
-event (the training loop logging a later step), not for a clock.
+Two kinds of test: ``Checkpointer`` in one process without a process group (fast), and the training
+loop on two ranks (tests/_async_ckpt_worker.py) whose storage writer the test holds back (in the
+session's world) or kills (a real torchrun launch, since a rank dies). Nothing here depends on
+timing: a held write waits for an event (the training loop logging a later step), not for a clock.
 """
 
 import json
@@ -259,7 +259,7 @@ def test_the_progress_bar_says_which_checkpoint_is_being_written():
     assert "saving" not in postfix(record)
 
 
-# ------------------------------------------------------------------ two processes, torchrun
+# ------------------------------------------------------------------ two processes
 
 
 def launch(corpus, out_dir, *extra, env=None):
@@ -269,30 +269,37 @@ def launch(corpus, out_dir, *extra, env=None):
                           text=True, timeout=180)
 
 
+def train(world, corpus, out_dir, *extra, env=None) -> str:
+    """The run in the session's world of two ranks, its writes steered by ``env``; what rank 0
+    printed."""
+    from _async_ckpt_worker import steered_run
+
+    argv = [*ASYNC, "--data.path", str(corpus), "--train.out_dir", str(out_dir), *extra]
+    return world(2).run(steered_run, argv=argv, env=env or {})[0][1]
+
+
 @pytest.fixture(scope="module")
-def held_run(corpus, tmp_path_factory):
+def held_run(world, corpus, tmp_path_factory):
     """8 steps with async saves at 4 and 8; the write of step 4 is held until the loop has logged
     step 6, so it can only finish if training goes on meanwhile."""
     out = tmp_path_factory.mktemp("held")
-    run = launch(corpus, out, env={"HOLD_WRITE": "4:6"})
-    assert run.returncode == 0, run.stdout + run.stderr
-    return out, run
+    return out, train(world, corpus, out, env={"HOLD_WRITE": "4:6"})
 
 
 def test_training_goes_on_while_a_checkpoint_is_written(held_run):
-    out, run = held_run
+    out, printed = held_run
     for rank in (0, 1):
         held = json.loads((out / f"hold_rank{rank}.json").read_text())
         # Released by the loop's progress (two more steps logged), not by the give-up clock.
         assert held == {"save": 4, "steps_logged_while_held": held["steps_logged_while_held"],
                         "gave_up": False}
         assert held["steps_logged_while_held"] >= 6
-    assert "checkpoints are written in the background" in run.stdout
+    assert "checkpoints are written in the background" in printed
     # The write of step 4 ended after step 6 was logged, so steps 5-7 at least ran during it.
     saved = re.search(r"checkpoint step_4 saved: training waited [0-9.]+ s to stage it \(previous "
                       r"write [0-9.]+ s, copy [0-9.]+ s, planning [0-9.]+ s\), then it was written "
-                      r"in the background in [0-9.]+ s, over steps 5-(\d+)", run.stdout)
-    assert saved and int(saved.group(1)) >= 7, run.stdout
+                      r"in the background in [0-9.]+ s, over steps 5-(\d+)", printed)
+    assert saved and int(saved.group(1)) >= 7, printed
     assert (out / "checkpoints" / "latest").read_text() == "step_8\n"
     assert find_latest(out / "checkpoints").name == "step_8"
     assert damage(out / "checkpoints" / "step_4") is None
@@ -300,17 +307,15 @@ def test_training_goes_on_while_a_checkpoint_is_written(held_run):
 
 
 def test_resume_from_an_async_checkpoint_matches_the_uninterrupted_run_bit_for_bit(
-        held_run, corpus, tmp_path):
+        world, held_run, corpus, tmp_path):
     uninterrupted, _ = held_run
     resumed = stopped_copy(uninterrupted, 4, tmp_path / "resumed")
-    run = launch(corpus, resumed, "--resume")
-    assert run.returncode == 0, run.stdout + run.stderr
-    assert "at step 4" in run.stdout
+    assert "at step 4" in train(world, corpus, resumed, "--resume")
     expected = {s: v for s, v in loss_and_grad_norm(uninterrupted).items() if s > 4}
     assert loss_and_grad_norm(resumed) == expected  # exact float equality
 
 
-def test_a_rank_killed_during_a_write_resumes_from_the_previous_checkpoint(held_run, corpus,
+def test_a_rank_killed_during_a_write_resumes_from_the_previous_checkpoint(world, held_run, corpus,
                                                                            tmp_path):
     out = tmp_path / "killed"
     # Rank 1 dies with its shards of step 8 on disk but the save unfinished.
@@ -321,10 +326,9 @@ def test_a_rank_killed_during_a_write_resumes_from_the_previous_checkpoint(held_
     assert (checkpoints / "latest").read_text() == "step_4\n"
     assert (checkpoints / ".tmp-step_8").is_dir() and not (checkpoints / "step_8").exists()
 
-    run = launch(corpus, out, "--resume")
-    assert run.returncode == 0, run.stdout + run.stderr
-    assert "checkpoint step_8 is incomplete (the run stopped while it was being written" in run.stdout
-    assert f"resumed from {checkpoints / 'step_4'} (the newest whole checkpoint) at step 4" in run.stdout
+    printed = train(world, corpus, out, "--resume")
+    assert "checkpoint step_8 is incomplete (the run stopped while it was being written" in printed
+    assert f"resumed from {checkpoints / 'step_4'} (the newest whole checkpoint) at step 4" in printed
     assert not (checkpoints / ".tmp-step_8").exists()  # the next save deleted the debris
     assert (checkpoints / "latest").read_text() == "step_8\n"
     uninterrupted = {s: v for s, v in loss_and_grad_norm(held_run[0]).items() if s > 4}

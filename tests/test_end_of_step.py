@@ -10,11 +10,6 @@ the core's ``fully_shard_optimizer`` and gets the check like every other loop.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
 
 import pytest
 import torch
@@ -26,7 +21,6 @@ from mfsdp.manager.mesh import MeshSizes
 pytest.importorskip("transformers")
 pytestmark = [pytest.mark.timeout(240), pytest.mark.filterwarnings("ignore::UserWarning")]
 
-REPO = Path(__file__).resolve().parents[1]
 NAN_MESSAGE = "NaN or Inf in the reduced gradients"
 
 
@@ -99,29 +93,35 @@ def test_nan_raises_on_every_rank_whichever_way_the_optimizer_was_built(world, w
 
 
 # ------------------------------------------------------------------------ mfsdp train --model.hf
-# Loaded by every Python process of the launch (sitecustomize): in worker NAN_RANK, the NAN_AT_CALL-th
-# training loss is multiplied by NaN. The loop itself is unchanged.
-SITECUSTOMIZE = textwrap.dedent("""
-    import os
-    if os.environ.get("NAN_AT_CALL") and os.environ.get("RANK") == os.environ.get("NAN_RANK"):
-        import torch
-        import torch.nn.functional as F
+def train_hf_with_a_nan(rank, ws, argv, nan_rank, nan_at_call):
+    """``mfsdp train`` (the trainer, in this world's processes) where, on rank ``nan_rank``, the
+    ``nan_at_call``-th training loss is multiplied by NaN; the loop itself is unchanged. Returns the
+    error the run stopped with on this rank (None if it finished)."""
+    import torch.nn.functional as F
 
-        _cross_entropy, _calls = F.cross_entropy, [0]
+    from test_eval_loss import run_trainer
 
-        def cross_entropy(*args, **kwargs):
-            loss = _cross_entropy(*args, **kwargs)
-            if torch.is_grad_enabled():
-                _calls[0] += 1
-                if _calls[0] == int(os.environ["NAN_AT_CALL"]):
-                    loss = loss * float("nan")
-            return loss
+    cross_entropy, calls = F.cross_entropy, [0]
 
+    def nan_cross_entropy(*args, **kwargs):
+        loss = cross_entropy(*args, **kwargs)
+        if rank == nan_rank and torch.is_grad_enabled():
+            calls[0] += 1
+            if calls[0] == nan_at_call:
+                loss = loss * float("nan")
+        return loss
+
+    F.cross_entropy = nan_cross_entropy
+    try:
+        run_trainer(rank, ws, argv)
+    except FloatingPointError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    finally:
         F.cross_entropy = cross_entropy
-""")
+    return None
 
 
-def test_train_hf_stops_on_a_nan_loss_on_every_rank(tmp_path):
+def test_train_hf_stops_on_a_nan_loss_on_every_rank(world, tmp_path):
     from test_manager_models import make_hf
     from mfsdp.data import prepare
     from mfsdp.data.prepare import stdlib_source
@@ -130,24 +130,14 @@ def test_train_hf_stops_on_a_nan_loss_on_every_rank(tmp_path):
     make_hf("llama", vocab=260).save_pretrained(hf)  # the byte tokenizer has 257 ids
     corpus = tmp_path / "small.tokens"
     prepare(stdlib_source(), corpus, glob="a*.py")
-    inject = tmp_path / "inject"
-    inject.mkdir()
-    (inject / "sitecustomize.py").write_text(SITECUSTOMIZE)
-    out, logs = tmp_path / "run", tmp_path / "logs"
-    env = dict(os.environ, OMP_NUM_THREADS="1", NAN_AT_CALL="2", NAN_RANK="1")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(inject), str(REPO), env.get("PYTHONPATH")) if p)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "--log-dir", str(logs), "--redirects", "3",
-           "-m", "mfsdp.train", "--model.hf", str(hf), "--model.hf_impl", "manager", "--data.path", str(corpus),
-           "--data.seq_len", "16", "--data.local_batch", "2", "--train.steps", "4", "--train.warmup_steps", "1",
-           "--train.lr", "1e-3", "--train.sample_tokens", "0", "--train.progress", "false", "--train.device", "cpu",
-           "--train.out_dir", str(out)]
-    run = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=180)
-    assert run.returncode != 0, run.stdout + run.stderr
-    stderr = {p.parent.name: p.read_text() for p in logs.rglob("stderr.log")}
-    assert sorted(stderr) == ["0", "1"], (sorted(stderr), run.stderr)
-    for rank, text in stderr.items():  # rank 1's loss was NaN; both ranks stop with the core's error
-        assert "FloatingPointError" in text and NAN_MESSAGE in text and "after backward 2" in text, (rank, text)
+    out = tmp_path / "run"
+    argv = ["--model.hf", str(hf), "--model.hf_impl", "manager", "--data.path", str(corpus),
+            "--data.seq_len", "16", "--data.local_batch", "2", "--train.steps", "4", "--train.warmup_steps", "1",
+            "--train.lr", "1e-3", "--train.sample_tokens", "0", "--train.progress", "false", "--train.device", "cpu",
+            "--train.out_dir", str(out)]
+    errors = world(2).run(train_hf_with_a_nan, argv=argv, nan_rank=1, nan_at_call=2)
+    for rank, error in enumerate(errors):  # rank 1's loss was NaN; both ranks stop with the core's error
+        assert error is not None and NAN_MESSAGE in error and "after backward 2" in error, (rank, error)
     metrics = out / "metrics.jsonl"
     steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()] if metrics.exists() else []
     assert all(step < 2 for step in steps), steps  # step 2 never reached the optimizer, nor the log

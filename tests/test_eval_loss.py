@@ -66,18 +66,27 @@ def corpus(tmp_path_factory):
     return path
 
 
-def run_trainer(rank, world_size, argv):
-    """One `mfsdp train` run in this world's processes; rank 0 returns metrics.jsonl."""
+def run_trainer(rank, world_size, argv, stdout=False):
+    """One `mfsdp train` run in this world's processes (what ``python -m mfsdp.train`` runs after
+    joining the process group); rank 0 returns metrics.jsonl's records, and with ``stdout`` also
+    what the run printed (rank 0 prints, as under torchrun)."""
+    import contextlib
+    import io
     from pathlib import Path
 
     from mfsdp.train.config import load_config
     from mfsdp.train.preflight import preflight
     from mfsdp.train.trainer import Trainer
 
-    cfg = load_config(argv)
-    Trainer(preflight(cfg, torch.device("cpu"), print), torch.device("cpu")).run()
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed) if stdout else contextlib.nullcontext():
+        cfg = load_config(argv)
+        Trainer(preflight(cfg, torch.device("cpu"), print), torch.device("cpu")).run()
+    if rank != 0:
+        return None
     path = Path(cfg.train.out_dir) / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if rank == 0 else None
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    return (records, printed.getvalue()) if stdout else records
 
 
 def train(world, n, corpus, out, *args):

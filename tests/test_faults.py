@@ -105,6 +105,9 @@ def test_a_rank_killed_mid_step_ends_the_job_and_resume_matches_an_uninterrupted
     args = ["--data.path", str(corpus), "--train.steps", "10", "--train.checkpoint_every", "3"]
     reference = run(*args, "--train.out_dir", str(tmp_path / "reference"))
     assert reference.returncode == 0, reference.stderr
+    # A launch's first line names the rate it trains with (the recipe's: test_train_defaults.py).
+    first = reference.stdout.splitlines()[0]
+    assert first.startswith("mfsdp train: tiny model,") and "lr 0.01 (warm-up 2 steps" in first, reference.stdout
 
     out = tmp_path / "killed"
     proc = launch(*args, "--train.out_dir", str(out))

@@ -5,20 +5,19 @@ masks, epochs and the validation loss, and a global batch that counts nothing is
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 import mfsdp
+from mfsdp.cli import main as cli_main
 from mfsdp.data import PackedSampler, TokenFile, write_token_file
 from mfsdp.models.llama import Llama, LlamaConfig
 from mfsdp.models.parallelize import ParallelizeConfig, build_mesh, parallelize
 from mfsdp.train.step import train_step
-
-REPO = Path(__file__).resolve().parents[1]
+from test_eval_loss import run_trainer
+from test_train_e2e import in_process
 CFG = LlamaConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=96, max_seq_len=16)
 SEQ = 16
 
@@ -84,12 +83,6 @@ def test_loss_tokens_count_every_rank_and_microbatch_of_the_step(tmp_path):
 
 
 # ------------------------------------------------------------------------------- end to end
-def _env() -> dict:
-    import os
-
-    return {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-
-
 def _rows(path: Path, n: int, long_prompt: bool = False) -> Path:
     rows = [{"messages": [{"role": "user", "content": f"what is {i} plus {i}?"},
                           {"role": "assistant", "content": f"{2 * i}"}]} for i in range(n)]
@@ -100,28 +93,29 @@ def _rows(path: Path, n: int, long_prompt: bool = False) -> Path:
     return path
 
 
-def _train(tmp_path: Path, data: Path, *flags: str) -> subprocess.CompletedProcess:
-    args = ["--data.path", str(data), "--train.out_dir", str(tmp_path / "run"), "--train.device", "cpu",
+def _args(tmp_path: Path, data: Path, *flags: str) -> list[str]:
+    return ["--data.path", str(data), "--train.out_dir", str(tmp_path / "run"), "--train.device", "cpu",
             "--train.progress", "false", "--model.preset", "tiny", "--model.dim", "32", "--model.n_layers", "1",
             "--model.n_heads", "2", "--model.n_kv_heads", "2", "--model.ffn_dim", "64", *flags]
-    return subprocess.run([sys.executable, "-m", "mfsdp.train", *args], env=_env(), cwd=tmp_path,
-                          capture_output=True, text=True, timeout=300)
+
+
+def _train(world, tmp_path: Path, data: Path, *flags: str) -> str:
+    """``mfsdp train`` in one process (the trainer in a world of one; the launch itself is
+    test_train_e2e.py's); returns what it printed."""
+    return world(1).run(run_trainer, argv=_args(tmp_path, data, *flags), stdout=True)[0][1]
 
 
 def _prepare(source: Path, out: Path) -> None:
-    done = subprocess.run([sys.executable, "-m", "mfsdp.cli", "prepare-data", str(source), str(out)],
-                          env=_env(), capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
+    assert cli_main(["prepare-data", str(source), str(out)]) == 0
 
 
-def test_chat_samples_train_by_epochs_with_masked_metrics_validation_and_a_chat_sample(tmp_path):
+def test_chat_samples_train_by_epochs_with_masked_metrics_validation_and_a_chat_sample(world, tmp_path):
     data = tmp_path / "chat.tokens"
     _prepare(_rows(tmp_path / "chat.jsonl", 60), data)
-    done = _train(tmp_path, data, "--data.seq_len", "64", "--data.local_batch", "2", "--train.epochs", "2",
-                  "--data.val_fraction", "0.1", "--train.eval_every", "3", "--train.sample_tokens", "8",
-                  "--train.checkpoint_every", "0", "--train.profile_step", "2")
-    assert done.returncode == 0, done.stdout + done.stderr
-    first = done.stdout.splitlines()[0]
+    printed = _train(world, tmp_path, data, "--data.seq_len", "64", "--data.local_batch", "2", "--train.epochs", "2",
+                     "--data.val_fraction", "0.1", "--train.eval_every", "3", "--train.sample_tokens", "8",
+                     "--train.checkpoint_every", "0", "--train.profile_step", "2")
+    first = printed.splitlines()[0]
     samples = TokenFile(data)
     sampler = PackedSampler(samples, 64, 2, 0, 1, samples=range(60 - 6))
     steps = 2 * sampler.steps_per_epoch
@@ -133,8 +127,8 @@ def test_chat_samples_train_by_epochs_with_masked_metrics_validation_and_a_chat_
         assert r["loss_tokens"] < r["tokens_per_s"] * r["step_time_s"]  # the prompts are not counted
         assert r["loss_tokens_per_s"] == pytest.approx(r["loss_tokens"] / r["step_time_s"])
     assert any("val_loss" in r for r in records) and "val_loss" in records[-1]
-    assert "validation loss every 3 steps and at the end" in done.stdout and "the last 6 samples" in done.stdout
-    assert "--- sample (temperature 0.8, mfsdp's chat template; user: 'Write a short greeting.')" in done.stdout
+    assert "validation loss every 3 steps and at the end" in printed and "the last 6 samples" in printed
+    assert "--- sample (temperature 0.8, mfsdp's chat template; user: 'Write a short greeting.')" in printed
     meta = json.loads((tmp_path / "run" / "checkpoints" / f"step_{steps}" / "meta.json").read_text())
     assert meta["held_out"]["samples"] == 6
     # --train.profile_step 2: a trace per rank and the step by phase.
@@ -145,27 +139,26 @@ def test_chat_samples_train_by_epochs_with_masked_metrics_validation_and_a_chat_
     for phase in ("mfsdp.train.data", "mfsdp.train.forward_backward", "mfsdp.train.optimizer_step",
                   "mfsdp.model.head_and_loss"):
         assert f"| {phase} | " in table, table
-    assert f"profiled step 2: {profile / 'step_2_rank0.json'}" in done.stdout
+    assert f"profiled step 2: {profile / 'step_2_rank0.json'}" in printed
 
 
-def test_a_global_batch_counting_nothing_is_skipped_and_never_a_nan(tmp_path):
+def test_a_global_batch_counting_nothing_is_skipped_and_never_a_nan(world, tmp_path):
     data = tmp_path / "pc.tokens"
     _prepare(_rows(tmp_path / "pc.jsonl", 7, long_prompt=True), data)
-    done = _train(tmp_path, data, "--data.seq_len", "32", "--data.local_batch", "1", "--train.epochs", "1",
-                  "--data.val_fraction", "0", "--train.sample_tokens", "0", "--train.checkpoint_every", "0")
-    assert done.returncode == 0, done.stdout + done.stderr
+    printed = _train(world, tmp_path, data, "--data.seq_len", "32", "--data.local_batch", "1", "--train.epochs", "1",
+                     "--data.val_fraction", "0", "--train.sample_tokens", "0", "--train.checkpoint_every", "0")
     sampler = PackedSampler(TokenFile(data), 32, 1, 0, 1)
     empty = [s for s in range(1, sampler.steps_per_epoch + 1) if sampler.loss_tokens(s) == 0]
-    assert len(empty) == 1 and f"step {empty[0]}: the global batch counts no target" in done.stdout
+    assert len(empty) == 1 and f"step {empty[0]}: the global batch counts no target" in printed
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert empty[0] not in [r["step"] for r in records] and len(records) == sampler.steps_per_epoch - 1
     assert all(r["loss"] == r["loss"] and r["loss_tokens"] > 0 for r in records)
 
 
-def test_epochs_need_a_file_of_samples(tmp_path):
+def test_epochs_need_a_file_of_samples(tmp_path, capsys):
     text = tmp_path / "t.jsonl"
     text.write_text("".join(json.dumps({"text": "hello world " * 20}) + "\n" for _ in range(20)))
     _prepare(text, tmp_path / "t.tokens")
-    done = _train(tmp_path, tmp_path / "t.tokens", "--train.epochs", "1")
+    done = in_process(capsys, *_args(tmp_path, tmp_path / "t.tokens", "--train.epochs", "1"))
     assert done.returncode == 2 and "--train.epochs needs a file of samples" in done.stderr
     assert done.stderr.count("\n") == 1, done.stderr

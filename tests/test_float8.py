@@ -525,18 +525,19 @@ def test_torchao_missing_is_named(monkeypatch):
 
 
 # ------------------------------------------------------------------------------ mfsdp train
-def test_train_float8_tensorwise(tmp_path, corpus):
-    """``mfsdp train --model.float8 tensorwise`` on two CPU ranks: every block one unit gathering
-    float8 weights, scales precomputed after each step; the loss falls, close to the same run
-    without float8 but not equal to it (the linears did run in float8). A resume from step 3
-    reproduces steps 4-6 bit for bit: scales precomputed from the weights before a checkpoint load
-    (torch's optimizer-state init steps the optimizer) must not survive the load."""
-    from test_train_e2e import SMALL, losses, stopped_copy, torchrun
+def test_train_float8_tensorwise(world, tmp_path, corpus):
+    """``mfsdp train --model.float8 tensorwise`` on two CPU ranks (the trainer in this module's world;
+    the launch itself is test_train_e2e.py's): every block one unit gathering float8 weights, scales
+    precomputed after each step; the loss falls, close to the same run without float8 but not equal
+    to it (the linears did run in float8). A resume from step 3 reproduces steps 4-6 bit for bit:
+    scales precomputed from the weights before a checkpoint load (torch's optimizer-state init steps
+    the optimizer) must not survive the load."""
+    from test_eval_loss import run_trainer
+    from test_train_e2e import SMALL, losses, stopped_copy
 
     def train(out, *extra):
-        run = torchrun(*SMALL, "--data.path", str(corpus), "--train.steps", "6", "--train.sample_tokens", "0", "--train.eval_every", "0",
-                       "--train.out_dir", str(out), *extra)
-        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+        world(2).run(run_trainer, argv=[*SMALL, "--data.path", str(corpus), "--train.steps", "6",
+                                        "--train.sample_tokens", "0", "--train.out_dir", str(out), *extra])
         return losses(out)
 
     fp8 = train(tmp_path / "tensorwise", "--model.float8", "tensorwise", "--train.checkpoint_every", "3")

@@ -1,14 +1,14 @@
-"""`mfsdp train --model.hf DIR`: a tiny Hugging Face model trained through the manager by torchrun."""
+"""`mfsdp train --model.hf DIR`: a tiny Hugging Face model trained through the manager on two ranks (the
+trainer in the test session's world; the launch itself is test_train_e2e.py's)."""
 
 from __future__ import annotations
 
-import json
 import math
 
 import pytest
 
 from test_manager_models import make_hf
-from test_train_e2e import torchrun
+from test_eval_loss import run_trainer
 from mfsdp.train.config import ConfigError, load_config
 
 pytest.importorskip("transformers")
@@ -27,19 +27,18 @@ def hf_dir(tmp_path_factory):
     return path
 
 
-def test_train_hf_two_processes(hf_dir, tmp_path):
+def test_train_hf_two_processes(world, hf_dir, tmp_path):
     from mfsdp.data import prepare
     from mfsdp.data.prepare import stdlib_source
 
     corpus = tmp_path / "small.tokens"
     prepare(stdlib_source(), corpus, glob="a*.py")
     out = tmp_path / "run"
-    run = torchrun("--model.hf", str(hf_dir), "--model.hf_impl", "manager", "--data.path", str(corpus),
-                   "--data.seq_len", "16", "--data.local_batch", "2", "--train.steps", "3", "--train.warmup_steps", "1",
-                   "--train.lr", "1e-2", "--train.sample_tokens", "4", "--train.progress", "false",
-                   "--train.device", "cpu", "--train.out_dir", str(out))
-    assert run.returncode == 0, run.stdout + run.stderr
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    records = world(2).run(run_trainer, argv=[
+        "--model.hf", str(hf_dir), "--model.hf_impl", "manager", "--data.path", str(corpus), "--data.seq_len", "16",
+        "--data.local_batch", "2", "--train.steps", "3", "--train.warmup_steps", "1", "--train.lr", "1e-2",
+        "--train.sample_tokens", "4", "--train.progress", "false", "--train.device", "cpu",
+        "--train.out_dir", str(out)])[0]
     assert [r["step"] for r in records] == [1, 2, 3]
     assert all(math.isfinite(r["loss"]) for r in records)
     # Loaded weights, not a fresh init (which would start at about ln 260).

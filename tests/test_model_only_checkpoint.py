@@ -5,8 +5,6 @@ meta.json formats, and a ``--model.hf`` run's tokenizer files going out with its
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import shutil
 
@@ -21,7 +19,7 @@ from mfsdp.train.checkpoint import (CheckpointError, Checkpointer, CheckpointMet
                                     save_checkpoint, staging_bytes)
 from mfsdp.train.checkpoint.storage import state_of
 from mfsdp.train.config import ConfigError, load_config
-from test_eval_loss import SMALL
+from test_eval_loss import SMALL, run_trainer
 from test_prelaunch_checks import launch  # noqa: F401  (the disk check's fixture)
 from test_train_checkpoint import META, make
 from test_train_e2e import stopped_copy
@@ -35,17 +33,6 @@ RESUMED = ("resumed the weights from {} at step 2; the optimizer state starts fr
            "the model only)")
 
 
-def run_logged(rank, world_size, argv):
-    """One `mfsdp train` run in this world's processes; rank 0 returns what it printed."""
-    from mfsdp.train.preflight import preflight
-    from mfsdp.train.trainer import Trainer
-
-    cfg, out = load_config(argv), io.StringIO()
-    with contextlib.redirect_stdout(out):
-        Trainer(preflight(cfg, torch.device("cpu"), print), torch.device("cpu")).run()
-    return out.getvalue() if rank == 0 else None
-
-
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     path = tmp_path_factory.mktemp("model_only") / "small.tokens"
@@ -54,7 +41,9 @@ def corpus(tmp_path_factory):
 
 
 def train(world, corpus, out, *args, base=RUN) -> str:
-    return world(2).run(run_logged, argv=[*base, "--data.path", str(corpus), "--train.out_dir", str(out), *args])[0]
+    """The run on two ranks of the session's world; what rank 0 printed."""
+    return world(2).run(run_trainer, argv=[*base, "--data.path", str(corpus), "--train.out_dir", str(out), *args],
+                        stdout=True)[0][1]
 
 
 @pytest.fixture(scope="module")

@@ -10,26 +10,31 @@ import sys
 
 import pytest
 
+from test_eval_loss import run_trainer
 from test_train_e2e import REPO, SMALL, _env, corpus  # noqa: F401  (the token file fixture)
 from mfsdp.train.preflight import check_run
 from mfsdp.train.config import ConfigError, load_config
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.filterwarnings("ignore::UserWarning")]
 COMPILE_NOTE = "including torch.compile of the blocks"
+RUN = ["--train.steps", "3", "--train.checkpoint_every", "0", "--train.sample_tokens", "0", "--train.eval_every", "0"]
 
 
 def train(out, *args):
     """One process, as `mfsdp train --nproc-per-node 1` starts it; returns (losses by step, stdout)."""
-    run = subprocess.run([sys.executable, "-m", "mfsdp.train", "--train.out_dir", str(out), "--train.steps", "3",
-                          "--train.checkpoint_every", "0", "--train.sample_tokens", "0", "--train.eval_every", "0",
-                          *args], env=_env(), cwd=REPO, capture_output=True, text=True, timeout=500)
+    run = subprocess.run([sys.executable, "-m", "mfsdp.train", "--train.out_dir", str(out), *RUN, *args],
+                         env=_env(), cwd=REPO, capture_output=True, text=True, timeout=500)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return {r["step"]: r["loss"] for r in rows}, run.stdout
 
 
-def eager_and_compiled(tmp_path, *args):
-    eager, eager_out = train(tmp_path / "eager", *args, "--parallel.compile", "auto")  # auto: off on CPU
+def eager_and_compiled(world, tmp_path, *args):
+    """The eager run in a world of one process (the trainer as ``mfsdp train`` runs it), the compiled
+    one in a fresh process of its own."""
+    records, eager_out = world(1).run(run_trainer, stdout=True, argv=[
+        "--train.out_dir", str(tmp_path / "eager"), *RUN, *args, "--parallel.compile", "auto"])[0]  # auto: off on CPU
+    eager = {r["step"]: r["loss"] for r in records}
     compiled, out = train(tmp_path / "compiled", *args, "--parallel.compile", "true")
     assert COMPILE_NOTE in out and COMPILE_NOTE not in eager_out, out
     return eager, compiled
@@ -41,31 +46,31 @@ def assert_close(eager: dict, compiled: dict, steps, rel: float = 1e-4) -> None:
         assert abs(compiled[step] - eager[step]) <= rel * abs(eager[step]), (step, eager, compiled)
 
 
-def test_compiled_blocks_train_the_eager_losses_with_checkpointing(corpus, tmp_path):
-    eager, compiled = eager_and_compiled(tmp_path, *SMALL, "--data.path", str(corpus),
+def test_compiled_blocks_train_the_eager_losses_with_checkpointing(world, corpus, tmp_path):
+    eager, compiled = eager_and_compiled(world, tmp_path, *SMALL, "--data.path", str(corpus),
                                          "--parallel.activation_checkpointing", "true")
     assert eager[3] < eager[1]  # it trains
     assert_close(eager, compiled, (1, 2, 3))
 
 
-def test_compiled_mixture_of_experts(corpus, tmp_path):
+def test_compiled_mixture_of_experts(world, corpus, tmp_path):
     """moe-tiny with each expert its own unit: routing is data-dependent (graph breaks, dynamic
     shapes), the losses still match; from step 2 on a near-tie in the router may route differently
     after the fp32 reordering of a compiled step, so only the first step's is held to 1e-4."""
     args = ["--model.preset", "moe-tiny", "--data.path", str(corpus), "--data.seq_len", "32", "--data.local_batch", "2",
             "--parallel.expert_units", "true", "--train.progress", "false", "--train.device", "cpu"]
-    eager, compiled = eager_and_compiled(tmp_path, *args)
+    eager, compiled = eager_and_compiled(world, tmp_path, *args)
     assert_close(eager, compiled, (1,))
     assert_close(eager, compiled, (2, 3), rel=1e-2)
 
 
-def test_compiled_hugging_face_model(corpus, tmp_path):
+def test_compiled_hugging_face_model(world, corpus, tmp_path):
     pytest.importorskip("transformers")
     from test_manager_models import make_hf
 
     hf = tmp_path / "tiny-llama"
     make_hf("llama", vocab=260).save_pretrained(hf)
-    eager, compiled = eager_and_compiled(tmp_path, "--model.hf", str(hf), "--model.hf_impl", "manager",
+    eager, compiled = eager_and_compiled(world, tmp_path, "--model.hf", str(hf), "--model.hf_impl", "manager",
                                          "--data.path", str(corpus),
                                          "--data.seq_len", "16", "--data.local_batch", "2",
                                          "--train.progress", "false", "--train.device", "cpu")

@@ -2,10 +2,6 @@
 and the first line of a run says which rate it trains with (fine-tuning: tests/test_finetune_recipe.py)."""
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -15,7 +11,6 @@ from mfsdp.train.step import lr_at
 from mfsdp.train.recipes import RECIPES, WARMUP_FRACTION
 
 pytestmark = pytest.mark.timeout(120)
-REPO = Path(__file__).resolve().parents[1]
 
 
 def test_every_preset_has_a_recipe():
@@ -73,9 +68,12 @@ def test_help_says_the_schedule_comes_from_the_recipe():
     assert "--train.weight_decay (the recipe's)" in text and "--train.lr_schedule (the recipe's)" in text
 
 
-def test_the_first_line_of_a_run_names_its_learning_rate(tmp_path):
+def test_the_first_line_of_a_run_names_its_learning_rate(world, tmp_path):
+    """What ``mfsdp train`` prints first, the trainer run in a world of one process (the launch
+    itself is test_train_e2e.py's)."""
     from mfsdp.data import prepare
     from mfsdp.data.prepare import stdlib_source
+    from test_eval_loss import run_trainer
 
     corpus = tmp_path / "small.tokens"
     prepare(stdlib_source(), corpus, glob="a*.py")
@@ -83,11 +81,9 @@ def test_the_first_line_of_a_run_names_its_learning_rate(tmp_path):
             "1", "--model.ffn_dim", "64", "--data.seq_len", "16", "--data.local_batch", "2",
             "--train.steps", "1", "--train.sample_tokens", "0", "--train.progress", "false",
             "--train.device", "cpu", "--data.path", str(corpus), "--train.out_dir", str(tmp_path / "run")]
-    run = subprocess.run([sys.executable, "-m", "mfsdp.cli", "train", *args], cwd=REPO, capture_output=True,
-                         text=True, timeout=100, env=dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1"))
-    assert run.returncode == 0, run.stdout + run.stderr
-    first = run.stdout.splitlines()[0]
-    assert first.startswith("mfsdp train: tiny model,") and "lr 0.003 (warm-up 0 steps" in first, run.stdout
+    _, printed = world(1).run(run_trainer, argv=args, stdout=True)[0]
+    first = printed.splitlines()[0]
+    assert first.startswith("mfsdp train: tiny model,") and "lr 0.003 (warm-up 0 steps" in first, printed
 
 
 def test_the_adamw_kernel_is_fused_on_cuda_foreach_on_cpu_unless_set():

@@ -1,7 +1,8 @@
 """`mfsdp train` end to end: real torchrun launches of two CPU processes.
 
-One baseline run is shared by several checks; every launch uses a very small model so
-the whole file stays well under two minutes on two cores.
+Two deterministic runs are shared by several checks (the first is the baseline run whose
+outputs they read); every launch uses a very small model so the whole file stays well under
+two minutes on two cores.
 """
 
 import json
@@ -56,6 +57,22 @@ def single(*args):
                           capture_output=True, text=True, timeout=60)
 
 
+def in_process(capsys, *args) -> subprocess.CompletedProcess:
+    """``python -m mfsdp.train ARGS`` as one process does it (a world of one), run in this one:
+    ``main``'s exit code and what it printed. ``single`` runs a fresh interpreter instead (the
+    entry point itself: tests below)."""
+    import warnings
+
+    from mfsdp.train.main import main
+
+    capsys.readouterr()
+    with warnings.catch_warnings():  # torch's errors.record: no fault handler on a captured stderr
+        warnings.filterwarnings("ignore", "Unable to enable fault handler")
+        code = main(list(args))
+    printed = capsys.readouterr()
+    return subprocess.CompletedProcess(args, code, printed.out, printed.err)
+
+
 def losses(out_dir: Path) -> dict[int, float]:
     lines = (out_dir / "metrics.jsonl").read_text().splitlines()
     return {r["step"]: r["loss"] for r in map(json.loads, lines)}
@@ -74,17 +91,29 @@ def corpus(tmp_path_factory) -> Path:
     return out
 
 
-@pytest.fixture(scope="module")
-def baseline(corpus, tmp_path_factory):
-    out = tmp_path_factory.mktemp("baseline")
-    run = torchrun(*SMALL, "--data.path", str(corpus), "--train.steps", "8",
-                   "--train.checkpoint_every", "4", "--train.out_dir", str(out))
+def deterministic_run(corpus: Path, out_dir: Path, *extra: str) -> str:
+    """8 deterministic bf16 steps with a checkpoint at step 4; returns rank 0's output."""
+    run = torchrun(*DETERMINISTIC, "--data.path", str(corpus), "--train.steps", "8",
+                   "--train.checkpoint_every", "4", "--train.out_dir", str(out_dir), *extra)
     assert run.returncode == 0, run.stdout + run.stderr
-    return out, run
+    assert "deterministic mode: deterministic torch algorithms" in run.stdout
+    return run.stdout
 
 
-def test_two_process_run_writes_metrics_checkpoints_plot_and_sample(baseline):
-    out, run = baseline
+@pytest.fixture(scope="module")
+def deterministic_runs(corpus, tmp_path_factory):
+    """Two uninterrupted deterministic runs, each with a sample at the end: (directory, rank 0's
+    output) of each, shared by the tests below; the first is also the baseline run whose outputs
+    the next test checks."""
+    runs = []
+    for name in ("first", "second"):
+        out = tmp_path_factory.mktemp(name)
+        runs.append((out, deterministic_run(corpus, out, "--train.sample_tokens", "16")))
+    return runs
+
+
+def test_two_process_run_writes_metrics_checkpoints_plot_and_sample(deterministic_runs):
+    out, stdout = deterministic_runs[0]
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, 9))
     for key in ("loss", "lr", "grad_norm", "tokens_per_s", "tflops_per_gpu", "mfu",
@@ -95,7 +124,7 @@ def test_two_process_run_writes_metrics_checkpoints_plot_and_sample(baseline):
     assert (out / "checkpoints" / "latest").read_text().strip() == "step_8"
     assert (out / "checkpoints" / "step_4" / ".metadata").is_file()
     assert (out / "loss.png").stat().st_size > 0
-    assert "--- sample" in run.stdout and "2 process(es)" in run.stdout
+    assert "--- sample" in stdout and "2 process(es)" in stdout
 
 
 def stopped_copy(out_dir: Path, step: int, into: Path) -> Path:
@@ -107,12 +136,18 @@ def stopped_copy(out_dir: Path, step: int, into: Path) -> Path:
     return into
 
 
-def test_resume_reproduces_the_uninterrupted_losses_exactly(baseline, corpus, tmp_path):
-    out, _ = baseline
+@pytest.mark.slow
+def test_resume_reproduces_the_uninterrupted_losses_exactly(corpus, tmp_path):
+    """The fp32 resume of a run without deterministic mode. Checked by not-slow tests too, so `make
+    test` leaves this one out: test_faults.py's rank-killed test
+    (test_a_rank_killed_mid_step_ends_the_job_and_resume_matches_an_uninterrupted_run) resumes such
+    a run and holds it to the same 1e-6, and the deterministic bf16 resume below, bit for bit."""
+    out = tmp_path / "uninterrupted"
+    args = [*SMALL, "--data.path", str(corpus), "--train.steps", "8", "--train.checkpoint_every", "4"]
+    run = torchrun(*args, "--train.out_dir", str(out))
+    assert run.returncode == 0, run.stdout + run.stderr
     resumed = stopped_copy(out, 4, tmp_path / "resumed")
-    run = torchrun(*SMALL, "--data.path", str(corpus), "--train.steps", "8",
-                   "--train.checkpoint_every", "4", "--train.out_dir", str(resumed),
-                   "--resume")
+    run = torchrun(*args, "--train.out_dir", str(resumed), "--resume")
     assert run.returncode == 0, run.stdout + run.stderr
     assert "at step 4" in run.stdout
     expected, got = losses(out), losses(resumed)
@@ -126,33 +161,15 @@ def loss_and_grad_norm(out_dir: Path) -> dict[int, tuple[float, float]]:
     return {r["step"]: (r["loss"], r["grad_norm"]) for r in map(json.loads, lines)}
 
 
-def deterministic_run(corpus: Path, out_dir: Path, *extra: str) -> str:
-    """8 deterministic bf16 steps with a checkpoint at step 4; returns rank 0's output."""
-    run = torchrun(*DETERMINISTIC, "--data.path", str(corpus), "--train.steps", "8",
-                   "--train.checkpoint_every", "4", "--train.out_dir", str(out_dir), *extra)
-    assert run.returncode == 0, run.stdout + run.stderr
-    assert "deterministic mode: deterministic torch algorithms" in run.stdout
-    return run.stdout
-
-
-@pytest.fixture(scope="module")
-def deterministic_runs(corpus, tmp_path_factory):
-    """Two uninterrupted deterministic runs, shared by the tests below."""
-    outs = [tmp_path_factory.mktemp(name) for name in ("first", "second")]
-    for out in outs:
-        deterministic_run(corpus, out)
-    return outs
-
-
 def test_deterministic_bf16_runs_agree_bit_for_bit(deterministic_runs):
-    first, second = map(loss_and_grad_norm, deterministic_runs)
+    first, second = (loss_and_grad_norm(out) for out, _ in deterministic_runs)
     assert sorted(first) == list(range(1, 9))
     assert first == second  # exact float equality of every loss and gradient norm
 
 
 def test_deterministic_bf16_resume_matches_the_uninterrupted_run_bit_for_bit(
         deterministic_runs, corpus, tmp_path):
-    uninterrupted = deterministic_runs[0]
+    uninterrupted = deterministic_runs[0][0]
     resumed = stopped_copy(uninterrupted, 4, tmp_path / "resumed")
     assert "at step 4" in deterministic_run(corpus, resumed, "--resume")
     expected = {step: v for step, v in loss_and_grad_norm(uninterrupted).items() if step > 4}
@@ -181,8 +198,8 @@ def test_the_deterministic_flag_is_checked_against_the_environment(env, message,
     assert load_config(["--parallel.deterministic", "true"]).parallel.deterministic
 
 
-def test_a_bad_deterministic_value_is_one_line():
-    _one_error_line(single("--parallel.deterministic", "maybe"),
+def test_a_bad_deterministic_value_is_one_line(capsys):
+    _one_error_line(in_process(capsys, "--parallel.deterministic", "maybe"),
                     "--parallel.deterministic expects bool, got 'maybe'")
 
 
@@ -240,26 +257,28 @@ def _one_error_line(run, expected: str) -> None:
     assert "Traceback" not in run.stderr.split("mfsdp train: error:")[0] + run.stdout
 
 
-def test_missing_and_corrupt_data_files(tmp_path):
+def test_missing_and_corrupt_data_files(tmp_path, capsys):
+    """The first in a fresh interpreter (``python -m mfsdp.train``: the process group joined, the
+    data found missing, one line and no traceback on the way out), the second in this one."""
     _one_error_line(single(*SMALL, "--data.path", str(tmp_path / "none.tokens"),
                            "--train.out_dir", str(tmp_path)),
                     "does not exist; create it with `mfsdp prepare-data")
     bad = tmp_path / "bad.tokens"
     bad.write_bytes(b"\0" * 1000)
-    _one_error_line(single(*SMALL, "--data.path", str(bad), "--train.out_dir", str(tmp_path)),
+    _one_error_line(in_process(capsys, *SMALL, "--data.path", str(bad), "--train.out_dir", str(tmp_path)),
                     "not an mfsdp token file")
 
 
-def test_unknown_key_and_unknown_preset():
-    _one_error_line(single("--train.stepz", "3"), "unknown config key train.stepz")
-    _one_error_line(single("--model.preset", "13b"), "known presets: tiny, 1b, 8b, 70b")
+def test_unknown_key_and_unknown_preset(capsys):
+    _one_error_line(in_process(capsys, "--train.stepz", "3"), "unknown config key train.stepz")
+    _one_error_line(in_process(capsys, "--model.preset", "13b"), "known presets: tiny, 1b, 8b, 70b")
 
 
-def test_checkpoint_of_another_shape_is_refused(baseline, corpus):
-    out, _ = baseline
+def test_checkpoint_of_another_shape_is_refused(deterministic_runs, corpus, capsys):
+    out, _ = deterministic_runs[0]
     args = [a if a != "64" else "96" for a in SMALL]  # a wider model
-    _one_error_line(single(*args, "--data.path", str(corpus), "--train.out_dir", str(out),
-                           "--resume"), "was written for a different model (dim: checkpoint 64")
+    _one_error_line(in_process(capsys, *args, "--data.path", str(corpus), "--train.out_dir", str(out),
+                               "--resume"), "was written for a different model (dim: checkpoint 64")
 
 
 def test_world_size_that_does_not_fit_the_mesh(corpus, tmp_path):

@@ -1,21 +1,18 @@
 """`mfsdp train --model.preset moe-tiny`: the mixture of experts end to end on two CPU ranks.
 
-Real torchrun launches, in the style of test_train_e2e.py. Each rank draws its own batches, so
-the ranks route their tokens differently, and an expert a rank's tokens do not reach is skipped
-on that rank only; with ``--parallel.expert_units true`` each expert is a shard unit of its own.
+The trainer runs in the test session's world of two gloo processes (the launch itself is
+test_train_e2e.py's). Each rank draws its own batches, so the ranks route their tokens differently,
+and an expert a rank's tokens do not reach is skipped on that rank only; with
+``--parallel.expert_units true`` each expert is a shard unit of its own.
 """
 
 import json
 import math
-import os
-import signal
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-from test_train_e2e import REPO, _env, _one_error_line, corpus, single  # noqa: F401
+from test_eval_loss import run_trainer
+from test_train_e2e import REPO, _one_error_line, corpus, in_process  # noqa: F401
 from mfsdp.train.config import ConfigError, load_config
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.filterwarnings("ignore::UserWarning")]
@@ -25,53 +22,29 @@ MOE = ["--model.preset", "moe-tiny", "--data.seq_len", "32", "--data.local_batch
        "--train.device", "cpu", "--train.checkpoint_every", "0", "--train.eval_every", "0"]
 
 
-def torchrun(*args, timeout=150) -> subprocess.CompletedProcess:
-    """Two CPU ranks under torchrun; a hang fails the test after ``timeout`` seconds and is
-    stopped, workers included."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "mfsdp.train", *args]
-    proc = subprocess.Popen(cmd, env=_env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        # SIGTERM lets torchrun stop its workers (they run in sessions of their own, out of reach
-        # of a group kill); it kills them itself when they do not stop within its grace period.
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            out, err = proc.communicate(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            out, err = proc.communicate()
-        err += f"\n(stopped: no exit within {timeout}s; a rank hung in a collective?)"
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+def train(world, *args) -> tuple[list[dict], str]:
+    """Two CPU ranks; returns metrics.jsonl's records and what rank 0 printed. A hang fails the
+    case after the world's timeout (and restarts the world)."""
+    return world(2).run(run_trainer, timeout=150, argv=[*MOE, *args], stdout=True)[0]
 
 
-def records(out_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def test_moe_tiny_trains_on_two_cpu_ranks_with_the_loss_falling(corpus, tmp_path):
-    run = torchrun(*MOE, "--data.path", str(corpus), "--train.steps", "12",
-                   "--train.sample_tokens", "16", "--train.out_dir", str(tmp_path))
-    assert run.returncode == 0, run.stdout + run.stderr
-    assert "moe-tiny model" in run.stdout and "2 process(es)" in run.stdout
-    rows = records(tmp_path)
+def test_moe_tiny_trains_on_two_cpu_ranks_with_the_loss_falling(world, corpus, tmp_path):
+    rows, printed = train(world, "--data.path", str(corpus), "--train.steps", "12",
+                          "--train.sample_tokens", "16", "--train.out_dir", str(tmp_path))
+    assert "moe-tiny model" in printed and "2 process(es)" in printed
     assert [r["step"] for r in rows] == list(range(1, 13))
     assert rows[-1]["loss"] < rows[0]["loss"] - 0.5, [r["loss"] for r in rows]
     # The load-balancing loss is logged unweighted: 1 when balanced, at most num_experts.
     assert all(math.isfinite(r["aux_loss"]) and 0.99 < r["aux_loss"] < 4 for r in rows), rows
     meta = json.loads((tmp_path / "checkpoints" / "step_12" / "meta.json").read_text())
     assert meta["model"]["num_experts"] == 4
-    assert "--- sample" in run.stdout
+    assert "--- sample" in printed
 
 
-def test_moe_tiny_with_each_expert_its_own_shard_unit(corpus, tmp_path):
-    run = torchrun(*MOE, "--data.path", str(corpus), "--train.steps", "6",
-                   "--parallel.expert_units", "true", "--train.sample_tokens", "8",
-                   "--train.out_dir", str(tmp_path), timeout=120)
-    assert run.returncode == 0, run.stdout + run.stderr
-    rows = records(tmp_path)
+def test_moe_tiny_with_each_expert_its_own_shard_unit(world, corpus, tmp_path):
+    rows, _ = train(world, "--data.path", str(corpus), "--train.steps", "6",
+                    "--parallel.expert_units", "true", "--train.sample_tokens", "8",
+                    "--train.out_dir", str(tmp_path))
     assert [r["step"] for r in rows] == list(range(1, 7))
     assert rows[-1]["loss"] < rows[0]["loss"], [r["loss"] for r in rows]
 
@@ -93,6 +66,6 @@ def test_moe_config_keys_and_errors():
         load_config(["--model.preset", "moe-2b"]).llama_config()
 
 
-def test_expert_units_on_a_dense_model_is_one_error_line(tmp_path):
-    _one_error_line(single("--parallel.expert_units", "true", "--train.out_dir", str(tmp_path)),
+def test_expert_units_on_a_dense_model_is_one_error_line(tmp_path, capsys):
+    _one_error_line(in_process(capsys, "--parallel.expert_units", "true", "--train.out_dir", str(tmp_path)),
                     "--parallel.expert_units true needs a built-in mixture-of-experts model")
