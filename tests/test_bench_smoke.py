@@ -128,9 +128,22 @@ def test_trace_breakdown_on_a_synthetic_trace(tmp_path, capsys, monkeypatch):
     assert times["compute"]["gemm"] == pytest.approx(1.2)
     assert times["comm"]["foreach/optimizer"] == pytest.approx(0.2) and times["comm"]["nccl"] == pytest.approx(0.3)
     trace_breakdown.report_kernels([base, other])
-    assert "+0.20  nvjet_sm90_gemm" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "+0.20  nvjet_sm90_gemm" in out
+    assert "kernel ms per stream: 7: 1.5" in out  # the baseline's one stream
+    assert "largest compute-stream kernels (ms, of 1.5)" in out and "1.00  nvjet_sm90_gemm" in out
     trace_breakdown.report_idle([other])
     assert "idle gaps >0.05 ms: 1, 0.30 ms" in capsys.readouterr().out
+
+
+def test_attention_bench_cpu_smoke(monkeypatch):
+    """benchmarks/attention_bench.py --cpu-smoke: both ways of passing grouped heads run and agree."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import attention_bench
+
+    records = attention_bench.main(["--cpu-smoke"])
+    assert [(r["backend"], r["way"], r["status"]) for r in records] == [("math", "expand", "ok"), ("math", "gqa", "ok")]
+    assert records[1]["max_rel_diff_vs_first"] < 1e-5 and all(r["ms_median"] > 0 for r in records)
 
 
 def test_host_overhead_script_runs():
