@@ -115,5 +115,6 @@ def test_plan_predicts_compiled_blocks_from_the_measured_share():
     # (benchmarks/results/2026-12-02_h200x1_session7, call 3). The plan stays above it, by 5.3 %.
     assert 30.00 <= compiled.peak_bytes / GIB <= 30.00 * 1.06, compiled.peak_bytes / GIB
     with_ac = ["--parallel.activation_checkpointing", "true"]
-    assert estimate_run(load_config(one_b + with_ac + ["--parallel.compile", "true"]), 1).peak_bytes == \
-        estimate_run(load_config(one_b + with_ac + ["--parallel.compile", "false"]), 1).peak_bytes
+    ac = [estimate_run(load_config(one_b + with_ac + ["--parallel.compile", c]), 1) for c in ("true", "false")]
+    assert ac[0].component_max("activations (saved)") == ac[1].component_max("activations (saved)")
+    assert ac[0].peak_bytes < ac[1].peak_bytes  # the compiled head loss alone

@@ -99,13 +99,13 @@ class PlannedRun:
     """AdamW's foreach kernels (a shard-sized temporary at the step), else the fused one."""
     compiled: bool = True
     """Blocks compiled with torch.compile."""
-    compiled_head: Optional[bool] = None
-    """The bundled Llama's head loss compiled too; None: as the blocks (``mfsdp train`` compiles both;
-    a benchmark loop that computes the loss eagerly sets False)."""
     async_checkpoint: bool = True
     """Checkpoints staged in pinned host memory (counted in the host RAM line)."""
     head_loss: str = "plain"
     """The bundled Llama's head loss, "plain" or "fused" (``Llama.set_head_loss``)."""
+    compiled_head: Optional[bool] = None
+    """The bundled Llama's head loss compiled too; None: as the blocks (``mfsdp train`` compiles both;
+    a benchmark loop that computes the loss eagerly sets False)."""
 
     @property
     def hf(self) -> bool:
