@@ -344,7 +344,9 @@ class CompiledPlainLoss(torch.autograd.Function):
 
 def compiled_plain_loss(hidden, weight, labels):
     """``plain_linear_cross_entropy``'s signature over ``CompiledPlainLoss``: (fp32 sum, int64 count)."""
-    return CompiledPlainLoss.apply(hidden, weight, labels), (labels != -100).sum()
+    from mfsdp.models.llama import IGNORE_INDEX
+
+    return CompiledPlainLoss.apply(hidden, weight, labels), (labels != IGNORE_INDEX).sum()
 
 
 def measure_llama(cfg, dtype: torch.dtype, batch: int, seq: int, checkpointing: bool,
