@@ -25,6 +25,9 @@
 #           then a Qwen2.5-7B-shaped directory's row if the call has the time         issue 31
 #   levers8b ONE GPU, <= 9.5 min: the attention backends at 8B; `mfsdp train` 8b bf16 (profiled), the HF
 #           8B directory at its defaults and 8b FP8, in one job; 1b with fp32 gradients (its peak)  31 32
+#   ratio8b ONE GPU, <= 9.5 min: the HF 8B directory and --model.preset 8b, A B A B in one job, 20 timed steps
+#           each, nvidia-smi clocks and power beside them                              issues 31 32
+#   peaks8b ONE GPU, <= 6 min: 8B FP8 tensorwise and 1b fp32-gradient peaks (the planner tests' figures)  32
 #   final   ONE GPU, <= 8 min, the last call of a session whose time is short: the GPU suite, the
 #           compiled 1b rows in bf16 and FP8, and 8B + AC without offload (bf16 gradients)  issues 19 21 22
 #   smoke   ONE GPU, <= 9 min, first in any session that touches GPU code: `pytest -m gpu tests`,
@@ -296,6 +299,60 @@ section_levers8b() {  # ONE GPU, <= 9.5 min: issue 32's levers at 8B and the pla
     summarize_train /tmp/r1b 4..8 | tee -a "$OUT/train_1b_fp32.log"; cp /tmp/r1b/metrics.jsonl "$OUT/train_1b_fp32_metrics.jsonl"
     rm -rf /tmp/r1b
   fi
+}
+
+section_ratio8b() {  # ONE GPU, <= 9.5 min: issue 31's HF-vs-preset ratio, order swapped, with the clocks
+  # `mfsdp train` 1 x 4096 x 4, compiled, no AC, defaults otherwise, same data and flags: a random
+  # Llama-3-8B-shaped HF directory, --model.preset 8b (step 6 profiled), the HF directory again, then the
+  # preset again if the call has the time (A B A B); steps 7-26 timed. nvidia-smi logs the SM clock,
+  # power and throttle reasons every 500 ms, so a gap between two runs can be read against the clocks.
+  python3 -m mfsdp.cli prepare-data stdlib /tmp/stdlib.tokens > /dev/null 2>&1
+  local hf=/tmp/hf8b
+  timeout 150 python3 benchmarks/make_hf_dir.py $hf --shape llama3-8b 2>&1 | tail -1
+  nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active \
+    --format=csv,noheader -lms 500 > "$OUT/smi.csv" 2>&1 &
+  local smi=$!
+  local A=(--nproc-per-node 1 --data.local_batch 1 --data.seq_len 4096 --data.microbatches 4
+    --data.path /tmp/stdlib.tokens --train.sample_tokens 0 --train.checkpoint_every 0 --train.progress false
+    --train.eval_every 0 --train.steps 26 --train.save_only_model true)
+  local name
+  for name in hf_bf16_1 preset_bf16_1 hf_bf16_2 preset_bf16_2; do
+    if [ $((585 - SECONDS)) -lt 125 ]; then echo "$name skipped: $((585 - SECONDS)) s left"; break; fi
+    local model=(--model.preset 8b) extra=()
+    [ $name = preset_bf16_1 ] && extra=(--train.profile_step 6)
+    case $name in hf_*) model=(--model.hf $hf);; esac
+    rm -rf /tmp/r8b; echo "$name start $(date +%T)" >> "$OUT/smi_marks.txt"
+    timeout $((585 - SECONDS)) python3 -m mfsdp.cli train "${A[@]}" "${model[@]}" "${extra[@]}" \
+      --train.out_dir /tmp/r8b > "$OUT/train_8b_$name.log" 2>&1; echo "train 8b $name rc=$? at ${SECONDS}s"
+    echo "$name end $(date +%T)" >> "$OUT/smi_marks.txt"
+    grep -v "^W1" "$OUT/train_8b_$name.log" | grep "rror\|warning" | head -3
+    summarize_train /tmp/r8b 7..26 | tee -a "$OUT/train_8b_$name.log"
+    cp /tmp/r8b/metrics.jsonl "$OUT/train_8b_${name}_metrics.jsonl"
+    if [ -n "${extra[*]}" ]; then
+      cp /tmp/r8b/profile/step_6_breakdown.md "$OUT/profile_8b_${name}_ranges.md"
+      timeout 60 python3 benchmarks/trace_breakdown.py kernels /tmp/r8b/profile/step_6_rank0.json \
+        > "$OUT/profile_8b_${name}_kernels.txt" 2>&1
+      head -30 "$OUT/profile_8b_${name}_kernels.txt"
+    fi
+    rm -rf /tmp/r8b
+  done
+  kill $smi 2>/dev/null; rm -rf $hf
+}
+
+section_peaks8b() {  # ONE GPU, <= 6 min: the measured peaks the planner's tests hold it to, after a model change
+  # `mfsdp train --model.preset 8b --model.float8 tensorwise` 1 x 4096 x 4, compiled, no AC (steps 7-26 timed),
+  # then --model.preset 1b at 2 x 4096 with fp32 gradients (steps 4-8).
+  python3 -m mfsdp.cli prepare-data stdlib /tmp/stdlib.tokens > /dev/null 2>&1
+  local C=(--nproc-per-node 1 --data.seq_len 4096 --data.path /tmp/stdlib.tokens --train.sample_tokens 0
+    --train.checkpoint_every 0 --train.progress false --train.eval_every 0 --train.save_only_model true)
+  rm -rf /tmp/r8b; timeout 240 python3 -m mfsdp.cli train "${C[@]}" --model.preset 8b --model.float8 tensorwise \
+    --data.local_batch 1 --data.microbatches 4 --train.steps 26 --train.out_dir /tmp/r8b > "$OUT/train_8b_preset_fp8.log" 2>&1
+  echo "train 8b fp8 rc=$?"; summarize_train /tmp/r8b 7..26 | tee -a "$OUT/train_8b_preset_fp8.log"
+  cp /tmp/r8b/metrics.jsonl "$OUT/train_8b_preset_fp8_metrics.jsonl"; rm -rf /tmp/r8b
+  rm -rf /tmp/r1b; timeout 120 python3 -m mfsdp.cli train "${C[@]}" --model.preset 1b --data.local_batch 2 \
+    --parallel.main_grads_dtype fp32 --train.steps 8 --train.out_dir /tmp/r1b > "$OUT/train_1b_fp32.log" 2>&1
+  echo "train 1b fp32 rc=$?"; summarize_train /tmp/r1b 4..8 | tee -a "$OUT/train_1b_fp32.log"
+  cp /tmp/r1b/metrics.jsonl "$OUT/train_1b_fp32_metrics.jsonl"; rm -rf /tmp/r1b
 }
 
 section_final() {  # ONE GPU, <= 8 min: the GPU suite, the compiled 1b rows (bf16, FP8) and 8B without offload

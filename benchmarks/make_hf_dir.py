@@ -39,8 +39,12 @@ WORDS = ("the a one two three four five six seven eight nine ten plus minus is w
          "oranges answer question please tell me hello world today good thanks").split()
 
 
-def make_model(out: Path, shape: str, seed: int = 0) -> None:
-    """config.json and bf16 safetensors of a randomly initialised model of ``shape``."""
+def make_model(out: Path, shape: str, seed: int = 0, init: str = "hf") -> None:
+    """config.json and bf16 safetensors of a randomly initialised model of ``shape``: "hf" draws
+    every matrix from N(0, initializer_range) as ``from_config`` does; "bundled" then scales the two
+    projections that write into the residual stream (o_proj, down_proj) by 1/sqrt(2 n_layers), as
+    the bundled Llama's ``init_weights`` draws them, so a run of the directory and one of the preset
+    multiply values of the same distributions (a GPU at its power cap clocks by the data)."""
     import torch
     import transformers
 
@@ -50,6 +54,12 @@ def make_model(out: Path, shape: str, seed: int = 0) -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     with torch.device(device):
         model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.bfloat16)
+    if init == "bundled":
+        scale = (2 * config.num_hidden_layers) ** -0.5
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith(("o_proj.weight", "down_proj.weight")):
+                    param.mul_(scale)
     model.save_pretrained(out, max_shard_size="5GB")
 
 
@@ -90,6 +100,8 @@ def main() -> None:
     p.add_argument("out", type=Path)
     p.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
     p.add_argument("--no-weights", action="store_true", help="config.json only (trains from random init)")
+    p.add_argument("--init", choices=("hf", "bundled"), default="hf",
+                   help="hf: transformers' init; bundled: the residual-writing projections scaled as the preset's")
     p.add_argument("--rows", type=Path, help="also write synthetic chat rows here")
     p.add_argument("--n-rows", type=int, default=2000)
     args = p.parse_args()
@@ -100,7 +112,7 @@ def main() -> None:
         values = dict(SHAPES[args.shape])
         transformers.AutoConfig.for_model(values.pop("model_type"), **values).save_pretrained(args.out)
     else:
-        make_model(args.out, args.shape)
+        make_model(args.out, args.shape, init=args.init)
     make_tokenizer(args.out)
     if args.rows:
         make_rows(args.rows, args.n_rows)

@@ -288,8 +288,8 @@ def _train_policy():
 
 def test_compiled_float8_blocks_are_predicted_from_the_measured_share():
     """`mfsdp train --model.preset 8b --model.float8 tensorwise`, 1 x 4096 x 4, compiled, no
-    checkpointing, blocks and head loss compiled, peaked at 126.45 GiB on one H200
-    (benchmarks/results/2026-12-02_h200x1_session7, call 3): compiled tensorwise blocks are planned
+    checkpointing, blocks and head loss compiled, attention on the grouped key/value heads, peaked
+    at 124.95 GiB on one H200 (benchmarks/results/2026-12-02_h200x1_session8, call 2): compiled tensorwise blocks are planned
     with the measured share, so the plan lands within 2 % above it (eager FP8 blocks: 6 % over)."""
     from mfsdp.memory.api import COMPILED_BLOCK_SAVED, COMPILED_NOTE
     from mfsdp.memory.estimate import GIB
@@ -304,4 +304,4 @@ def test_compiled_float8_blocks_are_predicted_from_the_measured_share():
     assert COMPILED_NOTE in compiled.notes
     saved = [e.component_max("activations (saved)") for e in (eager, compiled)]
     assert COMPILED_BLOCK_SAVED <= saved[1] / saved[0] < COMPILED_BLOCK_SAVED + 0.005
-    assert 126.45 <= compiled.peak_bytes / GIB <= 126.45 * 1.02, compiled.peak_bytes / GIB
+    assert 124.95 <= compiled.peak_bytes / GIB <= 124.95 * 1.02, compiled.peak_bytes / GIB

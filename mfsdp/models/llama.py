@@ -370,19 +370,15 @@ class Attention(nn.Module):
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         # (batch, heads, seq, head_dim), the layout SDPA expects.
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        if mask is None:
-            k, v = self._expand_kv(k), self._expand_kv(v)
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if mask is None:  # SDPA's kernels read the shared key/value heads in place (cuDNN, flash)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_heads != self.n_kv_heads)
         else:
             out = masked_attention(q, k, v, mask, expand_kv=self._expand_kv)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
     def _expand_kv(self, t: torch.Tensor) -> torch.Tensor:
-        """Repeat each key/value head for the query heads that share it.
-
-        Done by hand rather than with SDPA's ``enable_gqa`` so every torch version and
-        attention backend takes the same path.
-        """
+        """Repeat each key/value head for the query heads that share it: for SDPA with a boolean
+        mask (``masked_attention``), whose kernels take no grouped heads with one."""
         repeats = self.n_heads // self.n_kv_heads
         if repeats == 1:
             return t
