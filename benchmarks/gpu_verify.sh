@@ -339,20 +339,23 @@ section_ratio8b() {  # ONE GPU, <= 9.5 min: issue 31's HF-vs-preset ratio, order
   kill $smi 2>/dev/null; rm -rf $hf
 }
 
+train_row() {  # NAME SPAN ARGS...: one `mfsdp train` run into /tmp/row, its median over SPAN, its metrics kept
+  local name=$1 span=$2; shift 2
+  rm -rf /tmp/row; timeout $((585 - SECONDS)) python3 -m mfsdp.cli train "$@" --train.out_dir /tmp/row \
+    > "$OUT/train_$name.log" 2>&1; echo "train $name rc=$? at ${SECONDS}s"
+  summarize_train /tmp/row $span | tee -a "$OUT/train_$name.log"
+  cp /tmp/row/metrics.jsonl "$OUT/train_${name}_metrics.jsonl"; rm -rf /tmp/row
+}
+
 section_peaks8b() {  # ONE GPU, <= 6 min: the measured peaks the planner's tests hold it to, after a model change
   # `mfsdp train --model.preset 8b --model.float8 tensorwise` 1 x 4096 x 4, compiled, no AC (steps 7-26 timed),
   # then --model.preset 1b at 2 x 4096 with fp32 gradients (steps 4-8).
   python3 -m mfsdp.cli prepare-data stdlib /tmp/stdlib.tokens > /dev/null 2>&1
   local C=(--nproc-per-node 1 --data.seq_len 4096 --data.path /tmp/stdlib.tokens --train.sample_tokens 0
     --train.checkpoint_every 0 --train.progress false --train.eval_every 0 --train.save_only_model true)
-  rm -rf /tmp/r8b; timeout 240 python3 -m mfsdp.cli train "${C[@]}" --model.preset 8b --model.float8 tensorwise \
-    --data.local_batch 1 --data.microbatches 4 --train.steps 26 --train.out_dir /tmp/r8b > "$OUT/train_8b_preset_fp8.log" 2>&1
-  echo "train 8b fp8 rc=$?"; summarize_train /tmp/r8b 7..26 | tee -a "$OUT/train_8b_preset_fp8.log"
-  cp /tmp/r8b/metrics.jsonl "$OUT/train_8b_preset_fp8_metrics.jsonl"; rm -rf /tmp/r8b
-  rm -rf /tmp/r1b; timeout 120 python3 -m mfsdp.cli train "${C[@]}" --model.preset 1b --data.local_batch 2 \
-    --parallel.main_grads_dtype fp32 --train.steps 8 --train.out_dir /tmp/r1b > "$OUT/train_1b_fp32.log" 2>&1
-  echo "train 1b fp32 rc=$?"; summarize_train /tmp/r1b 4..8 | tee -a "$OUT/train_1b_fp32.log"
-  cp /tmp/r1b/metrics.jsonl "$OUT/train_1b_fp32_metrics.jsonl"; rm -rf /tmp/r1b
+  train_row 8b_preset_fp8 7..26 "${C[@]}" --model.preset 8b --model.float8 tensorwise --data.local_batch 1 \
+    --data.microbatches 4 --train.steps 26
+  train_row 1b_fp32 4..8 "${C[@]}" --model.preset 1b --data.local_batch 2 --parallel.main_grads_dtype fp32 --train.steps 8
 }
 
 section_final() {  # ONE GPU, <= 8 min: the GPU suite, the compiled 1b rows (bf16, FP8) and 8B without offload

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mfsdp import _compat
+from mfsdp.models.llama import IGNORE_INDEX
 from mfsdp.models.outputs import logits_of
 
 
@@ -344,8 +345,6 @@ class CompiledPlainLoss(torch.autograd.Function):
 
 def compiled_plain_loss(hidden, weight, labels):
     """``plain_linear_cross_entropy``'s signature over ``CompiledPlainLoss``: (fp32 sum, int64 count)."""
-    from mfsdp.models.llama import IGNORE_INDEX
-
     return CompiledPlainLoss.apply(hidden, weight, labels), (labels != IGNORE_INDEX).sum()
 
 
