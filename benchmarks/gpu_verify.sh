@@ -727,8 +727,72 @@ section_ab22() {  # ONE GPU, <= 9 min: the GPU suite, then the compiled 1b bf16 
   grep -h '^| \(mfsdp\|fsdp2\) ' "$OUT/bench.log"
 }
 
+section_trace8b() {  # ONE GPU, <= 6 min: issue 32's profile with its timeline: `mfsdp train --model.preset 8b`
+  # 1 x 4096 x 4, compiled, no AC, bf16 then FP8 tensorwise, step 8 profiled; the breakdown by phase,
+  # the kernels by name and the trace itself, trimmed and gzipped (benchmarks/trim_trace.py), to read here.
+  python3 -m mfsdp.cli prepare-data stdlib /tmp/stdlib.tokens > /dev/null 2>&1
+  local C=(--nproc-per-node 1 --model.preset 8b --data.local_batch 1 --data.seq_len 4096 --data.microbatches 4
+    --data.path /tmp/stdlib.tokens --train.sample_tokens 0 --train.checkpoint_every 0 --train.progress false
+    --train.eval_every 0 --train.steps 12 --train.profile_step 8 --train.save_only_model true ${TRACE8B_ARGS:-})
+  local f8 name
+  for f8 in none tensorwise; do
+    name=$([ $f8 = none ] && echo bf16 || echo fp8)
+    rm -rf /tmp/p8b; timeout 200 python3 -m mfsdp.cli train "${C[@]}" --model.float8 $f8 --train.out_dir /tmp/p8b \
+      > "$OUT/train_8b_$name.log" 2>&1; echo "train 8b $name rc=$? at ${SECONDS}s"
+    summarize_train /tmp/p8b 4..7 9..12 | tee -a "$OUT/train_8b_$name.log"
+    cp /tmp/p8b/profile/step_8_breakdown.md "$OUT/profile_8b_${name}_ranges.md"
+    timeout 60 python3 benchmarks/trace_breakdown.py kernels /tmp/p8b/profile/step_8_rank0.json \
+      > "$OUT/profile_8b_${name}_kernels.txt" 2>&1; head -12 "$OUT/profile_8b_${name}_kernels.txt"
+    timeout 60 python3 benchmarks/trace_breakdown.py idle /tmp/p8b/profile/step_8_rank0.json \
+      > "$OUT/profile_8b_${name}_idle.txt" 2>&1; head -3 "$OUT/profile_8b_${name}_idle.txt"
+    timeout 90 python3 benchmarks/trim_trace.py /tmp/p8b/profile/step_8_rank0.json "$OUT/trace_8b_${name}.json.gz"
+    if [ "$(stat -c %s "$OUT/trace_8b_${name}.json.gz")" -gt 15000000 ]; then  # too big to come back: no aten ops
+      python3 benchmarks/trim_trace.py /tmp/p8b/profile/step_8_rank0.json "$OUT/trace_8b_${name}.json.gz" --no-cpu-ops
+    fi
+    cp /tmp/p8b/metrics.jsonl "$OUT/train_8b_${name}_metrics.jsonl"; rm -rf /tmp/p8b
+  done
+}
+
+section_flat8b() {  # ONE GPU, <= 9.5 min: issue 32's flat AdamW step at 8B, in one job: `mfsdp train --model.preset 8b`
+  # 1 x 4096 x 4, compiled, no AC, steps 7-26 timed: bf16 with torch's fused AdamW (before), bf16 with the flat
+  # step (after; step 6 profiled: ranges, kernels, trimmed trace), FP8 tensorwise with the flat step; then
+  # FSDP2's best fitting bf16 setting at the same shape (AC, bf16 reduction), and FP8 rowwise if time is left.
+  python3 -m mfsdp.cli prepare-data stdlib /tmp/stdlib.tokens > /dev/null 2>&1
+  local C=(--nproc-per-node 1 --model.preset 8b --data.local_batch 1 --data.seq_len 4096 --data.microbatches 4
+    --data.path /tmp/stdlib.tokens --train.sample_tokens 0 --train.checkpoint_every 0 --train.progress false
+    --train.eval_every 0 --train.steps 26 --train.save_only_model true)
+  train_row 8b_bf16_fused 7..26 "${C[@]}" --train.adamw_kernel fused
+  rm -rf /tmp/p8b; timeout $((585 - SECONDS)) python3 -m mfsdp.cli train "${C[@]}" --train.profile_step 6 \
+    --train.out_dir /tmp/p8b > "$OUT/train_8b_bf16_flat.log" 2>&1; echo "train 8b_bf16_flat rc=$? at ${SECONDS}s"
+  summarize_train /tmp/p8b 7..26 | tee -a "$OUT/train_8b_bf16_flat.log"
+  cp /tmp/p8b/metrics.jsonl "$OUT/train_8b_bf16_flat_metrics.jsonl"
+  cp /tmp/p8b/profile/step_6_breakdown.md "$OUT/profile_8b_bf16_flat_ranges.md"
+  timeout 60 python3 benchmarks/trace_breakdown.py kernels /tmp/p8b/profile/step_6_rank0.json \
+    > "$OUT/profile_8b_bf16_flat_kernels.txt" 2>&1; head -12 "$OUT/profile_8b_bf16_flat_kernels.txt"
+  timeout 60 python3 benchmarks/trim_trace.py /tmp/p8b/profile/step_6_rank0.json "$OUT/trace_8b_bf16_flat.json.gz" \
+    --no-cpu-ops; rm -rf /tmp/p8b
+  train_row 8b_fp8_flat 7..26 "${C[@]}" --model.float8 tensorwise
+  if [ $((585 - SECONDS)) -ge 150 ]; then
+    IMPL_TIMEOUT=$((560 - SECONDS)) bench "$ROOT" fsdp2 --preset 8b --local-batch 1 --seq 4096 --microbatches 4 --ac \
+      --compile --steps 6 --warmup 2 --grad-reduce-dtype bf16
+    grep -h '^| fsdp2 ' "$OUT/bench.log"
+  else echo "fsdp2 row skipped: $((585 - SECONDS)) s left"; fi
+  if [ $((585 - SECONDS)) -ge 130 ]; then train_row 8b_fp8_rowwise_flat 7..26 "${C[@]}" --model.float8 rowwise
+  else echo "rowwise row skipped: $((585 - SECONDS)) s left"; fi
+}
+
+section_curves1b() {  # ONE GPU, <= 4 min: the FP8 loss curve at 1b, 300 steps, beside bf16 (issue 32)
+  GPUS=1 STEPS=300 PRESET=1b timeout 400 bash benchmarks/fp8_loss_curves.sh /tmp/curves1b > "$OUT/curves1b.log" 2>&1
+  echo "curves1b rc=$?"; tail -8 "$OUT/curves1b.log"
+  mkdir -p "$OUT/curves1b"; cp /tmp/curves1b/fp8_vs_bf16.* "$OUT/curves1b/" 2>/dev/null
+  for r in none tensorwise; do cp /tmp/curves1b/$r/metrics.jsonl "$OUT/curves1b/${r}_metrics.jsonl" 2>/dev/null; done
+  rm -rf /tmp/curves1b
+}
+
 # At most 8 files come back from a device call: everything leaves in one tarball.
-trap 'cd "$OUT" && tar czf /tmp/results.tgz . && rm -rf ./* && mv /tmp/results.tgz .' EXIT
+# Trimmed traces (trace_*.json.gz, up to 16 MiB each) come back beside it, as files of their own.
+trap 'cd "$OUT" && tar czf /tmp/results.tgz --exclude="./trace_*" . \
+  && find . -mindepth 1 -maxdepth 1 ! -name "trace_*" -exec rm -rf {} + && mv /tmp/results.tgz .' EXIT
 for section in "$@"; do
   echo "== $section $(date +%T)"
   "section_$section"

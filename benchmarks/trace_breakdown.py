@@ -15,18 +15,25 @@ and the communication time exposed on the compute streams.
 
 ``idle``: gaps over 50 us in which no kernel runs on any stream, largest first, with the kernels
 on either side. Such gaps mean the GPU waited for the host (launch-bound Python) or for a peer.
+
+``gaps``: gaps over 20 us on the compute stream alone, by the kernel pair around them, and the
+side-stream kernels that ran inside them: on one GPU a gather cast or a gradient add that only runs
+while the compute stream waits for it is exposed, not overlapped (GEMMs hold every SM).
+
+Traces may be gzipped (``trim_trace.py``'s output).
 """
 
 from __future__ import annotations
 
 import collections
+import gzip
 import json
 import re
 import sys
 
 
 def _events(path: str) -> list[dict]:
-    with open(path) as f:
+    with (gzip.open(path, "rt") if path.endswith(".gz") else open(path)) as f:
         events = [e for e in json.load(f)["traceEvents"]
                   if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
     for e in events:
@@ -151,7 +158,37 @@ def report_idle(paths: list[str], min_us: float = 50.0) -> None:
             print(f"  t={at:8.2f} idle={ms:6.2f} after={before} | before={after}")
 
 
+def report_gaps(paths: list[str], min_us: float = 20.0) -> None:
+    for path in paths:
+        events = _events(path)
+        streams = collections.defaultdict(list)
+        for e in events:
+            streams[e["stream"]].append(e)
+        compute = max(streams, key=lambda s: sum(e["end"] - e["start"] for e in streams[s]))
+        side = [e for e in events if e["stream"] != compute]
+        kinds, counts, inside = collections.Counter(), collections.Counter(), collections.Counter()
+        own = streams[compute]
+        for a, b in zip(own, own[1:]):
+            if b["start"] - a["end"] <= min_us:
+                continue
+            key = (a["name"][:50], b["name"][:50])
+            kinds[key] += b["start"] - a["end"]
+            counts[key] += 1
+            for e in side:  # side streams are short lists: a plain scan is fast enough
+                if e["start"] < b["start"] and e["end"] > a["end"]:
+                    inside[(e["stream"], e["name"][:60])] += min(b["start"], e["end"]) - max(a["end"], e["start"])
+        print(f"== {path.split('/')[-1]}: compute stream {compute}: busy {busy_time((e['start'], e['end']) for e in own) / 1e3:.1f} ms, "
+              f"gaps >{min_us:.0f} us: {sum(counts.values())}, {sum(kinds.values()) / 1e3:.2f} ms")
+        for key, us in kinds.most_common(12):
+            print(f"   {us / 1e3:8.2f} ms {counts[key]:5d}  after {key[0]} | before {key[1]}")
+        print("   side-stream kernels inside those gaps (ms):")
+        for (stream, name), us in inside.most_common(8):
+            print(f"   {us / 1e3:8.2f}  stream {stream}: {name}")
+
+
+REPORTS = {"kernels": report_kernels, "idle": report_idle, "gaps": report_gaps}
+
 if __name__ == "__main__":
-    if len(sys.argv) < 3 or sys.argv[1] not in ("kernels", "idle"):
+    if len(sys.argv) < 3 or sys.argv[1] not in REPORTS:
         sys.exit(__doc__)
-    (report_kernels if sys.argv[1] == "kernels" else report_idle)(sys.argv[2:])
+    REPORTS[sys.argv[1]](sys.argv[2:])

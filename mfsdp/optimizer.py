@@ -49,6 +49,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from mfsdp import _compat, kernels
+from mfsdp.flat_adamw import FlatAdamW
 from mfsdp.offload import OffloadedStep, OffloadPolicy, bind, offload_of
 from mfsdp.runtime.registry import GROUP_OF_SHARDED
 
@@ -100,13 +101,16 @@ def _free_gradients_on_zero_grad(optimizer: torch.optim.Optimizer, groups: list,
 
 
 def fully_shard_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer,
-                          offload: Optional[OffloadPolicy] = None) -> torch.optim.Optimizer:
+                          offload: Optional[OffloadPolicy] = None,
+                          flat_adamw: Optional[bool] = None) -> torch.optim.Optimizer:
     """Register an already-built optimizer with a sharded model; returns the same optimizer.
 
     The optimizer keeps its param groups and their settings. Build it on ``model.parameters()``
     after ``fully_shard``, so it holds the sharded main weights. ``offload``: step the units it
     chooses on the host, their master weights and states in host memory (``mfsdp.offload``); it
-    needs an elementwise torch optimizer (the group-by-group step).
+    needs an elementwise torch optimizer (the group-by-group step). ``flat_adamw``: step
+    ``torch.optim.AdamW`` one pass per parameter group over its flat buffers (``mfsdp.flat_adamw``);
+    None: where the weights are on CUDA.
     """
     groups = _groups_of(optimizer)
     if not groups:
@@ -120,7 +124,9 @@ def fully_shard_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer,
         return optimizer
     upcast_groups = [g for g in groups if _upcasts(g)]
     swapped: list[tuple[nn.Parameter, torch.Tensor]] = []
-    grouped = _GroupedStep(model, optimizer, groups, offload)
+    if flat_adamw is None:
+        flat_adamw = groups[0].main.tensor.device.type == "cuda"
+    grouped = _GroupedStep(model, optimizer, groups, offload, flat_adamw)
 
     def pre_step(opt, args, kwargs):
         if grouped.offloaded is not None:
@@ -237,7 +243,7 @@ class _GroupedStep:
     owns (a plain parameter added with ``add_param_group``); ``finish`` puts them back."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, groups: list,
-                 offload: Optional[OffloadPolicy] = None) -> None:
+                 offload: Optional[OffloadPolicy] = None, flat_adamw: bool = False) -> None:
         self._model = weakref.ref(model)  # weak: the optimizer's hooks hold this object
         self._groups = groups
         self._own = {id(g) for g in groups}
@@ -252,6 +258,8 @@ class _GroupedStep:
         self._step_bytes = {id(g): group_step_bytes(g.main.tensor.numel() * g.main.tensor.element_size(),
                                                     _upcasts(g), foreach_temporary) for g in groups}
         self.offloaded: Optional[OffloadedStep] = None  # the groups stepped on the host
+        self.flat = FlatAdamW(optimizer) if flat_adamw and self._body is not None and FlatAdamW.supports(optimizer) \
+            else None
         if offload is not None:
             if self._body is None:
                 raise ValueError(f"offload needs one of torch's elementwise optimizers "
@@ -304,6 +312,8 @@ class _GroupedStep:
         """Step ``groups`` in order: the offloaded ones on the host, the others in ``step_batches``."""
         stepped = [g for g in groups if params_of.get(id(g)) and g.requires_grad]
         on_host = self.offloaded.owns if self.offloaded is not None else (lambda group: False)
+        if self.flat is not None:  # one pass over each eligible group's flat buffers
+            stepped = [g for g in stepped if not self._stepped_flat(g, params_of[id(g)], on_host(g))]
         for host, run in itertools.groupby(stepped, key=on_host):
             run = list(run)
             if host:
@@ -312,6 +322,13 @@ class _GroupedStep:
                 continue
             for batch in step_batches([self._step_bytes[id(g)] for g in run]):
                 self._call_body(optimizer, [run[i] for i in batch], params_of, args, kwargs)
+
+    def _stepped_flat(self, group, entries, on_host: bool) -> bool:
+        """Whether ``group`` was stepped flat; if not, torch's body steps it next."""
+        if not on_host and self.flat.can_step(group, entries) and self.flat.step(group, entries):
+            return True
+        self.flat.stepped_by_torch(group)
+        return False
 
     def _call_body(self, optimizer, groups, params_of, args, kwargs) -> None:
         """One call of the body on the parameters of ``groups``; their upcast gradients die with it."""

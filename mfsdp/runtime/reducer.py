@@ -302,6 +302,11 @@ class GradientReducer:
             self._missing_seen = False
             self.needs_usage_check = True
 
+    def exposed_gradients(self) -> list:
+        """The ``.grad`` DTensors this reducer exposes (views of the main gradient), in member order;
+        empty before the first reduction."""
+        return getattr(self, "_grad_dtensors", [])
+
     def nonfinite_flag(self) -> Optional[torch.Tensor]:
         """A 0-d tensor, nonzero when the reduced gradients hold a NaN or Inf (one fused check)."""
         if self.main_grad is None or not self.main_grad.is_allocated:

@@ -26,7 +26,8 @@ def build(cfg: RunConfig, device: torch.device, world: int, log: Callable[[str],
     pretrained = cfg.loads_weights() and not resuming
     model = build_hf(cfg, device, compute, world, pretrained) if cfg.model.uses_manager else \
         build_bundled(cfg, device, compute, world, log, pretrained)
-    optimizer = mfsdp.fully_shard_optimizer(model, adamw(model, cfg.train), offload=offload_policy(cfg.parallel))
+    optimizer = mfsdp.fully_shard_optimizer(model, adamw(model, cfg.train), offload=offload_policy(cfg.parallel),
+                                            flat_adamw=cfg.train.flat_adamw(device.type))
     describe_offload(optimizer, cfg, log)
     mfsdp.float8.precompute_fp8_scales_after(optimizer, model)  # FP8 all-gather's scales, if any
     return model, optimizer
@@ -95,9 +96,10 @@ def shard_numel(model) -> int:
 
 def adamw(model, t) -> torch.optim.AdamW:
     """AdamW on the sharded parameters; 1-D ones (norm scales, biases) are not decayed: shrinking
-    them towards zero only hurts. ``--train.adamw_kernel`` picks torch's kernels (``fused_adamw``:
-    fused on CUDA by default, one kernel per dtype and no shard-sized temporary, often the step's
-    memory peak with foreach; foreach on CPU, where the fused kernel is slower)."""
+    them towards zero only hurts. ``--train.adamw_kernel`` picks torch's kernels for the groups the
+    flat step (``fully_shard_optimizer(flat_adamw=)``) does not take (``fused_adamw``: fused on CUDA,
+    one kernel per dtype and no shard-sized temporary, often the step's memory peak with foreach;
+    foreach on CPU, where the fused kernel is slower)."""
     decay = [q for q in model.parameters() if q.ndim >= 2]
     no_decay = [q for q in model.parameters() if q.ndim < 2]
     device = (decay + no_decay)[0].device.type

@@ -246,10 +246,13 @@ class TrainSection:
     beta2: float | None = None
     """AdamW second-moment decay; None: the recipe's (0.999 fine-tuning, 0.95 pretraining)."""
     adamw_kernel: str = "auto"
-    """torch's AdamW kernels for the units stepped on the device: "fused" (one kernel per dtype, no
-    temporary), "foreach" (a dozen passes and a shard-sized temporary: about 4 more bytes per
-    parameter at the step) or "auto" (fused on CUDA, foreach on CPU, where fused is slower). Both
-    are exact AdamW; their roundings differ, so a run is reproducible bit for bit only on one."""
+    """The AdamW kernels for the units stepped on the device: "flat" (``mfsdp.flat_adamw``: one pass
+    per parameter group over its flat buffers, reading bf16 gradients as they are, compiled on
+    CUDA), torch's "fused" (one kernel per dtype after an fp32 upcast of the gradients), "foreach"
+    (a dozen passes and a shard-sized temporary: about 4 more bytes per parameter at the step) or
+    "auto" (flat on CUDA, foreach on CPU). All are exact AdamW; their roundings differ, so a run is
+    reproducible bit for bit only on one. Groups the flat step cannot take (a missing gradient)
+    step with torch's fused kernel on CUDA, foreach on CPU."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this; 0 turns clipping off."""
     seed: int = 0
@@ -295,8 +298,13 @@ class TrainSection:
     files are written (tens of seconds for a model of a few billion parameters)."""
 
     def fused_adamw(self, device_type: str) -> bool:
-        """Whether AdamW runs torch's fused kernel on a ``device_type`` ("cuda" or "cpu") run."""
-        return self.adamw_kernel == "fused" or (self.adamw_kernel == "auto" and device_type == "cuda")
+        """Whether torch's AdamW runs its fused kernel (rather than foreach) on a ``device_type``
+        ("cuda" or "cpu") run, for the groups it steps."""
+        return self.adamw_kernel == "fused" or (self.adamw_kernel in ("auto", "flat") and device_type == "cuda")
+
+    def flat_adamw(self, device_type: str) -> bool:
+        """Whether the bound optimizer steps groups flat (``mfsdp.flat_adamw``) on a ``device_type`` run."""
+        return self.adamw_kernel == "flat" or (self.adamw_kernel == "auto" and device_type == "cuda")
 
     def async_checkpoint_on(self, device_type: str) -> bool:
         """Whether saves are asynchronous on a ``device_type`` ("cuda" or "cpu") run."""
@@ -315,7 +323,7 @@ class TrainSection:
         # One spelling: YAML gives true/false as bools, a flag may say True.
         object.__setattr__(self, "async_checkpoint", str(self.async_checkpoint).lower())
         _one_of(self, "async_checkpoint", ("auto", "true", "false"))
-        _one_of(self, "adamw_kernel", ("auto", "fused", "foreach"))
+        _one_of(self, "adamw_kernel", ("auto", "flat", "fused", "foreach"))
         require(self.steps > 0, "train.steps must be positive")
         require(self.epochs is None or self.epochs > 0, "train.epochs must be positive")
         require(self.lr is None or self.lr > 0, "train.lr must be positive")

@@ -1,0 +1,193 @@
+"""AdamW on a parameter group's flat buffers: one fused pass over the whole group.
+
+[Note: the flat AdamW step]
+torch's fused AdamW steps a list of tensors: it wants gradients in the weights' dtype, so a group
+with bf16 main gradients is first upcast to fp32 (one more pass, and the group's fp32 gradient as
+a transient), and its chunked multi-tensor kernel moves the group's bytes well under the copy
+bandwidth. A group's main weights, main gradient and (here) optimizer states are each one flat
+buffer with one layout, so the whole update is one elementwise pass over four aligned buffers:
+read the weights, the gradient in its own dtype and both moments, write back the weights and the
+moments (26 bytes per fp32 weight with bf16 gradients, against 28 plus the 6-byte upcast before).
+On CUDA the pass is one ``torch.compile``d kernel; elsewhere the same function runs eagerly.
+
+The moments stay torch's: ``optimizer.state[p]["exp_avg"]`` and ``["exp_avg_sq"]`` are views of the
+flat moments, ``["step"]`` a view of one per-group counter, so ``state_dict``, DCP and torch's own
+step (which the group falls back to) read and write the same memory. A load replaces those
+tensors; the next step adopts the loaded values back into the flat buffers (one copy).
+
+When a group steps flat: the optimizer is ``torch.optim.AdamW`` without amsgrad, maximize or
+differentiable, it holds all the group's parameters (in one or more param groups: each run of
+consecutive members in one param group is one pass with its settings), every one of them carries
+the gradient the runtime exposed (none missing, none replaced by the user), their step counts
+agree, and the main weights are fp32. Otherwise torch's body steps it, as before.
+
+Numerics: torch's AdamW formula, in fp32, with the gradient upcast in registers. Exact AdamW; the
+roundings may differ from torch's fused kernel in the last bit, as fused and foreach differ.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch.distributed.tensor import DTensor
+
+__all__ = ["adamw_update", "FlatAdamW"]
+
+
+def adamw_update(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                 lr: torch.Tensor, step: torch.Tensor, beta1: float, beta2: float, eps: float,
+                 weight_decay: float) -> None:
+    """One AdamW update of flat fp32 ``param``, ``exp_avg``, ``exp_avg_sq`` in place, from ``grad``
+    (any float dtype). ``lr`` and ``step`` (already incremented) are 0-d fp32 tensors on the device,
+    so a compiled update never sees a changing Python number."""
+    g = grad.float()
+    param.mul_(1 - lr * weight_decay)
+    exp_avg.lerp_(g, 1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    bias_correction1 = 1 - beta1 ** step
+    bias_correction2_sqrt = (1 - beta2 ** step).sqrt()
+    denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
+    param.sub_(exp_avg / denom * (lr / bias_correction1))
+
+
+_COMPILED: dict[str, Callable] = {}
+
+
+def _update_for(device: torch.device) -> Callable:
+    """``adamw_update`` compiled for CUDA (one kernel per group size), eager elsewhere."""
+    if device.type != "cuda":
+        return adamw_update
+    if "cuda" not in _COMPILED:
+        _COMPILED["cuda"] = torch.compile(adamw_update, dynamic=True, fullgraph=True)
+    return _COMPILED["cuda"]
+
+
+def _runs(group, entries: list[tuple[int, list]]) -> list[tuple[int, int, int]]:
+    """(param group index, start, stop) of each run of consecutive members of ``group`` in one param
+    group of the optimizer, as element ranges of the group's flat optimizer-level buffers."""
+    index_of = {id(p): index for index, params in entries for p in params}
+    layout, ways = group.layout, group.geometry.num_shards
+    runs: list[list[int]] = []
+    start = 0
+    for p, member in zip(group.sharded_params, layout.members):
+        stop = start + member.padded_rows // ways * member.row_numel
+        index = index_of[id(p)]
+        if runs and runs[-1][0] == index:
+            runs[-1][2] = stop
+        else:
+            runs.append([index, start, stop])
+        start = stop
+    return [tuple(r) for r in runs]
+
+
+class _GroupState:
+    """One parameter group's flat moments and step counter, and the state entries that view them."""
+
+    def __init__(self, group, params: list[torch.Tensor], state: dict) -> None:
+        main = group.main.tensor
+        self.exp_avg = torch.zeros_like(main)
+        self.exp_avg_sq = torch.zeros_like(main)
+        self.steps = torch.zeros(len(params), dtype=torch.float32, device=main.device)
+        layout, geometry = group.layout, group.geometry
+        views = {}
+        for name, flat in (("exp_avg", self.exp_avg), ("exp_avg_sq", self.exp_avg_sq)):
+            views[name] = layout.shards(layout.regions(flat, geometry.num_shards), geometry.shard_index)
+        self.entries = []
+        for i, p in enumerate(params):
+            old = state.get(p) or {}
+            entry = {"step": self.steps[i]}
+            for name in ("exp_avg", "exp_avg_sq"):
+                local = views[name][i]
+                if name in old:  # a state torch's body made, or a load: its values move into the flat buffer
+                    local.copy_(old[name].to_local() if isinstance(old[name], DTensor) else old[name])
+                entry[name] = (DTensor.from_local(local, p.device_mesh, p.placements, run_check=False,
+                                                  shape=p.shape, stride=p.stride())
+                               if isinstance(p, DTensor) else local.view(p.shape))
+            if "step" in old:
+                self.steps[i].copy_(old["step"])
+            state[p] = entry
+            self.entries.append(entry)
+        self.checked = False  # whether the step counts were seen to agree since torch's body last stepped
+
+    def is_current(self, params: list[torch.Tensor], state: dict) -> bool:
+        """Whether ``state`` still holds this object's entries (a load replaces them)."""
+        return all(state.get(p) is entry for p, entry in zip(params, self.entries))
+
+    def uniform_step(self) -> bool:
+        """Whether every member has taken the same number of steps (one host sync, at adoption and
+        after torch's body stepped the group)."""
+        self.checked = True
+        return bool((self.steps == self.steps[0]).all()) if self.steps.numel() else True
+
+
+class FlatAdamW:
+    """The flat step of one bound optimizer's groups (see the note above)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+        self._states: dict[int, _GroupState] = {}
+        self._refused: set[int] = set()  # groups whose step counts diverged: torch's body steps them
+        self._lr: dict[tuple, torch.Tensor] = {}
+        self._runs: dict[int, tuple] = {}  # id(group) -> (its entries, its runs)
+
+    @staticmethod
+    def supports(optimizer: torch.optim.Optimizer) -> bool:
+        """Whether the optimizer's class and settings allow flat steps at all."""
+        if type(optimizer) is not torch.optim.AdamW:
+            return False
+        return not any(pg.get("amsgrad") or pg.get("maximize") or pg.get("differentiable")
+                       for pg in optimizer.param_groups)
+
+    def can_step(self, group, entries: list[tuple[int, list]]) -> bool:
+        """Whether ``group`` steps flat now: every parameter of it in the optimizer, each with the
+        runtime's gradient, fp32 main weights, and step counts that agree."""
+        if id(group) in self._refused or group.dtypes.main != torch.float32:
+            return False
+        reducer = group.reducer
+        if sum(len(params) for _, params in entries) != len(group.sharded_params) or reducer.main_grad is None \
+                or not reducer.main_grad.is_allocated:
+            return False
+        exposed = reducer.exposed_gradients()
+        return len(exposed) == len(group.sharded_params) and all(
+            p.grad is mine for p, mine in zip(group.sharded_params, exposed))
+
+    def step(self, group, entries: list[tuple[int, list]]) -> bool:
+        """Step ``group`` flat, one pass per run of consecutive members that share a param group (a
+        block's matrices, then its norms, where those are not decayed); False where its step counts
+        diverged (torch's body steps it instead)."""
+        state = self._states.get(id(group))
+        if state is None or not state.is_current(group.sharded_params, self.optimizer.state):
+            state = self._states[id(group)] = _GroupState(group, group.sharded_params, self.optimizer.state)
+        if not state.checked and not state.uniform_step():
+            self._refused.add(id(group))
+            return False
+        state.steps.add_(1)
+        main, grad = group.main.tensor, group.reducer.main_grad.tensor
+        update = _update_for(main.device)
+        cached = self._runs.get(id(group))
+        if cached is None or cached[0] is not entries:  # the param groups changed (add_param_group)
+            cached = self._runs[id(group)] = (entries, _runs(group, entries))
+        for index, start, stop in cached[1]:
+            pg = self.optimizer.param_groups[index]
+            beta1, beta2 = pg["betas"]
+            update(main[start:stop], grad[start:stop], state.exp_avg[start:stop], state.exp_avg_sq[start:stop],
+                   self._lr_tensor(index, pg["lr"], main.device), state.steps[0], float(beta1), float(beta2),
+                   float(pg["eps"]), float(pg["weight_decay"]))
+        return True
+
+    def stepped_by_torch(self, group) -> None:
+        """torch's body stepped ``group`` (a missing gradient, say): its members' step counts may
+        differ now, which the group's next flat step checks first."""
+        state = self._states.get(id(group))
+        if state is not None:
+            state.checked = False
+
+    def _lr_tensor(self, index: int, lr, device: torch.device) -> torch.Tensor:
+        """Param group ``index``'s learning rate as a 0-d device tensor (filled each step: no host sync)."""
+        t = self._lr.get((index, device))
+        if t is None:
+            t = self._lr[(index, device)] = torch.zeros((), dtype=torch.float32, device=device)
+        t.copy_(lr) if isinstance(lr, torch.Tensor) else t.fill_(float(lr))
+        return t
+
