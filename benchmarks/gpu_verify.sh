@@ -781,6 +781,20 @@ section_flat8b() {  # ONE GPU, <= 9.5 min: issue 32's flat AdamW step at 8B, in 
   else echo "rowwise row skipped: $((585 - SECONDS)) s left"; fi
 }
 
+section_final9() {  # ONE GPU, <= 7.5 min, a session's last call: the GPU suite on the final tree; the AdamW step's
+  # variants on one 8B block's group (benchmarks/adamw_bench.py); then, if time is left, 8B FP8 tensorwise with
+  # torch's fused AdamW, the same-job partner of flat8b's FP8 row (steps 7-20)                            issue 32
+  timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider --durations=8 tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
+  timeout 90 python3 benchmarks/adamw_bench.py --out "$OUT/adamw_bench.jsonl" 2>&1 | grep -v "^W1" | tail -6
+  python3 -m mfsdp.cli prepare-data stdlib /tmp/stdlib.tokens > /dev/null 2>&1
+  if [ $((450 - SECONDS)) -ge 110 ]; then
+    train_row 8b_fp8_fused 7..20 --nproc-per-node 1 --model.preset 8b --data.local_batch 1 --data.seq_len 4096 \
+      --data.microbatches 4 --data.path /tmp/stdlib.tokens --train.sample_tokens 0 --train.checkpoint_every 0 \
+      --train.progress false --train.eval_every 0 --train.steps 20 --train.save_only_model true \
+      --model.float8 tensorwise --train.adamw_kernel fused
+  else echo "8b_fp8_fused skipped: $((450 - SECONDS)) s left"; fi
+}
+
 section_curves1b() {  # ONE GPU, <= 4 min: the FP8 loss curve at 1b, 300 steps, beside bf16 (issue 32)
   GPUS=1 STEPS=300 PRESET=1b timeout 400 bash benchmarks/fp8_loss_curves.sh /tmp/curves1b > "$OUT/curves1b.log" 2>&1
   echo "curves1b rc=$?"; tail -8 "$OUT/curves1b.log"

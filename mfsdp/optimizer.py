@@ -176,13 +176,16 @@ def step_batches(step_bytes: list[int]) -> list[list[int]]:
     return batches
 
 
-def step_transient_bytes(groups, foreach_temporary: bool) -> int:
+def step_transient_bytes(groups, foreach_temporary: bool, flat: bool = False) -> int:
     """The bound step's extra bytes at its peak: the largest of one call's (``step_batches``), since
     each call's are freed before the next one steps. ``groups``: (bytes of the group's optimizer
     shard in the main dtype, whether its gradients are upcast to that dtype) for each group with
     gradients, in step order. A group's bytes: its upcast gradient, plus ``foreach_temporary``
-    (foreach AdamW keeps one shard-sized temporary per call; fused keeps none). The planner
-    predicts the step with it."""
+    (foreach AdamW keeps one shard-sized temporary per call; fused keeps none); none at all where
+    the groups step ``flat`` (``mfsdp.flat_adamw`` reads the gradients in their own dtype, in
+    place). The planner predicts the step with it."""
+    if flat:
+        return 0
     sizes = [group_step_bytes(nbytes, upcast, foreach_temporary) for nbytes, upcast in groups]
     return max((sum(sizes[i] for i in batch) for batch in step_batches(sizes)), default=0)
 

@@ -184,3 +184,16 @@ def test_step_batches_share_a_call_within_the_largest_groups_bytes():
     peak = step_transient_bytes([(n, False) for n in sizes], foreach_temporary=True)
     assert peak == max(sizes) and all(sum(sizes[i] for i in batch) <= peak for batch in step_batches(sizes))
     assert step_transient_bytes([(16 * mib, True)] * 9, foreach_temporary=False) == 64 * mib
+
+
+def test_the_flat_step_has_no_transient_and_the_planner_says_so():
+    """The flat AdamW step (``mfsdp.flat_adamw``) reads bf16 gradients in place: the rule gives it no
+    transient, and the planner, told so, predicts its step phase that much lower than the fused one."""
+    from mfsdp import memory
+
+    assert step_transient_bytes([(8 << 20, True), (4 << 20, True)], foreach_temporary=False, flat=True) == 0
+    kw = dict(world_size=1, placements="zero3", local_batch=1, seq_len=64, foreach=False,
+              mixed_precision_policy=mfsdp.MixedPrecisionPolicy(main_params_dtype=torch.float32,
+                                                               main_grads_dtype=torch.bfloat16), device="cpu")
+    fused, flat = memory.estimate("tiny", **kw), memory.estimate("tiny", flat_adamw=True, **kw)
+    assert flat.component_max("optimizer step") == 0 < fused.component_max("optimizer step")

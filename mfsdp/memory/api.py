@@ -44,6 +44,7 @@ def estimate(model_or_config, *, world_size: Optional[int] = None, mesh_shape: O
              communication_policy: Optional[CommunicationPolicy] = None,
              local_batch: int = 1, seq_len: int = 4096, microbatches: int = 1,
              activation_checkpointing: bool = False, optimizer: str = "adamw", foreach: bool = True,
+             flat_adamw: bool = False,
              compute_dtype: torch.dtype = torch.bfloat16, expert_units: bool = False,
              tensor_parallel: Union[int, TensorParallel] = 1, tp_in_process: bool = False,
              float8: str = "none", device: str = "cuda", offload_fraction: float = 0.0,
@@ -74,6 +75,8 @@ def estimate(model_or_config, *, world_size: Optional[int] = None, mesh_shape: O
     ``compiled_head``: the bundled Llama's head loss does too (``measure_llama``), as in ``mfsdp train``.
     ``head_loss``: the bundled Llama's loss, "plain" or "fused" (``Llama.set_head_loss``), measured
     as that model computes it, in its head's forward; a Hugging Face model returns logits (plain).
+    ``foreach`` / ``flat_adamw``: AdamW's kernels (``fully_shard_optimizer(flat_adamw=)``), which
+    decide the step's transient (``mfsdp.optimizer.step_transient_bytes``).
     """
     tp = TensorParallel.of(tensor_parallel)
     if tp.enabled and (default_group_exists() or not tp_in_process):
@@ -105,7 +108,7 @@ def estimate(model_or_config, *, world_size: Optional[int] = None, mesh_shape: O
                             prefetch_depth=comm.prefetch_depth if comm.overlap else 0,
                             prefetch_across_step=comm.prefetch_across_step and comm.overlap,
                             double_buffer=comm.double_buffer, cuda=device == "cuda", tp=tp.size, float8=float8,
-                            head_loss=head_loss)
+                            head_loss=head_loss, flat_adamw=flat_adamw)
     e = dataclasses.replace(simulate(unit_bytes, acts, settings, blocks), notes=tuple(notes))
     return offloaded(e, unit_bytes, offload_fraction, offload_overlap) if offload_fraction > 0 else e
 

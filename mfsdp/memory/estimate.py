@@ -73,6 +73,8 @@ class StepSettings:
     """"adamw" or "sgd"."""
     foreach: bool = True
     """Whether the optimizer runs foreach kernels (AdamW then keeps one shard-sized temporary)."""
+    flat_adamw: bool = False
+    """Whether AdamW steps each group flat (``mfsdp.flat_adamw``: no upcast, no temporary)."""
     prefetch_depth: int = 1
     """Units gathered ahead (0 where ``overlap`` is off)."""
     prefetch_across_step: bool = True
@@ -369,7 +371,8 @@ def _optimizer(w: _Walk, units: list[UnitBytes], s: StepSettings) -> None:
     def step_bytes(units_stepped) -> int:
         return step_transient_bytes(((g.optimizer_numel * g.main_itemsize, g.grads_differ)
                                      for u in units_stepped for g in u.groups if g.requires_grad),
-                                    foreach_temporary=s.optimizer == "adamw" and s.foreach)
+                                    foreach_temporary=s.optimizer == "adamw" and s.foreach,
+                                    flat=s.optimizer == "adamw" and s.flat_adamw)
 
     if not s.prefetch_across_step:
         w.snap("optimizer step", optimizer_step=step_bytes(units))

@@ -106,6 +106,8 @@ class PlannedRun:
     compiled_head: Optional[bool] = None
     """The bundled Llama's head loss compiled too; None: as the blocks (``mfsdp train`` compiles both;
     a benchmark loop that computes the loss eagerly sets False)."""
+    flat_adamw: bool = False
+    """AdamW steps each group flat (``mfsdp.flat_adamw``), with no transient at the step."""
 
     @property
     def hf(self) -> bool:
@@ -163,7 +165,7 @@ def estimate_run(run: PlannedRun, world: int, setting: Optional[Setting] = None,
                     compute_dtype=run.compute_dtype, expert_units=run.expert_units, tensor_parallel=tp,
                     tp_in_process=tp_in_process, float8=run.float8, foreach=run.foreach, compiled=run.compiled,
                     compiled_head=run.compiled if run.compiled_head is None else run.compiled_head,
-                    head_loss=run.head_loss)
+                    head_loss=run.head_loss, flat_adamw=run.flat_adamw)
 
 
 def candidates(run: PlannedRun) -> list[Setting]:
