@@ -781,18 +781,21 @@ section_flat8b() {  # ONE GPU, <= 9.5 min: issue 32's flat AdamW step at 8B, in 
   else echo "rowwise row skipped: $((585 - SECONDS)) s left"; fi
 }
 
-section_final9() {  # ONE GPU, <= 7.5 min, a session's last call: the GPU suite on the final tree; the AdamW step's
-  # variants on one 8B block's group (benchmarks/adamw_bench.py); then, if time is left, 8B FP8 tensorwise with
-  # torch's fused AdamW, the same-job partner of flat8b's FP8 row (steps 7-20)                            issue 32
-  timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider --durations=8 tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
-  timeout 90 python3 benchmarks/adamw_bench.py --out "$OUT/adamw_bench.jsonl" 2>&1 | grep -v "^W1" | tail -6
+section_final9() {  # ONE GPU, <= 8 min, a session's last call: the GPU suite on the final tree; then, in one job,
+  # 8B bf16 with the side streams at high priority (the default) and at default priority
+  # (--parallel.high_priority_streams false), steps 7-14; then FP8 tensorwise at the default if time is left  issue 32
+  timeout 290 python3 -m pytest -q -m gpu -p no:cacheprovider --durations=8 tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
   python3 -m mfsdp.cli prepare-data stdlib /tmp/stdlib.tokens > /dev/null 2>&1
-  if [ $((450 - SECONDS)) -ge 110 ]; then
-    train_row 8b_fp8_fused 7..20 --nproc-per-node 1 --model.preset 8b --data.local_batch 1 --data.seq_len 4096 \
-      --data.microbatches 4 --data.path /tmp/stdlib.tokens --train.sample_tokens 0 --train.checkpoint_every 0 \
-      --train.progress false --train.eval_every 0 --train.steps 20 --train.save_only_model true \
-      --model.float8 tensorwise --train.adamw_kernel fused
-  else echo "8b_fp8_fused skipped: $((450 - SECONDS)) s left"; fi
+  local C=(--nproc-per-node 1 --model.preset 8b --data.local_batch 1 --data.seq_len 4096 --data.microbatches 4
+    --data.path /tmp/stdlib.tokens --train.sample_tokens 0 --train.checkpoint_every 0 --train.progress false
+    --train.eval_every 0 --train.steps 14 --train.save_only_model true)
+  local name args
+  for name in bf16_high bf16_default fp8_high; do
+    if [ $((470 - SECONDS)) -lt 95 ]; then echo "$name skipped: $((470 - SECONDS)) s left"; continue; fi
+    args=(); [ $name = bf16_default ] && args=(--parallel.high_priority_streams false)
+    [ $name = fp8_high ] && args=(--model.float8 tensorwise)
+    train_row 8b_$name 7..14 "${C[@]}" "${args[@]}"
+  done
 }
 
 section_curves1b() {  # ONE GPU, <= 4 min: the FP8 loss curve at 1b, 300 steps, beside bf16 (issue 32)

@@ -276,3 +276,28 @@ def test_memory_resting_analytic_and_peak_near_fsdp2(cuda_world):
     # parameter, bf16 weights (2 bytes), bf16 gradients (2) and the fp32 reduction input (4).
     in_flight = 2 * out["largest_unit_params"] * (2 + 2 + 4)
     assert out["mfsdp_peak"] <= out["mfsdp_resting"] + out["activations"] + in_flight, out
+
+
+def stream_priorities(rank, ws):
+    """(all-gather, reduce-scatter) stream priorities of a CUDA tree, by default and with
+    ``high_priority_streams=False``."""
+    import mfsdp
+    from models import Net, global_batch, loss_fn, make_mesh, make_placements, shard_net
+
+    out = []
+    for high in (True, False):
+        net = shard_net(Net().cuda(), make_mesh("zero3", ws, "cuda"), make_placements("zero3"),
+                        comm=mfsdp.CommunicationPolicy(high_priority_streams=high))
+        x, y = global_batch(0, 2 * ws, 5, 13, device="cuda")
+        loss_fn(net(x.chunk(ws)[rank]), y.chunk(ws)[rank]).backward()
+        ctx = net._context
+        out.append((ctx.allgather_stream.priority, ctx.reduce_scatter_stream.priority,
+                    torch.cuda.Stream(priority=-1).priority))
+    return out
+
+
+@requires_cuda
+def test_side_streams_run_at_high_priority_unless_asked_not_to(cuda_world):
+    (high_ag, high_rs, highest), (low_ag, low_rs, _) = cuda_world.run(stream_priorities)[0]
+    assert high_ag == high_rs == highest < 0
+    assert low_ag == low_rs == 0

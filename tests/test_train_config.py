@@ -57,6 +57,16 @@ def test_offload_flags_become_the_cores_policy():
     assert offload_policy(load_config(["--parallel.offload", "optimizer"]).parallel) == OffloadPolicy(fraction=1.0)
 
 
+def test_stream_priority_flag_becomes_the_cores_policy():
+    from mfsdp import CommunicationPolicy
+    from mfsdp.train.build import communication_policy
+
+    assert communication_policy(load_config([]).parallel) == CommunicationPolicy()
+    assert CommunicationPolicy().high_priority_streams
+    low = load_config(["--parallel.high_priority_streams", "false"]).parallel
+    assert communication_policy(low) == CommunicationPolicy(high_priority_streams=False)
+
+
 def test_unknown_yaml_section_or_key(tmp_path):
     path = tmp_path / "bad.yaml"
     path.write_text("optimizer:\n  lr: 1\n")

@@ -55,6 +55,8 @@ class ParallelizeConfig:
     float8: str = "none"
     """"none", or a torchao float8 recipe for the linears (``mfsdp.float8.RECIPES``: tensorwise,
     with FP8 all-gather, or rowwise, gathered in the compute dtype); needs torchao."""
+    communication: "mfsdp.CommunicationPolicy | None" = None
+    """How every unit's collectives are scheduled (streams, prefetch); None keeps the core's default."""
     compile: bool = False
     """torch.compile each block (``nn.Module.compile``, inductor). The sharding hooks stay outside
     the graphs (they are ``torch.compiler.disable``d), so each block compiles to one graph per
@@ -123,8 +125,10 @@ def parallelize(model: Llama, mesh: DeviceMesh, config: ParallelizeConfig) -> Ll
         model.set_activation_checkpointing(True)
     # Bottom-up: each unit before the root claims the rest (the final norm).
     for unit in sharding_units(model, expert_units=config.expert_units):
-        mfsdp.fully_shard(unit, mesh, placements, mixed_precision_policy=config.mixed_precision)
-    mfsdp.fully_shard(model, mesh, placements, mixed_precision_policy=config.mixed_precision)
+        mfsdp.fully_shard(unit, mesh, placements, mixed_precision_policy=config.mixed_precision,
+                          communication_policy=config.communication)
+    mfsdp.fully_shard(model, mesh, placements, mixed_precision_policy=config.mixed_precision,
+                      communication_policy=config.communication)
     if config.compile:
         compile_modules(model.layers)
     return model

@@ -51,10 +51,12 @@ class FsdpContext:
         self.device = device
         # Without overlap every collective runs on the compute stream, exactly as on CPU.
         has_streams = device.type == "cuda" and policy.overlap
-        self.allgather_stream: Optional[torch.Stream] = torch.cuda.Stream(device) if has_streams else None
+        priority = -1 if policy.high_priority_streams else 0  # CUDA: lower is higher; -1 is the highest
+        self.allgather_stream: Optional[torch.Stream] = (
+            torch.cuda.Stream(device, priority=priority) if has_streams else None)
         self.reduce_scatter_stream: Optional[torch.Stream] = (
-            self.allgather_stream if policy.unify_streams else torch.cuda.Stream(device) if has_streams else None
-        )
+            self.allgather_stream if policy.unify_streams
+            else torch.cuda.Stream(device, priority=priority) if has_streams else None)
         self.prefetch_depth = policy.prefetch_depth if policy.overlap else 0
         self.prefetch_across_step = policy.prefetch_across_step and policy.overlap
         self.backward_count = 0

@@ -48,6 +48,7 @@ def build_bundled(cfg: RunConfig, device: torch.device, compute: torch.dtype, wo
     model.set_head_loss(cfg.model.head_loss, compiled=cfg.compiles(device.type))
     parallelize(model, build_mesh(device.type, world, p.placements, p.replicate), ParallelizeConfig(
         placements=p.placements, mixed_precision=policy, float8=cfg.model.float8, compile=cfg.compiles(device.type),
+        communication=communication_policy(p),
         activation_checkpointing=p.activation_checkpointing, expert_units=p.expert_units))
     materialize_and_init(model, device, cfg.train.seed)
     log(f"model built and initialised shard by shard: {shard_numel(model) / 1e6:,.1f}M parameters on this "
@@ -107,6 +108,11 @@ def adamw(model, t) -> torch.optim.AdamW:
     return torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay},
                               {"params": no_decay, "weight_decay": 0.0}],
                              lr=t.lr, betas=(t.beta1, t.beta2), **kernel)
+
+
+def communication_policy(p) -> mfsdp.CommunicationPolicy:
+    """The core's ``CommunicationPolicy`` for the --parallel section (its stream priority)."""
+    return mfsdp.CommunicationPolicy(high_priority_streams=p.high_priority_streams)
 
 
 def offload_policy(p):

@@ -388,6 +388,10 @@ class ParallelSection:
     NCCL_NVLS_ENABLE=0 (see mfsdp/train/determinism.py). Costs speed: slower attention backward
     and index ops, memory fills, and less all-reduce bandwidth on NVSwitch systems; a model op
     with no deterministic kernel stops the run with torch's error naming it."""
+    high_priority_streams: bool = True
+    """Run the gathers and gradient reductions on high-priority CUDA streams
+    (``CommunicationPolicy.high_priority_streams``): their kernels get SMs between the compute
+    kernels instead of only when compute waits for them. false: default-priority streams."""
     offload: str = "none"
     """Step part of the optimizer on the host: "none"; "optimizer": the fp32 master weights and
     AdamW states of the units chosen by --parallel.offload_fraction live in host memory (pinned
