@@ -38,12 +38,13 @@ class CommunicationPolicy:
     optimizer whose update of a parameter reads only that parameter's gradient and state (torch's
     SGD, Adam, AdamW and kin); others, a closure, or a step pre hook registered after binding step
     in one call. Read from the root; off with ``overlap=False``."""
-    high_priority_streams: bool = True
-    """The gather and reduction streams are created at CUDA's high priority, so their kernels (on one
-    GPU: the casts into the gather buffers, the gradient adds) take SMs as soon as the compute kernels
-    running let go of some, instead of only when the compute stream stops to wait for them: GEMMs hold
-    every SM, and at equal priority a side-stream kernel is starved until its consumer blocks (see
-    ``benchmarks/results/2026-12-03_h200x1_session9``). FSDP2 does the same. Read from the root."""
+    high_priority_streams: bool = False
+    """Create the gather and reduction streams at CUDA's high priority (as FSDP2 does), so that their
+    kernels (on one GPU: the casts into the gather buffers, the gradient adds) take SMs as soon as the
+    running compute kernels let go of some, instead of only when the compute stream stops to wait for
+    them: GEMMs hold every SM, and at equal priority a side-stream kernel is starved until its consumer
+    blocks (``benchmarks/results/2026-12-03_h200x1_session9``). Off by default until a GPU measures
+    its gain. Read from the root."""
     coalesce: bool = True
     """False issues one collective launch per parameter instead of one coalesced launch per group:
     only for debugging or backends without coalescing."""

@@ -21,12 +21,14 @@ consecutive members in one param group is one pass with its settings), every one
 the gradient the runtime exposed (none missing, none replaced by the user), their step counts
 agree, and the main weights are fp32. Otherwise torch's body steps it, as before.
 
-Numerics: torch's AdamW formula, in fp32, with the gradient upcast in registers. Exact AdamW; the
-roundings may differ from torch's fused kernel in the last bit, as fused and foreach differ.
+Numerics: torch's AdamW formula, in fp32, with the gradient upcast in registers and the step's
+scalars (bias corrections, decay) computed in double on the host, as torch's foreach step does.
+Exact AdamW; the roundings may differ from torch's kernels in the last bit, as fused and foreach do.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import torch
@@ -36,19 +38,24 @@ __all__ = ["adamw_update", "FlatAdamW"]
 
 
 def adamw_update(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-                 lr: torch.Tensor, step: torch.Tensor, beta1: float, beta2: float, eps: float,
-                 weight_decay: float) -> None:
+                 scalars: torch.Tensor, beta1: float, beta2: float, eps: float) -> None:
     """One AdamW update of flat fp32 ``param``, ``exp_avg``, ``exp_avg_sq`` in place, from ``grad``
-    (any float dtype). ``lr`` and ``step`` (already incremented) are 0-d fp32 tensors on the device,
-    so a compiled update never sees a changing Python number."""
+    (any float dtype). ``scalars``: fp32 (1 - lr * weight_decay, lr / bias_correction1,
+    sqrt(bias_correction2)) on the device (``step_scalars``), so a compiled update never sees a
+    changing Python number."""
     g = grad.float()
-    param.mul_(1 - lr * weight_decay)
+    param.mul_(scalars[0])
     exp_avg.lerp_(g, 1 - beta1)
     exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-    bias_correction1 = 1 - beta1 ** step
-    bias_correction2_sqrt = (1 - beta2 ** step).sqrt()
-    denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
-    param.sub_(exp_avg / denom * (lr / bias_correction1))
+    denom = (exp_avg_sq.sqrt() / scalars[2]).add_(eps)
+    param.sub_(exp_avg / denom * scalars[1])
+
+
+def step_scalars(lr: float, weight_decay: float, beta1: float, beta2: float, step: int) -> list[float]:
+    """``adamw_update``'s scalars for ``step`` (counted from 1), in double precision as torch computes
+    them: ``1 - beta2 ** step`` in fp32 would lose about 1e-5 of its value to cancellation at
+    beta2 = 0.999, an error of the update's size, not of its last bit."""
+    return [1 - lr * weight_decay, lr / (1 - beta1 ** step), math.sqrt(1 - beta2 ** step)]
 
 
 _COMPILED: dict[str, Callable] = {}
@@ -109,6 +116,7 @@ class _GroupState:
             state[p] = entry
             self.entries.append(entry)
         self.checked = False  # whether the step counts were seen to agree since torch's body last stepped
+        self.host_step = 0  # the members' step count, read at each check (the scalars need it on the host)
 
     def is_current(self, params: list[torch.Tensor], state: dict) -> bool:
         """Whether ``state`` still holds this object's entries (a load replaces them)."""
@@ -118,7 +126,10 @@ class _GroupState:
         """Whether every member has taken the same number of steps (one host sync, at adoption and
         after torch's body stepped the group)."""
         self.checked = True
-        return bool((self.steps == self.steps[0]).all()) if self.steps.numel() else True
+        if not self.steps.numel():
+            return True
+        self.host_step = int(self.steps[0].item())
+        return bool((self.steps == self.steps[0]).all())
 
 
 class FlatAdamW:
@@ -128,7 +139,7 @@ class FlatAdamW:
         self.optimizer = optimizer
         self._states: dict[int, _GroupState] = {}
         self._refused: set[int] = set()  # groups whose step counts diverged: torch's body steps them
-        self._lr: dict[tuple, torch.Tensor] = {}
+        self._scalars: dict[tuple, torch.Tensor] = {}
         self._runs: dict[int, tuple] = {}  # id(group) -> (its entries, its runs)
 
     @staticmethod
@@ -163,6 +174,7 @@ class FlatAdamW:
             self._refused.add(id(group))
             return False
         state.steps.add_(1)
+        state.host_step += 1
         main, grad = group.main.tensor, group.reducer.main_grad.tensor
         update = _update_for(main.device)
         cached = self._runs.get(id(group))
@@ -171,9 +183,10 @@ class FlatAdamW:
         for index, start, stop in cached[1]:
             pg = self.optimizer.param_groups[index]
             beta1, beta2 = pg["betas"]
+            scalars = step_scalars(float(pg["lr"]), float(pg["weight_decay"]), float(beta1), float(beta2),
+                                   state.host_step)
             update(main[start:stop], grad[start:stop], state.exp_avg[start:stop], state.exp_avg_sq[start:stop],
-                   self._lr_tensor(index, pg["lr"], main.device), state.steps[0], float(beta1), float(beta2),
-                   float(pg["eps"]), float(pg["weight_decay"]))
+                   self._scalars_tensor(index, scalars, main.device), float(beta1), float(beta2), float(pg["eps"]))
         return True
 
     def stepped_by_torch(self, group) -> None:
@@ -183,11 +196,12 @@ class FlatAdamW:
         if state is not None:
             state.checked = False
 
-    def _lr_tensor(self, index: int, lr, device: torch.device) -> torch.Tensor:
-        """Param group ``index``'s learning rate as a 0-d device tensor (filled each step: no host sync)."""
-        t = self._lr.get((index, device))
+    def _scalars_tensor(self, index: int, scalars: list[float], device: torch.device) -> torch.Tensor:
+        """Param group ``index``'s ``step_scalars`` in a device tensor of its own, written in stream
+        order (one small copy up per pass, no host sync)."""
+        t = self._scalars.get((index, device))
         if t is None:
-            t = self._lr[(index, device)] = torch.zeros((), dtype=torch.float32, device=device)
-        t.copy_(lr) if isinstance(lr, torch.Tensor) else t.fill_(float(lr))
+            t = self._scalars[(index, device)] = torch.zeros(3, dtype=torch.float32, device=device)
+        t.copy_(torch.tensor(scalars, dtype=torch.float32), non_blocking=True)
         return t
 

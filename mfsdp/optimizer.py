@@ -102,15 +102,14 @@ def _free_gradients_on_zero_grad(optimizer: torch.optim.Optimizer, groups: list,
 
 def fully_shard_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer,
                           offload: Optional[OffloadPolicy] = None,
-                          flat_adamw: Optional[bool] = None) -> torch.optim.Optimizer:
+                          flat_adamw: bool = False) -> torch.optim.Optimizer:
     """Register an already-built optimizer with a sharded model; returns the same optimizer.
 
     The optimizer keeps its param groups and their settings. Build it on ``model.parameters()``
     after ``fully_shard``, so it holds the sharded main weights. ``offload``: step the units it
     chooses on the host, their master weights and states in host memory (``mfsdp.offload``); it
     needs an elementwise torch optimizer (the group-by-group step). ``flat_adamw``: step
-    ``torch.optim.AdamW`` one pass per parameter group over its flat buffers (``mfsdp.flat_adamw``);
-    None: where the weights are on CUDA.
+    ``torch.optim.AdamW`` one pass per parameter group over its flat buffers (``mfsdp.flat_adamw``).
     """
     groups = _groups_of(optimizer)
     if not groups:
@@ -124,8 +123,6 @@ def fully_shard_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer,
         return optimizer
     upcast_groups = [g for g in groups if _upcasts(g)]
     swapped: list[tuple[nn.Parameter, torch.Tensor]] = []
-    if flat_adamw is None:
-        flat_adamw = groups[0].main.tensor.device.type == "cuda"
     grouped = _GroupedStep(model, optimizer, groups, offload, flat_adamw)
 
     def pre_step(opt, args, kwargs):

@@ -279,8 +279,8 @@ def test_memory_resting_analytic_and_peak_near_fsdp2(cuda_world):
 
 
 def stream_priorities(rank, ws):
-    """(all-gather, reduce-scatter) stream priorities of a CUDA tree, by default and with
-    ``high_priority_streams=False``."""
+    """(all-gather, reduce-scatter) stream priorities of a CUDA tree with ``high_priority_streams``
+    and without (the default)."""
     import mfsdp
     from models import Net, global_batch, loss_fn, make_mesh, make_placements, shard_net
 
@@ -297,7 +297,7 @@ def stream_priorities(rank, ws):
 
 
 @requires_cuda
-def test_side_streams_run_at_high_priority_unless_asked_not_to(cuda_world):
+def test_side_streams_run_at_high_priority_when_asked(cuda_world):
     (high_ag, high_rs, highest), (low_ag, low_rs, _) = cuda_world.run(stream_priorities)[0]
     assert high_ag == high_rs == highest < 0
     assert low_ag == low_rs == 0

@@ -62,9 +62,9 @@ def test_stream_priority_flag_becomes_the_cores_policy():
     from mfsdp.train.build import communication_policy
 
     assert communication_policy(load_config([]).parallel) == CommunicationPolicy()
-    assert CommunicationPolicy().high_priority_streams
-    low = load_config(["--parallel.high_priority_streams", "false"]).parallel
-    assert communication_policy(low) == CommunicationPolicy(high_priority_streams=False)
+    assert not CommunicationPolicy().high_priority_streams
+    high = load_config(["--parallel.high_priority_streams", "true"]).parallel
+    assert communication_policy(high) == CommunicationPolicy(high_priority_streams=True)
 
 
 def test_unknown_yaml_section_or_key(tmp_path):

@@ -246,13 +246,13 @@ class TrainSection:
     beta2: float | None = None
     """AdamW second-moment decay; None: the recipe's (0.999 fine-tuning, 0.95 pretraining)."""
     adamw_kernel: str = "auto"
-    """The AdamW kernels for the units stepped on the device: "flat" (``mfsdp.flat_adamw``: one pass
-    per parameter group over its flat buffers, reading bf16 gradients as they are, compiled on
-    CUDA), torch's "fused" (one kernel per dtype after an fp32 upcast of the gradients), "foreach"
-    (a dozen passes and a shard-sized temporary: about 4 more bytes per parameter at the step) or
-    "auto" (flat on CUDA, foreach on CPU). All are exact AdamW; their roundings differ, so a run is
-    reproducible bit for bit only on one. Groups the flat step cannot take (a missing gradient)
-    step with torch's fused kernel on CUDA, foreach on CPU."""
+    """The AdamW kernels for the units stepped on the device: torch's "fused" (one kernel per dtype
+    after an fp32 upcast of the gradients), "foreach" (a dozen passes and a shard-sized temporary:
+    about 4 more bytes per parameter at the step), "flat" (``mfsdp.flat_adamw``: one pass per
+    parameter group over its flat buffers, reading bf16 gradients as they are, compiled on CUDA; no
+    step transient; groups it cannot take step with torch's fused kernel on CUDA, foreach on CPU) or
+    "auto" (fused on CUDA, foreach on CPU). All are exact AdamW; their roundings differ, so a run is
+    reproducible bit for bit only on one."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this; 0 turns clipping off."""
     seed: int = 0
@@ -304,7 +304,7 @@ class TrainSection:
 
     def flat_adamw(self, device_type: str) -> bool:
         """Whether the bound optimizer steps groups flat (``mfsdp.flat_adamw``) on a ``device_type`` run."""
-        return self.adamw_kernel == "flat" or (self.adamw_kernel == "auto" and device_type == "cuda")
+        return self.adamw_kernel == "flat"
 
     def async_checkpoint_on(self, device_type: str) -> bool:
         """Whether saves are asynchronous on a ``device_type`` ("cuda" or "cpu") run."""
@@ -388,10 +388,10 @@ class ParallelSection:
     NCCL_NVLS_ENABLE=0 (see mfsdp/train/determinism.py). Costs speed: slower attention backward
     and index ops, memory fills, and less all-reduce bandwidth on NVSwitch systems; a model op
     with no deterministic kernel stops the run with torch's error naming it."""
-    high_priority_streams: bool = True
+    high_priority_streams: bool = False
     """Run the gathers and gradient reductions on high-priority CUDA streams
     (``CommunicationPolicy.high_priority_streams``): their kernels get SMs between the compute
-    kernels instead of only when compute waits for them. false: default-priority streams."""
+    kernels instead of only when compute waits for them. Off until a GPU measures its gain."""
     offload: str = "none"
     """Step part of the optimizer on the host: "none"; "optimizer": the fp32 master weights and
     AdamW states of the units chosen by --parallel.offload_fraction live in host memory (pinned
