@@ -10,6 +10,7 @@ the world is restarted for the next case.
 from __future__ import annotations
 
 import datetime
+import functools
 import importlib
 import os
 import queue
@@ -42,11 +43,13 @@ def _worker(rank: int, world_size: int, backend: str, init_file: str, tasks, res
         backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size,
         timeout=datetime.timedelta(seconds=pg_timeout_s),
     )
+    pool = _GroupPool(dist)
     while True:
         task = tasks.get()
         if task is None:
             break
-        module_name, fn_name, kwargs = task
+        module_name, fn_name, kwargs, fresh_groups = task
+        pool.next_case(fresh_groups)
         try:
             fn = getattr(importlib.import_module(module_name), fn_name)
             results.put((rank, True, fn(rank, world_size, **kwargs)))
@@ -59,6 +62,55 @@ def _worker(rank: int, world_size: int, backend: str, init_file: str, tasks, res
     results.close()
     results.join_thread()
     os._exit(0)
+
+
+class _GroupPool:
+    """Process groups kept across a world's cases: the n-th ``new_group`` call of a case with given
+    arguments returns the group that the n-th such call of an earlier case created. Each case builds
+    its device meshes and mfsdp its ordered groups afresh, and a gloo group that stays alive polls
+    its sockets on a thread of its own: left to pile up, a session's worlds held hundreds of them,
+    which took most of the two cores' time from every later test (an 83-minute `make test`).
+    Destroying the previous case's groups instead is not safe: torch's DTensor caches keep the old
+    meshes (equal to the new ones by shape and names) and with them the destroyed groups' names.
+
+    Every rank makes the same ``new_group`` calls (the call is collective), so every rank reuses
+    the same groups. After a failed case the parent asks every rank for new groups (a rank that
+    failed may have left a group's collectives out of step)."""
+
+    def __init__(self, dist) -> None:
+        import inspect
+
+        from torch.distributed import device_mesh, distributed_c10d
+
+        self._real = distributed_c10d.new_group
+        self._signature = inspect.signature(self._real)
+        self._groups: dict[tuple, list] = {}
+        self._used: dict[tuple, int] = {}
+        pooled = functools.wraps(self._real)(lambda *args, **kwargs: self._new_group(*args, **kwargs))
+        # (wraps: the same signature, which mfsdp reads to see whether sort_ranks is there)
+        for module in (dist, distributed_c10d, device_mesh):
+            module.new_group = pooled
+
+    def next_case(self, fresh: bool) -> None:
+        self._used.clear()
+        if fresh:
+            self._groups.clear()
+
+    def _new_group(self, *args, **kwargs):
+        bound = self._signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        options = dict(bound.arguments)
+        if options["pg_options"] is not None or options["device_id"] is not None:
+            return self._real(*args, **kwargs)
+        options.pop("group_desc")
+        ranks = options.pop("ranks")
+        key = (None if ranks is None else tuple(ranks), *sorted(options.items()))
+        n = self._used.get(key, 0)
+        self._used[key] = n + 1
+        groups = self._groups.setdefault(key, [])
+        if n == len(groups):
+            groups.append(self._real(*args, **kwargs))
+        return groups[n]
 
 
 class _Hung(AssertionError):
@@ -77,6 +129,7 @@ class World:
         fd, self._init_file = tempfile.mkstemp(prefix="mfsdp_world_")
         os.close(fd)
         os.unlink(self._init_file)
+        self._fresh_groups = False
         self._tasks = [ctx.Queue() for _ in range(self.world_size)]
         self._results = ctx.Queue()
         self._procs = [
@@ -103,7 +156,8 @@ class World:
     def _run_once(self, fn, timeout: float, kwargs: dict, retry_of=None) -> list:
         module_name = fn.__module__.rsplit(".", 1)[-1]
         for q in self._tasks:
-            q.put((module_name, fn.__name__, kwargs))
+            q.put((module_name, fn.__name__, kwargs, self._fresh_groups))
+        self._fresh_groups = False
         out, failures, answered = [None] * self.world_size, [], set()
         for _ in range(self.world_size):
             try:
@@ -126,6 +180,7 @@ class World:
             else:
                 failures.append(f"--- rank {rank} ---\n{value}")
         if failures:
+            self._fresh_groups = True
             raise AssertionError(f"{fn.__name__}{kwargs} failed:\n" + "\n".join(failures))
         return out
 
