@@ -13,7 +13,8 @@ On CUDA the pass is one ``torch.compile``d kernel; elsewhere the same function r
 The moments stay torch's: ``optimizer.state[p]["exp_avg"]`` and ``["exp_avg_sq"]`` are views of the
 flat moments, ``["step"]`` a view of one per-group counter, so ``state_dict``, DCP and torch's own
 step (which the group falls back to) read and write the same memory. A load replaces those
-tensors; the next step adopts the loaded values back into the flat buffers (one copy).
+tensors (``load_state_dict``'s post hook says so); the next step adopts the loaded values into
+new flat buffers (one copy).
 
 When a group steps flat: the optimizer is ``torch.optim.AdamW`` without amsgrad, maximize or
 differentiable, it holds all the group's parameters (in one or more param groups: each run of
@@ -74,11 +75,10 @@ def _runs(group, entries: list[tuple[int, list]]) -> list[tuple[int, int, int]]:
     """(param group index, start, stop) of each run of consecutive members of ``group`` in one param
     group of the optimizer, as element ranges of the group's flat optimizer-level buffers."""
     index_of = {id(p): index for index, params in entries for p in params}
-    layout, ways = group.layout, group.geometry.num_shards
     runs: list[list[int]] = []
     start = 0
-    for p, member in zip(group.sharded_params, layout.members):
-        stop = start + member.padded_rows // ways * member.row_numel
+    for p, region in zip(group.sharded_params, group.layout.regions(group.main.tensor, group.geometry.num_shards)):
+        stop = start + region.numel()
         index = index_of[id(p)]
         if runs and runs[-1][0] == index:
             runs[-1][2] = stop
@@ -91,8 +91,8 @@ def _runs(group, entries: list[tuple[int, list]]) -> list[tuple[int, int, int]]:
 class _GroupState:
     """One parameter group's flat moments and step counter, and the state entries that view them."""
 
-    def __init__(self, group, params: list[torch.Tensor], state: dict) -> None:
-        main = group.main.tensor
+    def __init__(self, group, state: dict) -> None:
+        params, main = group.sharded_params, group.main.tensor
         self.exp_avg = torch.zeros_like(main)
         self.exp_avg_sq = torch.zeros_like(main)
         self.steps = torch.zeros(len(params), dtype=torch.float32, device=main.device)
@@ -100,7 +100,6 @@ class _GroupState:
         views = {}
         for name, flat in (("exp_avg", self.exp_avg), ("exp_avg_sq", self.exp_avg_sq)):
             views[name] = layout.shards(layout.regions(flat, geometry.num_shards), geometry.shard_index)
-        self.entries = []
         for i, p in enumerate(params):
             old = state.get(p) or {}
             entry = {"step": self.steps[i]}
@@ -114,13 +113,8 @@ class _GroupState:
             if "step" in old:
                 self.steps[i].copy_(old["step"])
             state[p] = entry
-            self.entries.append(entry)
         self.checked = False  # whether the step counts were seen to agree since torch's body last stepped
         self.host_step = 0  # the members' step count, read at each check (the scalars need it on the host)
-
-    def is_current(self, params: list[torch.Tensor], state: dict) -> bool:
-        """Whether ``state`` still holds this object's entries (a load replaces them)."""
-        return all(state.get(p) is entry for p, entry in zip(params, self.entries))
 
     def uniform_step(self) -> bool:
         """Whether every member has taken the same number of steps (one host sync, at adoption and
@@ -139,8 +133,11 @@ class FlatAdamW:
         self.optimizer = optimizer
         self._states: dict[int, _GroupState] = {}
         self._refused: set[int] = set()  # groups whose step counts diverged: torch's body steps them
-        self._scalars: dict[tuple, torch.Tensor] = {}
+        self._scalars: dict[tuple, tuple[list[float], torch.Tensor]] = {}  # (index, device) -> values, tensor
         self._runs: dict[int, tuple] = {}  # id(group) -> (its entries, its runs)
+        # A load replaces the state entries that view the flat buffers: the next step adopts the
+        # loaded values into new ones (and the old buffers go with the old entries).
+        optimizer.register_load_state_dict_post_hook(lambda opt: self._states.clear())
 
     @staticmethod
     def supports(optimizer: torch.optim.Optimizer) -> bool:
@@ -168,8 +165,8 @@ class FlatAdamW:
         block's matrices, then its norms, where those are not decayed); False where its step counts
         diverged (torch's body steps it instead)."""
         state = self._states.get(id(group))
-        if state is None or not state.is_current(group.sharded_params, self.optimizer.state):
-            state = self._states[id(group)] = _GroupState(group, group.sharded_params, self.optimizer.state)
+        if state is None:
+            state = self._states[id(group)] = _GroupState(group, self.optimizer.state)
         if not state.checked and not state.uniform_step():
             self._refused.add(id(group))
             return False
@@ -198,10 +195,13 @@ class FlatAdamW:
 
     def _scalars_tensor(self, index: int, scalars: list[float], device: torch.device) -> torch.Tensor:
         """Param group ``index``'s ``step_scalars`` in a device tensor of its own, written in stream
-        order (one small copy up per pass, no host sync)."""
-        t = self._scalars.get((index, device))
+        order and only when they change (once a step for all the groups of a param group), with no
+        host sync."""
+        values, t = self._scalars.get((index, device), (None, None))
         if t is None:
-            t = self._scalars[(index, device)] = torch.zeros(3, dtype=torch.float32, device=device)
-        t.copy_(torch.tensor(scalars, dtype=torch.float32), non_blocking=True)
+            t = torch.empty(3, dtype=torch.float32, device=device)
+        if values != scalars:
+            t.copy_(torch.tensor(scalars, dtype=torch.float32), non_blocking=True)
+            self._scalars[(index, device)] = (scalars, t)
         return t
 

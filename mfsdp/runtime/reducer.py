@@ -140,6 +140,7 @@ class GradientReducer:
         self._usage_accum: Optional[torch.Tensor] = None
         self._accum_empty = True
         self._missing_seen = False  # a parameter lacked a gradient since the last main-grad write
+        self._grad_dtensors: list = []  # the exposed .grad DTensors, made with the main gradient
         self.needs_usage_check = False
 
     # ------------------------------------------------------------------------------ tags, usage
@@ -305,7 +306,7 @@ class GradientReducer:
     def exposed_gradients(self) -> list:
         """The ``.grad`` DTensors this reducer exposes (views of the main gradient), in member order;
         empty before the first reduction."""
-        return getattr(self, "_grad_dtensors", [])
+        return self._grad_dtensors
 
     def nonfinite_flag(self) -> Optional[torch.Tensor]:
         """A 0-d tensor, nonzero when the reduced gradients hold a NaN or Inf (one fused check)."""
