@@ -347,6 +347,20 @@ train_row() {  # NAME SPAN ARGS...: one `mfsdp train` run into /tmp/row, its med
   cp /tmp/row/metrics.jsonl "$OUT/train_${name}_metrics.jsonl"; rm -rf /tmp/row
 }
 
+profiled_row() {  # NAME ARGS...: `mfsdp train` with step 6 profiled, its median over steps 7-26, metrics, the
+  # breakdown by phase, the kernels by name and the trimmed trace (no host ops)
+  local name=$1; shift
+  rm -rf /tmp/p8b; timeout $((585 - SECONDS)) python3 -m mfsdp.cli train "$@" --train.profile_step 6 \
+    --train.out_dir /tmp/p8b > "$OUT/train_$name.log" 2>&1; echo "train $name rc=$? at ${SECONDS}s"
+  summarize_train /tmp/p8b 7..26 | tee -a "$OUT/train_$name.log"
+  cp /tmp/p8b/metrics.jsonl "$OUT/train_${name}_metrics.jsonl"
+  cp /tmp/p8b/profile/step_6_breakdown.md "$OUT/profile_${name}_ranges.md"
+  timeout 60 python3 benchmarks/trace_breakdown.py kernels /tmp/p8b/profile/step_6_rank0.json \
+    > "$OUT/profile_${name}_kernels.txt" 2>&1; head -12 "$OUT/profile_${name}_kernels.txt"
+  timeout 60 python3 benchmarks/trim_trace.py /tmp/p8b/profile/step_6_rank0.json "$OUT/trace_${name}.json.gz" \
+    --no-cpu-ops; rm -rf /tmp/p8b
+}
+
 section_peaks8b() {  # ONE GPU, <= 6 min: the measured peaks the planner's tests hold it to, after a model change
   # `mfsdp train --model.preset 8b --model.float8 tensorwise` 1 x 4096 x 4, compiled, no AC (steps 7-26 timed),
   # then --model.preset 1b at 2 x 4096 with fp32 gradients (steps 4-8).
@@ -762,15 +776,7 @@ section_flat8b() {  # ONE GPU, <= 9.5 min: issue 32's flat AdamW step at 8B, in 
     --data.path /tmp/stdlib.tokens --train.sample_tokens 0 --train.checkpoint_every 0 --train.progress false
     --train.eval_every 0 --train.steps 26 --train.save_only_model true)
   train_row 8b_bf16_fused 7..26 "${C[@]}" --train.adamw_kernel fused
-  rm -rf /tmp/p8b; timeout $((585 - SECONDS)) python3 -m mfsdp.cli train "${C[@]}" --train.profile_step 6 \
-    --train.out_dir /tmp/p8b > "$OUT/train_8b_bf16_flat.log" 2>&1; echo "train 8b_bf16_flat rc=$? at ${SECONDS}s"
-  summarize_train /tmp/p8b 7..26 | tee -a "$OUT/train_8b_bf16_flat.log"
-  cp /tmp/p8b/metrics.jsonl "$OUT/train_8b_bf16_flat_metrics.jsonl"
-  cp /tmp/p8b/profile/step_6_breakdown.md "$OUT/profile_8b_bf16_flat_ranges.md"
-  timeout 60 python3 benchmarks/trace_breakdown.py kernels /tmp/p8b/profile/step_6_rank0.json \
-    > "$OUT/profile_8b_bf16_flat_kernels.txt" 2>&1; head -12 "$OUT/profile_8b_bf16_flat_kernels.txt"
-  timeout 60 python3 benchmarks/trim_trace.py /tmp/p8b/profile/step_6_rank0.json "$OUT/trace_8b_bf16_flat.json.gz" \
-    --no-cpu-ops; rm -rf /tmp/p8b
+  profiled_row 8b_bf16_flat "${C[@]}"
   train_row 8b_fp8_flat 7..26 "${C[@]}" --model.float8 tensorwise
   if [ $((585 - SECONDS)) -ge 150 ]; then
     IMPL_TIMEOUT=$((560 - SECONDS)) bench "$ROOT" fsdp2 --preset 8b --local-batch 1 --seq 4096 --microbatches 4 --ac \
@@ -796,6 +802,25 @@ section_final9() {  # ONE GPU, <= 8 min, a session's last call: the GPU suite on
     [ $name = fp8_high ] && args=(--model.float8 tensorwise)
     train_row 8b_$name 7..14 "${C[@]}" "${args[@]}"
   done
+}
+
+section_keep10() {  # ONE GPU, <= 9.5 min: issue 32's kept gathers at 8B, in one job: `mfsdp train --model.preset 8b`
+  # 1 x 4096 x 4, compiled, no AC, flat AdamW, steps 7-26 timed: FP8 tensorwise with every block's gather kept
+  # (step 6 profiled: ranges, kernels, trimmed trace), bf16 with 16 and with 22 blocks kept; then FSDP2's best
+  # fitting bf16 setting at the same shape (AC, bf16 reduction) if time is left.
+  nvidia-smi --query-gpu=memory.used,memory.total --format=csv | tee "$OUT/nvidia_smi.txt"
+  python3 -m mfsdp.cli prepare-data stdlib /tmp/stdlib.tokens > /dev/null 2>&1
+  local C=(--nproc-per-node 1 --model.preset 8b --data.local_batch 1 --data.seq_len 4096 --data.microbatches 4
+    --data.path /tmp/stdlib.tokens --train.sample_tokens 0 --train.checkpoint_every 0 --train.progress false
+    --train.eval_every 0 --train.steps 26 --train.save_only_model true --train.adamw_kernel flat)
+  profiled_row 8b_fp8_keep32 "${C[@]}" --model.float8 tensorwise --parallel.keep_gathered_blocks 32
+  train_row 8b_bf16_keep16 7..26 "${C[@]}" --parallel.keep_gathered_blocks 16
+  train_row 8b_bf16_keep22 7..26 "${C[@]}" --parallel.keep_gathered_blocks 22
+  if [ $((585 - SECONDS)) -ge 150 ]; then
+    IMPL_TIMEOUT=$((560 - SECONDS)) bench "$ROOT" fsdp2 --preset 8b --local-batch 1 --seq 4096 --microbatches 4 --ac \
+      --compile --steps 6 --warmup 2 --grad-reduce-dtype bf16
+    grep -h '^| fsdp2 ' "$OUT/bench.log"
+  else echo "fsdp2 row skipped: $((585 - SECONDS)) s left"; fi
 }
 
 section_curves1b() {  # ONE GPU, <= 4 min: the FP8 loss curve at 1b, 300 steps, beside bf16 (issue 32)

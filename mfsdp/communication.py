@@ -45,6 +45,13 @@ class CommunicationPolicy:
     them: GEMMs hold every SM, and at equal priority a side-stream kernel is starved until its consumer
     blocks (``benchmarks/results/2026-12-03_h200x1_session9``). Off by default until a GPU measures
     its gain. Read from the root."""
+    keep_gathered: bool = False
+    """This module's gathered weights stay in memory from its first gather until the main weights
+    change (an optimizer step, a load, ``refresh_model_weights``), instead of being freed after every
+    forward and backward. With M microbatches per step that is one gather per step instead of 2M:
+    on one GPU one cast (or FP8 encode) instead of 2M, on several one all-gather. The price is the
+    module's whole gathered weights resident through the step (``mfsdp.memory`` counts them), and
+    a module that keeps its gather never shares a ``double_buffer`` slot. Applies per module."""
     coalesce: bool = True
     """False issues one collective launch per parameter instead of one coalesced launch per group:
     only for debugging or backends without coalescing."""

@@ -36,7 +36,8 @@ def test_cuda_parity_2d(kind):
 
 @requires_cuda
 @pytest.mark.parametrize("comm", [{"unify_streams": True}, {"overlap": False}, {"prefetch_depth": 2},
-                                  {"double_buffer": True}, {"double_buffer": True, "prefetch_depth": 2}])
+                                  {"double_buffer": True}, {"double_buffer": True, "prefetch_depth": 2},
+                                  {"keep_gathered": True}, {"keep_gathered": True, "double_buffer": True}])
 def test_cuda_communication_options(cuda_world, comm):
     _check(cuda_world.run(train_parity, kind="zero3", opt="adamw", mb=2, device="cuda", delay=True, comm=comm))
 

@@ -49,7 +49,7 @@ def estimate(model_or_config, *, world_size: Optional[int] = None, mesh_shape: O
              tensor_parallel: Union[int, TensorParallel] = 1, tp_in_process: bool = False,
              float8: str = "none", device: str = "cuda", offload_fraction: float = 0.0,
              offload_overlap: str = "step", compiled: bool = False, head_loss: str = "plain",
-             compiled_head: bool = False) -> MemoryEstimate:
+             compiled_head: bool = False, keep_gathered_blocks: int = 0) -> MemoryEstimate:
     """Predict one rank's memory over a training step and its peak.
 
     ``model_or_config``: a bundled preset name ("8b", "moe-1b"), a ``LlamaConfig``, a model built on
@@ -75,6 +75,8 @@ def estimate(model_or_config, *, world_size: Optional[int] = None, mesh_shape: O
     ``compiled_head``: the bundled Llama's head loss does too (``measure_llama``), as in ``mfsdp train``.
     ``head_loss``: the bundled Llama's loss, "plain" or "fused" (``Llama.set_head_loss``), measured
     as that model computes it, in its head's forward; a Hugging Face model returns logits (plain).
+    ``keep_gathered_blocks``: that many of the last blocks keep their gathered weights through the step
+    (``ParallelizeConfig.keep_gathered_blocks``, by its rule ``kept_blocks``), resident in every phase.
     ``foreach`` / ``flat_adamw``: AdamW's kernels (``fully_shard_optimizer(flat_adamw=)``), which
     decide the step's transient (``mfsdp.optimizer.step_transient_bytes``).
     """
@@ -103,12 +105,15 @@ def estimate(model_or_config, *, world_size: Optional[int] = None, mesh_shape: O
         acts = measure(local_batch, seq_len, activation_checkpointing)
     if compiled:
         acts = _compiled(acts, model, activation_checkpointing, float8, notes)
+    from mfsdp.models.parallelize import kept_blocks
+
     settings = StepSettings(placements.name, tp.size * math.prod(mesh_shape.values()), local_batch, seq_len,
                             microbatches, activation_checkpointing, optimizer, foreach,
                             prefetch_depth=comm.prefetch_depth if comm.overlap else 0,
                             prefetch_across_step=comm.prefetch_across_step and comm.overlap,
                             double_buffer=comm.double_buffer, cuda=device == "cuda", tp=tp.size, float8=float8,
-                            head_loss=head_loss, flat_adamw=flat_adamw)
+                            head_loss=head_loss, flat_adamw=flat_adamw,
+                            kept_gathered=tuple(kept_blocks(blocks, keep_gathered_blocks)))
     e = dataclasses.replace(simulate(unit_bytes, acts, settings, blocks), notes=tuple(notes))
     return offloaded(e, unit_bytes, offload_fraction, offload_overlap) if offload_fraction > 0 else e
 

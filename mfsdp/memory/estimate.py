@@ -32,7 +32,7 @@ from mfsdp.runtime.in_flight import keeps_pending
 from mfsdp.runtime.schedule import Schedule, StepKind
 
 COMPONENTS = (
-    "main weights", "optimizer states", "model weights", "gather slots", "main grads", "accumulator",
+    "main weights", "optimizer states", "model weights", "gather slots", "unsharded (kept)", "main grads", "accumulator",
     "unsharded (forward)", "unsharded (backward)", "FP8 encode staging", "module grads", "reduction staging",
     "activations (saved)", "activations (transient)", "logits and loss", "optimizer step", "workspace",
 )
@@ -82,6 +82,9 @@ class StepSettings:
     (``CommunicationPolicy.prefetch_across_step``; torch's elementwise optimizers)."""
     double_buffer: bool = False
     """Whether repeated units gather into persistent slots."""
+    kept_gathered: tuple = ()
+    """Names of the units that keep their gathered weights through the step
+    (``CommunicationPolicy.keep_gathered``): resident in every phase, and never in a slot."""
     cuda: bool = True
     """Count the CUDA workspaces (cuBLAS, two handles) that the caching allocator holds."""
     tp: int = 1
@@ -172,6 +175,9 @@ class _Walk:
         self.kind = {u.name: "root" if u is self.root else "block" if self._block_of(u) is not None
                      else "pre" if i < first else "post" for i, u in enumerate(units)}
         slot_bytes, self.in_flight = _gather_slots(units, s)
+        # A kept gather is resident from the first step on; its later gathers replace it in place.
+        kept = sum(self.in_flight[name] for name in s.kept_gathered)
+        self.in_flight.update(dict.fromkeys(s.kept_gathered, 0))
         self.gathered: dict[str, int] = {}
         self.main_grads = self.raw_grads = 0  # held through the phases: main gradients, raw ones in .grad
         self.staging_due = 0  # FP8 encode staging of the gathers issued since the last phase
@@ -179,7 +185,7 @@ class _Walk:
         # What every phase holds throughout: model state and the cuBLAS workspaces.
         total = lambda field: sum(u.total(field) for u in units)  # noqa: E731
         self.fixed = {"main weights": total("main"), "optimizer states": optimizer_state_bytes(units, s.optimizer),
-                      "model weights": total("model"), "gather slots": slot_bytes,
+                      "model weights": total("model"), "gather slots": slot_bytes, "unsharded (kept)": kept,
                       "accumulator": total("accumulator"),  # allocated on the first backward, never released
                       "workspace": CUBLAS_WORKSPACES if s.cuda else 0}
 
@@ -215,7 +221,8 @@ class _Walk:
 
 def _gather_slots(units: list[UnitBytes], s: StepSettings) -> tuple[int, dict]:
     """Persistent slot bytes, and each unit's bytes gathered through the allocator (``GatherSlots``)."""
-    gathered = [g for u in units[1:] for g in u.groups if g.gather_key is not None] if s.double_buffer else []
+    gathered = [g for u in units[1:] if u.name not in s.kept_gathered
+                for g in u.groups if g.gather_key is not None] if s.double_buffer else []
     slots = slotted(gathered, lambda g: g.gather_key, s.prefetch_depth)
     bound = {id(g) for v in slots.values() for g in v}
     slot_bytes = sum(per_group[0].unsharded for per_group in slots.values()) * (s.prefetch_depth + 1)

@@ -108,6 +108,8 @@ class PlannedRun:
     a benchmark loop that computes the loss eagerly sets False)."""
     flat_adamw: bool = False
     """AdamW steps each group flat (``mfsdp.flat_adamw``), with no transient at the step."""
+    keep_gathered_blocks: int = 0
+    """The last blocks that keep their gathered weights through the step (``kept_blocks``)."""
 
     @property
     def hf(self) -> bool:
@@ -165,7 +167,8 @@ def estimate_run(run: PlannedRun, world: int, setting: Optional[Setting] = None,
                     compute_dtype=run.compute_dtype, expert_units=run.expert_units, tensor_parallel=tp,
                     tp_in_process=tp_in_process, float8=run.float8, foreach=run.foreach, compiled=run.compiled,
                     compiled_head=run.compiled if run.compiled_head is None else run.compiled_head,
-                    head_loss=run.head_loss, flat_adamw=run.flat_adamw)
+                    head_loss=run.head_loss, flat_adamw=run.flat_adamw,
+                    keep_gathered_blocks=run.keep_gathered_blocks)
 
 
 def candidates(run: PlannedRun) -> list[Setting]:

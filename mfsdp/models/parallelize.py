@@ -21,6 +21,7 @@ norms.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -57,6 +58,10 @@ class ParallelizeConfig:
     with FP8 all-gather, or rowwise, gathered in the compute dtype); needs torchao."""
     communication: "mfsdp.CommunicationPolicy | None" = None
     """How every unit's collectives are scheduled (streams, prefetch); None keeps the core's default."""
+    keep_gathered_blocks: int = 0
+    """How many blocks, the last ones (``kept_blocks``), keep their gathered weights through the step
+    (``CommunicationPolicy.keep_gathered``): one gather per step instead of two per microbatch, for
+    their compute-dtype (FP8: float8) weights resident throughout."""
     compile: bool = False
     """torch.compile each block (``nn.Module.compile``, inductor). The sharding hooks stay outside
     the graphs (they are ``torch.compiler.disable``d), so each block compiles to one graph per
@@ -68,6 +73,8 @@ class ParallelizeConfig:
                              "zero1, ddp, hsdp or hfsdp, or pass a mfsdp.Placements")
         if self.float8 not in FLOAT8_CHOICES:
             raise ValueError(f"unknown float8 {self.float8!r}; use {', '.join(FLOAT8_CHOICES)}")
+        if not isinstance(self.keep_gathered_blocks, int) or self.keep_gathered_blocks < 0:
+            raise ValueError(f"keep_gathered_blocks must be an int >= 0, got {self.keep_gathered_blocks!r}")
 
 
 def resolve_placements(placements: "str | mfsdp.Placements") -> "mfsdp.Placements":
@@ -124,9 +131,11 @@ def parallelize(model: Llama, mesh: DeviceMesh, config: ParallelizeConfig) -> Ll
     if config.activation_checkpointing:
         model.set_activation_checkpointing(True)
     # Bottom-up: each unit before the root claims the rest (the final norm).
+    kept = {id(b) for b in kept_blocks(list(model.layers), config.keep_gathered_blocks)}
+    keeping = dataclasses.replace(config.communication or mfsdp.CommunicationPolicy(), keep_gathered=True)
     for unit in sharding_units(model, expert_units=config.expert_units):
         mfsdp.fully_shard(unit, mesh, placements, mixed_precision_policy=config.mixed_precision,
-                          communication_policy=config.communication)
+                          communication_policy=keeping if id(unit) in kept else config.communication)
     mfsdp.fully_shard(model, mesh, placements, mixed_precision_policy=config.mixed_precision,
                       communication_policy=config.communication)
     if config.compile:
@@ -139,6 +148,16 @@ def compile_modules(modules) -> None:
     the bundled models and the Hugging Face ones: the unit modules, the blocks, are what compiles."""
     for module in modules:
         module.compile()
+
+
+def kept_blocks(blocks: list, count: int) -> list:
+    """The blocks that keep their gathered weights through the step (``keep_gathered_blocks``): the
+    last ``count``, whose backward follows their forward soonest. The one rule, which ``mfsdp.memory``
+    plans with too (over block names)."""
+    if not 0 <= count <= len(blocks):
+        raise ValueError(f"keep_gathered_blocks={count}, but the model has {len(blocks)} blocks; give a number "
+                         f"from 0 to {len(blocks)}")
+    return blocks[len(blocks) - count:]
 
 
 def sharding_units(model: Llama, expert_units: bool = False) -> list:

@@ -94,6 +94,8 @@ class FsdpModule:
         self._calls: list[int] = []  # per visit (``schedule.Visit``): calls whose inputs' backward is to come
         self._use_symm_mem = use_symm_mem
         self._communication_policy = communication_policy or CommunicationPolicy()
+        # CommunicationPolicy.keep_gathered: the weights tokens of the kept gather (None: none kept)
+        self._kept_tokens: Optional[list] = None
         owned, children = collect_owned_parameters(self, FsdpModule)
         self.gathers_in_backward = gathers_in_backward(self, owned)
         for child in children:
@@ -138,8 +140,21 @@ class FsdpModule:
         return self._phase is ModulePhase.IDLE
 
     def is_unsharded(self) -> bool:
-        """Whether this module's unshard was issued (prefetched or gathered) and not yet undone."""
-        return self._unshard_event is not None
+        """Whether this module's unshard was issued (prefetched or gathered) and not yet undone; a
+        kept gather (``keeps_gathered``) of weights written since does not count."""
+        return self._unshard_event is not None and not self._kept_is_stale()
+
+    def keeps_gathered(self) -> bool:
+        """Whether this module's gathered weights stay until the weights change
+        (``CommunicationPolicy.keep_gathered``)."""
+        return self._communication_policy.keep_gathered
+
+    def _kept_is_stale(self) -> bool:
+        """A kept gather whose source was written since (a step, a load, a reported edit)."""
+        return self._kept_tokens is not None and self._kept_tokens != self._weights_tokens()
+
+    def _weights_tokens(self) -> list:
+        return [group.weights_token() for group in self._parameter_groups]
 
     def fsdp_parent(self) -> Optional["FsdpModule"]:
         """The nearest FSDP module above this one (None for a root)."""
@@ -409,7 +424,9 @@ class FsdpModule:
         states are the same on every rank at the same point of the walk, so is the decision).
         """
         if self._unshard_event is not None:
-            return True
+            if not self._kept_is_stale():
+                return True  # gathered already, or kept from an earlier gather of these weights
+            self._release()  # kept, but the weights changed since: gather afresh
         if prefetch and not all(group.can_unshard() for group in self._parameter_groups):
             return False
         stream = self.context.allgather_stream
@@ -418,6 +435,8 @@ class FsdpModule:
                 group.refresh_if_stale(stream)
                 group.unshard(stream)
             self._unshard_event = stream.record_event() if stream is not None else _CPU_READY
+            if self.keeps_gathered():
+                self._kept_tokens = self._weights_tokens()
         return True
 
     def _use_for_compute(self) -> None:
@@ -430,9 +449,13 @@ class FsdpModule:
             group.use_unsharded_params()
 
     def reshard(self) -> None:
-        """Release unsharded storage once compute is done; the next user gathers afresh."""
-        if self._unshard_event is None:
+        """Release unsharded storage once compute is done; the next user gathers afresh. A module
+        that keeps its gather (``keeps_gathered``) releases it only once the weights have changed."""
+        if self._unshard_event is None or (self._kept_tokens is not None and not self._kept_is_stale()):
             return
+        self._release()
+
+    def _release(self) -> None:
         ctx = self.context
         stream = ctx.allgather_stream
         with record_function(self._nvtx_label("reshard")):
@@ -441,6 +464,7 @@ class FsdpModule:
             for group in self._parameter_groups:
                 group.reshard(stream)
         self._unshard_event = None
+        self._kept_tokens = None
 
     def _use_sharded_params(self) -> None:
         for group in self._parameter_groups:
@@ -500,6 +524,8 @@ def build_context(root: FsdpModule) -> FsdpContext:
     check_parameter_locations(root, FsdpModule)
     if policy.double_buffer:
         # The root keeps its weights from forward into backward, so it never shares a slot.
-        gathered = [g for _, m in modules if m is not root for g in m.parameter_groups if g.gather_key() is not None]
+        # A module that keeps its gather would hold its slot for the whole step: it keeps its own buffer.
+        gathered = [g for _, m in modules if m is not root and not m.keeps_gathered()
+                    for g in m.parameter_groups if g.gather_key() is not None]
         ctx.gather_slots = GatherSlots.build(gathered, ctx.prefetch_depth, register=root._use_symm_mem)
     return ctx

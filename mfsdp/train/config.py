@@ -388,6 +388,12 @@ class ParallelSection:
     NCCL_NVLS_ENABLE=0 (see mfsdp/train/determinism.py). Costs speed: slower attention backward
     and index ops, memory fills, and less all-reduce bandwidth on NVSwitch systems; a model op
     with no deterministic kernel stops the run with torch's error naming it."""
+    keep_gathered_blocks: int = 0
+    """How many of the last blocks keep their gathered weights through the step instead of gathering
+    again for every forward and backward (``CommunicationPolicy.keep_gathered``): one gather per step
+    instead of two per microbatch. Each costs one block's compute-dtype (FP8: float8) weights resident
+    throughout; the memory check counts them. On one GPU a gather is a cast (or an FP8 encode) that
+    runs serially with the compute, so this is where it pays most."""
     high_priority_streams: bool = False
     """Run the gathers and gradient reductions on high-priority CUDA streams
     (``CommunicationPolicy.high_priority_streams``): their kernels get SMs between the compute
@@ -407,6 +413,8 @@ class ParallelSection:
 
     def __post_init__(self) -> None:
         require(self.collective_timeout_s > 0, "parallel.collective_timeout_s must be positive")
+        require(self.keep_gathered_blocks >= 0,
+                f"parallel.keep_gathered_blocks must be >= 0, got {self.keep_gathered_blocks}")
         _one_of(self, "offload", OFFLOAD_CHOICES)
         require(0.0 < self.offload_fraction <= 1.0,
                  f"parallel.offload_fraction must be in (0, 1], got {self.offload_fraction}")
@@ -458,6 +466,7 @@ class RunConfig:
         problem = float8_placement_problem(self.model.float8, self.parallel.placements)
         require(problem is None, problem)
         self._resolve_route()
+        self._check_kept_blocks()
         # The one place the recipe's unset fields (None) become the recipe's values: every reader of
         # cfg.train (the optimizer, the schedule, the checkpoint's meta.json) sees numbers.
         t = self.train
@@ -477,6 +486,16 @@ class RunConfig:
                  f"{m.hf} ({why}); use --model.float8 none")
         if m.hf_impl == "auto":
             object.__setattr__(self, "model", m.on_manager() if why else dataclasses.replace(m, hf_impl="bundled"))
+
+    def _check_kept_blocks(self) -> None:
+        kept = self.parallel.keep_gathered_blocks
+        if not kept:
+            return
+        require(not self.model.uses_manager, f"--parallel.keep_gathered_blocks applies to the bundled Llama; "
+                 f"{self.model.hf} trains through the manager here. Use --parallel.keep_gathered_blocks 0")
+        blocks = self.model.llama_config(self.data.seq_len).n_layers
+        require(kept <= blocks, f"--parallel.keep_gathered_blocks {kept}, but the model has {blocks} blocks; give "
+                 f"a number from 0 to {blocks}")
 
     def loads_weights(self) -> bool:
         """Whether the run starts from pretrained weights: --model.hf DIR with safetensors there, and

@@ -45,7 +45,8 @@ def planned_run(cfg: RunConfig) -> plan.PlannedRun:
         cfg.model.hf if cfg.model.uses_manager else cfg.llama_config(), setting, d.seq_len, grads,
         cfg.main_grads_name("cuda"), p.replicate, cfg.compute_dtype("cuda"), cfg.grad_comm_dtype(),
         p.expert_units, cfg.model.float8, not cfg.train.fused_adamw("cuda"), cfg.compiles("cuda"),
-        cfg.train.async_checkpoint_on("cuda"), cfg.model.head_loss, flat_adamw=cfg.train.flat_adamw("cuda"))
+        cfg.train.async_checkpoint_on("cuda"), cfg.model.head_loss, flat_adamw=cfg.train.flat_adamw("cuda"),
+        keep_gathered_blocks=p.keep_gathered_blocks)
 
 
 def main(argv: list[str]) -> int:
