@@ -823,6 +823,24 @@ section_keep10() {  # ONE GPU, <= 9.5 min: issue 32's kept gathers at 8B, in one
   else echo "fsdp2 row skipped: $((585 - SECONDS)) s left"; fi
 }
 
+section_curves8b() {  # ONE GPU, <= 9.5 min: issue 32's FP8 loss curve at 8B, 60 steps beside bf16 (1 x 4096 x 4, the
+  # defaults of `mfsdp train`: compiled, no AC, kept gathers "auto"); their speed over steps 7-60; then FSDP2's best
+  # fitting bf16 setting at the same shape (AC, bf16 reduction) in the same job if time is left
+  GPUS=1 STEPS=60 PRESET=8b LOCAL_BATCH=1 MICROBATCHES=4 timeout 420 bash benchmarks/fp8_loss_curves.sh /tmp/curves8b \
+    > "$OUT/curves8b.log" 2>&1; echo "curves8b rc=$? at ${SECONDS}s"; grep -v "^W1" "$OUT/curves8b.log" | grep -i "auto\|final\|error" | tail -8
+  mkdir -p "$OUT/curves8b"; cp /tmp/curves8b/fp8_vs_bf16.* "$OUT/curves8b/" 2>/dev/null
+  for r in none tensorwise; do
+    summarize_train /tmp/curves8b/$r 7..60 | tee -a "$OUT/curves8b.log"
+    cp /tmp/curves8b/$r/metrics.jsonl "$OUT/curves8b/${r}_metrics.jsonl" 2>/dev/null
+  done
+  rm -rf /tmp/curves8b
+  if [ $((585 - SECONDS)) -ge 150 ]; then
+    IMPL_TIMEOUT=$((560 - SECONDS)) bench "$ROOT" fsdp2 --preset 8b --local-batch 1 --seq 4096 --microbatches 4 --ac \
+      --compile --steps 6 --warmup 2 --grad-reduce-dtype bf16
+    grep -h '^| fsdp2 ' "$OUT/bench.log"
+  else echo "fsdp2 row skipped: $((585 - SECONDS)) s left"; fi
+}
+
 section_curves1b() {  # ONE GPU, <= 4 min: the FP8 loss curve at 1b, 300 steps, beside bf16 (issue 32)
   GPUS=1 STEPS=300 PRESET=1b timeout 400 bash benchmarks/fp8_loss_curves.sh /tmp/curves1b > "$OUT/curves1b.log" 2>&1
   echo "curves1b rc=$?"; tail -8 "$OUT/curves1b.log"

@@ -4,6 +4,7 @@ step and is made afresh once the weights change (CPU, gloo)."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -188,3 +189,34 @@ def test_float8_kept_gathers_on_cuda(cuda_world):
     from test_float8 import BLOCKS
 
     assert cuda_world.run(float8_parity, device="cuda")[0] == [BLOCKS] * 4
+
+
+def test_auto_keeps_what_fits_on_one_gpu_and_nothing_elsewhere(monkeypatch):
+    """``--parallel.keep_gathered_blocks auto`` (the default): on one GPU the most blocks with which the
+    planner still fits the run in the allocator's margin (more memory, fewer; one more does not fit);
+    on several GPUs, on CPU and for a number given, the setting stays as given (auto: none)."""
+    from mfsdp.memory.plan import estimate_run
+    from mfsdp.train import preflight
+    from mfsdp.train.config import ConfigError, load_config
+    from mfsdp.train.plan import planned_run
+
+    args = ["--model.preset", "8b", "--data.seq_len", "4096", "--data.local_batch", "1", "--data.microbatches", "4"]
+    cfg = load_config(args)
+    assert cfg.parallel.keep_gathered_blocks == "auto" and cfg.parallel.kept_blocks() == 0
+    lines = []
+    cuda, gib = torch.device("cuda"), 2 ** 30
+
+    def resolve(memory_gib, world=1, given=cfg):
+        monkeypatch.setattr(preflight, "device_memory", lambda device: int(memory_gib * gib))
+        return preflight.resolve_kept_blocks(given, world, cuda, lines.append).parallel.kept_blocks()
+
+    small, large = resolve(139.8), resolve(160)
+    assert 0 < small < large == 32, (small, large)
+    run = planned_run(cfg)
+    fits = lambda n: estimate_run(dataclasses.replace(run, keep_gathered_blocks=n), 1).fit(int(139.8 * gib))  # noqa: E731
+    assert fits(small) == "fits" and fits(small + 1) != "fits"
+    assert f"the last {small} of 32 blocks keep their gathers" in lines[0], lines
+    assert resolve(139.8, world=8) == 0 and resolve(160, given=load_config([*args, "--parallel.keep_gathered_blocks", "3"])) == 3
+    assert preflight.resolve_kept_blocks(cfg, 1, torch.device("cpu"), print).parallel.kept_blocks() == 0
+    with pytest.raises(ConfigError, match="must be auto or a number"):
+        load_config(["--parallel.keep_gathered_blocks", "many"])

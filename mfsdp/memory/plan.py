@@ -321,6 +321,22 @@ def offload_note(setting: Setting, e: MemoryEstimate) -> str:
     return f"   [host {gib(sum(e.host_bytes.values()))} GiB per rank, ~{exposed:.2f} s CPU exposed per step{slower}]"
 
 
+def kept_blocks_that_fit(run: PlannedRun, world: int, gpu_bytes: int, blocks: int) -> int:
+    """``mfsdp train --parallel.keep_gathered_blocks auto``: the most of the ``blocks`` blocks that may
+    keep their gathers with the run still fitting ``gpu_bytes`` with the allocator's margin (0 if none
+    does). Kept blocks only add memory, so the count that fits is found by bisection."""
+    def fits(n: int) -> bool:
+        return estimate_run(dataclasses.replace(run, keep_gathered_blocks=n), world).fit(gpu_bytes) == "fits"
+
+    low, high = 0, blocks  # fits(low) is assumed (checked by the memory check), high is the upper end
+    if fits(high):
+        return high
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid)
+    return low
+
+
 def offload_fraction_that_fits(run: PlannedRun, world: int, gpu_bytes: int) -> Optional[float]:
     """``mfsdp train --parallel.offload auto``: the smallest offload fraction (0: none) with which
     the run's own setting fits, or None if none does."""

@@ -50,7 +50,7 @@ def build_bundled(cfg: RunConfig, device: torch.device, compute: torch.dtype, wo
         placements=p.placements, mixed_precision=policy, float8=cfg.model.float8, compile=cfg.compiles(device.type),
         communication=communication_policy(p),
         activation_checkpointing=p.activation_checkpointing, expert_units=p.expert_units,
-        keep_gathered_blocks=p.keep_gathered_blocks))
+        keep_gathered_blocks=p.kept_blocks()))
     materialize_and_init(model, device, cfg.train.seed)
     log(f"model built and initialised shard by shard: {shard_numel(model) / 1e6:,.1f}M parameters on this "
         f"rank, peak memory {peak_memory_gib(device):.2f} GiB")

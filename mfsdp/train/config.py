@@ -388,12 +388,13 @@ class ParallelSection:
     NCCL_NVLS_ENABLE=0 (see mfsdp/train/determinism.py). Costs speed: slower attention backward
     and index ops, memory fills, and less all-reduce bandwidth on NVSwitch systems; a model op
     with no deterministic kernel stops the run with torch's error naming it."""
-    keep_gathered_blocks: int = 0
+    keep_gathered_blocks: str = "auto"
     """How many of the last blocks keep their gathered weights through the step instead of gathering
     again for every forward and backward (``CommunicationPolicy.keep_gathered``): one gather per step
     instead of two per microbatch. Each costs one block's compute-dtype (FP8: float8) weights resident
-    throughout; the memory check counts them. On one GPU a gather is a cast (or an FP8 encode) that
-    runs serially with the compute, so this is where it pays most."""
+    throughout; the memory check counts them. A number, or "auto": on one GPU, where a gather is a
+    cast (or an FP8 encode) that runs serially with the compute, as many as the planner fits with
+    the allocator's margin; elsewhere none (``mfsdp plan`` plans "auto" as none)."""
     high_priority_streams: bool = False
     """Run the gathers and gradient reductions on high-priority CUDA streams
     (``CommunicationPolicy.high_priority_streams``): their kernels get SMs between the compute
@@ -411,10 +412,14 @@ class ParallelSection:
     """With --parallel.offload optimizer: the share of units offloaded, in (0, 1], counted from
     those whose gradients finish first in backward (the last blocks and the head)."""
 
+    def kept_blocks(self) -> int:
+        """``keep_gathered_blocks`` as a number ("auto" before preflight resolves it: none)."""
+        return 0 if self.keep_gathered_blocks == "auto" else int(self.keep_gathered_blocks)
+
     def __post_init__(self) -> None:
         require(self.collective_timeout_s > 0, "parallel.collective_timeout_s must be positive")
-        require(self.keep_gathered_blocks >= 0,
-                f"parallel.keep_gathered_blocks must be >= 0, got {self.keep_gathered_blocks}")
+        require(self.keep_gathered_blocks == "auto" or (self.keep_gathered_blocks.isdigit()),
+                f"parallel.keep_gathered_blocks must be auto or a number >= 0, got {self.keep_gathered_blocks!r}")
         _one_of(self, "offload", OFFLOAD_CHOICES)
         require(0.0 < self.offload_fraction <= 1.0,
                  f"parallel.offload_fraction must be in (0, 1], got {self.offload_fraction}")
@@ -488,7 +493,7 @@ class RunConfig:
             object.__setattr__(self, "model", m.on_manager() if why else dataclasses.replace(m, hf_impl="bundled"))
 
     def _check_kept_blocks(self) -> None:
-        kept = self.parallel.keep_gathered_blocks
+        kept = self.parallel.kept_blocks()
         if not kept:
             return
         require(not self.model.uses_manager, f"--parallel.keep_gathered_blocks applies to the bundled Llama; "

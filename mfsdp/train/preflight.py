@@ -108,7 +108,7 @@ def preflight(cfg: RunConfig, device: torch.device, log: Callable[[str], None]) 
     log(run_line(run.cfg, world, device, run.data))
     if note := run.cfg.route_note():
         log(note)
-    cfg = resolve_offload(run.cfg, world, device, log)
+    cfg = resolve_kept_blocks(resolve_offload(run.cfg, world, device, log), world, device, log)
     check_memory(cfg, world, device, log)
     return dataclasses.replace(run, cfg=cfg)
 
@@ -193,6 +193,27 @@ def resolve_offload(cfg: RunConfig, world: int, device: torch.device, log) -> Ru
     log(f"--parallel.offload auto: {'offload ' + format(fraction, 'g') + ' of the units' if fraction else 'no offload'}"
         f"{' (CPU run)' if device.type != 'cuda' else ''}")
     return dataclasses.replace(cfg, parallel=chosen)
+
+
+def resolve_kept_blocks(cfg: RunConfig, world: int, device: torch.device, log) -> RunConfig:
+    """``--parallel.keep_gathered_blocks auto``: on one GPU, the planner's most blocks that keep their
+    gathers with the run still fitting (a gather there is a cast or an FP8 encode that the compute
+    waits for); elsewhere, and for the manager's models, none. As a plain number."""
+    p = cfg.parallel
+    if p.keep_gathered_blocks != "auto":
+        return cfg
+    kept, blocks = 0, cfg.llama_config().n_layers if not cfg.model.uses_manager else 0
+    if device.type == "cuda" and world == 1 and blocks:
+        from mfsdp.memory.plan import kept_blocks_that_fit
+        from mfsdp.train.plan import planned_run
+
+        try:
+            kept = kept_blocks_that_fit(planned_run(cfg), world, device_memory(device), blocks)
+        except NotImplementedError as err:  # a model the planner cannot measure
+            log(f"(--parallel.keep_gathered_blocks auto: no plan, {err}; none kept)")
+        log(f"--parallel.keep_gathered_blocks auto: the last {kept} of {blocks} blocks keep their gathers "
+            "through the step (one GPU: as many as fit)")
+    return dataclasses.replace(cfg, parallel=dataclasses.replace(p, keep_gathered_blocks=str(kept)))
 
 
 def check_memory(cfg: RunConfig, world: int, device: torch.device, log) -> None:
