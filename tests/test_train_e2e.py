@@ -43,13 +43,17 @@ def _env() -> dict:
     return env
 
 
-def torchrun(*args, nproc=2, extra_launcher=(), timeout=120, **popen):
+def _torchrun_cmd(args, nproc=2, extra_launcher=()) -> list[str]:
     cmd = [sys.executable, "-m", "torch.distributed.run", *extra_launcher,
            "--nproc-per-node", str(nproc), "-m", "mfsdp.train", *args]
     if not extra_launcher:
         cmd.insert(3, "--standalone")
-    return subprocess.run(cmd, env=_env(), cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout, **popen)
+    return cmd
+
+
+def torchrun(*args, nproc=2, extra_launcher=(), timeout=120, **popen):
+    return subprocess.run(_torchrun_cmd(args, nproc, extra_launcher), env=_env(), cwd=REPO,
+                          capture_output=True, text=True, timeout=timeout, **popen)
 
 
 def single(*args):
@@ -91,25 +95,45 @@ def corpus(tmp_path_factory) -> Path:
     return out
 
 
+def start_deterministic_run(corpus: Path, out_dir: Path, *extra: str) -> subprocess.Popen:
+    """8 deterministic bf16 steps with a checkpoint at step 4, launched; ``finished`` waits for it."""
+    cmd = _torchrun_cmd([*DETERMINISTIC, "--data.path", str(corpus), "--train.steps", "8",
+                         "--train.checkpoint_every", "4", "--train.out_dir", str(out_dir), *extra])
+    return subprocess.Popen(cmd, env=_env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+
+def finished(launch: subprocess.Popen) -> str:
+    """Rank 0's output of a deterministic run that ended well."""
+    try:
+        stdout, stderr = launch.communicate(timeout=180)
+    except subprocess.TimeoutExpired:
+        launch.kill()
+        raise
+    assert launch.returncode == 0, stdout + stderr
+    assert "deterministic mode: deterministic torch algorithms" in stdout
+    return stdout
+
+
 def deterministic_run(corpus: Path, out_dir: Path, *extra: str) -> str:
-    """8 deterministic bf16 steps with a checkpoint at step 4; returns rank 0's output."""
-    run = torchrun(*DETERMINISTIC, "--data.path", str(corpus), "--train.steps", "8",
-                   "--train.checkpoint_every", "4", "--train.out_dir", str(out_dir), *extra)
-    assert run.returncode == 0, run.stdout + run.stderr
-    assert "deterministic mode: deterministic torch algorithms" in run.stdout
-    return run.stdout
+    return finished(start_deterministic_run(corpus, out_dir, *extra))
 
 
 @pytest.fixture(scope="module")
 def deterministic_runs(corpus, tmp_path_factory):
     """Two uninterrupted deterministic runs, each with a sample at the end: (directory, rank 0's
     output) of each, shared by the tests below; the first is also the baseline run whose outputs
-    the next test checks."""
-    runs = []
-    for name in ("first", "second"):
-        out = tmp_path_factory.mktemp(name)
-        runs.append((out, deterministic_run(corpus, out, "--train.sample_tokens", "16")))
-    return runs
+    the next test checks. The two launches run at the same time (two independent jobs on one
+    machine: each has its own rendezvous port), which a bit-for-bit agreement must survive too."""
+    outs = [tmp_path_factory.mktemp(name) for name in ("first", "second")]
+    launches = [start_deterministic_run(corpus, out, "--train.sample_tokens", "16") for out in outs]
+    try:
+        return [(out, finished(launch)) for out, launch in zip(outs, launches)]
+    finally:
+        for launch in launches:
+            if launch.poll() is None:
+                launch.kill()
+                launch.communicate()
 
 
 def test_two_process_run_writes_metrics_checkpoints_plot_and_sample(deterministic_runs):
