@@ -1,4 +1,5 @@
-"""`mfsdp train` end to end: real torchrun launches of two CPU processes.
+"""`mfsdp train` end to end: real torchrun launches of two CPU processes (and one resume in two
+ranks of a world of its own).
 
 Two deterministic runs are shared by several checks (the first is the baseline run whose
 outputs they read); every launch uses a very small model so the whole file stays well under
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from _dist import World
 from mfsdp.data import prepare
 from mfsdp.data.prepare import stdlib_source
 
@@ -115,10 +117,6 @@ def finished(launch: subprocess.Popen) -> str:
     return stdout
 
 
-def deterministic_run(corpus: Path, out_dir: Path, *extra: str) -> str:
-    return finished(start_deterministic_run(corpus, out_dir, *extra))
-
-
 @pytest.fixture(scope="module")
 def deterministic_runs(corpus, tmp_path_factory):
     """Two uninterrupted deterministic runs, each with a sample at the end: (directory, rank 0's
@@ -191,11 +189,44 @@ def test_deterministic_bf16_runs_agree_bit_for_bit(deterministic_runs):
     assert first == second  # exact float equality of every loss and gradient norm
 
 
+def worker_run(rank, world_size, argv):
+    """What each worker of ``mfsdp.train`` runs once it has joined its process group (``main``:
+    the config, deterministic mode, the preflight, the trainer), in a world's rank; rank 0 returns
+    what it printed."""
+    import contextlib
+    import io
+
+    import torch
+
+    from mfsdp.train import determinism
+    from mfsdp.train.config import load_config
+    from mfsdp.train.preflight import preflight
+    from mfsdp.train.trainer import Trainer
+
+    printed, cpu = io.StringIO(), torch.device("cpu")
+    with contextlib.redirect_stdout(printed):
+        cfg = load_config(argv)
+        determinism.apply(cfg)
+        assert Trainer(preflight(cfg, cpu, print), cpu).run() == 0
+    return printed.getvalue() if rank == 0 else None
+
+
 def test_deterministic_bf16_resume_matches_the_uninterrupted_run_bit_for_bit(
         deterministic_runs, corpus, tmp_path):
+    """The resume runs in two fresh ranks of a world of its own (forks of the test worlds'
+    forkserver, no launch; deterministic mode switches process-wide torch flags, which must not
+    reach the shared worlds): the launched run's checkpoint, resumed there, gives its losses and
+    gradient norms bit for bit. A launched resume: test_faults.py's rank-killed test."""
     uninterrupted = deterministic_runs[0][0]
     resumed = stopped_copy(uninterrupted, 4, tmp_path / "resumed")
-    assert "at step 4" in deterministic_run(corpus, resumed, "--resume")
+    own = World(2)
+    try:
+        stdout = own.run(worker_run, argv=[*DETERMINISTIC, "--data.path", str(corpus), "--train.steps", "8",
+                                           "--train.checkpoint_every", "4", "--train.out_dir", str(resumed),
+                                           "--resume"])[0]
+    finally:
+        own.close()
+    assert "deterministic mode: deterministic torch algorithms" in stdout and "at step 4" in stdout, stdout
     expected = {step: v for step, v in loss_and_grad_norm(uninterrupted).items() if step > 4}
     assert loss_and_grad_norm(resumed) == expected
 
