@@ -1,6 +1,6 @@
 """A persistent process world for tests: spawn once per test module, run many cases in it.
 
-Spawning ranks and importing torch costs seconds, so a module starts one ``World`` (gloo on CPU,
+Starting ranks and importing torch costs seconds, so a module starts one ``World`` (gloo on CPU,
 or NCCL on CUDA) and sends it cases. A case is a module-level function ``fn(rank, world_size,
 **kwargs)``; every rank runs it and the results come back as a list. A rank that raises fails the
 case with its traceback; a rank that hangs (a collective mismatch) fails it after a timeout and
@@ -26,7 +26,11 @@ import torch.multiprocessing as mp
 _TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
-def _worker(rank: int, world_size: int, backend: str, init_file: str, tasks, results, pg_timeout_s: float) -> None:
+def _worker(rank: int, world_size: int, backend: str, init_file: str, tasks, results, pg_timeout_s: float,
+            environ: dict) -> None:
+    # A rank forked from the forkserver has the server's environment: give it the parent's, as spawn does.
+    os.environ.clear()
+    os.environ.update(environ)
     sys.path.insert(0, _TESTS_DIR)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import faulthandler
@@ -117,15 +121,36 @@ class _Hung(AssertionError):
     """A case on which some rank did not answer within its timeout."""
 
 
+# What the forkserver imports once, by name (Python 3.11's forkserver ignores the parent's sys.path,
+# so only what the environment's own path reaches: torch and the mfsdp that PYTHONPATH or the
+# editable install names, not the tests' modules).
+_PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch.distributed.checkpoint", "mfsdp"]
+
+
+def fresh_process_context():
+    """The multiprocessing context of the CPU worlds' ranks: each a fork of one forkserver that has
+    imported torch, torch.distributed and mfsdp and done nothing else, so a rank starts without
+    importing them afresh as a spawned one does (seconds of CPU a rank on two cores). A forked
+    rank has the server's environment and C library state, not the parent's: ``World`` hands its
+    ranks the parent's ``os.environ``, and the worker sets its thread count as before; what the C
+    library reads at process start (glibc's ``MALLOC_*`` variables) needs ``World(..., spawn=True)``."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)  # takes effect when the server first starts
+    return ctx
+
+
 class World:
-    def __init__(self, world_size: int, backend: str = "gloo", pg_timeout_s: float = 90.0) -> None:
+    def __init__(self, world_size: int, backend: str = "gloo", pg_timeout_s: float = 90.0,
+                 spawn: bool = False) -> None:
+        """``spawn``: each rank a fresh interpreter (always so for NCCL: CUDA after a fork)."""
         self.world_size = world_size
         self.backend = backend
         self.pg_timeout_s = pg_timeout_s  # a collective mismatch fails the case after this long
+        self.spawn = spawn or backend != "gloo"
         self._start()
 
     def _start(self) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = mp.get_context("spawn") if self.spawn else fresh_process_context()
         fd, self._init_file = tempfile.mkstemp(prefix="mfsdp_world_")
         os.close(fd)
         os.unlink(self._init_file)
@@ -133,8 +158,9 @@ class World:
         self._tasks = [ctx.Queue() for _ in range(self.world_size)]
         self._results = ctx.Queue()
         self._procs = [
-            ctx.Process(target=_worker, args=(r, self.world_size, self.backend, self._init_file,
-                                              self._tasks[r], self._results, self.pg_timeout_s), daemon=True)
+            ctx.Process(target=_worker, daemon=True,
+                        args=(r, self.world_size, self.backend, self._init_file, self._tasks[r], self._results,
+                              self.pg_timeout_s, dict(os.environ)))
             for r in range(self.world_size)
         ]
         for p in self._procs:

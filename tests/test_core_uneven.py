@@ -13,6 +13,7 @@ from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import mfsdp
+from _dist import World
 from mfsdp import _compat
 from models import (Net, full_params, global_batch, loss_fn, make_mesh, make_optimizer, make_placements,
                     max_rel_error, reference_copy, shard_net)
@@ -231,11 +232,20 @@ _TWO_DP_AXES_EXPOSED = {  # kind: (head.weight's exposed mesh and placements, em
 }
 
 
+@pytest.fixture(scope="module")
+def world8():
+    """Eight ranks for this module only: the only test that needs them. Left running in the session's
+    worlds, their gloo groups' socket threads polled (~0.1 core) through every later test."""
+    w = World(8)
+    yield w
+    w.close()
+
+
 @pytest.mark.parametrize("kind,opt,mb", [pytest.param("hfsdp", "adamw", 3, marks=ordered_groups),
                                          pytest.param("zero3_2d", "sgd", 1, marks=ordered_groups),
                                          ("hsdp", "sgd", 3)])
-def test_tensor_parallel_with_two_dp_axes(world, tmp_path, kind, opt, mb):
-    for r in world(8).run(tp_two_dp_axes, kind=kind, opt=opt, mb=mb, path=str(tmp_path / "ckpt")):
+def test_tensor_parallel_with_two_dp_axes(world8, tmp_path, kind, opt, mb):
+    for r in world8.run(tp_two_dp_axes, kind=kind, opt=opt, mb=mb, path=str(tmp_path / "ckpt")):
         _check(r["steps"])
         assert r["not_chunks"] == [], r
         assert r["dcp"] == {"model": True, "optim": True, "params": True}, r

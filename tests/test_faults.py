@@ -21,6 +21,7 @@ from mfsdp.train.checkpoint import storage as ckpt
 from mfsdp.train.checkpoint import (CheckpointError, CheckpointMeta, find_latest, find_resumable,
                                     load_checkpoint, save_checkpoint)
 
+from test_eval_loss import run_trainer  # one `mfsdp train` run in a world's ranks
 from test_train_checkpoint import make as _make  # a stepped Linear and its AdamW
 from test_train_e2e import SMALL as E2E_SMALL  # the same small model; later flags win
 from test_train_e2e import _env  # the same subprocess environment
@@ -101,13 +102,11 @@ def corpus(tmp_path_factory) -> Path:
 
 
 def test_a_rank_killed_mid_step_ends_the_job_and_resume_matches_an_uninterrupted_run(
-        corpus, tmp_path):
+        world, corpus, tmp_path):
     args = ["--data.path", str(corpus), "--train.steps", "10", "--train.checkpoint_every", "3"]
-    reference = run(*args, "--train.out_dir", str(tmp_path / "reference"))
-    assert reference.returncode == 0, reference.stderr
-    # A launch's first line names the rate it trains with (the recipe's: test_train_defaults.py).
-    first = reference.stdout.splitlines()[0]
-    assert first.startswith("mfsdp train: tiny model,") and "lr 0.01 (warm-up 2 steps" in first, reference.stdout
+    # The uninterrupted run: the same trainer on two ranks of the shared world (what each worker of
+    # a launch runs after joining its process group), no launch of its own.
+    world(2).run(run_trainer, argv=[*SMALL, *args, "--train.out_dir", str(tmp_path / "reference")])
 
     out = tmp_path / "killed"
     proc = launch(*args, "--train.out_dir", str(out))
@@ -116,8 +115,11 @@ def test_a_rank_killed_mid_step_ends_the_job_and_resume_matches_an_uninterrupted
     assert sorted(pids) == [0, 1]
     os.kill(pids[1], signal.SIGKILL)
     killed_at = time.time()
-    _, err = proc.communicate(timeout=60)
+    stdout, err = proc.communicate(timeout=60)
     assert time.time() - killed_at < 60
+    # A launch's first line names the rate it trains with (the recipe's: test_train_defaults.py).
+    first = stdout.splitlines()[0]
+    assert first.startswith("mfsdp train: tiny model,") and "lr 0.01 (warm-up 2 steps" in first, stdout
     assert proc.returncode == 1
     assert "mfsdp train: error: rank 1 was lost: killed by SIGKILL" in err, err
     assert "continue from it with --resume" in err and "Traceback" not in err

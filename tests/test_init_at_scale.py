@@ -188,10 +188,10 @@ def test_no_rank_holds_the_whole_model_while_building(world):
     total = flops.param_counts(cfg)["total"]
     # A world of its own whose glibc maps every allocation over 128 KiB separately and unmaps it
     # when freed (a fixed threshold turns off glibc's adaptive one), so the peak RSS follows the
-    # live tensors instead of the heap's fragmentation.
+    # live tensors instead of the heap's fragmentation. Spawned: glibc reads it at process start.
     os.environ["MALLOC_MMAP_THRESHOLD_"] = str(128 * 1024)
     try:
-        own = World(4)
+        own = World(4, spawn=True)
     finally:
         del os.environ["MALLOC_MMAP_THRESHOLD_"]
     try:

@@ -7,10 +7,9 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import io
-import multiprocessing
 
 import pytest
-from _dist import World
+from _dist import World, fresh_process_context
 import torch
 
 from models import Net, global_batch, loss_fn, make_mesh, make_placements, shard_net
@@ -358,11 +357,15 @@ def test_tensor_parallel_activations(request):
     activation = 2 * seq * TP_SHAPE["hidden_size"] * 2  # one (batch, seq, hidden) bf16 tensor
     one = measure_hf(_hf_config(), torch.bfloat16, 2, seq, False)
     for sp, (low, high) in ((True, (0.5, 0.6)), (False, (0.6, 0.8))):
-        # The fake measurement in a fresh process too: a fake process group that an earlier test of
-        # this process made and destroyed changes what DTensor's caches hand a later mesh.
-        with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-            fake = pool.submit(fake_tp_activations, sp, seq).result(timeout=120)
-        for real in w.run(tp_activation_case, sequence_parallel=sp, seq=seq):
+        # The fake measurement in a fresh process too (a fork of the worlds' forkserver, which has
+        # only imported torch and mfsdp): a fake process group that an earlier test of this process
+        # made and destroyed changes what DTensor's caches hand a later mesh. It measures while the
+        # real run does.
+        with concurrent.futures.ProcessPoolExecutor(1, mp_context=fresh_process_context()) as pool:
+            pending = pool.submit(fake_tp_activations, sp, seq)
+            reals = w.run(tp_activation_case, sequence_parallel=sp, seq=seq)
+            fake = pending.result(timeout=120)
+        for real in reals:
             for key, value in fake.items():
                 if key in TRANSIENTS:  # the real collectives' outputs wait a little longer (see the report)
                     assert abs(value - real[key]) <= activation, (sp, key, value, real[key])

@@ -20,22 +20,38 @@ COMPILE_NOTE = "including torch.compile of the blocks"
 RUN = ["--train.steps", "3", "--train.checkpoint_every", "0", "--train.sample_tokens", "0", "--train.eval_every", "0"]
 
 
-def train(out, *args):
-    """One process, as `mfsdp train --nproc-per-node 1` starts it; returns (losses by step, stdout)."""
-    run = subprocess.run([sys.executable, "-m", "mfsdp.train", "--train.out_dir", str(out), *RUN, *args],
-                         env=_env(), cwd=REPO, capture_output=True, text=True, timeout=500)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+def start_training(out, *args) -> subprocess.Popen:
+    """One process, as `mfsdp train --nproc-per-node 1` starts it; ``finish`` waits for it."""
+    return subprocess.Popen([sys.executable, "-m", "mfsdp.train", "--train.out_dir", str(out), *RUN, *args],
+                            env=_env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finish(proc: subprocess.Popen, out):
+    """(losses by step, stdout) of a run that ``start_training`` started."""
+    try:
+        stdout, stderr = proc.communicate(timeout=500)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in rows}, run.stdout
+    return {r["step"]: r["loss"] for r in rows}, stdout
 
 
 def eager_and_compiled(world, tmp_path, *args):
     """The eager run in a world of one process (the trainer as ``mfsdp train`` runs it), the compiled
-    one in a fresh process of its own."""
-    records, eager_out = world(1).run(run_trainer, stdout=True, argv=[
-        "--train.out_dir", str(tmp_path / "eager"), *RUN, *args, "--parallel.compile", "auto"])[0]  # auto: off on CPU
+    one in a fresh process of its own, started first so that it imports and compiles on the second
+    core while the eager one trains on the first."""
+    proc = start_training(tmp_path / "compiled", *args, "--parallel.compile", "true")
+    try:
+        records, eager_out = world(1).run(run_trainer, stdout=True, argv=[
+            "--train.out_dir", str(tmp_path / "eager"), *RUN, *args, "--parallel.compile", "auto"])[0]  # auto: off on CPU
+    except BaseException:
+        proc.kill()
+        proc.communicate()
+        raise
     eager = {r["step"]: r["loss"] for r in records}
-    compiled, out = train(tmp_path / "compiled", *args, "--parallel.compile", "true")
+    compiled, out = finish(proc, tmp_path / "compiled")
     assert COMPILE_NOTE in out and COMPILE_NOTE not in eager_out, out
     return eager, compiled
 

@@ -1,4 +1,5 @@
-"""`mfsdp train` end to end: real torchrun launches of two CPU processes.
+"""`mfsdp train` end to end: real torchrun launches of two CPU processes (and one resume in two
+ranks of a world of its own).
 
 Two deterministic runs are shared by several checks (the first is the baseline run whose
 outputs they read); every launch uses a very small model so the whole file stays well under
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from _dist import World
 from mfsdp.data import prepare
 from mfsdp.data.prepare import stdlib_source
 
@@ -43,13 +45,17 @@ def _env() -> dict:
     return env
 
 
-def torchrun(*args, nproc=2, extra_launcher=(), timeout=120, **popen):
+def _torchrun_cmd(args, nproc=2, extra_launcher=()) -> list[str]:
     cmd = [sys.executable, "-m", "torch.distributed.run", *extra_launcher,
            "--nproc-per-node", str(nproc), "-m", "mfsdp.train", *args]
     if not extra_launcher:
         cmd.insert(3, "--standalone")
-    return subprocess.run(cmd, env=_env(), cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout, **popen)
+    return cmd
+
+
+def torchrun(*args, nproc=2, extra_launcher=(), timeout=120, **popen):
+    return subprocess.run(_torchrun_cmd(args, nproc, extra_launcher), env=_env(), cwd=REPO,
+                          capture_output=True, text=True, timeout=timeout, **popen)
 
 
 def single(*args):
@@ -91,25 +97,41 @@ def corpus(tmp_path_factory) -> Path:
     return out
 
 
-def deterministic_run(corpus: Path, out_dir: Path, *extra: str) -> str:
-    """8 deterministic bf16 steps with a checkpoint at step 4; returns rank 0's output."""
-    run = torchrun(*DETERMINISTIC, "--data.path", str(corpus), "--train.steps", "8",
-                   "--train.checkpoint_every", "4", "--train.out_dir", str(out_dir), *extra)
-    assert run.returncode == 0, run.stdout + run.stderr
-    assert "deterministic mode: deterministic torch algorithms" in run.stdout
-    return run.stdout
+def start_deterministic_run(corpus: Path, out_dir: Path, *extra: str) -> subprocess.Popen:
+    """8 deterministic bf16 steps with a checkpoint at step 4, launched; ``finished`` waits for it."""
+    cmd = _torchrun_cmd([*DETERMINISTIC, "--data.path", str(corpus), "--train.steps", "8",
+                         "--train.checkpoint_every", "4", "--train.out_dir", str(out_dir), *extra])
+    return subprocess.Popen(cmd, env=_env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+
+def finished(launch: subprocess.Popen) -> str:
+    """Rank 0's output of a deterministic run that ended well."""
+    try:
+        stdout, stderr = launch.communicate(timeout=180)
+    except subprocess.TimeoutExpired:
+        launch.kill()
+        raise
+    assert launch.returncode == 0, stdout + stderr
+    assert "deterministic mode: deterministic torch algorithms" in stdout
+    return stdout
 
 
 @pytest.fixture(scope="module")
 def deterministic_runs(corpus, tmp_path_factory):
     """Two uninterrupted deterministic runs, each with a sample at the end: (directory, rank 0's
     output) of each, shared by the tests below; the first is also the baseline run whose outputs
-    the next test checks."""
-    runs = []
-    for name in ("first", "second"):
-        out = tmp_path_factory.mktemp(name)
-        runs.append((out, deterministic_run(corpus, out, "--train.sample_tokens", "16")))
-    return runs
+    the next test checks. The two launches run at the same time (two independent jobs on one
+    machine: each has its own rendezvous port), which a bit-for-bit agreement must survive too."""
+    outs = [tmp_path_factory.mktemp(name) for name in ("first", "second")]
+    launches = [start_deterministic_run(corpus, out, "--train.sample_tokens", "16") for out in outs]
+    try:
+        return [(out, finished(launch)) for out, launch in zip(outs, launches)]
+    finally:
+        for launch in launches:
+            if launch.poll() is None:
+                launch.kill()
+                launch.communicate()
 
 
 def test_two_process_run_writes_metrics_checkpoints_plot_and_sample(deterministic_runs):
@@ -167,11 +189,44 @@ def test_deterministic_bf16_runs_agree_bit_for_bit(deterministic_runs):
     assert first == second  # exact float equality of every loss and gradient norm
 
 
+def worker_run(rank, world_size, argv):
+    """What each worker of ``mfsdp.train`` runs once it has joined its process group (``main``:
+    the config, deterministic mode, the preflight, the trainer), in a world's rank; rank 0 returns
+    what it printed."""
+    import contextlib
+    import io
+
+    import torch
+
+    from mfsdp.train import determinism
+    from mfsdp.train.config import load_config
+    from mfsdp.train.preflight import preflight
+    from mfsdp.train.trainer import Trainer
+
+    printed, cpu = io.StringIO(), torch.device("cpu")
+    with contextlib.redirect_stdout(printed):
+        cfg = load_config(argv)
+        determinism.apply(cfg)
+        assert Trainer(preflight(cfg, cpu, print), cpu).run() == 0
+    return printed.getvalue() if rank == 0 else None
+
+
 def test_deterministic_bf16_resume_matches_the_uninterrupted_run_bit_for_bit(
         deterministic_runs, corpus, tmp_path):
+    """The resume runs in two fresh ranks of a world of its own (forks of the test worlds'
+    forkserver, no launch; deterministic mode switches process-wide torch flags, which must not
+    reach the shared worlds): the launched run's checkpoint, resumed there, gives its losses and
+    gradient norms bit for bit. A launched resume: test_faults.py's rank-killed test."""
     uninterrupted = deterministic_runs[0][0]
     resumed = stopped_copy(uninterrupted, 4, tmp_path / "resumed")
-    assert "at step 4" in deterministic_run(corpus, resumed, "--resume")
+    own = World(2)
+    try:
+        stdout = own.run(worker_run, argv=[*DETERMINISTIC, "--data.path", str(corpus), "--train.steps", "8",
+                                           "--train.checkpoint_every", "4", "--train.out_dir", str(resumed),
+                                           "--resume"])[0]
+    finally:
+        own.close()
+    assert "deterministic mode: deterministic torch algorithms" in stdout and "at step 4" in stdout, stdout
     expected = {step: v for step, v in loss_and_grad_norm(uninterrupted).items() if step > 4}
     assert loss_and_grad_norm(resumed) == expected
 
