@@ -227,18 +227,15 @@ def _resolve(obj, dtype, seq_len, expert_units, tp: TensorParallel, tp_mesh, flo
 
 
 def _llama(cfg, dtype, seq_len, expert_units, model=None, float8="none", head_loss="plain", compiled_head=False):
-    from mfsdp.models import build_model
     from mfsdp.models.parallelize import sharding_units
 
     cfg = dataclasses.replace(cfg, max_seq_len=max(cfg.max_seq_len, seq_len))
-    given = model is not None
     if model is None:
-        with torch.device("meta"):
-            model = build_model(cfg, dtype=dtype)
+        model = _meta_llama(cfg, dtype)
     dtype = next(model.parameters()).dtype
     notes = []
     if float8 != "none":
-        model = _float8_model(model, float8, copy_first=given)
+        model = _float8_model(model, float8)
         notes.append(_float8_note(model, float8))
     units = sharding_units(model, expert_units=expert_units)
     blocks = [f"layers.{i}" for i in range(len(model.layers))]
@@ -255,6 +252,17 @@ def _llama(cfg, dtype, seq_len, expert_units, model=None, float8="none", head_lo
                             functools.partial(measure_llama, cfg, dtype, batch, seq, ac, float8, head_loss,
                                               compiled_head))
     return model, units, blocks, acts, notes
+
+
+@functools.lru_cache(maxsize=8)
+def _meta_llama(cfg, dtype: torch.dtype) -> nn.Module:
+    """The bundled Llama of ``cfg`` on the meta device, built once per shape: a search (``mfsdp plan``,
+    ``--parallel.offload auto``, ``--parallel.keep_gathered_blocks auto``) estimates dozens of settings of
+    one model, and building the 8B one costs more than the rest of an estimate. Read only."""
+    from mfsdp.models import build_model
+
+    with torch.device("meta"):
+        return build_model(cfg, dtype=dtype)
 
 
 _ACTS: dict = {}
@@ -277,15 +285,15 @@ def _cached_acts(key, measure) -> ActivationProfile:
 
 
 @functools.lru_cache(maxsize=64)
-def _float8_model(model: nn.Module, recipe: str, copy_first: bool) -> nn.Module:
-    """The meta model with its linears converted as ``parallelize(float8=recipe)`` converts them
-    (``convert_to_float8``: tensorwise tags the weights for FP8 all-gather); ``copy_first`` (the
-    caller's model) converts a copy. A model already converted is used as it is."""
+def _float8_model(model: nn.Module, recipe: str) -> nn.Module:
+    """A copy of the meta model (the caller's, or the shared ``_meta_llama``) with its linears converted
+    as ``parallelize(float8=recipe)`` converts them (``convert_to_float8``: tensorwise tags the weights
+    for FP8 all-gather). A model already converted is used as it is."""
     from mfsdp.float8 import _torchao, convert_to_float8
 
     if any(isinstance(m, _torchao()["Float8Linear"]) for m in model.modules()):
         return model
-    model = copy.deepcopy(model) if copy_first else model
+    model = copy.deepcopy(model)
     convert_to_float8(model, recipe, fp8_all_gather=recipe == "tensorwise")
     return model
 
