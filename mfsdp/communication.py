@@ -51,7 +51,9 @@ class CommunicationPolicy:
     forward and backward. With M microbatches per step that is one gather per step instead of 2M:
     on one GPU one cast (or FP8 encode) instead of 2M, on several one all-gather. The price is the
     module's whole gathered weights resident through the step (``mfsdp.memory`` counts them), and
-    a module that keeps its gather never shares a ``double_buffer`` slot. Applies per module."""
+    a module that keeps its gather never shares a ``double_buffer`` slot. An in-place edit of the
+    main weights outside the optimizer is reported with ``refresh_model_weights``, as for the compute
+    copies that ZeRO-1/2 and HFSDP keep. Applies per module."""
     coalesce: bool = True
     """False issues one collective launch per parameter instead of one coalesced launch per group:
     only for debugging or backends without coalescing."""

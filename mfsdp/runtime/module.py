@@ -94,8 +94,8 @@ class FsdpModule:
         self._calls: list[int] = []  # per visit (``schedule.Visit``): calls whose inputs' backward is to come
         self._use_symm_mem = use_symm_mem
         self._communication_policy = communication_policy or CommunicationPolicy()
-        # CommunicationPolicy.keep_gathered: the weights tokens of the kept gather (None: none kept)
-        self._kept_tokens: Optional[list] = None
+        # CommunicationPolicy.keep_gathered: the weights epochs of the kept gather (None: none kept)
+        self._kept_epochs: Optional[tuple] = None
         owned, children = collect_owned_parameters(self, FsdpModule)
         self.gathers_in_backward = gathers_in_backward(self, owned)
         for child in children:
@@ -150,11 +150,13 @@ class FsdpModule:
         return self._communication_policy.keep_gathered
 
     def _kept_is_stale(self) -> bool:
-        """A kept gather whose source was written since (a step, a load, a reported edit)."""
-        return self._kept_tokens is not None and self._kept_tokens != self._weights_tokens()
+        """A kept gather whose source was written since (a step, a load, ``refresh_model_weights``).
+        The groups' epochs, not their full ``weights_token``: this runs at every unshard and reshard
+        of the step, and a token reads two version counters per parameter (64 us a block)."""
+        return self._kept_epochs is not None and self._kept_epochs != self._weights_epochs()
 
-    def _weights_tokens(self) -> list:
-        return [group.weights_token() for group in self._parameter_groups]
+    def _weights_epochs(self) -> tuple:
+        return tuple(group.weights_epoch for group in self._parameter_groups)
 
     def fsdp_parent(self) -> Optional["FsdpModule"]:
         """The nearest FSDP module above this one (None for a root)."""
@@ -436,7 +438,7 @@ class FsdpModule:
                 group.unshard(stream)
             self._unshard_event = stream.record_event() if stream is not None else _CPU_READY
             if self.keeps_gathered():
-                self._kept_tokens = self._weights_tokens()
+                self._kept_epochs = self._weights_epochs()
         return True
 
     def _use_for_compute(self) -> None:
@@ -451,7 +453,7 @@ class FsdpModule:
     def reshard(self) -> None:
         """Release unsharded storage once compute is done; the next user gathers afresh. A module
         that keeps its gather (``keeps_gathered``) releases it only once the weights have changed."""
-        if self._unshard_event is None or (self._kept_tokens is not None and not self._kept_is_stale()):
+        if self._unshard_event is None or (self._kept_epochs is not None and not self._kept_is_stale()):
             return
         self._release()
 
@@ -464,7 +466,7 @@ class FsdpModule:
             for group in self._parameter_groups:
                 group.reshard(stream)
         self._unshard_event = None
-        self._kept_tokens = None
+        self._kept_epochs = None
 
     def _use_sharded_params(self) -> None:
         for group in self._parameter_groups:

@@ -20,7 +20,7 @@ import torch
 from mfsdp.models.hf_config import UnsupportedHFConfig, bundled_config_from_hf, supports_bundled
 from mfsdp.models.llama import HEAD_LOSSES, LlamaConfig, get_config
 from mfsdp.models.parallelize import (FLOAT8_CHOICES, PLACEMENT_NAMES as PLACEMENTS, TWO_AXIS,
-                                      float8_placement_problem)
+                                      float8_placement_problem, kept_blocks)
 from mfsdp.models.safetensors_file import has_weights
 from mfsdp.train import determinism
 from mfsdp.train.errors import ConfigError, require
@@ -498,9 +498,10 @@ class RunConfig:
             return
         require(not self.model.uses_manager, f"--parallel.keep_gathered_blocks applies to the bundled Llama; "
                  f"{self.model.hf} trains through the manager here. Use --parallel.keep_gathered_blocks 0")
-        blocks = self.model.llama_config(self.data.seq_len).n_layers
-        require(kept <= blocks, f"--parallel.keep_gathered_blocks {kept}, but the model has {blocks} blocks; give "
-                 f"a number from 0 to {blocks}")
+        try:
+            kept_blocks(range(self.model.llama_config(self.data.seq_len).n_layers), kept)
+        except ValueError as err:  # the rule's own words, for the flag
+            raise ConfigError(f"--parallel.{err}") from None
 
     def loads_weights(self) -> bool:
         """Whether the run starts from pretrained weights: --model.hf DIR with safetensors there, and
