@@ -251,8 +251,9 @@ class TrainSection:
     about 4 more bytes per parameter at the step), "flat" (``mfsdp.flat_adamw``: one pass per
     parameter group over its flat buffers, reading bf16 gradients as they are, compiled on CUDA; no
     step transient; groups it cannot take step with torch's fused kernel on CUDA, foreach on CPU) or
-    "auto" (fused on CUDA, foreach on CPU). All are exact AdamW; their roundings differ, so a run is
-    reproducible bit for bit only on one."""
+    "auto" (flat on CUDA, where it is the fastest and frees the fused kernel's fp32 copy of the
+    gradients; foreach on CPU). All are exact AdamW; their roundings differ, so a run is reproducible
+    bit for bit only on one."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this; 0 turns clipping off."""
     seed: int = 0
@@ -304,7 +305,7 @@ class TrainSection:
 
     def flat_adamw(self, device_type: str) -> bool:
         """Whether the bound optimizer steps groups flat (``mfsdp.flat_adamw``) on a ``device_type`` run."""
-        return self.adamw_kernel == "flat"
+        return self.adamw_kernel == "flat" or (self.adamw_kernel == "auto" and device_type == "cuda")
 
     def async_checkpoint_on(self, device_type: str) -> bool:
         """Whether saves are asynchronous on a ``device_type`` ("cuda" or "cpu") run."""
