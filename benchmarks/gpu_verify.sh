@@ -842,8 +842,10 @@ section_curves8b() {  # ONE GPU, <= 9.5 min: issue 32's FP8 loss curve at 8B, 60
 }
 
 section_curves1b() {  # ONE GPU, <= 8 min: the FP8 loss curve at 1b, 300 steps, beside bf16 and a bf16 control run
-  # (torch's fused AdamW: the floor of the comparison), 100 warm-up steps (issue 32)
-  GPUS=1 STEPS=300 PRESET=1b CONTROL=1 timeout 540 bash benchmarks/fp8_loss_curves.sh /tmp/curves1b > "$OUT/curves1b.log" 2>&1
+  # (torch's fused AdamW: the floor of the comparison), 100 warm-up steps, CURVES_BATCH sequences of 4096 a step
+  # (2: 8k tokens; 4: the 16k tokens a step of issue 32's rows) (issue 32)
+  GPUS=1 STEPS=300 PRESET=1b CONTROL=1 LOCAL_BATCH=${CURVES_BATCH:-2} timeout 560 bash benchmarks/fp8_loss_curves.sh \
+    /tmp/curves1b > "$OUT/curves1b.log" 2>&1
   echo "curves1b rc=$? at ${SECONDS}s"; grep -v "^W1" "$OUT/curves1b.log" | grep "final loss\|floor\|rror" | tail -5
   mkdir -p "$OUT/curves1b"; cp /tmp/curves1b/fp8_vs_bf16.* "$OUT/curves1b/" 2>/dev/null
   for r in none tensorwise control; do cp /tmp/curves1b/$r/metrics.jsonl "$OUT/curves1b/${r}_metrics.jsonl" 2>/dev/null; done
