@@ -46,6 +46,7 @@ placements that gather parameters (ZeRO-3, HSDP, HFSDP).
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import functools
 from typing import Any, Sequence
 
@@ -281,13 +282,36 @@ def float8_filter(module: nn.Module, fqn: str) -> bool:
             and module.in_features % 16 == 0 and module.out_features % 16 == 0)
 
 
+def float8_linears(model: nn.Module, skip: tuple[str, ...] = (), strict: bool = True,
+                   module_filter_fn=float8_filter) -> list[str]:
+    """The names of ``model``'s linears that train in float8: those ``module_filter_fn`` takes, less
+    those whose name matches a ``skip`` pattern (``fnmatch``, on the full name, e.g.
+    ``layers.0.*`` or ``*.feed_forward.w2``), which stay in the compute dtype. ``strict``: a pattern
+    that matches none of the linears the filter takes is an error (a misspelt name would otherwise
+    leave every layer in float8 without a word), and so is a skip that leaves none."""
+    taken = [fqn for fqn, m in model.named_modules() if module_filter_fn(m, fqn)]
+    chosen = [fqn for fqn in taken if not any(fnmatch.fnmatchcase(fqn, p) for p in skip)]
+    if strict:
+        for pattern in skip:
+            if not any(fnmatch.fnmatchcase(fqn, pattern) for fqn in taken):
+                example = ", ".join(taken[:3] + taken[-1:]) if taken else "none"
+                raise ValueError(f"mfsdp.float8: the skip pattern {pattern!r} matches none of the float8 "
+                                 f"linears (their names: {example}, ...; the head is never float8); fix the "
+                                 "pattern or drop it")
+        if skip and not chosen:
+            raise ValueError(f"mfsdp.float8: the skip patterns {', '.join(skip)} leave no linear in float8; "
+                             "train without float8 instead")
+    return chosen
+
+
 def convert_to_float8(model: nn.Module, recipe: str = "tensorwise", fp8_all_gather: bool = True,
-                      for_fsdp2: bool = False, module_filter_fn=float8_filter) -> int:
-    """Convert ``model``'s linears (``module_filter_fn``) to torchao float8 training with one of
-    ``RECIPES``, and with ``fp8_all_gather`` (tensorwise only) tag their weights for mfsdp's FP8
-    all-gather (``enable_fp8_all_gather``), or with ``for_fsdp2`` set torchao's own
-    ``enable_fsdp_float8_all_gather`` for ``torch.distributed.fsdp.fully_shard`` instead. Call
-    before sharding (and before ``torch.compile``); returns the number of float8 linears."""
+                      for_fsdp2: bool = False, module_filter_fn=float8_filter, skip: tuple[str, ...] = (),
+                      strict: bool = True) -> int:
+    """Convert ``model``'s linears (``module_filter_fn``, less the ``skip`` patterns: ``float8_linears``)
+    to torchao float8 training with one of ``RECIPES``, and with ``fp8_all_gather`` (tensorwise only)
+    tag their weights for mfsdp's FP8 all-gather (``enable_fp8_all_gather``), or with ``for_fsdp2``
+    set torchao's own ``enable_fsdp_float8_all_gather`` for ``torch.distributed.fsdp.fully_shard``
+    instead. Call before sharding (and before ``torch.compile``); returns the number of float8 linears."""
     if recipe not in RECIPES:
         raise ValueError(f"mfsdp.float8: unknown recipe {recipe!r}; choose from {', '.join(RECIPES)}")
     if fp8_all_gather and recipe != "tensorwise":
@@ -296,12 +320,13 @@ def convert_to_float8(model: nn.Module, recipe: str = "tensorwise", fp8_all_gath
     _torchao()
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
+    chosen = set(float8_linears(model, tuple(skip), strict, module_filter_fn))
     config = Float8LinearConfig.from_recipe_name(recipe)
     if fp8_all_gather and for_fsdp2:
         config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
-    convert_to_float8_training(model, config=config, module_filter_fn=module_filter_fn)
+    convert_to_float8_training(model, config=config, module_filter_fn=lambda m, fqn: fqn in chosen)
     count = sum(isinstance(m, _torchao()["Float8Linear"]) for m in model.modules())
-    if fp8_all_gather and not for_fsdp2:
+    if fp8_all_gather and not for_fsdp2 and (count or strict):  # strict: a model with none is an error there
         enable_fp8_all_gather(model)
     return count
 

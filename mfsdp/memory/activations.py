@@ -349,19 +349,21 @@ def compiled_plain_loss(hidden, weight, labels):
 
 
 def measure_llama(cfg, dtype: torch.dtype, batch: int, seq: int, checkpointing: bool,
-                  float8: str = "none", head_loss: str = "plain", compiled_head: bool = False) -> ActivationProfile:
+                  float8: str = "none", head_loss: str = "plain", compiled_head: bool = False,
+                  float8_kept_out: frozenset = frozenset()) -> ActivationProfile:
     """A bundled Llama (or MoE) shape, cut to two blocks, measured on fake tensors as ``mfsdp train``
     runs it (``labels_run``) with ``head_loss`` (``Llama.set_head_loss``), compiled with the blocks
     where ``compiled_head`` (the plain loss then as ``CompiledPlainLoss``; the fused one as its eager
     self, an upper bound); ``float8`` (a recipe of ``mfsdp.float8``) converts its linears first, as
-    ``parallelize`` does (``float8_blocks``)."""
+    ``parallelize`` does (``float8_blocks``), but for those named by ``float8_kept_out`` (names within a
+    block, such as "feed_forward.w2") in every block."""
     from mfsdp.models import build_model
 
     small = dataclasses.replace(cfg, n_layers=2, max_seq_len=max(cfg.max_seq_len, seq))
     with _compat.fake_tensor_mode():
         model = build_model(small, dtype=dtype)
         if float8 != "none":
-            float8_blocks(model, list(model.layers), float8)
+            float8_blocks(model, list(model.layers), float8, float8_kept_out)
         model.set_activation_checkpointing(checkpointing)
         model.set_head_loss(head_loss)
         if compiled_head and head_loss == "plain":
@@ -370,9 +372,10 @@ def measure_llama(cfg, dtype: torch.dtype, batch: int, seq: int, checkpointing: 
         return measure(model, list(model.layers), labels_run(tokens), uniform_routing=cfg.num_experts > 0)
 
 
-def float8_blocks(model: nn.Module, blocks: list, recipe: str) -> None:
+def float8_blocks(model: nn.Module, blocks: list, recipe: str, kept_out: frozenset = frozenset()) -> None:
     """Convert ``model``'s linears to torchao float8 as ``parallelize(float8=recipe)`` does
-    (``mfsdp.float8.convert_to_float8``). With FP8 all-gather (tensorwise) each block's float8 linears
+    (``mfsdp.float8.convert_to_float8``), but for the linears named ``kept_out`` within each block
+    of ``model.layers``. With FP8 all-gather (tensorwise) each block's float8 linears
     then get the weights the gather hands them: the runtime's codec (``gather_codec.encoded_gather``
     of the block's one group, ``wrap``) builds a ``Float8TrainingTensor`` over a float8 tensor of the
     weight's shape, so torchao casts no weight in forward or backward, and what it saves for backward
@@ -383,7 +386,8 @@ def float8_blocks(model: nn.Module, blocks: list, recipe: str) -> None:
     from mfsdp.runtime import gather_codec
     from mfsdp.runtime.flat_buffer import FlatLayout
 
-    convert_to_float8(model, recipe, fp8_all_gather=recipe == "tensorwise")
+    skip = tuple(f"layers.{i}.{name}" for i in range(len(model.layers)) for name in sorted(kept_out))
+    convert_to_float8(model, recipe, fp8_all_gather=recipe == "tensorwise", skip=skip, strict=False)
     if recipe != "tensorwise":
         return
     for block in blocks:

@@ -49,7 +49,8 @@ def estimate(model_or_config, *, world_size: Optional[int] = None, mesh_shape: O
              tensor_parallel: Union[int, TensorParallel] = 1, tp_in_process: bool = False,
              float8: str = "none", device: str = "cuda", offload_fraction: float = 0.0,
              offload_overlap: str = "step", compiled: bool = False, head_loss: str = "plain",
-             compiled_head: bool = False, keep_gathered_blocks: int = 0) -> MemoryEstimate:
+             compiled_head: bool = False, keep_gathered_blocks: int = 0,
+             float8_skip: tuple = ()) -> MemoryEstimate:
     """Predict one rank's memory over a training step and its peak.
 
     ``model_or_config``: a bundled preset name ("8b", "moe-1b"), a ``LlamaConfig``, a model built on
@@ -67,7 +68,9 @@ def estimate(model_or_config, *, world_size: Optional[int] = None, mesh_shape: O
     their weights as float8 bytes (the runtime's ``ByteLayout``, plus the encode's staging while a
     gather is issued), and the activations are measured on the converted blocks. A given model
     whose linears are already ``Float8Linear`` is sized as it is (its tags decide the gathers); pass
-    its recipe as ``float8`` for the activations. ``device``: "cuda" counts the
+    its recipe as ``float8`` for the activations. ``float8_skip``: the linears kept out of float8
+    (``ParallelizeConfig.float8_skip``); where they make blocks differ, each block is planned with the
+    largest activations of the kinds of block there are (an upper bound). ``device``: "cuda" counts the
     cuBLAS workspaces, the allocator reserve and the CUDA context. ``offload_fraction`` > 0: the
     optimizer states of that share of the units live on the host (``mfsdp.OffloadPolicy``, with
     ``offload_overlap`` its ``overlap``); the result is then an ``OffloadedEstimate``, with the
@@ -100,7 +103,8 @@ def estimate(model_or_config, *, world_size: Optional[int] = None, mesh_shape: O
     levels = Levels.of(placements, mesh_shape)
     with fake_tp_mesh(tp.size) if tp.enabled else contextlib.nullcontext() as tp_mesh:
         model, units, blocks, measure, notes = _resolve(model_or_config, compute_dtype, seq_len, expert_units,
-                                                        tp, tp_mesh, float8, head_loss, compiled_head)
+                                                        tp, tp_mesh, float8, head_loss, compiled_head,
+                                                        tuple(float8_skip))
         unit_bytes = describe_units(model, units, mixed_precision_policy or MixedPrecisionPolicy(), levels)
         acts = measure(local_batch, seq_len, activation_checkpointing)
     if compiled:
@@ -193,7 +197,7 @@ def _compiled(acts: ActivationProfile, model: nn.Module, ac: bool, float8: str, 
 
 
 def _resolve(obj, dtype, seq_len, expert_units, tp: TensorParallel, tp_mesh, float8: str = "none",
-             head_loss: str = "plain", compiled_head: bool = False):
+             head_loss: str = "plain", compiled_head: bool = False, float8_skip: tuple = ()):
     """(meta model, non-root units bottom-up, block names, activation measurement, notes)."""
     from mfsdp.models import LlamaConfig, get_config
     from mfsdp.models.llama import HEAD_LOSSES
@@ -208,6 +212,8 @@ def _resolve(obj, dtype, seq_len, expert_units, tp: TensorParallel, tp_mesh, flo
     if float8 != "none" and not llama:
         raise ValueError("estimate: float8 applies to the bundled Llama (as --model.float8 does), not to a "
                          "Hugging Face model")
+    if float8_skip and float8 == "none":
+        raise ValueError(f"estimate: float8_skip {float8_skip!r} needs a float8 recipe")
     if head_loss not in HEAD_LOSSES:
         raise ValueError(f"estimate: unknown head_loss {head_loss!r}; use {', '.join(HEAD_LOSSES)}")
     if head_loss != "plain" and not llama:
@@ -219,14 +225,15 @@ def _resolve(obj, dtype, seq_len, expert_units, tp: TensorParallel, tp_mesh, flo
     if llama:
         cfg, model = (obj, None) if isinstance(obj, LlamaConfig) else (obj.cfg, obj)
         return _llama(cfg, dtype, seq_len, expert_units, model=model, float8=float8, head_loss=head_loss,
-                      compiled_head=compiled_head)
+                      compiled_head=compiled_head, float8_skip=float8_skip)
     if isinstance(obj, (str, os.PathLike)) or hasattr(obj, "to_json_string") or isinstance(obj, nn.Module):
         return _hf(obj, dtype, tp, tp_mesh)
     raise TypeError(f"estimate: cannot size a {type(obj).__name__}; pass a preset name, a LlamaConfig, a "
                     "meta-device model, a Hugging Face config or a local Hugging Face directory")
 
 
-def _llama(cfg, dtype, seq_len, expert_units, model=None, float8="none", head_loss="plain", compiled_head=False):
+def _llama(cfg, dtype, seq_len, expert_units, model=None, float8="none", head_loss="plain", compiled_head=False,
+           float8_skip=()):
     from mfsdp.models.parallelize import sharding_units
 
     cfg = dataclasses.replace(cfg, max_seq_len=max(cfg.max_seq_len, seq_len))
@@ -235,8 +242,14 @@ def _llama(cfg, dtype, seq_len, expert_units, model=None, float8="none", head_lo
     dtype = next(model.parameters()).dtype
     notes = []
     if float8 != "none":
-        model = _float8_model(model, float8)
+        kinds = _kept_out_kinds(model, float8_skip)
+        model = _float8_model(model, float8, float8_skip)
         notes.append(_float8_note(model, float8))
+        if len(kinds) > 1:
+            notes.append(f"float8_skip {','.join(float8_skip)}: blocks of {len(kinds)} kinds (linears kept out of "
+                         "float8 differ); every block is planned with the largest activations of those kinds")
+    else:
+        kinds = [frozenset()]
     units = sharding_units(model, expert_units=expert_units)
     blocks = [f"layers.{i}" for i in range(len(model.layers))]
     if cfg.num_experts:
@@ -248,10 +261,37 @@ def _llama(cfg, dtype, seq_len, expert_units, model=None, float8="none", head_lo
                if expert_units else "each block gathers all its experts with it"))
 
     def acts(batch, seq, ac):
-        return _cached_acts(("llama", cfg, dtype, batch, seq, ac, float8, head_loss, compiled_head),
-                            functools.partial(measure_llama, cfg, dtype, batch, seq, ac, float8, head_loss,
-                                              compiled_head))
+        return _largest([_cached_acts(("llama", cfg, dtype, batch, seq, ac, float8, head_loss, compiled_head, kind),
+                                      functools.partial(measure_llama, cfg, dtype, batch, seq, ac, float8, head_loss,
+                                                        compiled_head, kind))
+                         for kind in kinds])
     return model, units, blocks, acts, notes
+
+
+def _kept_out_kinds(model: nn.Module, skip: tuple) -> list:
+    """The kinds of block ``skip`` makes: for each block, the names (within it) of its linears kept out
+    of float8 (``mfsdp.float8.float8_linears``, strict); one kind per distinct set, in block order."""
+    from mfsdp.float8 import float8_linears
+
+    taken = float8_linears(model, skip=())
+    chosen = set(float8_linears(model, skip=skip))
+    kinds = []
+    for i in range(len(model.layers)):
+        prefix = f"layers.{i}."
+        kind = frozenset(n[len(prefix):] for n in taken if n.startswith(prefix) and n not in chosen)
+        if kind not in kinds:
+            kinds.append(kind)
+    return kinds
+
+
+def _largest(profiles: list) -> ActivationProfile:
+    """One profile whose every byte count is the largest of ``profiles``' (the first's grad windows):
+    an upper bound for a model whose blocks are of those kinds."""
+    if len(profiles) == 1:
+        return profiles[0]
+    fields = {f.name: max(getattr(p, f.name) for p in profiles)
+              for f in dataclasses.fields(profiles[0]) if f.name != "grad_window"}
+    return dataclasses.replace(profiles[0], **fields)
 
 
 @functools.lru_cache(maxsize=8)
@@ -285,16 +325,16 @@ def _cached_acts(key, measure) -> ActivationProfile:
 
 
 @functools.lru_cache(maxsize=64)
-def _float8_model(model: nn.Module, recipe: str) -> nn.Module:
+def _float8_model(model: nn.Module, recipe: str, skip: tuple = ()) -> nn.Module:
     """A copy of the meta model (the caller's, or the shared ``_meta_llama``) with its linears converted
     as ``parallelize(float8=recipe)`` converts them (``convert_to_float8``: tensorwise tags the weights
-    for FP8 all-gather). A model already converted is used as it is."""
+    for FP8 all-gather), but for the linears ``skip`` names. A model already converted is used as it is."""
     from mfsdp.float8 import _torchao, convert_to_float8
 
     if any(isinstance(m, _torchao()["Float8Linear"]) for m in model.modules()):
         return model
     model = copy.deepcopy(model)
-    convert_to_float8(model, recipe, fp8_all_gather=recipe == "tensorwise")
+    convert_to_float8(model, recipe, fp8_all_gather=recipe == "tensorwise", skip=skip)
     return model
 
 

@@ -110,6 +110,8 @@ class PlannedRun:
     """AdamW steps each group flat (``mfsdp.flat_adamw``), with no transient at the step."""
     keep_gathered_blocks: int = 0
     """The last blocks that keep their gathered weights through the step (``kept_blocks``)."""
+    float8_skip: tuple = ()
+    """The linears kept out of float8 (``ParallelizeConfig.float8_skip``)."""
 
     @property
     def hf(self) -> bool:
@@ -168,7 +170,7 @@ def estimate_run(run: PlannedRun, world: int, setting: Optional[Setting] = None,
                     tp_in_process=tp_in_process, float8=run.float8, foreach=run.foreach, compiled=run.compiled,
                     compiled_head=run.compiled if run.compiled_head is None else run.compiled_head,
                     head_loss=run.head_loss, flat_adamw=run.flat_adamw,
-                    keep_gathered_blocks=run.keep_gathered_blocks)
+                    keep_gathered_blocks=run.keep_gathered_blocks, float8_skip=run.float8_skip)
 
 
 def candidates(run: PlannedRun) -> list[Setting]:

@@ -56,6 +56,10 @@ class ParallelizeConfig:
     float8: str = "none"
     """"none", or a torchao float8 recipe for the linears (``mfsdp.float8.RECIPES``: tensorwise,
     with FP8 all-gather, or rowwise, gathered in the compute dtype); needs torchao."""
+    float8_skip: tuple = ()
+    """With ``float8``: the linears kept in the compute dtype, as ``fnmatch`` patterns of their names
+    (``layers.0.*``, ``*.feed_forward.w2``; ``mfsdp.float8.float8_linears``). The head is never
+    float8. A pattern that names no float8 linear is an error."""
     communication: "mfsdp.CommunicationPolicy | None" = None
     """How every unit's collectives are scheduled (streams, prefetch); None keeps the core's default."""
     keep_gathered_blocks: int = 0
@@ -75,6 +79,11 @@ class ParallelizeConfig:
             raise ValueError(f"unknown float8 {self.float8!r}; use {', '.join(FLOAT8_CHOICES)}")
         if not isinstance(self.keep_gathered_blocks, int) or self.keep_gathered_blocks < 0:
             raise ValueError(f"keep_gathered_blocks must be an int >= 0, got {self.keep_gathered_blocks!r}")
+        if not isinstance(self.float8_skip, tuple) or not all(isinstance(p, str) and p for p in self.float8_skip):
+            raise ValueError(f"float8_skip must be a tuple of name patterns, got {self.float8_skip!r}")
+        if self.float8_skip and self.float8 == "none":
+            raise ValueError(f"float8_skip {self.float8_skip!r} keeps linears out of float8, but float8 is "
+                             "'none'; set float8 (tensorwise or rowwise) or drop float8_skip")
 
 
 def resolve_placements(placements: "str | mfsdp.Placements") -> "mfsdp.Placements":
@@ -127,7 +136,8 @@ def parallelize(model: Llama, mesh: DeviceMesh, config: ParallelizeConfig) -> Ll
     if config.float8 != "none":
         from mfsdp.float8 import convert_to_float8
 
-        convert_to_float8(model, config.float8, fp8_all_gather=config.float8 == "tensorwise")
+        convert_to_float8(model, config.float8, fp8_all_gather=config.float8 == "tensorwise",
+                          skip=config.float8_skip)
     if config.activation_checkpointing:
         model.set_activation_checkpointing(True)
     # Bottom-up: each unit before the root claims the rest (the final norm).

@@ -47,11 +47,18 @@ def build_bundled(cfg: RunConfig, device: torch.device, compute: torch.dtype, wo
         model = build_model(cfg.llama_config(), dtype=compute)
     model.set_head_loss(cfg.model.head_loss, compiled=cfg.compiles(device.type))
     parallelize(model, build_mesh(device.type, world, p.placements, p.replicate), ParallelizeConfig(
-        placements=p.placements, mixed_precision=policy, float8=cfg.model.float8, compile=cfg.compiles(device.type),
-        communication=communication_policy(p),
+        placements=p.placements, mixed_precision=policy, float8=cfg.model.float8,
+        float8_skip=cfg.model.float8_skip_patterns(), compile=cfg.compiles(device.type), communication=communication_policy(p),
         activation_checkpointing=p.activation_checkpointing, expert_units=p.expert_units,
         keep_gathered_blocks=p.kept_blocks()))
     materialize_and_init(model, device, cfg.train.seed)
+    if cfg.model.float8 != "none":
+        from mfsdp.float8 import float8_linears
+
+        skip = cfg.model.float8_skip_patterns()
+        others = f"--model.float8_skip {','.join(skip)} keeps the others" if skip else "all"
+        log(f"float8 {cfg.model.float8}: {len(float8_linears(model, skip))} of the {len(float8_linears(model))} block "
+            f"linears train in float8 ({others}; the head in {str(compute).removeprefix('torch.')})")
     log(f"model built and initialised shard by shard: {shard_numel(model) / 1e6:,.1f}M parameters on this "
         f"rank, peak memory {peak_memory_gib(device):.2f} GiB")
     if pretrained:

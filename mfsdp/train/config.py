@@ -36,7 +36,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 COMPILE_CHOICES = ("auto", "true", "false")
 OFFLOAD_CHOICES = ("none", "optimizer", "auto")
 HF_IMPLS = ("auto", "bundled", "manager")
-_NOT_SHAPE = ("preset", "hf", "float8", "hf_impl", "random_init", "head_loss")
+_NOT_SHAPE = ("preset", "hf", "float8", "float8_skip", "hf_impl", "random_init", "head_loss")
 """The ModelSection fields that are not overrides of the preset's shape."""
 
 
@@ -80,6 +80,13 @@ class ModelSection:
     """Train the blocks' linears in float8 (torchao, mfsdp.float8): none, tensorwise (weights
     also all-gathered in FP8) or rowwise; the bundled Llama only (presets, and --model.hf models
     on the bundled route)."""
+    float8_skip: str = ""
+    """With --model.float8: the linears that stay in the compute dtype, as comma-separated ``fnmatch``
+    patterns of their names (the bundled Llama's are layers.N.attention.{wq,wk,wv,wo} and
+    layers.N.feed_forward.{w1,w2,w3}): "layers.0.*,layers.31.*" keeps the first and last of 32
+    blocks out of float8, "*.w2" every down projection. The default, empty, trains every block
+    linear in float8; the output head is never float8 (torchtitan's choice: the logits are the
+    most sensitive GEMM, and the head is not a block's). A pattern that names no linear is an error."""
     hf_impl: str = "auto"
     """How a --model.hf model is built: "bundled" runs it as the bundled Llama (compiled blocks, FP8,
     planned as the preset of its shape; the Llama, Qwen2 and Mistral configs that
@@ -110,11 +117,20 @@ class ModelSection:
         require(self.float8 == "none" or self.hf_impl != "manager",
                  "--model.float8 needs the bundled Llama, and --model.hf_impl manager runs Hugging Face's "
                  "modeling code; use --model.hf_impl auto (or bundled), or --model.float8 none")
+        require(not self.float8_skip or self.float8 != "none",
+                f"--model.float8_skip {self.float8_skip!r} keeps linears out of float8, but --model.float8 is "
+                "none; set --model.float8 tensorwise (or rowwise), or drop --model.float8_skip")
+        require(all(self.float8_skip_patterns()), f"--model.float8_skip {self.float8_skip!r} has an empty "
+                "pattern; give comma-separated name patterns such as layers.0.*,*.w2")
         _one_of(self, "head_loss", HEAD_LOSSES)
         require(self.head_loss == "plain" or self.hf_impl != "manager",
                 f"--model.head_loss {self.head_loss} needs the bundled Llama, and --model.hf_impl manager runs "
                 "Hugging Face's modeling code, which returns logits; use --model.hf_impl auto (or bundled), "
                 "or --model.head_loss plain")
+
+    def float8_skip_patterns(self) -> tuple[str, ...]:
+        """--model.float8_skip as ``ParallelizeConfig.float8_skip`` takes it."""
+        return tuple(p.strip() for p in self.float8_skip.split(",")) if self.float8_skip else ()
 
     @classmethod
     def recorded(cls, model: dict) -> "ModelSection":
@@ -473,6 +489,7 @@ class RunConfig:
         require(problem is None, problem)
         self._resolve_route()
         self._check_kept_blocks()
+        self._check_float8_skip()
         # The one place the recipe's unset fields (None) become the recipe's values: every reader of
         # cfg.train (the optimizer, the schedule, the checkpoint's meta.json) sees numbers.
         t = self.train
@@ -503,6 +520,22 @@ class RunConfig:
             kept_blocks(range(self.model.llama_config(self.data.seq_len).n_layers), kept)
         except ValueError as err:  # the rule's own words, for the flag
             raise ConfigError(f"--parallel.{err}") from None
+
+    def _check_float8_skip(self) -> None:
+        """Each --model.float8_skip pattern must name a float8 linear of the model that trains (the
+        rule of ``mfsdp.float8.float8_linears``, on the model built on the meta device)."""
+        skip = self.model.float8_skip_patterns()
+        if not skip:
+            return
+        from mfsdp.float8 import float8_linears
+        from mfsdp.models import build_model
+
+        with torch.device("meta"):
+            model = build_model(self.llama_config())
+        try:
+            float8_linears(model, skip)
+        except ValueError as err:
+            raise ConfigError(f"--model.float8_skip: {str(err).removeprefix('mfsdp.float8: ')}") from None
 
     def loads_weights(self) -> bool:
         """Whether the run starts from pretrained weights: --model.hf DIR with safetensors there, and

@@ -46,7 +46,7 @@ def planned_run(cfg: RunConfig) -> plan.PlannedRun:
         cfg.main_grads_name("cuda"), p.replicate, cfg.compute_dtype("cuda"), cfg.grad_comm_dtype(),
         p.expert_units, cfg.model.float8, not cfg.train.fused_adamw("cuda"), cfg.compiles("cuda"),
         cfg.train.async_checkpoint_on("cuda"), cfg.model.head_loss, flat_adamw=cfg.train.flat_adamw("cuda"),
-        keep_gathered_blocks=p.kept_blocks())
+        keep_gathered_blocks=p.kept_blocks(), float8_skip=cfg.model.float8_skip_patterns())
 
 
 def main(argv: list[str]) -> int:
