@@ -124,7 +124,10 @@ class _Hung(AssertionError):
 # What the forkserver imports once, by name (Python 3.11's forkserver ignores the parent's sys.path,
 # so only what the environment's own path reaches: torch and the mfsdp that PYTHONPATH or the
 # editable install names, not the tests' modules).
-_PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch.distributed.checkpoint", "mfsdp"]
+# The ranks' own imports cost seconds of CPU each and many ranks make them: torch._dynamo (DTensor and
+# torch.compile import it on first use), transformers (the manager's tests) and torchao (float8's).
+_PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch.distributed.checkpoint", "mfsdp",
+            "torch._dynamo", "transformers", "torchao"]
 
 
 def fresh_process_context():

@@ -4,14 +4,13 @@ float8 without compile is refused where it would be slow (CUDA)."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
+import concurrent.futures
 
 import pytest
 
+from _dist import World
 from test_eval_loss import run_trainer
-from test_train_e2e import REPO, SMALL, _env, corpus  # noqa: F401  (the token file fixture)
+from test_train_e2e import SMALL, corpus  # noqa: F401  (the token file fixture)
 from mfsdp.train.preflight import check_run
 from mfsdp.train.config import ConfigError, load_config
 
@@ -20,38 +19,39 @@ COMPILE_NOTE = "including torch.compile of the blocks"
 RUN = ["--train.steps", "3", "--train.checkpoint_every", "0", "--train.sample_tokens", "0", "--train.eval_every", "0"]
 
 
-def start_training(out, *args) -> subprocess.Popen:
-    """One process, as `mfsdp train --nproc-per-node 1` starts it; ``finish`` waits for it."""
-    return subprocess.Popen([sys.executable, "-m", "mfsdp.train", "--train.out_dir", str(out), *RUN, *args],
-                            env=_env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+@pytest.fixture(scope="module")
+def compiled_world():
+    """One process of its own for the module's compiled runs (a fork of the worlds' forkserver): a
+    compile changes process-wide state (dynamo's caches, inductor's config and its compile workers)
+    that must not reach the shared worlds. Its runs share one import of torch and mfsdp and one
+    warm-up of inductor, each after ``torch.compiler.reset()``, where each had a fresh interpreter."""
+    w = World(1)
+    yield w
+    w.close()
 
 
-def finish(proc: subprocess.Popen, out):
-    """(losses by step, stdout) of a run that ``start_training`` started."""
-    try:
-        stdout, stderr = proc.communicate(timeout=500)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        raise
-    assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in rows}, stdout
+def compiled_run(rank, world_size, argv):
+    """``run_trainer`` after ``torch.compiler.reset()``: no graph or guard of an earlier run of this
+    process is reused."""
+    import torch
+
+    torch.compiler.reset()
+    return run_trainer(rank, world_size, argv, stdout=True)
 
 
-def eager_and_compiled(world, tmp_path, *args):
-    """The eager run in a world of one process (the trainer as ``mfsdp train`` runs it), the compiled
-    one in a fresh process of its own, started first so that it imports and compiles on the second
-    core while the eager one trains on the first."""
-    proc = start_training(tmp_path / "compiled", *args, "--parallel.compile", "true")
-    try:
-        records, eager_out = world(1).run(run_trainer, stdout=True, argv=[
-            "--train.out_dir", str(tmp_path / "eager"), *RUN, *args, "--parallel.compile", "auto"])[0]  # auto: off on CPU
-    except BaseException:
-        proc.kill()
-        proc.communicate()
-        raise
+def eager_and_compiled(world, compiled_world, tmp_path, *args):
+    """The eager run in the shared world of one process, the compiled one in ``compiled_world`` at
+    the same time (the trainer as ``mfsdp train`` runs it in both), so that the compile on one core
+    overlaps the eager training on the other."""
+    def argv(name, compile_flag):
+        return ["--train.out_dir", str(tmp_path / name), *RUN, *args, "--parallel.compile", compile_flag]
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(compiled_world.run, compiled_run, timeout=500, argv=argv("compiled", "true"))
+        records, eager_out = world(1).run(run_trainer, stdout=True, argv=argv("eager", "auto"))[0]  # auto: off on CPU
+        compiled_records, out = pending.result()[0]
     eager = {r["step"]: r["loss"] for r in records}
-    compiled, out = finish(proc, tmp_path / "compiled")
+    compiled = {r["step"]: r["loss"] for r in compiled_records}
     assert COMPILE_NOTE in out and COMPILE_NOTE not in eager_out, out
     return eager, compiled
 
@@ -62,31 +62,31 @@ def assert_close(eager: dict, compiled: dict, steps, rel: float = 1e-4) -> None:
         assert abs(compiled[step] - eager[step]) <= rel * abs(eager[step]), (step, eager, compiled)
 
 
-def test_compiled_blocks_train_the_eager_losses_with_checkpointing(world, corpus, tmp_path):
-    eager, compiled = eager_and_compiled(world, tmp_path, *SMALL, "--data.path", str(corpus),
+def test_compiled_blocks_train_the_eager_losses_with_checkpointing(world, compiled_world, corpus, tmp_path):
+    eager, compiled = eager_and_compiled(world, compiled_world, tmp_path, *SMALL, "--data.path", str(corpus),
                                          "--parallel.activation_checkpointing", "true")
     assert eager[3] < eager[1]  # it trains
     assert_close(eager, compiled, (1, 2, 3))
 
 
-def test_compiled_mixture_of_experts(world, corpus, tmp_path):
+def test_compiled_mixture_of_experts(world, compiled_world, corpus, tmp_path):
     """moe-tiny with each expert its own unit: routing is data-dependent (graph breaks, dynamic
     shapes), the losses still match; from step 2 on a near-tie in the router may route differently
     after the fp32 reordering of a compiled step, so only the first step's is held to 1e-4."""
     args = ["--model.preset", "moe-tiny", "--data.path", str(corpus), "--data.seq_len", "32", "--data.local_batch", "2",
             "--parallel.expert_units", "true", "--train.progress", "false", "--train.device", "cpu"]
-    eager, compiled = eager_and_compiled(world, tmp_path, *args)
+    eager, compiled = eager_and_compiled(world, compiled_world, tmp_path, *args)
     assert_close(eager, compiled, (1,))
     assert_close(eager, compiled, (2, 3), rel=1e-2)
 
 
-def test_compiled_hugging_face_model(world, corpus, tmp_path):
+def test_compiled_hugging_face_model(world, compiled_world, corpus, tmp_path):
     pytest.importorskip("transformers")
     from test_manager_models import make_hf
 
     hf = tmp_path / "tiny-llama"
     make_hf("llama", vocab=260).save_pretrained(hf)
-    eager, compiled = eager_and_compiled(world, tmp_path, "--model.hf", str(hf), "--model.hf_impl", "manager",
+    eager, compiled = eager_and_compiled(world, compiled_world, tmp_path, "--model.hf", str(hf), "--model.hf_impl", "manager",
                                          "--data.path", str(corpus),
                                          "--data.seq_len", "16", "--data.local_batch", "2",
                                          "--train.progress", "false", "--train.device", "cpu")
