@@ -24,6 +24,11 @@ foreach_div_ = torch._foreach_div_
 foreach_zero_ = torch._foreach_zero_
 
 
+COMPILER_MODULE = "torch._dynamo"
+"""The module torch.compile (and DTensor's dispatch) imports on first use, about 0.8 s of CPU: named
+here for a process pool that imports modules by name in advance (the test worlds' forkserver)."""
+
+
 def queue_autograd_callback(callback) -> None:
     """Run ``callback`` once the current backward pass has finished."""
     torch.autograd.Variable._execution_engine.queue_callback(callback)

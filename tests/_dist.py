@@ -124,10 +124,11 @@ class _Hung(AssertionError):
 # What the forkserver imports once, by name (Python 3.11's forkserver ignores the parent's sys.path,
 # so only what the environment's own path reaches: torch and the mfsdp that PYTHONPATH or the
 # editable install names, not the tests' modules).
-# The ranks' own imports cost seconds of CPU each and many ranks make them: torch._dynamo (DTensor and
-# torch.compile import it on first use), transformers (the manager's tests) and torchao (float8's).
+# The ranks' own imports cost seconds of CPU each and many ranks make them: torch's compiler
+# (``_compat.COMPILER_MODULE``: DTensor and torch.compile import it on first use), transformers (the
+# manager's tests) and torchao (float8's).
 _PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch.distributed.checkpoint", "mfsdp",
-            "torch._dynamo", "transformers", "torchao"]
+            "transformers", "torchao"]
 
 
 def fresh_process_context():
@@ -137,8 +138,10 @@ def fresh_process_context():
     rank has the server's environment and C library state, not the parent's: ``World`` hands its
     ranks the parent's ``os.environ``, and the worker sets its thread count as before; what the C
     library reads at process start (glibc's ``MALLOC_*`` variables) needs ``World(..., spawn=True)``."""
+    from mfsdp._compat import COMPILER_MODULE
+
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(_PRELOAD)  # takes effect when the server first starts
+    ctx.set_forkserver_preload([*_PRELOAD, COMPILER_MODULE])  # takes effect when the server first starts
     return ctx
 
 
