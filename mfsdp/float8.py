@@ -305,8 +305,7 @@ def float8_linears(model: nn.Module, skip: tuple[str, ...] = (), strict: bool = 
 
 
 def convert_to_float8(model: nn.Module, recipe: str = "tensorwise", fp8_all_gather: bool = True,
-                      for_fsdp2: bool = False, module_filter_fn=float8_filter, skip: tuple[str, ...] = (),
-                      strict: bool = True) -> int:
+                      for_fsdp2: bool = False, module_filter_fn=float8_filter, skip: tuple[str, ...] = ()) -> int:
     """Convert ``model``'s linears (``module_filter_fn``, less the ``skip`` patterns: ``float8_linears``)
     to torchao float8 training with one of ``RECIPES``, and with ``fp8_all_gather`` (tensorwise only)
     tag their weights for mfsdp's FP8 all-gather (``enable_fp8_all_gather``), or with ``for_fsdp2``
@@ -320,13 +319,13 @@ def convert_to_float8(model: nn.Module, recipe: str = "tensorwise", fp8_all_gath
     _torchao()
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-    chosen = set(float8_linears(model, tuple(skip), strict, module_filter_fn))
+    chosen = set(float8_linears(model, tuple(skip), module_filter_fn=module_filter_fn))
     config = Float8LinearConfig.from_recipe_name(recipe)
     if fp8_all_gather and for_fsdp2:
         config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
     convert_to_float8_training(model, config=config, module_filter_fn=lambda m, fqn: fqn in chosen)
     count = sum(isinstance(m, _torchao()["Float8Linear"]) for m in model.modules())
-    if fp8_all_gather and not for_fsdp2 and (count or strict):  # strict: a model with none is an error there
+    if fp8_all_gather and not for_fsdp2:
         enable_fp8_all_gather(model)
     return count
 

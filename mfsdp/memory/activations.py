@@ -381,13 +381,15 @@ def float8_blocks(model: nn.Module, blocks: list, recipe: str, kept_out: frozens
     weight's shape, so torchao casts no weight in forward or backward, and what it saves for backward
     is the gathered weight (counted as model state), as in a sharded run. The float8 tensors exist
     before the measurement starts; under fake tensors they hold no data."""
-    from mfsdp.float8 import convert_to_float8
+    from mfsdp.float8 import convert_to_float8, float8_linears
     from mfsdp.mixed_precision import MixedPrecisionPolicy
     from mfsdp.runtime import gather_codec
     from mfsdp.runtime.flat_buffer import FlatLayout
 
     skip = tuple(f"layers.{i}.{name}" for i in range(len(model.layers)) for name in sorted(kept_out))
-    convert_to_float8(model, recipe, fp8_all_gather=recipe == "tensorwise", skip=skip, strict=False)
+    if skip and not float8_linears(model, skip, strict=False):
+        return  # blocks with every linear kept out: measured as they are
+    convert_to_float8(model, recipe, fp8_all_gather=recipe == "tensorwise", skip=skip)
     if recipe != "tensorwise":
         return
     for block in blocks:
