@@ -2,11 +2,12 @@
 
 * :func:`load_hf_weights` fills an mfsdp-sharded model (typically built on the meta device) from a
   local safetensors directory. Every rank opens the files itself and reads only the rows and
-  columns of each tensor that its shards hold (``safe_open(...).get_slice(name)[a:b, c:d]``): no
-  rank-0 broadcast, and no rank ever holds a whole model.
+  columns of each tensor that its shards hold (``mfsdp.hf_io.read_block``): no rank-0 broadcast,
+  and no rank ever holds a whole model.
 * :func:`save_hf_checkpoint` gathers one parameter at a time (``DTensor.full_tensor()``, a
-  collective on every rank) and rank 0 writes consolidated safetensors plus ``config.json``, which
-  ``transformers`` ``from_pretrained`` loads.
+  collective on every rank) and rank 0 streams it into consolidated safetensors
+  (``mfsdp.hf_io.write_weights``) plus ``config.json``, which ``transformers`` ``from_pretrained``
+  loads.
 * :func:`init_weights_shard_local` initialises a meta-built sharded model without a checkpoint,
   shard by shard, with values that do not depend on the mesh (see its docstring).
 * :func:`materialize_meta_buffers` re-creates buffers left on the meta device (RoPE ``inv_freq``).
@@ -14,13 +15,14 @@
 Which global indices a rank owns is derived from each parameter's DTensor placements and this
 rank's mesh coordinate, one index vector per sharded dimension (cheap: one integer per row or
 column): FSDP over dp, TP colwise/rowwise, and TP then FSDP on the same dim (strided shards) are
-handled alike, and the result is checked against ``to_local()``.
+handled alike, and the result is checked against ``to_local()``. The files themselves are
+``mfsdp.hf_io``'s; this module holds the manager's rules for matching a model's names to a
+checkpoint's (tied aliases, the base-model prefix).
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
 from typing import Optional
@@ -31,19 +33,10 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from mfsdp import _compat
+from mfsdp.hf_io import SHARD_BYTES, Entry, HFWeightsError, WeightFiles, read_block, write_weights
 from mfsdp.runtime.parameter_group import local_tensor
 
 logger = logging.getLogger("mfsdp.manager")
-
-SAFE_WEIGHTS = "model.safetensors"
-SAFE_INDEX = "model.safetensors.index.json"
-
-
-class CheckpointKeyError(KeyError):
-    """The checkpoint lacks tensors the model needs (or has a different shape for one)."""
-
-    def __str__(self) -> str:  # KeyError quotes its message; keep it readable
-        return str(self.args[0])
 
 
 # ------------------------------------------------------------------------------ ownership
@@ -81,46 +74,7 @@ def local_indices(param: torch.Tensor) -> Optional[list[torch.Tensor]]:
     return full
 
 
-def _span(idx: torch.Tensor) -> tuple[int, int, Optional[torch.Tensor]]:
-    """(start, stop, None) for a contiguous run, else the enclosing range and the offsets into it."""
-    start, stop = int(idx.min()), int(idx.max()) + 1
-    if stop - start == idx.numel() and bool((idx == torch.arange(start, stop)).all()):
-        return start, stop, None
-    return start, stop, idx - start
-
-
-def _read_block(tensor_slice, indices: list[torch.Tensor]) -> torch.Tensor:
-    """Read only the block ``indices`` describes from a safetensors slice."""
-    spans = [_span(i) for i in indices]
-    block = tensor_slice[tuple(slice(a, b) for a, b, _ in spans)] if spans else tensor_slice[:]
-    for d, (_, _, offsets) in enumerate(spans):
-        if offsets is not None:
-            block = block.index_select(d, offsets)
-    return block
-
-
 # ----------------------------------------------------------------------------------- load
-def checkpoint_files(path: str) -> dict[str, str]:
-    """Tensor name -> safetensors file of a local HF checkpoint directory (single file or index)."""
-    index = os.path.join(path, SAFE_INDEX)
-    single = os.path.join(path, SAFE_WEIGHTS)
-    if os.path.isfile(index):
-        with open(index) as f:
-            weight_map = json.load(f)["weight_map"]
-        return {k: os.path.join(path, v) for k, v in weight_map.items()}
-    if os.path.isfile(single):
-        from safetensors import safe_open
-
-        with safe_open(single, framework="pt") as f:
-            return {k: single for k in f.keys()}
-    raise FileNotFoundError(f"{path} holds neither {SAFE_WEIGHTS} nor {SAFE_INDEX} (a local Hugging Face "
-                            "safetensors directory is needed; .bin checkpoints are not supported)")
-
-
-def has_weights(path: str) -> bool:
-    return os.path.isfile(os.path.join(path, SAFE_INDEX)) or os.path.isfile(os.path.join(path, SAFE_WEIGHTS))
-
-
 def _candidate_keys(names: list[str], prefix: str) -> list[str]:
     """Checkpoint keys that may hold a model tensor: its own names (tied aliases included), then the
     same with the base-model prefix added or removed (a base model saved, a head model loaded)."""
@@ -153,50 +107,37 @@ def load_hf_weights(model: nn.Module, path: str, *, strict: bool = True) -> list
     without tensor parallelism) and for a plain unsharded model. Tied weights are read once, under
     any of their names. Checkpoint keys may carry or lack the model's ``base_model_prefix``.
     The compute weights are refreshed afterwards. Returns the checkpoint keys nobody used.
-    Raises :class:`CheckpointKeyError` (``strict``) when a parameter has no tensor or a different
-    shape, naming them all. No collective is issued.
+    Raises :class:`mfsdp.hf_io.HFWeightsError` (a ``KeyError``; ``strict``) when a parameter has no
+    tensor or a different shape, naming them. No collective is issued.
     """
-    from safetensors import safe_open
-
-    files = checkpoint_files(path)
     prefix = getattr(model, "base_model_prefix", "") or ""
-    plan, missing, bad_shape = [], [], []
     param_ids = {id(p) for p in model.parameters()}
-    for names, tensor in _model_tensors(model):
-        key = next((k for k in _candidate_keys(names, prefix) if k in files), None)
-        if key is None:
-            if id(tensor) in param_ids:  # a persistent buffer may be absent (HF omits many)
-                missing.append(names[0])
-            continue
-        plan.append((key, names[0], tensor))
-    used = {key for key, _, _ in plan}
-    handles: dict[str, object] = {}
-    try:
-        for key, name, tensor in plan:
-            filename = files[key]
-            if filename not in handles:
-                handles[filename] = safe_open(filename, framework="pt", device="cpu")
-            sl = handles[filename].get_slice(key)
+    missing, mismatched, used = [], [], set()
+    with WeightFiles(path) as files:
+        for names, tensor in _model_tensors(model):
+            key = next((k for k in _candidate_keys(names, prefix) if k in files), None)
+            if key is None:
+                if id(tensor) in param_ids:  # a persistent buffer may be absent (HF omits many)
+                    missing.append(names[0])
+                continue
+            used.add(key)
+            sl = files.get_slice(key)
             if tuple(sl.get_shape()) != tuple(tensor.shape):
-                bad_shape.append(f"{name}: checkpoint {tuple(sl.get_shape())} vs model {tuple(tensor.shape)}")
+                mismatched.append(f"{key} has shape {tuple(sl.get_shape())}, the model's {names[0]} "
+                                  f"{tuple(tensor.shape)}")
                 continue
             indices = local_indices(tensor)
             if indices is None:
                 continue
             dst = local_tensor(tensor)
             if dst.is_meta:
-                raise RuntimeError(f"{name} is still on the meta device; shard the model (fully_shard or the "
+                raise RuntimeError(f"{names[0]} is still on the meta device; shard the model (fully_shard or the "
                                    "manager) or materialize its buffers before loading")
-            dst.copy_(_read_block(sl, indices).to(dst.dtype))
-    finally:
-        handles.clear()
-    if strict and (missing or bad_shape):
-        raise CheckpointKeyError(
-            f"{path}: " + "; ".join(filter(None, [
-                f"no tensor for {missing}" if missing else "",
-                f"shape mismatch: {bad_shape}" if bad_shape else ""])))
+            dst.copy_(read_block(sl, indices))
+        unused = sorted(set(files.files) - used)
+    if strict and (missing or mismatched):
+        raise HFWeightsError.of(path, missing=missing, mismatched=mismatched)
     refresh_compute_weights(model)
-    unused = sorted(set(files) - used)
     if unused:
         logger.info("load_hf_weights: %d checkpoint tensors not used: %s", len(unused), unused[:8])
     return unused
@@ -213,51 +154,32 @@ def refresh_compute_weights(model: nn.Module) -> None:
 
 # ----------------------------------------------------------------------------------- save
 def save_hf_checkpoint(model: nn.Module, path: str, *, dtype: Optional[torch.dtype] = None,
-                       max_shard_bytes: int = 5 * 2**30, save_config: bool = True) -> None:
+                       max_shard_bytes: int = SHARD_BYTES, save_config: bool = True) -> None:
     """Export consolidated HF safetensors (and ``config.json``) that ``from_pretrained`` loads.
 
     A collective: call it on every rank. Parameters are gathered one at a time with
-    ``full_tensor()``; rank 0 keeps them on the CPU and writes files of at most ``max_shard_bytes``
+    ``full_tensor()`` and rank 0 writes each as it arrives, into files of at most ``max_shard_bytes``
     (one ``model.safetensors``, or numbered files plus ``model.safetensors.index.json``). Tied
     weights are written once, under their first name, as ``save_pretrained`` does. ``dtype``
     defaults to ``model.dtype`` (the compute dtype for a managed model).
     """
-    from safetensors.torch import save_file
-
     rank = dist.get_rank() if dist.is_initialized() else 0
     dtype = dtype or getattr(model, "dtype", None)
-    if rank == 0:
+    tensors = {names[0]: tensor for names, tensor in _model_tensors(model)}
+    entries = [Entry(name, tuple(t.shape), dtype if dtype is not None and t.is_floating_point() else t.dtype)
+               for name, t in tensors.items()]
+
+    @torch.no_grad()
+    def gather(entry: Entry) -> torch.Tensor:
+        tensor = tensors[entry.name]
+        return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+    if rank != 0:
+        for entry in entries:  # the same collectives, in the same order, as rank 0's writer
+            gather(entry)
+    else:
         os.makedirs(path, exist_ok=True)
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for names, tensor in _model_tensors(model):
-        with torch.no_grad():
-            full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-        if rank != 0:
-            continue
-        # One copy, owned by the file writer (never a view of a live parameter on CPU).
-        value = full.detach().to("cpu", dtype if dtype is not None and full.is_floating_point() else full.dtype,
-                                 copy=True).contiguous()
-        nbytes = value.numel() * value.element_size()
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][names[0]] = value
-        size += nbytes
-    if rank == 0:
-        meta = {"format": "pt"}
-        if len(shards) == 1:
-            save_file(shards[0], os.path.join(path, SAFE_WEIGHTS), metadata=meta)
-        else:
-            weight_map, total = {}, 0
-            for i, shard in enumerate(shards):
-                name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-                save_file(shard, os.path.join(path, name), metadata=meta)
-                for k, v in shard.items():
-                    weight_map[k] = name
-                    total += v.numel() * v.element_size()
-            with open(os.path.join(path, SAFE_INDEX), "w") as f:
-                json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+        write_weights(path, entries, gather, max_shard_bytes)
         config = getattr(model, "config", None)
         if save_config and config is not None and hasattr(config, "save_pretrained"):
             if dtype is not None and hasattr(config, "dtype"):

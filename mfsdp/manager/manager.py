@@ -35,6 +35,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 import mfsdp
 from mfsdp import FsdpModule, _compat
+from mfsdp.hf_io import has_weights
 from mfsdp.manager import hf_checkpoint
 from mfsdp.manager.config import MegatronFSDPConfig, field_names
 from mfsdp.manager.context_parallel import CAUSAL_SDPA, DP_SHARD_CP, use_causal_sdpa
@@ -329,7 +330,7 @@ class MegatronFSDPManager:
         if on_meta and optimizer is not None:
             raise ValueError("an optimizer cannot be built on a meta-device model; pass optimizer=None and build "
                              "it on model.parameters() after parallelize")
-        if hf_path is not None and not hf_checkpoint.has_weights(hf_path):
+        if hf_path is not None and not has_weights(hf_path):
             raise FileNotFoundError(f"hf_path={hf_path!r} holds no model.safetensors (or index)")
         compute_dtype = floating[0].dtype
         dtypes = {p.dtype for p in floating}

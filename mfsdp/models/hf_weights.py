@@ -11,22 +11,21 @@ same rotate-half rotary layout as these models, so no weight is permuted.
 (``mfsdp.models.parallelize``, or any DTensor sharding on dim boundaries) and materialised with
 ``to_empty``, or a plain unsharded one. For each parameter it asks the DTensor which block of the
 global tensor this rank holds (``_local_block``, the same rule the shard-local init uses) and reads
-just that block from the safetensors file (``safe_open(...).get_slice(name)[rows, cols]``), cast
-into the local shard. One tensor at a time, no collective: no rank ever holds the whole model, and
+just that block from the safetensors file (``mfsdp.hf_io.read_block``), cast into the local
+shard. One tensor at a time, no collective: no rank ever holds the whole model, and
 every rank checks the same files, so a bad checkpoint fails alike everywhere, before any write.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 from torch.distributed.tensor import DTensor
 
 from mfsdp import _compat
+from mfsdp.hf_io import HFWeightsError, WeightFiles, read_block
 from mfsdp.models.llama import Llama, LlamaConfig, _local_block
-from mfsdp.models.safetensors_file import SAFE_INDEX, SAFE_WEIGHTS
 
 
 _LAYER = (("attention_norm.weight", "input_layernorm.weight"),
@@ -41,10 +40,6 @@ _DENSE_FFN = (("feed_forward.w1.weight", "mlp.gate_proj.weight"),
               ("feed_forward.w3.weight", "mlp.up_proj.weight"),
               ("feed_forward.w2.weight", "mlp.down_proj.weight"))
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # a buffer some older checkpoints saved; rebuilt here
-
-
-class HFWeightsError(ValueError):
-    """A Hugging Face checkpoint that does not fit the bundled model; one line naming the tensor."""
 
 
 def hf_weight_names(cfg: LlamaConfig) -> list[tuple[str, str]]:
@@ -71,67 +66,38 @@ def hf_weight_names(cfg: LlamaConfig) -> list[tuple[str, str]]:
     return pairs
 
 
-def safetensors_files(hf_dir: str | Path) -> dict[str, Path]:
-    """Tensor name -> the safetensors file holding it (``model.safetensors`` or the index)."""
-    hf_dir = Path(hf_dir)
-    if (hf_dir / SAFE_INDEX).is_file():
-        weight_map = json.loads((hf_dir / SAFE_INDEX).read_text())["weight_map"]
-        return {name: hf_dir / file for name, file in weight_map.items()}
-    if (hf_dir / SAFE_WEIGHTS).is_file():
-        from safetensors import safe_open
-
-        with safe_open(hf_dir / SAFE_WEIGHTS, framework="pt") as f:
-            return {name: hf_dir / SAFE_WEIGHTS for name in f.keys()}
-    raise HFWeightsError(f"{hf_dir} holds neither {SAFE_WEIGHTS} nor {SAFE_INDEX}; a local Hugging Face "
-                         "directory with safetensors weights is needed (.bin checkpoints are not read)")
-
-
 @torch.no_grad()
 def load_hf_weights(model: Llama, hf_dir: str | Path) -> None:
     """Copy a Hugging Face checkpoint's weights into ``model``'s parameters (their local shards when
-    sharded) and rebuild the rotary tables; raises ``HFWeightsError`` naming the first tensor that
-    is missing, of another shape, or left over."""
-    from safetensors import safe_open
-
-    hf_dir = Path(hf_dir)
-    files = safetensors_files(hf_dir)
+    sharded) and rebuild the rotary tables; raises ``HFWeightsError`` naming every tensor that is
+    missing, of another shape, or left over, before anything is written."""
     params = dict(model.named_parameters())  # a tied matrix once, as the embedding
     names = hf_weight_names(model.cfg)
     unfilled = sorted(set(params) - {name for _, name in names})
     if unfilled:
         raise HFWeightsError(f"the bundled model's {unfilled[0]} has no Hugging Face name (a model "
                              f"{type(model).__name__} these weights cannot fill)")
-    handles: dict[Path, object] = {}
-    plan = []
-    try:
+    with WeightFiles(hf_dir) as files:
+        plan, missing, mismatched = [], [], []
+        used = {"lm_head.weight"} if model.cfg.tie_embeddings else set()  # some tied checkpoints keep a copy
         for hf_name, name in names:  # check everything before writing anything
             key = hf_name if hf_name in files else hf_name.removeprefix("model.")
             if key not in files:
-                raise HFWeightsError(f"{hf_dir}: no tensor {hf_name} (for {name}) in its safetensors files; "
-                                     "does config.json describe these weights?")
-            if files[key] not in handles:
-                handles[files[key]] = safe_open(files[key], framework="pt", device="cpu")
-            tensor_slice = handles[files[key]].get_slice(key)
+                missing.append(f"{hf_name} (for {name})")
+                continue
+            used.add(key)
+            tensor_slice = files.get_slice(key)
             shape, expected = tuple(tensor_slice.get_shape()), tuple(params[name].shape)
             if shape != expected:
-                raise HFWeightsError(f"{hf_dir}: {key} has shape {shape}, the bundled {name} {expected}; "
-                                     "does config.json describe these weights?")
-            plan.append((key, name, tensor_slice))
-        _refuse_left_over(hf_dir, files, {key for key, _, _ in plan}, model.cfg)
-        for key, name, tensor_slice in plan:
+                mismatched.append(f"{key} has shape {shape}, the bundled {name} {expected}")
+            plan.append((name, tensor_slice))
+        extra = sorted(k for k in files.files if k not in used and not k.endswith(_IGNORED_SUFFIXES))
+        if missing or mismatched or extra:  # a left-over tensor would be a trained weight dropped
+            raise HFWeightsError.of(hf_dir, missing=missing, mismatched=mismatched, extra=extra,
+                                    model="the bundled model")
+        for name, tensor_slice in plan:
             _copy_local_block(params[name], tensor_slice, name)
-    finally:
-        handles.clear()
     model.reset_rotary_tables()
-
-
-def _refuse_left_over(hf_dir: Path, files: dict, used: set[str], cfg: LlamaConfig) -> None:
-    """A checkpoint tensor with no place in the model would be a trained weight dropped."""
-    benign = {"lm_head.weight"} if cfg.tie_embeddings else set()  # some tied checkpoints keep a copy
-    left = sorted(k for k in files if k not in used and k not in benign and not k.endswith(_IGNORED_SUFFIXES))
-    if left:
-        raise HFWeightsError(f"{hf_dir}: tensor {left[0]} has no place in the bundled model (and "
-                             f"{len(left) - 1} more); its config.json does not describe these weights")
 
 
 def _copy_local_block(param: torch.Tensor, tensor_slice, name: str) -> None:
@@ -145,5 +111,4 @@ def _copy_local_block(param: torch.Tensor, tensor_slice, name: str) -> None:
                              "(model.to_empty(device=...)) and then load")
     if local.numel() == 0:
         return
-    block = tensor_slice[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
-    local.view(shape).copy_(block)
+    local.view(shape).copy_(read_block(tensor_slice, [slice(o, o + n) for o, n in zip(offset, shape)]))

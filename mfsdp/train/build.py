@@ -9,7 +9,8 @@ from typing import Callable
 import torch
 
 import mfsdp
-from mfsdp.models.hf_weights import HFWeightsError, load_hf_weights
+from mfsdp.hf_io import HFWeightsError
+from mfsdp.models.hf_weights import load_hf_weights
 from mfsdp.models.llama import Llama
 from mfsdp.models.moe import build_model
 from mfsdp.models.parallelize import ParallelizeConfig, build_mesh, compile_modules, parallelize

@@ -21,7 +21,7 @@ from mfsdp.models.hf_config import UnsupportedHFConfig, bundled_config_from_hf, 
 from mfsdp.models.llama import HEAD_LOSSES, LlamaConfig, get_config
 from mfsdp.models.parallelize import (FLOAT8_CHOICES, PLACEMENT_NAMES as PLACEMENTS, TWO_AXIS,
                                       float8_placement_problem, kept_blocks)
-from mfsdp.models.safetensors_file import has_weights
+from mfsdp.hf_io import has_weights
 from mfsdp.train import determinism
 from mfsdp.train.errors import ConfigError, require
 from mfsdp.train.recipes import RECIPES, SCHEDULES, Recipe, recipe_for

@@ -38,10 +38,10 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 
+from mfsdp.hf_io import SHARD_BYTES, Entry, write_weights
 from mfsdp.models.hf_config import ARCHITECTURES, bundled_config_from_hf, hf_config_of
 from mfsdp.models.hf_weights import hf_weight_names
 from mfsdp.train.checkpoint import META, CheckpointMeta, find_latest, is_complete
-from mfsdp.models.safetensors_file import Entry, write_weights
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 MODEL = "model."  # the checkpoint's prefix of the model state (mfsdp.train.checkpoint)
@@ -76,7 +76,7 @@ def resolve_checkpoint(source: str | Path) -> Path:
 
 
 def export_hf(source: str | Path, out_dir: str | Path, dtype: torch.dtype = torch.bfloat16,
-              max_shard_bytes: int = 5 * 10**9) -> Exported:
+              max_shard_bytes: int = SHARD_BYTES) -> Exported:
     """Write checkpoint ``source`` (or a run directory's newest) to ``out_dir`` as a Hugging Face
     model directory; no process group, one tensor in memory at a time."""
     checkpoint = resolve_checkpoint(source)

@@ -1,0 +1,214 @@
+"""Hugging Face weight files: the one reader and writer of a model directory's safetensors, for
+both ``--model.hf`` routes (the bundled Llama's ``mfsdp.models.hf_weights`` and the manager's
+``mfsdp.manager.hf_checkpoint``), which keep only their tables of names.
+
+* The index: ``model.safetensors``, or numbered files and ``model.safetensors.index.json``
+  (``weight_files``, ``has_weights``).
+* The rank's slice: ``WeightFiles`` opens each file once, lazily, and ``read_block`` reads only the
+  rows and columns a rank holds from ``safe_open(...).get_slice(name)``, never the whole tensor.
+* The streamed writer: ``write_weights`` writes each file's header first (every name, dtype and
+  shape is known in advance), then each tensor's bytes as it arrives, so one tensor is held at a
+  time; files of at most ``SHARD_BYTES``, as ``save_pretrained(max_shard_size="5GB")`` cuts them.
+* ``HFWeightsError``: a tensor missing, of another shape, or with no place in the model, named.
+
+The file layout is the format's own (https://huggingface.co/docs/safetensors): an 8-byte
+little-endian header length, a JSON header (padded with spaces to a multiple of 8 bytes) mapping
+each name to its dtype, shape and byte range, then the raw little-endian data. Imports only torch,
+safetensors and the standard library, so every layer of mfsdp may use it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import math
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+WEIGHTS = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+SHARD_BYTES = 5 * 10**9
+"""The largest file the writer cuts: Hugging Face's ``max_shard_size="5GB"`` (decimal gigabytes)."""
+
+SAFE_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
+               torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+               torch.uint8: "U8", torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3",
+               torch.float8_e5m2: "F8_E5M2"}
+
+
+class HFWeightsError(ValueError, KeyError):
+    """Weights that do not fit the model, in one line naming the directory and each tensor: missing,
+    of another shape, or with no place in the model. A ValueError (bad input) and a KeyError (a
+    name not found), so callers of either route catch it as they always have."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0])
+
+    @classmethod
+    def of(cls, directory, *, missing: Sequence[str] = (), mismatched: Sequence[str] = (),
+           extra: Sequence[str] = (), model: str = "the model") -> HFWeightsError:
+        """``missing``: tensors no file holds; ``mismatched``: "NAME has shape S, the model's T";
+        ``extra``: file tensors ``model`` has no place for (a trained weight would be dropped)."""
+        parts = [f"no tensor {_few(missing)} in its safetensors files" if missing else "",
+                 f"shape mismatch: {_few(mismatched, '; ')}" if mismatched else "",
+                 f"tensor {_few(extra)} {'has' if len(extra) == 1 else 'have'} no place in {model}" if extra else ""]
+        return cls(f"{directory}: {'; '.join(p for p in parts if p)}; does config.json describe these weights?")
+
+
+class NoWeightsError(HFWeightsError, FileNotFoundError):
+    """A directory with no safetensors weights at all."""
+
+
+def _few(names: Sequence[str], sep: str = ", ", shown: int = 4) -> str:
+    return sep.join(names[:shown]) + (f" (and {len(names) - shown} more)" if len(names) > shown else "")
+
+
+# ------------------------------------------------------------------------------------ read
+def has_weights(directory: str | os.PathLike) -> bool:
+    """Whether a Hugging Face model directory holds safetensors weights (one file, or the index)."""
+    return (Path(directory) / INDEX).is_file() or (Path(directory) / WEIGHTS).is_file()
+
+
+def weight_files(directory: str | os.PathLike) -> dict[str, Path]:
+    """Tensor name -> the safetensors file holding it, from the index or the single file."""
+    directory = Path(directory)
+    if (directory / INDEX).is_file():
+        weight_map = json.loads((directory / INDEX).read_text())["weight_map"]
+        return {name: directory / file for name, file in weight_map.items()}
+    if (directory / WEIGHTS).is_file():
+        from safetensors import safe_open
+
+        with safe_open(directory / WEIGHTS, framework="pt") as f:
+            return {name: directory / WEIGHTS for name in f.keys()}
+    raise NoWeightsError(f"{directory} holds neither {WEIGHTS} nor {INDEX}; a local Hugging Face directory "
+                         "with safetensors weights is needed (.bin checkpoints are not read)")
+
+
+class WeightFiles:
+    """A weights directory open for reading: its tensor names, and each tensor's lazy slice, every
+    file opened once on first use and closed on ``close`` (or leaving a ``with``)."""
+
+    def __init__(self, directory: str | os.PathLike):
+        self.directory = Path(directory)
+        self.files = weight_files(self.directory)
+        self._open: dict[Path, object] = {}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.files
+
+    def get_slice(self, name: str):
+        """The file's lazy view of tensor ``name``: ``.get_shape()``, and indexing reads only that block."""
+        path = self.files[name]
+        if path not in self._open:
+            from safetensors import safe_open
+
+            self._open[path] = safe_open(path, framework="pt", device="cpu")
+        return self._open[path].get_slice(name)
+
+    def close(self) -> None:
+        self._open.clear()
+
+    def __enter__(self) -> WeightFiles:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def read_block(tensor_slice, index: Sequence[slice | torch.Tensor]) -> torch.Tensor:
+    """The block of a file's tensor that ``index`` picks, per dim a slice or the ascending global
+    indices a rank holds (strided shards are not one range): a range is read as it is, an index
+    vector as its enclosing range and then picked from, so the rest is never read."""
+    spans, picks = [], []
+    for i in index:
+        if isinstance(i, slice):
+            spans.append(i)
+            picks.append(None)
+            continue
+        start, stop = int(i.min()), int(i.max()) + 1
+        spans.append(slice(start, stop))
+        whole = stop - start == i.numel() and bool((i == torch.arange(start, stop)).all())
+        picks.append(None if whole else i - start)
+    block = tensor_slice[tuple(spans)] if spans else tensor_slice[:]
+    for dim, pick in enumerate(picks):
+        if pick is not None:
+            block = block.index_select(dim, pick)
+    return block
+
+
+# ----------------------------------------------------------------------------------- write
+@dataclass(frozen=True)
+class Entry:
+    name: str
+    """The tensor's name in the file."""
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    """The dtype written (the writer casts to it)."""
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
+
+
+def plan_files(entries: Sequence[Entry], max_file_bytes: int) -> list[list[Entry]]:
+    """``entries`` cut, in order, into files of at most ``max_file_bytes`` (a larger tensor gets a
+    file of its own)."""
+    files: list[list[Entry]] = [[]]
+    size = 0
+    for entry in entries:
+        if files[-1] and size + entry.nbytes > max_file_bytes:
+            files.append([])
+            size = 0
+        files[-1].append(entry)
+        size += entry.nbytes
+    return files
+
+
+def write_file(path: Path, entries: Sequence[Entry], read: Callable[[Entry], torch.Tensor]) -> None:
+    """Write ``entries`` to ``path`` (through a temp file and a rename); ``read(entry)`` gives each
+    tensor when its turn comes, in any dtype (cast here) and of the entry's shape."""
+    header: dict = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for e in entries:
+        header[e.name] = {"dtype": SAFE_DTYPES[e.dtype], "shape": list(e.shape),
+                          "data_offsets": [offset, offset + e.nbytes]}
+        offset += e.nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    temp = path.with_name(path.name + ".tmp")
+    with open(temp, "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text)
+        for e in entries:
+            tensor = read(e)
+            if tuple(tensor.shape) != e.shape:
+                raise ValueError(f"{e.name}: read a tensor of shape {tuple(tensor.shape)}, planned {e.shape}")
+            tensor = tensor.detach().to("cpu", e.dtype).contiguous()
+            if tensor.numel():
+                f.write(ctypes.string_at(tensor.data_ptr(), e.nbytes))
+            del tensor  # one tensor alive at a time
+    os.replace(temp, path)
+
+
+def write_weights(out: str | os.PathLike, entries: Sequence[Entry], read: Callable[[Entry], torch.Tensor],
+                  max_file_bytes: int = SHARD_BYTES) -> int:
+    """A Hugging Face directory's weights: ``model.safetensors``, or numbered files of at most
+    ``max_file_bytes`` and their index, replacing an earlier export's; ``read`` is called once per
+    entry, in order. Returns the file count."""
+    out = Path(out)
+    files = plan_files(entries, max_file_bytes)
+    names = [WEIGHTS] if len(files) == 1 else [
+        f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))]
+    for stale in [*out.glob("model*.safetensors"), out / INDEX]:
+        stale.unlink(missing_ok=True)  # a previous export's files would shadow or mix with these
+    for name, file_entries in zip(names, files):
+        write_file(out / name, file_entries, read)
+    if len(files) > 1:
+        weight_map = {e.name: name for name, fe in zip(names, files) for e in fe}
+        (out / INDEX).write_text(json.dumps({"metadata": {"total_size": sum(e.nbytes for e in entries)},
+                                             "weight_map": weight_map}, indent=2))
+    return len(files)
