@@ -229,7 +229,7 @@ def test_a_model_hf_runs_export_carries_its_tokenizer_files_and_chat_template(wo
 
     base = [a for flag, value in zip(RUN[::2], RUN[1::2]) if not flag.startswith("--model.") for a in (flag, value)]
     out, tokens = tmp_path / "run", tmp_path / "hf.tokens"
-    prepare(stdlib_source(), tokens, tokenizer=str(hf_dir), glob="a*.py")  # a run refuses another tokenizer's file
+    prepare(stdlib_source(), tokens, tokenizer=str(hf_dir), glob="ab*.py")  # a run refuses another tokenizer's file
     log = train(world, tokens, out, "--model.hf", str(hf_dir), "--train.export_hf", "true", *MODEL_ONLY, base=base)
     names = sorted(n for n in TOKENIZER_FILES if (hf_dir / n).is_file())
     assert {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja"} <= set(names)
