@@ -46,16 +46,19 @@ def main(argv: list[str] | None = None) -> int:
 def prepare_data(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="mfsdp prepare-data",
-        description="Tokenize text, or prompt/completion and chat rows for fine-tuning, into the "
-                    "token file that `mfsdp train --data.path` reads. JSONL rows are "
-                    '{"text": ...} (a token stream, as for pretraining), {"prompt": ..., '
-                    '"completion": ...} (strings, or both lists of messages), or {"messages": '
-                    '[{"role": ..., "content": ...}, ...]} with roles system, user and assistant '
-                    "only (others, such as tool, are refused). The loss counts the completion or "
-                    "every assistant turn and the token closing it. Chats go through the "
+        description="Tokenize text, or fine-tuning rows, into the token file that `mfsdp train "
+                    '--data.path` reads. JSONL rows are {"text": ...} (a token stream, as for '
+                    'pretraining), or samples, each row in any of: {"prompt": ..., "completion": ...} '
+                    '(strings, or both lists of messages), {"messages": [{"role": ..., "content": ...}, '
+                    '...]} (roles system, user, assistant and tool; assistant tool_calls and a row\'s '
+                    '"tools" go to the chat template), ShareGPT {"conversations": [{"from": "human"|"gpt"|'
+                    '"system"|"function_call"|"observation", "value": ...}]} and Alpaca {"instruction": '
+                    '..., "input": ..., "output": ...}. The loss counts the completion or every '
+                    "assistant turn (tool calls too) and the token closing it. Chats go through the "
                     "tokenizer's chat template, or mfsdp's own (<|user|>\\n...\\n<|assistant|>\\n"
-                    "...<eos>) when it has none; a plain prompt/completion is prompt, completion, "
-                    "end-of-sequence token. A bad row stops with FILE:LINE and writes nothing.")
+                    "...<eos>) when it has none; a plain prompt/completion is the tokenizer's text "
+                    "(its BOS too), then the end-of-sequence token. A bad row stops with FILE:LINE and "
+                    "writes nothing.")
     parser.add_argument("input", help="a .txt file, a .jsonl file (one row per line), "
                                       "or a directory, or 'stdlib' for the demo corpus")
     parser.add_argument("out", help="the token file to write")
@@ -65,8 +68,9 @@ def prepare_data(argv: list[str]) -> int:
     parser.add_argument("--model.hf", dest="model_hf", default=None, metavar="DIR",
                         help="the Hugging Face model directory the data is for: its tokenizer "
                              "is the default --tokenizer")
-    parser.add_argument("--format", choices=("text", "prompt_completion", "messages"), default=None,
-                        help="the JSONL row format (default: read from the first row)")
+    parser.add_argument("--format", choices=("text", "prompt_completion", "messages", "sharegpt", "alpaca"),
+                        default=None, help="the format of every JSONL row (default: each row's, from "
+                                           "its keys)")
     parser.add_argument("--train-on-prompt", action="store_true",
                         help="count every token in the loss, prompts and user turns too "
                              "(default: only the completion or the assistant turns)")
@@ -92,7 +96,8 @@ def prepare_data(argv: list[str]) -> int:
     if info["format"] == "text":
         print(f"wrote {info['tokens']:,} tokens from {info['documents']:,} documents {where}")
     else:
-        limit = f" to {info['max_len']:,} tokens" if info["max_len"] else ""
+        limit = (f" to {info['max_len']:,} tokens ({info['cut_tokens']:,} tokens cut)"
+                 if info["max_len"] else "")
         print(f"wrote {info['samples']:,} {info['format']} samples, {info['tokens']:,} tokens, "
               f"{info['counted']:,} answer tokens counted in the loss, {info['truncated']:,} "
               f"samples truncated{limit} {where}")

@@ -40,6 +40,33 @@ def test_bad_token_files_fail_with_one_clear_message(tmp_path, damage, message):
         TokenFile(path)
 
 
+def test_hints_name_the_models_tokenizer_and_never_write_over_the_input(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+
+    def error(path, model_hf="./llama"):
+        with pytest.raises(DataError) as err:
+            TokenFile(path, model_hf=model_hf)
+        return str(err.value)
+
+    assert error("chats.jsonl") == (
+        "data file chats.jsonl does not exist; data.path names a token file, not .jsonl rows: create one with "
+        "`mfsdp prepare-data INPUT data/chats.tokens --model.hf ./llama` and pass --data.path data/chats.tokens")
+    assert error("t.tokens") == "data file t.tokens does not exist; create it with " \
+        "`mfsdp prepare-data INPUT t.tokens --model.hf ./llama`"  # no byte-level demo corpus for an HF model
+    assert error("t.tokens", None).endswith("`mfsdp prepare-data INPUT t.tokens`, or set data.path to 'stdlib' "
+                                            "for the built-in demo corpus")
+    (tmp_path / "chats.jsonl").write_text('{"text": "x"}\n' * 30)  # the rows themselves, as --data.path
+    assert error("chats.jsonl") == (
+        "chats.jsonl is not an mfsdp token file (bad header); if it holds your rows or text, tokenize it with "
+        "`mfsdp prepare-data chats.jsonl data/chats.tokens --model.hf ./llama` and pass --data.path data/chats.tokens")
+    (tmp_path / "data").mkdir()
+    (tmp_path / "chats.jsonl").rename(tmp_path / "data" / "chats.tokens")
+    assert "`mfsdp prepare-data data/chats.tokens data/chats.prepared.tokens`" in error("data/chats.tokens", None)
+    write_token_file("t.tokens", torch.arange(100), vocab_size=257, tokenizer="bytes")
+    (tmp_path / "t.tokens").write_bytes((tmp_path / "t.tokens").read_bytes()[:-1])
+    assert error("t.tokens").endswith("re-create it with `mfsdp prepare-data INPUT t.tokens --model.hf ./llama`")
+
+
 def test_prepare_text_jsonl_and_directory(tmp_path):
     (tmp_path / "a.txt").write_text("héllo")
     info = prepare(tmp_path / "a.txt", tmp_path / "a.tokens")

@@ -150,6 +150,7 @@ def test_a_global_batch_counting_nothing_is_skipped_and_never_a_nan(world, tmp_p
     sampler = PackedSampler(TokenFile(data), 32, 1, 0, 1)
     empty = [s for s in range(1, sampler.steps_per_epoch + 1) if sampler.loss_tokens(s) == 0]
     assert len(empty) == 1 and f"step {empty[0]}: the global batch counts no target" in printed
+    assert f"mfsdp train: 1 of 8 samples in {data} are longer than --data.seq_len 32 and are cut to it" in printed
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert empty[0] not in [r["step"] for r in records] and len(records) == sampler.steps_per_epoch - 1
     assert all(r["loss"] == r["loss"] and r["loss_tokens"] > 0 for r in records)

@@ -222,14 +222,15 @@ def hf_dir(tmp_path_factory):
     return path
 
 
-def test_a_model_hf_runs_export_carries_its_tokenizer_files_and_chat_template(world, corpus, hf_dir, tmp_path):
+def test_a_model_hf_runs_export_carries_its_tokenizer_files_and_chat_template(world, hf_dir, tmp_path):
     import transformers
 
     from mfsdp.train.export import TOKENIZER_FILES, export_hf
 
     base = [a for flag, value in zip(RUN[::2], RUN[1::2]) if not flag.startswith("--model.") for a in (flag, value)]
-    out = tmp_path / "run"
-    log = train(world, corpus, out, "--model.hf", str(hf_dir), "--train.export_hf", "true", *MODEL_ONLY, base=base)
+    out, tokens = tmp_path / "run", tmp_path / "hf.tokens"
+    prepare(stdlib_source(), tokens, tokenizer=str(hf_dir), glob="ab*.py")  # a run refuses another tokenizer's file
+    log = train(world, tokens, out, "--model.hf", str(hf_dir), "--train.export_hf", "true", *MODEL_ONLY, base=base)
     names = sorted(n for n in TOKENIZER_FILES if (hf_dir / n).is_file())
     assert {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja"} <= set(names)
     for name in names:
@@ -239,7 +240,7 @@ def test_a_model_hf_runs_export_carries_its_tokenizer_files_and_chat_template(wo
     assert loaded.chat_template == CHAT_TEMPLATE
     assert transformers.AutoModelForCausalLM.from_pretrained(out / "hf").config.vocab_size == 300
     # `mfsdp export` copies them too while the directory is there; once it is gone, the token file's
-    # tokenizer (bytes here: none) as before.
+    # tokenizer (that directory: gone too, so none) as before.
     assert export_hf(out, tmp_path / "again").tokenizer == str(hf_dir)
     shutil.move(hf_dir, tmp_path / "moved")
     try:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from mfsdp.cli import main as cli_main
-from mfsdp.data import (DataError, PackedEvalWindows, PackedSampler, TokenFile, WindowSampler,
+from mfsdp.data import (ByteTokenizer, DataError, PackedEvalWindows, PackedSampler, TokenFile, WindowSampler,
                         held_out_samples, write_token_file)
 from mfsdp.data.packing import IGNORE
 from mfsdp.data.template import render_chat
@@ -91,7 +91,7 @@ def test_train_on_prompt_counts_every_token_and_max_len_truncates(tmp_path, caps
     data = _prepare(tmp_path, rows, "--max-len", "30", name="cut.tokens")
     assert data.sample_lengths.tolist() == [30, 27]  # 31 tokens cut to 30 (its end), 27 kept
     assert _sample(data, 0) == _expected([(_b("<|user|>\nhello\n<|assistant|>\n"), False), (_b("x"), True)])
-    assert "1 samples truncated to 30 tokens" in capsys.readouterr().out
+    assert "1 samples truncated to 30 tokens (1 tokens cut)" in capsys.readouterr().out
 
 
 def test_text_rows_still_write_a_version_1_stream(tmp_path):
@@ -107,8 +107,8 @@ CHAT = {"messages": [{"role": "user", "content": "u"}, {"role": "assistant", "co
 
 @pytest.mark.parametrize("rows, line, problem", [
     ([{"body": "x"}], 1, "a row in none of the formats"),
-    ([CHAT, {"messages": [{"role": "tool", "content": "42"}, {"role": "assistant", "content": "a"}]}],
-     2, "message 0 has role 'tool'"),
+    ([CHAT, {"messages": [{"role": "ipython", "content": "42"}, {"role": "assistant", "content": "a"}]}],
+     2, "message 0 has role 'ipython'"),
     ([GOOD, GOOD, {"prompt": "p", "completion": "  "}], 3, "the completion is empty"),
     ([{"messages": [{"role": "user", "content": "u"}, {"role": "assistant", "content": ""}]}], 1,
      "no assistant turn with content"),
@@ -116,7 +116,15 @@ CHAT = {"messages": [{"role": "user", "content": "u"}, {"role": "assistant", "co
      1, "the completion has no assistant turn"),
     ([GOOD, '{"prompt": "p", "completion": '], 2, "invalid JSON"),
     (["[1, 2]"], 1, "a row must be a JSON object"),
-    ([GOOD, CHAT], 2, "a prompt_completion row needs 'prompt' and 'completion'"),
+    ([GOOD, CHAT, {"text": "t"}], 3, "a text row in a file of samples"),
+    ([{"conversations": [{"from": "human", "value": "q"}, {"from": "bot", "value": "a"}]}], 1,
+     "conversations turn 1 is from 'bot'; ShareGPT turns are from human, user, gpt"),
+    ([{"conversations": [{"from": "human", "value": "q"}, {"from": "function_call", "value": "f("}]}], 1,
+     "turn 1 (function_call) is not JSON"),
+    ([{"instruction": "i", "input": "x"}], 1, "an alpaca row needs 'instruction' and 'output'"),
+    ([{"instruction": "i", "output": " "}], 1, "no assistant turn with content"),
+    ([{"messages": [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}], "tools": 3}], 1,
+     "'tools' must be a list of function schemas"),
     ([{"prompt": "p", "completion": [{"role": "assistant", "content": "a"}]}], 1,
      "must both be strings or both be lists"),
     ([{"messages": [{"role": "user", "content": ["parts"]}]}], 1, "a string 'content'"),
@@ -132,10 +140,24 @@ def test_a_bad_row_is_one_line_with_file_and_line_and_writes_nothing(tmp_path, c
     assert not out.exists() and list(tmp_path.iterdir()) == [tmp_path / "rows.jsonl"]
 
 
+def test_bytes_that_are_not_utf8_are_one_line_and_an_existing_output_stays(tmp_path, capsys):
+    source, out = tmp_path / "rows.jsonl", tmp_path / "out.tokens"
+    out.write_bytes(b"an earlier file")
+    source.write_bytes(b'\xef\xbb\xbf{"text": "caf\xc3\xa9"}\n{"text": "caf\xe9"}\n')  # a BOM, then Latin-1
+    assert cli_main(["prepare-data", str(source), str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"mfsdp prepare-data: error: {source}:2: byte 0xe9 at column 14 is not UTF-8 text; re-save "
+                   "the file as UTF-8, or fix or drop the line\n")
+    source.write_bytes(b'{"prompt": "p", "completion": "c"}\n{"prompt": 1}\n')
+    assert cli_main(["prepare-data", str(source), str(out)]) == 2
+    assert f"{source}:2: " in capsys.readouterr().err
+    assert out.read_bytes() == b"an earlier file" and sorted(tmp_path.iterdir()) == [out, source]  # no temp file
+
+
 def test_sample_flags_on_text_rows_are_refused(tmp_path, capsys):
     source = _rows(tmp_path / "rows.jsonl", [{"text": "t"}])
     assert cli_main(["prepare-data", source, str(tmp_path / "o"), "--train-on-prompt"]) == 2
-    assert "apply to prompt_completion and messages rows" in capsys.readouterr().err
+    assert "apply to samples (prompt/completion, messages, ShareGPT or Alpaca rows)" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------- Hugging Face tokenizers
@@ -379,3 +401,193 @@ def test_held_out_samples_are_never_trained_on(tmp_path):
     assert set((one[one > 0] // 100).tolist()) == set(range(36, 40))
     assert sorted(map(tuple, one.tolist())) == sorted(map(tuple, evaluated(2, 4, 1).tolist())) \
         == sorted(map(tuple, evaluated(4, 1, 2).tolist()))
+
+
+# ------------------------------------------------- a tokenizer that adds BOS, as Llama 3's does
+LLAMA3 = ("{{ bos_token }}{% if tools %}<|start_header_id|>system<|end_header_id|>\n\n{{ tools | tojson }}"
+          "<|eot_id|>{% endif %}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
+          "{{ m['content'] }}{% if m.tool_calls is defined %}{% for c in m.tool_calls %}<tool_call>"
+          "{{ c['function'] | tojson }}</tool_call>{% endfor %}{% endif %}<|eot_id|>{% endfor %}"
+          "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
+"""Llama 3's layout in a few lines: the template writes the BOS itself, and renders tools."""
+
+
+@pytest.fixture(scope="module")
+def bos(tmp_path_factory):
+    """A tiny BPE tokenizer whose post-processor adds a BOS to every text, saved with a Llama-3
+    style template ("llama3") and without one ("plain"), and with a tiny Llama config ("model")."""
+    pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerFast
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    special = ["<|begin_of_text|>", "<|eot_id|>", "<|start_header_id|>", "<|end_header_id|>"]
+    bpe.train_from_iterator(["hello world, how are you today?", "the answer is forty two"] * 20,
+                            trainers.BpeTrainer(vocab_size=300, special_tokens=special, show_progress=False,
+                                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    bpe.post_processor = processors.TemplateProcessing(single="<|begin_of_text|> $A", special_tokens=[
+        ("<|begin_of_text|>", bpe.token_to_id("<|begin_of_text|>"))])
+    dirs = {}
+    for name, template in (("llama3", LLAMA3), ("plain", None), ("model", LLAMA3)):
+        tok = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<|begin_of_text|>", eos_token="<|eot_id|>")
+        tok.chat_template = template
+        dirs[name] = tmp_path_factory.mktemp(name)
+        tok.save_pretrained(dirs[name])
+    AutoConfig.for_model("llama", hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                         num_key_value_heads=1, vocab_size=320, max_position_embeddings=64
+                         ).save_pretrained(dirs["model"])
+    return dirs, AutoTokenizer.from_pretrained(dirs["llama3"], local_files_only=True)
+
+
+def _trl_prompt_completion(tok, prompt, completion):
+    """TRL's prompt/completion sample: prompt + completion + EOS tokenized as ``tok(text)`` does
+    (special tokens added), the loss counting what follows the tokenized prompt."""
+    ids = tok(prompt + completion + tok.eos_token)["input_ids"]
+    before = len(tok(prompt)["input_ids"])
+    return ids, [0] * before + [1] * (len(ids) - before)
+
+
+def test_text_and_plain_prompt_completion_start_with_the_bos_the_tokenizer_adds(tmp_path, bos):
+    dirs, tok = bos
+    docs = ["hello world", "how are you today?"]
+    data = _prepare(tmp_path, [{"text": d} for d in docs], "--tokenizer", str(dirs["llama3"]))
+    assert data.tokens.tolist() == sum((tok(d + tok.eos_token)["input_ids"] for d in docs), [])  # TRL's rule
+    assert data.tokens.tolist().count(tok.bos_token_id) == 2  # one per document
+    rows = [{"prompt": "the answer is", "completion": " forty two"}, {"prompt": "", "completion": "hello"}]
+    for name in ("llama3", "plain"):  # a template is no matter for plain strings
+        data = _prepare(tmp_path, rows, "--tokenizer", str(dirs[name]), name=f"{name}.tokens")
+        for i, row in enumerate(rows):
+            ids, mask = _trl_prompt_completion(tok, row["prompt"], row["completion"])
+            assert _sample(data, i) == (ids, [0] + mask[1:]) and ids[0] == tok.bos_token_id
+
+
+def test_a_chat_keeps_exactly_one_bos(tmp_path, bos):
+    dirs, tok = bos
+    chat = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "the answer"},
+            {"role": "user", "content": "again"}, {"role": "assistant", "content": "forty two"}]
+    # The template writes the BOS and the tokenizer adds one too: apply_chat_template keeps one.
+    data = _prepare(tmp_path, [{"messages": chat}, {"prompt": chat[:3], "completion": chat[3:]}],
+                    "--tokenizer", str(dirs["llama3"]))
+    want = list(tok.apply_chat_template(chat)["input_ids"])
+    assert _sample(data, 0)[0] == _sample(data, 1)[0] == want and want.count(tok.bos_token_id) == 1
+    assert _counted_text(tok, data, 0)[1] == "the answer<|eot_id|>forty two<|eot_id|>"
+    assert _counted_text(tok, data, 1)[1] == "forty two<|eot_id|>"
+    # mfsdp's own template writes none: the sample starts as tok(text) starts it.
+    data = _prepare(tmp_path, [{"messages": chat}], "--tokenizer", str(dirs["plain"]), name="plain.tokens")
+    assert _sample(data, 0)[0] == tok(render_chat(chat, False, tok.eos_token))["input_ids"]
+    assert _sample(data, 0)[0].count(tok.bos_token_id) == 1
+
+
+def test_sharegpt_and_alpaca_rows_are_the_chats_they_describe(tmp_path, bos):
+    dirs, tok = bos
+    chat = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello\nworld"},
+            {"role": "assistant", "content": "forty two"}]
+    sharegpt = {"conversations": [{"from": "system", "value": "be brief"}, {"from": "human", "value": "hello\nworld"},
+                                  {"from": "gpt", "value": "forty two"}]}
+    alpaca = {"instruction": "hello", "input": "world", "output": "forty two", "system": "be brief"}
+    rows = [{"messages": chat}, sharegpt, alpaca, {"prompt": "p", "completion": "c"}]  # formats mixed
+    for flags in (["--tokenizer", str(dirs["llama3"])], []):
+        data = _prepare(tmp_path, rows, *flags, name=f"{len(flags)}.tokens")
+        assert _sample(data, 0) == _sample(data, 1) == _sample(data, 2)
+    assert _sample(data, 0) == _expected([(_b("<|system|>\nbe brief\n<|user|>\nhello\nworld\n<|assistant|>\n"), False),
+                                          (_b("forty two"), True), ([EOS], True)])
+    data = _prepare(tmp_path, rows[:3], "--tokenizer", str(dirs["llama3"]), name="hf.tokens")
+    assert _sample(data, 1)[0] == list(tok.apply_chat_template(chat)["input_ids"])
+    assert _counted_text(tok, data, 2)[1] == "forty two<|eot_id|>"
+    history = {"instruction": "again", "output": "two", "history": [["hello", "forty"]]}
+    data = _prepare(tmp_path, [history, {"messages": [
+        {"role": "user", "content": "hello"}, {"role": "assistant", "content": "forty"},
+        {"role": "user", "content": "again"}, {"role": "assistant", "content": "two"}]}], name="h.tokens")
+    assert _sample(data, 0) == _sample(data, 1)
+
+
+TOOLS = [{"type": "function", "function": {"name": "add", "description": "a + b", "parameters": {
+    "type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}}}}}]
+CALL = {"name": "add", "arguments": {"a": 40, "b": 2}}
+
+
+def test_tool_calls_count_and_tool_results_do_not(tmp_path, bos):
+    dirs, tok = bos
+    chat = [{"role": "user", "content": "what is forty plus two?"},
+            {"role": "assistant", "tool_calls": [{"type": "function", "function": CALL}]},
+            {"role": "tool", "content": "42"}, {"role": "assistant", "content": "forty two"}]
+    sharegpt = {"conversations": [{"from": "human", "value": chat[0]["content"]},
+                                  {"from": "function_call", "value": json.dumps(CALL)},
+                                  {"from": "observation", "value": "42"}, {"from": "gpt", "value": "forty two"}],
+                "tools": json.dumps(TOOLS)}  # LLaMA-Factory gives the tools as a JSON string
+    data = _prepare(tmp_path, [{"messages": chat, "tools": TOOLS}, sharegpt], "--tokenizer", str(dirs["llama3"]))
+    assert _sample(data, 0) == _sample(data, 1)
+    whole = tok.apply_chat_template(chat, tools=TOOLS, tokenize=False)
+    assert _sample(data, 0)[0] == list(tok.apply_chat_template(chat, tools=TOOLS)["input_ids"])
+    assert _counted_text(tok, data, 0) == (whole, f"<tool_call>{json.dumps(CALL)}</tool_call><|eot_id|>"
+                                                  "forty two<|eot_id|>")
+    data = _prepare(tmp_path, [{"messages": chat, "tools": TOOLS}], name="bytes.tokens")  # mfsdp's template
+    ids, mask = _sample(data, 0)
+    counted = ByteTokenizer().decode([t for t, m in zip(ids, mask) if m])
+    assert ByteTokenizer().decode(ids).startswith(f"<|tools|>\n{json.dumps(TOOLS)}\n<|user|>\n")
+    assert counted == f"<|tool_call|>{json.dumps(CALL)}forty two" and "<|tool|>\n42\n" in ByteTokenizer().decode(ids)
+
+
+# ---------------------------------------------------------- samples longer than a window
+def test_training_says_how_many_samples_a_window_cuts(tmp_path):
+    from mfsdp.data.packing import cut_counts, cut_note
+
+    data = _synthetic(tmp_path, [3, 20, 16, 17])
+    assert cut_counts(data.sample_lengths, 16) == (2, 4 + 1)  # the rule prepare-data --max-len counts by
+    assert PackedSampler(data, 16, 1, 0, 1).truncated == 2
+    assert cut_note(data, 16) == (
+        f"mfsdp train: 2 of 4 samples in {data.path} are longer than --data.seq_len 16 and are cut to it, "
+        "dropping 5 of 56 tokens (the longest sample has 20); raise --data.seq_len to keep them whole, or cut "
+        "them when preparing (`mfsdp prepare-data ... --max-len N`) to make it explicit")
+    assert cut_note(data, 20) is None  # nothing cut: nothing said
+    stream = TokenFile(write_token_file(tmp_path / "t", torch.arange(100), 257, "bytes"))
+    assert cut_note(stream, 16) is None  # a stream's windows are drawn across documents by design
+
+
+# ------------------------------------------------------- a token file made by another tokenizer
+def test_an_hf_model_refuses_a_token_file_of_another_tokenizer(tmp_path, bos, hf):
+    from mfsdp.data.identity import check_tokenizer
+    from mfsdp.data.tokenizer import HuggingFaceTokenizer
+    from mfsdp.train.config import load_config
+    from mfsdp.train.preflight import check_run
+
+    dirs, _ = bos
+    model = str(dirs["model"])
+    source = _rows(tmp_path / "chats.jsonl", [CHAT])
+
+    def check(path):
+        cfg = load_config(["--model.hf", model, "--data.path", str(path), "--data.packing", "false"])
+        return check_run(cfg, 1, "cpu", lambda: TokenFile(path, model_hf=model))
+
+    byte_file = tmp_path / "data" / "x.tokens"
+    assert cli_main(["prepare-data", source, str(byte_file)]) == 0  # no --model.hf: bytes
+    with pytest.raises(DataError) as err:
+        check(byte_file)
+    assert str(err.value) == (
+        f"{byte_file} was tokenized by the byte tokenizer (vocabulary 257), not by the tokenizer of --model.hf "
+        f"{model} (vocabulary 297), so its ids mean other text to the model; tokenize the data with it: "
+        f"`mfsdp prepare-data INPUT {byte_file} --model.hf {model}`")
+    with pytest.raises(DataError, match=f"`mfsdp prepare-data stdlib data/stdlib.tokens --model.hf {model}` and "
+                                        "pass --data.path data/stdlib.tokens"):
+        check_tokenizer(TokenFile(byte_file), model, "stdlib")  # the demo corpus is bytes too
+    other = _prepare(tmp_path, [CHAT], "--tokenizer", str(hf[0]["chatml"]), name="other.tokens")
+    with pytest.raises(DataError, match=f"was tokenized by the tokenizer {other.tokenizer} "):
+        check(other.path)
+    # The model's tokenizer, or the same one saved elsewhere: the fingerprint is its content.
+    for tokenizer in (model, str(dirs["llama3"])):
+        ours = _prepare(tmp_path, [CHAT], "--tokenizer", tokenizer, name="ours.tokens")
+        assert ours.fingerprint == HuggingFaceTokenizer(model).fingerprint != other.fingerprint
+        assert check(ours.path).data.fingerprint == ours.fingerprint
+    # Files written before files recorded a fingerprint: a byte-level one is refused, others pass.
+    old = TokenFile(write_token_file(tmp_path / "old", torch.arange(10), 257, "bytes"))
+    assert old.fingerprint is None
+    with pytest.raises(DataError, match="was tokenized by the byte tokenizer"):
+        check_tokenizer(old, model, str(old.path))
+    check_tokenizer(TokenFile(write_token_file(tmp_path / "old2", torch.arange(10), 300, "/some/dir")), model, "x")
+    (tmp_path / "config_only").mkdir()
+    (dirs["model"] / "config.json").rename(tmp_path / "config_only" / "config.json")
+    try:  # a directory with no tokenizer files: the vocabulary-size check alone, as before
+        check_tokenizer(TokenFile(byte_file), str(tmp_path / "config_only"), str(byte_file))
+    finally:
+        (tmp_path / "config_only" / "config.json").rename(dirs["model"] / "config.json")

@@ -2,8 +2,10 @@
 
 The loss counts the answer: a plain completion and the end-of-sequence token after it, or
 each assistant turn through the marker its template closes it with (so the model learns to
-stop). System and user turns never count; ``train_on_prompt`` counts every token. The first
-token of a sample is never counted, since it is no one's target.
+stop), tool calls included. System, user and tool turns never count; ``train_on_prompt``
+counts every token. The first token of a sample is never counted, since it is no one's target.
+A plain prompt and completion start with the special tokens the tokenizer adds to a text (BOS),
+a conversation as its template renders it (``mfsdp.data.tokenizer``).
 
 Assistant turns are found for any Hugging Face chat template by rendering incrementally:
 the conversation before turn k with the generation prompt, and through turn k, must each be
@@ -26,28 +28,29 @@ def encode_sample(tokenizer, sample: PromptCompletion | Conversation,
                   train_on_prompt: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The sample's ids (int64) and loss mask (bool), one value per token."""
     _refuse_end_marker(tokenizer, sample)
-    if isinstance(sample, PromptCompletion):
+    chat = not isinstance(sample, PromptCompletion)
+    if not chat:
         text = sample.prompt + sample.completion + require_eos_text(tokenizer)
         spans = [(len(sample.prompt), len(text))]
     elif train_on_prompt:
-        text, spans = tokenizer.render_chat(list(sample.messages), False), []
+        text, spans = tokenizer.render_chat(list(sample.messages), False, _tools(sample)), []
     else:
         text, spans = answer_spans(tokenizer, sample)
-    ids, mask = tokenizer.encode_spans(text, [(0, len(text))] if train_on_prompt else spans)
+    ids, mask = tokenizer.encode_spans(text, [(0, len(text))] if train_on_prompt else spans, chat=chat)
     mask[:1] = False
     return ids, mask
 
 
 def answer_spans(tokenizer, sample: Conversation) -> tuple[str, list[tuple[int, int]]]:
     """The conversation's text and the character span of each counted assistant turn."""
-    messages = list(sample.messages)
-    whole = tokenizer.render_chat(messages, False)
+    messages, tools = list(sample.messages), _tools(sample)
+    whole = tokenizer.render_chat(messages, False, tools)
     spans = []
     for k in range(sample.answers_from, len(messages)):
         if messages[k]["role"] != "assistant":
             continue
-        before = tokenizer.render_chat(messages[:k], True)
-        through = tokenizer.render_chat(messages[:k + 1], False)
+        before = tokenizer.render_chat(messages[:k], True, tools)
+        through = tokenizer.render_chat(messages[:k + 1], False, tools)
         if not (through.startswith(before) and whole.startswith(through)):
             raise DataError(
                 f"{tokenizer.template_name} breaks the prefix property: the conversation "
@@ -56,6 +59,10 @@ def answer_spans(tokenizer, sample: Conversation) -> tuple[str, list[tuple[int, 
                 "that renders earlier turns the same whatever follows, or pass --train-on-prompt")
         spans.append((len(before), len(through)))
     return whole, spans
+
+
+def _tools(sample: Conversation) -> list[dict] | None:
+    return list(sample.tools) if sample.tools else None
 
 
 def _refuse_end_marker(tokenizer, sample: PromptCompletion | Conversation) -> None:

@@ -2,7 +2,8 @@
 
 The samples are packed once, best-fit decreasing (longest first, each into the fullest window
 it still fits), into windows of ``seq_len`` tokens; a sample is never split, and one longer
-than a window keeps its first ``seq_len`` tokens (counted in ``truncated``). Padding fills the
+than a window keeps its first ``seq_len`` tokens (counted in ``truncated``; ``cut_note`` says so
+at the start of training). Padding fills the
 rest of a window. ``packing=False`` puts one sample in each window instead (padded).
 
 An epoch is one pass over the windows in an order drawn from a generator seeded by (seed,
@@ -78,6 +79,27 @@ def pack(lengths: torch.Tensor, seq_len: int, packing: bool = True) -> tuple[tor
     return members, bounds
 
 
+def cut_counts(lengths: torch.Tensor, limit: int) -> tuple[int, int]:
+    """What keeping the first ``limit`` tokens of samples of ``lengths`` drops: (samples cut,
+    tokens cut). ``prepare-data --max-len`` and training's windows count cuts alike."""
+    over = lengths[lengths > limit]
+    return over.numel(), int((over - limit).sum())
+
+
+def cut_note(data: TokenFile, seq_len: int) -> str | None:
+    """One line for the start of training when samples of ``data`` are longer than a window of
+    ``seq_len`` tokens (each keeps its first ``seq_len``: training and validation alike), else None."""
+    if data.sample_lengths is None:
+        return None
+    samples, tokens = cut_counts(data.sample_lengths, seq_len)
+    if not samples:
+        return None
+    return (f"mfsdp train: {samples:,} of {data.num_samples:,} samples in {data.path} are longer than "
+            f"--data.seq_len {seq_len} and are cut to it, dropping {tokens:,} of {len(data):,} tokens "
+            f"(the longest sample has {int(data.sample_lengths.max()):,}); raise --data.seq_len to keep them whole, "
+            "or cut them when preparing (`mfsdp prepare-data ... --max-len N`) to make it explicit")
+
+
 def counted_targets(mask: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor,
                     chunk: int = 1 << 24) -> torch.Tensor:
     """Per sample of ``lengths`` tokens at ``starts``, the targets its window counts: position j
@@ -114,7 +136,7 @@ class PackedWindows:
         ids = torch.arange(samples.start, samples.stop, samples.step)
         lengths = data.sample_lengths[ids]
         self.data, self.seq_len = data, seq_len
-        self.truncated = int((lengths > seq_len).sum())
+        self.truncated = cut_counts(lengths, seq_len)[0]
         """How many samples are longer than a window (each keeps its first seq_len tokens)."""
         members, self.bounds = pack(lengths.clamp(max=seq_len), seq_len, packing)
         self.members = ids[members]  # sample indices in data

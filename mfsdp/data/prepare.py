@@ -2,11 +2,12 @@
 
 INPUT is a text file (one document), a ``.jsonl`` file, or a directory (every file matching a
 glob, one document each). JSONL rows are plain documents (``{"text": ...}``), or fine-tuning
-samples, prompt/completion or chat messages (``mfsdp.data.rows``); the format is read from the
-first row unless forced. Documents are joined with the tokenizer's end-of-document id, so the
+samples, prompt/completion, chat messages, ShareGPT or Alpaca (``mfsdp.data.rows``): the first
+row says which, and each sample row's format is read from its keys unless forced. Documents are joined with the tokenizer's end-of-document id, so the
 model learns where one stops, into a version-1 token stream. Samples are written with their
 bounds and loss mask (``mfsdp.data.chat``) as a version-2 file. Every row is checked before
-anything is written, so a bad row leaves no output file behind.
+anything is written, so a bad row (invalid UTF-8 too) leaves no output file behind, and an
+existing one as it was.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Callable, Iterator, TypeVar
 import torch
 
 from mfsdp.data.chat import encode_sample
+from mfsdp.data.packing import cut_counts
 from mfsdp.data.rows import FORMATS, detect_format, parse_line, read_sample, read_text
 from mfsdp.data.token_file import DataError, write_token_file
 from mfsdp.data.tokenizer import load_tokenizer
@@ -32,13 +34,13 @@ class RowOptions:
     """How JSONL rows become samples (prompt/completion and messages rows only)."""
 
     format: str | None = None
-    """``text``, ``prompt_completion`` or ``messages``; None reads it from the first row."""
+    """One of ``rows.FORMATS`` for every row; None reads each row's from its keys."""
     train_on_prompt: bool = False
     """Count every token of a sample in the loss, prompts and user turns too, instead of the
     answers alone (the default, as in torchtune, TRL and NeMo Automodel)."""
     max_len: int | None = None
-    """Keep at most this many tokens of each sample (its start) and count the samples cut;
-    None keeps them whole (the sampler still truncates a sample longer than its window)."""
+    """Keep at most this many tokens of each sample (its start) and count the samples and tokens
+    cut; None keeps them whole (training then cuts a sample longer than its window, and says so)."""
 
     def __post_init__(self):
         if self.format is not None and self.format not in FORMATS:
@@ -74,9 +76,9 @@ def prepare(source: str | Path, out: str | Path, tokenizer: str | None = None,
     if fmt != "text":
         return _prepare_samples(source, out, load_tokenizer(tokenizer), fmt, rows)
     if rows.train_on_prompt or rows.max_len is not None:
-        raise DataError(f"--train-on-prompt and --max-len apply to prompt_completion and "
-                        f"messages rows, and {source} holds text (every token already counts); "
-                        "drop them, or pass --format")
+        raise DataError(f"--train-on-prompt and --max-len apply to samples (prompt/completion, "
+                        f"messages, ShareGPT or Alpaca rows), and {source} holds text (every token "
+                        "already counts); drop them, or pass --format")
     tok = load_tokenizer(tokenizer)
     pieces, documents = [], 0
     for text in iter_documents(source, text_key, glob):
@@ -88,7 +90,7 @@ def prepare(source: str | Path, out: str | Path, tokenizer: str | None = None,
     tokens = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.int64)
     if tokens.numel() == 0:
         raise DataError(f"{source} holds no text to tokenize")
-    write_token_file(out, tokens, tok.vocab_size, tok.name)
+    write_token_file(out, tokens, tok.vocab_size, tok.name, fingerprint=tok.fingerprint)
     return {"format": "text", "documents": documents, "tokens": tokens.numel(),
             "vocab_size": tok.vocab_size, "tokenizer": tok.name, "path": str(out)}
 
@@ -99,23 +101,37 @@ def _prepare_samples(source: Path, out: str | Path, tok, fmt: str, rows: RowOpti
     if source.suffix != ".jsonl":
         raise DataError(f"{fmt} rows are read from a .jsonl file, and {source} is not one; "
                         "pass a .jsonl file, or --format text")
-    ids, masks, truncated = [], [], 0
+    ids, masks, formats = [], [], {}
     for line_no, row in _jsonl_rows(source):
-        sample = _at(source, line_no, read_sample, row, fmt)
+        row_fmt = rows.format or _at(source, line_no, _sample_format, row, fmt)
+        sample = _at(source, line_no, read_sample, row, row_fmt)
         sample_ids, mask = _at(source, line_no, encode_sample, tok, sample, rows.train_on_prompt)
-        if rows.max_len is not None and sample_ids.numel() > rows.max_len:
-            sample_ids, mask, truncated = sample_ids[:rows.max_len], mask[:rows.max_len], truncated + 1
         ids.append(sample_ids)
         masks.append(mask)
+        formats[row_fmt] = formats.get(row_fmt, 0) + 1
     if not ids:
         raise DataError(f"{source} holds no rows")
     lengths = torch.tensor([len(i) for i in ids])
+    truncated, cut = cut_counts(lengths, rows.max_len) if rows.max_len is not None else (0, 0)
+    if truncated:
+        ids, masks = [i[:rows.max_len] for i in ids], [m[:rows.max_len] for m in masks]
+        lengths = lengths.clamp(max=rows.max_len)
     starts = torch.cumsum(lengths, 0) - lengths
     tokens, mask = torch.cat(ids), torch.cat(masks)
-    write_token_file(out, tokens, tok.vocab_size, tok.name, loss_mask=mask, sample_starts=starts)
-    return {"format": fmt, "samples": len(ids), "tokens": tokens.numel(),
-            "counted": int(mask.sum()), "truncated": truncated, "max_len": rows.max_len,
+    write_token_file(out, tokens, tok.vocab_size, tok.name, loss_mask=mask, sample_starts=starts,
+                     fingerprint=tok.fingerprint)
+    return {"format": " and ".join(formats), "samples": len(ids), "tokens": tokens.numel(),
+            "counted": int(mask.sum()), "truncated": truncated, "cut_tokens": cut, "max_len": rows.max_len,
             "vocab_size": tok.vocab_size, "tokenizer": tok.name, "path": str(out)}
+
+
+def _sample_format(row: dict, first: str) -> str:
+    """A sample row's format; a text row among samples is refused (a file is one or the other)."""
+    fmt = detect_format(row)
+    if fmt == "text":
+        raise DataError(f"a text row in a file of samples (the first row is {first}); a file holds "
+                        "documents or samples, not both: give this row a sample format, or split the file")
+    return fmt
 
 
 def _first_row_format(source: Path, text_key: str) -> str:
@@ -129,10 +145,20 @@ def _first_row_format(source: Path, text_key: str) -> str:
 
 def _jsonl_rows(source: Path) -> Iterator[tuple[int, dict]]:
     """(line number, JSON object) for every non-blank line."""
-    with open(source, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
+    with open(source, "rb") as f:
+        for line_no, raw in enumerate(f, 1):
+            line = _at(source, line_no, _decode, raw, line_no == 1)
             if line.strip():
                 yield line_no, _at(source, line_no, parse_line, line)
+
+
+def _decode(raw: bytes, first: bool) -> str:
+    """A line's bytes as text: UTF-8 (JSONL's encoding), a BOM allowed on the first line."""
+    try:
+        return raw.decode("utf-8-sig" if first else "utf-8")
+    except UnicodeDecodeError as err:
+        raise DataError(f"byte {raw[err.start]:#04x} at column {err.start + 1} is not UTF-8 text; "
+                        "re-save the file as UTF-8, or fix or drop the line") from None
 
 
 def _at(source: Path, line_no: int, fn: Callable[..., T], *args) -> T:

@@ -14,13 +14,16 @@ Layout (little endian)::
                 offset 44 uint64 byte offset of the sample bounds
                 offset 52 uint64 byte offset of the loss mask
                 offset 60 the tokenizer name in UTF-8
+    after the name        optionally b"TKID" and 16 bytes: the tokenizer's fingerprint
     offset 256            the token ids
     version 2, from the next multiple of 8 after the ids:
                           N + 1 int64 sample bounds: sample i is tokens [bounds[i], bounds[i+1])
                           one uint8 per token: 1 where the token is a target the loss counts
 
 The header exists so that a missing, truncated or foreign file fails with one sentence
-saying what is wrong, instead of a model training on garbage. Everything is memory-mapped,
+saying what is wrong, instead of a model training on garbage. The fingerprint (a hash of the
+tokenizer's vocabulary and special tokens, ``mfsdp.data.tokenizer``) lets a run refuse a file
+another tokenizer made; files written before it have zeros there and read with none. Everything is memory-mapped,
 so every rank can open a corpus larger than memory and only touches the pages it samples.
 The magic and version keep their offsets in both versions, so an mfsdp that reads only
 version 1 refuses a version-2 file with its version sentence. The mask takes a byte per
@@ -47,14 +50,40 @@ HEADER_BYTES = 256
 _FIXED = struct.Struct("<8sIIQQI")
 _SAMPLES = struct.Struct("<QQQ")  # version 2: samples, bounds offset, mask offset
 _DTYPES = {2: torch.uint16, 4: torch.uint32}
+_ID_TAG = b"TKID"
+_ID_BYTES = 16
+INPUT_SUFFIXES = (".jsonl", ".json", ".txt", ".csv", ".parquet", ".md", ".py")
+"""Suffixes of files ``prepare-data`` reads: a hint never suggests writing a token file over one."""
 
 
 class DataError(Exception):
     """A data file problem the user can fix; the message names the fix."""
 
 
-def _recreate_hint(path: Path) -> str:
-    return f"re-create it with `mfsdp prepare-data INPUT {path}`"
+def prepare_command(source: str | os.PathLike, out: str | os.PathLike, model_hf: str | None = None) -> str:
+    """The ``mfsdp prepare-data`` command that writes ``out``, with ``--model.hf DIR`` when the
+    run has one (its tokenizer then makes the file)."""
+    return f"`mfsdp prepare-data {source} {out}" + (f" --model.hf {model_hf}`" if model_hf else "`")
+
+
+def fresh_token_path(path: str | os.PathLike) -> Path:
+    """Where to write the token file of the data ``path`` (never over ``path`` itself)."""
+    path = Path(path)
+    out = Path("data") / f"{path.stem}.tokens"
+    return out if out.resolve() != path.resolve() else path.with_name(f"{path.stem}.prepared.tokens")
+
+
+def _recreate_hint(path: Path, model_hf: str | None = None) -> str:
+    return f"re-create it with {prepare_command('INPUT', path, model_hf)}"
+
+
+def _create_hint(path: Path, model_hf: str | None) -> str:
+    """How to make the missing token file ``path``: at that path, unless it names an input."""
+    if path.suffix.lower() not in INPUT_SUFFIXES:
+        return f"create it with {prepare_command('INPUT', path, model_hf)}"
+    out = fresh_token_path(path)
+    return (f"data.path names a token file, not {path.suffix} rows: create one with "
+            f"{prepare_command('INPUT', out, model_hf)} and pass --data.path {out}")
 
 
 def _sections(count: int, itemsize: int, samples: int) -> tuple[int, int, int]:
@@ -71,21 +100,25 @@ def _raw(tensor: torch.Tensor) -> bytes:
 
 def write_token_file(path: str | os.PathLike, tokens: torch.Tensor, vocab_size: int,
                      tokenizer: str, loss_mask: torch.Tensor | None = None,
-                     sample_starts: torch.Tensor | None = None) -> Path:
+                     sample_starts: torch.Tensor | None = None, fingerprint: str | None = None) -> Path:
     """Write ``tokens`` (a 1-D integer tensor) atomically: a temp file, then a rename.
 
     Without ``loss_mask`` and ``sample_starts`` this is a version-1 stream. With both (one
     mask value per token, nonzero where the loss counts it; each sample's first token
-    offset, starting at 0 and increasing) it is version 2.
+    offset, starting at 0 and increasing) it is version 2. ``fingerprint`` (32 hex digits)
+    identifies the tokenizer.
     """
     path = Path(path)
     itemsize = 2 if vocab_size <= 2**16 else 4
     name = tokenizer.encode()
+    identity = _ID_TAG + bytes.fromhex(fingerprint) if fingerprint else b""
+    if fingerprint and len(identity) != len(_ID_TAG) + _ID_BYTES:
+        raise ValueError(f"a fingerprint is {2 * _ID_BYTES} hex digits, not {fingerprint!r}")
     if (loss_mask is None) != (sample_starts is None):
         raise ValueError("pass both loss_mask and sample_starts (version 2), or neither")
     version = VERSION if loss_mask is None else SAMPLES_VERSION
     fixed = _FIXED.size + (_SAMPLES.size if version == SAMPLES_VERSION else 0)
-    if fixed + len(name) > HEADER_BYTES:
+    if fixed + len(name) + len(identity) > HEADER_BYTES:
         raise DataError(f"tokenizer name is too long for the header: {tokenizer!r}")
     if tokens.numel() and int(tokens.max()) >= vocab_size:
         raise DataError(f"token id {int(tokens.max())} does not fit vocabulary size {vocab_size}")
@@ -103,7 +136,7 @@ def write_token_file(path: str | os.PathLike, tokens: torch.Tensor, vocab_size: 
         header += _SAMPLES.pack(starts.numel(), bounds_at, mask_at)
         sections = [(bounds_at, bounds.contiguous()),
                     (mask_at, (loss_mask.flatten() != 0).to(torch.uint8).contiguous())]
-    header = (header + name).ljust(HEADER_BYTES, b"\0")
+    header = (header + name + identity).ljust(HEADER_BYTES, b"\0")
     ids = tokens.to(torch.int64).to(_DTYPES[itemsize]).contiguous()
     path.parent.mkdir(parents=True, exist_ok=True)
     temp = path.with_name(path.name + f".tmp{os.getpid()}")
@@ -123,54 +156,75 @@ class TokenFile:
     ``tokens`` holds the ids. A version-2 file also has ``sample_starts`` (int64, each
     sample's first token), ``sample_lengths`` and ``loss_mask`` (uint8, one per token, 1 where
     the loss counts the token as a target); they are None for a version-1 stream.
+    ``tokenizer`` names the tokenizer that wrote it and ``fingerprint`` identifies it (None in a
+    file written before files recorded one).
     """
 
-    def __init__(self, path: str | os.PathLike):
-        self.path = Path(path)
+    def __init__(self, path: str | os.PathLike, model_hf: str | None = None):
+        """``model_hf``: the run's ``--model.hf DIR``, which the hints' prepare-data command names."""
+        self.path, self._model_hf = Path(path), model_hf
         if not self.path.is_file():
-            raise DataError(f"data file {self.path} does not exist; create it with "
-                            f"`mfsdp prepare-data INPUT {self.path}`, or set data.path to "
-                            "'stdlib' for the built-in demo corpus")
+            stdlib = "" if model_hf else ", or set data.path to 'stdlib' for the built-in demo corpus"
+            raise DataError(f"data file {self.path} does not exist; {_create_hint(self.path, model_hf)}{stdlib}")
         size = self.path.stat().st_size
         with open(self.path, "rb") as f:
             head = f.read(HEADER_BYTES)
-            if len(head) < HEADER_BYTES or not head.startswith(MAGIC):
-                raise DataError(f"{self.path} is not an mfsdp token file (bad header); "
-                                f"{_recreate_hint(self.path)}")
-            magic, version, itemsize, count, vocab_size, name_len = _FIXED.unpack_from(head)
-            if version not in (VERSION, SAMPLES_VERSION):
-                raise DataError(f"{self.path} has token-file version {version}, this mfsdp "
-                                f"reads versions {VERSION} and {SAMPLES_VERSION}; "
-                                f"{_recreate_hint(self.path)}")
-            name_at, samples, expected = _FIXED.size, None, HEADER_BYTES + count * itemsize
-            if version == SAMPLES_VERSION:
-                samples, bounds_at, mask_at = _SAMPLES.unpack_from(head, _FIXED.size)
-                name_at += _SAMPLES.size
-            if itemsize not in _DTYPES or name_at + name_len > HEADER_BYTES or (
-                    samples is not None and (bounds_at, mask_at) != _sections(count, itemsize, samples)[:2]):
-                raise DataError(f"{self.path} has a corrupt header; {_recreate_hint(self.path)}")
-            if samples is not None:
-                expected = _sections(count, itemsize, samples)[2]
-            if size != expected:
-                raise DataError(f"{self.path} is truncated or corrupt: its header promises "
-                                f"{count} tokens ({expected} bytes) but the file has {size} "
-                                f"bytes; {_recreate_hint(self.path)}")
-            self.version = version
-            self.tokenizer = head[name_at:name_at + name_len].decode()
-            self.vocab_size = vocab_size
+            version, itemsize, count, samples, sections = self._header(head, size)
             self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if size > HEADER_BYTES else None
         # ACCESS_COPY gives a writable (copy-on-write) mapping, which torch.frombuffer
         # wants; nothing ever writes to it, so no page is ever copied.
         self.tokens = self._view(HEADER_BYTES, count, _DTYPES[itemsize])
         self.sample_starts = self.sample_lengths = self.loss_mask = None
         if samples is not None:
-            bounds = self._view(bounds_at, samples + 1, torch.int64)
+            bounds = self._view(sections[0], samples + 1, torch.int64)
             lengths = bounds.diff()
             if int(bounds[0]) != 0 or int(bounds[-1]) != count or bool((lengths <= 0).any()):
                 raise DataError(f"{self.path} is corrupt: its sample bounds do not split its "
-                                f"{count} tokens into {samples} samples; {_recreate_hint(self.path)}")
+                                f"{count} tokens into {samples} samples; {self._hint()}")
             self.sample_starts, self.sample_lengths = bounds[:-1], lengths
-            self.loss_mask = self._view(mask_at, count, torch.uint8)
+            self.loss_mask = self._view(sections[1], count, torch.uint8)
+
+    def _header(self, head: bytes, size: int) -> tuple[int, int, int, int | None, tuple[int, int]]:
+        """Check the header against the file's ``size``; set the version, tokenizer name,
+        fingerprint and vocabulary; (version, bytes per id, ids, samples, section offsets)."""
+        if len(head) < HEADER_BYTES or not head.startswith(MAGIC):
+            out = fresh_token_path(self.path)
+            raise DataError(f"{self.path} is not an mfsdp token file (bad header); if it holds your "
+                            f"rows or text, tokenize it with {prepare_command(self.path, out, self._model_hf)} "
+                            f"and pass --data.path {out}")
+        _, version, itemsize, count, vocab_size, name_len = _FIXED.unpack_from(head)
+        if version not in (VERSION, SAMPLES_VERSION):
+            raise DataError(f"{self.path} has token-file version {version}, this mfsdp reads versions "
+                            f"{VERSION} and {SAMPLES_VERSION}; {self._hint()}")
+        name_at, samples, sections = _FIXED.size, None, (0, 0)
+        expected = HEADER_BYTES + count * itemsize
+        if version == SAMPLES_VERSION:
+            samples, *sections = _SAMPLES.unpack_from(head, _FIXED.size)
+            name_at += _SAMPLES.size
+        if itemsize not in _DTYPES or name_at + name_len > HEADER_BYTES or (
+                samples is not None and tuple(sections) != _sections(count, itemsize, samples)[:2]):
+            raise DataError(f"{self.path} has a corrupt header; {self._hint()}")
+        if samples is not None:
+            expected = _sections(count, itemsize, samples)[2]
+        if size != expected:
+            raise DataError(f"{self.path} is truncated or corrupt: its header promises {count} tokens "
+                            f"({expected} bytes) but the file has {size} bytes; {self._hint()}")
+        name_end = name_at + name_len
+        self.version, self.vocab_size = version, vocab_size
+        self.tokenizer = head[name_at:name_end].decode()
+        tagged = head[name_end:name_end + len(_ID_TAG)] == _ID_TAG
+        at = name_end + len(_ID_TAG)
+        self.fingerprint = head[at:at + _ID_BYTES].hex() if tagged else None
+        return version, itemsize, count, samples, tuple(sections)
+
+    def _hint(self) -> str:
+        return _recreate_hint(self.path, self._model_hf)
+
+    def same_tokenizer(self, other: "TokenFile") -> bool:
+        """Whether ``other`` was made by this file's tokenizer: by fingerprint where both have one."""
+        if self.fingerprint and other.fingerprint:
+            return self.fingerprint == other.fingerprint
+        return self.tokenizer == other.tokenizer
 
     def _view(self, offset: int, count: int, dtype: torch.dtype) -> torch.Tensor:
         if not count:
@@ -205,6 +259,5 @@ class TokenFile:
             offset = offset_of(int(torch.argmax((ids >= self.vocab_size).to(torch.uint8))))
             raise DataError(f"{self.path} is corrupt: token {offset} has id "
                             f"{int(self.tokens[offset])}, outside the vocabulary of "
-                            f"{self.vocab_size} its header declares; "
-                            f"{_recreate_hint(self.path)}")
+                            f"{self.vocab_size} its header declares; {self._hint()}")
         return ids

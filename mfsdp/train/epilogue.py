@@ -63,7 +63,8 @@ def print_sample(cfg: RunConfig, model, data: TokenFile, device: torch.device, l
         log(f"(no text sample: {err})")
         return
     text = generate_text(model, tokenizer, prompt, cfg.train.sample_tokens, max_context=cfg.data.seq_len,
-                         device=device, seed=cfg.train.seed, stop_id=tokenizer.end_of_document if chat else None)
+                         device=device, seed=cfg.train.seed, stop_id=tokenizer.end_of_document if chat else None,
+                         chat=chat)
     if chat:  # the answer, up to the end of its turn
         log(f"\n--- sample (temperature 0.8, {tokenizer.template_name}; user: {CHAT_PROMPT!r}) ---\n"
             f"{text}\n--- end ---")

@@ -129,7 +129,7 @@ def check(options: LaunchOptions, rest: list[str]) -> RunConfig:
         raise ConfigError(problem)
     path = cfg.data.path
     run = check_run(cfg, options.world_size, "cuda" if cuda else "cpu",
-                    None if path == STDLIB else (lambda: TokenFile(path)),
+                    None if path == STDLIB else (lambda: TokenFile(path, model_hf=cfg.model.hf)),
                     disk_share=options.nproc_per_node / options.world_size)
     if run.disk_warning:
         print(f"{_WARNING_PREFIX}{run.disk_warning}", file=sys.stderr, flush=True)

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from mfsdp.data import STDLIB, DataError, TokenFile, prepare_stdlib_corpus
+from mfsdp.data.identity import check_tokenizer
 from mfsdp.models.llama import LlamaConfig
 from mfsdp.models.parallelize import mesh_shape_error
 from mfsdp.train.batches import steps_for_epochs
@@ -62,6 +63,8 @@ def check_run(cfg: RunConfig, world: int, device_type: str, open_data: Callable[
         raise ConfigError(problem)
     model_cfg = cfg.llama_config()
     data = open_data() if open_data is not None else None
+    if data is not None:
+        check_tokenizer(data, cfg.model.hf, cfg.data.path)
     if data is not None and data.vocab_size > model_cfg.vocab_size:
         raise DataError(f"{data.path} was tokenized with a vocabulary of {data.vocab_size} but the model has "
                         f"{model_cfg.vocab_size} embeddings; set --model.vocab_size {data.vocab_size} or more")
@@ -123,7 +126,7 @@ def open_data(cfg: RunConfig, log: Callable[[str], None]) -> TokenFile:
             log(f"building the demo corpus from the standard library into {path}")
             prepare_stdlib_corpus(path)
         dist.barrier()
-    return TokenFile(path)
+    return TokenFile(path, model_hf=cfg.model.hf)
 
 
 def _for_samples(cfg: RunConfig, data: TokenFile, world: int, resumed) -> RunConfig:
@@ -165,7 +168,7 @@ def _check_val_file(path: str, data: TokenFile | None, model_cfg: LlamaConfig) -
         raise DataError(f"--data.val_path {path} was tokenized with a vocabulary of {val.vocab_size} "
                         f"but the model has {model_cfg.vocab_size} embeddings; tokenize it as the "
                         "training file")
-    if data is not None and val.tokenizer != data.tokenizer:
+    if data is not None and not val.same_tokenizer(data):
         raise DataError(f"--data.val_path {path} was tokenized by {val.tokenizer!r}, the training file "
                         f"{data.path} by {data.tokenizer!r}; tokenize both with the same --tokenizer")
 

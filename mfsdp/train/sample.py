@@ -10,10 +10,11 @@ from mfsdp.models.outputs import logits_of
 @torch.no_grad()
 def generate_text(model: torch.nn.Module, tokenizer, prompt: str, new_tokens: int,
                   max_context: int, device: torch.device, seed: int = 0,
-                  temperature: float = 0.8, stop_id: int | None = None) -> str:
+                  temperature: float = 0.8, stop_id: int | None = None, chat: bool = False) -> str:
     """The text of ``new_tokens`` sampled after ``prompt`` (the prompt not included); a collective
     when the model is sharded. ``stop_id`` ends the text at that token's first occurrence (every
-    rank still runs all ``new_tokens`` forwards).
+    rank still runs all ``new_tokens`` forwards). ``chat``: ``prompt`` is a rendered conversation,
+    encoded as the training samples were.
 
     Every rank runs the same number of forward passes, since each holds only a shard of
     the weights and must take part in gathering them. The ranks need not agree on the
@@ -21,7 +22,7 @@ def generate_text(model: torch.nn.Module, tokenizer, prompt: str, new_tokens: in
     they normally pick the same ones anyway. There is no KV cache: the whole context is
     recomputed per token, which is fine for a few hundred tokens of a small model.
     """
-    ids = torch.tensor([tokenizer.encode(prompt)], dtype=torch.long, device=device)
+    ids = torch.tensor([tokenizer.encode(prompt, chat=chat)], dtype=torch.long, device=device)
     prompt_tokens = ids.shape[1]
     generator = torch.Generator(device=device).manual_seed(seed)
     for _ in range(new_tokens):

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from mfsdp.data.packing import cut_note
 from mfsdp.models.moe import MoELlama
 from mfsdp.train.batches import make_sampler
 from mfsdp.train.build import build, shard_numel
@@ -67,6 +68,8 @@ class Trainer:
         for line in notes:
             self.log(line)
         sampler = make_sampler(cfg, self.data, held, self.rank, self.world)
+        if note := cut_note(self.data, d.seq_len):
+            self.log(note)
         evaluator = make_evaluator(cfg, self.data, held, self.rank, self.world, self.device, self.log)
         logs = (MetricsLog(self.out_dir / "metrics.jsonl", enabled=self.rank == 0, keep_until_step=start_step),
                 TensorBoardLog(self.out_dir / "tensorboard", enabled=self.rank == 0 and cfg.metrics.tensorboard,
