@@ -1,11 +1,11 @@
-# `make test` and `make demo` work on a fresh machine: each creates .venv and installs what it needs.
+# `make test`, `make demo` and `make finetune-demo` work on a fresh machine: each creates .venv and installs what it needs.
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 TORCH  ?= torch==2.13.0
 
-.PHONY: venv test test-all test-gpu demo clean
+.PHONY: venv test test-all test-gpu demo finetune-demo clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -30,6 +30,10 @@ test-gpu: $(STAMP)
 
 demo: $(STAMP)
 	$(PY) -m mfsdp.demo
+
+# Fine-tunes a tiny random Hugging Face directory on CPU and chats with the export; exits 1 unless it learned.
+finetune-demo: $(STAMP)
+	$(PY) -m mfsdp.demo_finetune
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

@@ -108,7 +108,7 @@ def _reachable(graph: dict[str, set[str]], start: str) -> set[str]:
     return seen
 
 
-ENTRY_POINTS = {"mfsdp.cli", "mfsdp.demo"}
+ENTRY_POINTS = {"mfsdp.cli", "mfsdp.demo", "mfsdp.demo_finetune"}
 """The console commands: the only modules outside mfsdp.train that may start it."""
 
 
