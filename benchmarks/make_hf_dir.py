@@ -53,7 +53,7 @@ def make_model(out: Path, shape: str, seed: int = 0, init: str = "hf") -> None:
     torch.manual_seed(seed)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     with torch.device(device):
-        model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.bfloat16)
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     if init == "bundled":
         scale = (2 * config.num_hidden_layers) ** -0.5
         with torch.no_grad():
