@@ -112,15 +112,16 @@ def export(argv: list[str]) -> int:
     parser.add_argument("source", help="a checkpoint (OUT_DIR/checkpoints/step_N) or a run's OUT_DIR "
                                        "(its newest whole checkpoint)")
     parser.add_argument("out", help="the directory to write")
-    parser.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16",
-                        help="dtype of the weights written (default: bf16)")
+    parser.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto",
+                        help="dtype of the weights written (default auto: a model-only checkpoint's, else "
+                             "the run's --train.save_dtype where it named one, else bf16)")
     parser.add_argument("--max-shard-gb", type=float, default=5.0,
                         help="largest safetensors file, in GB (default: 5)")
     args = parser.parse_args(argv)
     from mfsdp.train.checkpoint import CheckpointError
     from mfsdp.train.export import DTYPES, ExportError, export_hf, exported_line
     try:
-        done = export_hf(args.source, args.out, dtype=DTYPES[args.dtype],
+        done = export_hf(args.source, args.out, dtype=DTYPES.get(args.dtype),
                          max_shard_bytes=max(1, int(args.max_shard_gb * 1e9)))
     except (ExportError, CheckpointError) as err:
         print(f"mfsdp export: error: {err}", file=sys.stderr)

@@ -48,6 +48,7 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import functools
+import logging
 from typing import Any, Sequence
 
 import torch
@@ -62,6 +63,21 @@ __all__ = ["convert_to_float8", "enable_fp8_all_gather", "precompute_fp8_scales"
 
 RECIPES = ("tensorwise", "rowwise")
 """torchao's float8 recipes offered by ``convert_to_float8`` (FP8 all-gather needs tensorwise)."""
+
+UNUSED_EXTENSIONS = ("_C_mxfp8", "_C_cutlass_90a")
+"""torchao's compiled extensions that mfsdp never calls (MX formats, SM90 CUTLASS kernels). torchao warns
+"Failed to load ..." on every import (its own, or transformers') where one cannot load: on CPU, or a
+wheel built for another Python. Those two lines are dropped at its logger from ``import mfsdp`` on;
+every other torchao warning stays."""
+
+
+def _keep_torchao_record(record: logging.LogRecord) -> bool:
+    """False (drop it) for torchao's warning that one of ``UNUSED_EXTENSIONS`` failed to load."""
+    message = record.getMessage()
+    return not (message.startswith("Failed to load") and any(name in message for name in UNUSED_EXTENSIONS))
+
+
+logging.getLogger("torchao").addFilter(_keep_torchao_record)
 
 ENCODE_STAGING_NUMEL = 1 << 26
 """Elements of a group's float8 weights cast per pass (3 bytes each of transient memory: the

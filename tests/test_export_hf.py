@@ -67,14 +67,18 @@ def bundled_reference(checkpoint):
 def test_bundled_llama_saved_by_two_ranks_exports_in_one_process(world, corpus, tmp_path, tied):
     from mfsdp.cli import main as cli_main
 
+    # The end-of-run export (--train.export_hf) follows --train.save_dtype: "auto", the compute dtype
+    # (fp32 on CPU), untied; bf16, tied.
     out = train(world, corpus, tmp_path / "run", "--model.tie_embeddings", str(tied).lower(),
-                "--train.export_hf", "true")
+                "--train.export_hf", "true", *(["--train.save_dtype", "bf16"] if tied else []))
     checkpoint = out / "checkpoints" / "step_2"
     assert json.loads((checkpoint / "meta.json").read_text())["world_size"] == 2
     reference, cfg = bundled_reference(checkpoint)
-    # The end-of-run export (--train.export_hf), in bf16 by default ...
     config = json.loads((out / "hf" / "config.json").read_text())
-    assert config["architectures"] == ["LlamaForCausalLM"] and config["dtype"] == "bfloat16"
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["dtype"] == ("bfloat16" if tied else "float32")
+    weights = safetensors_dtypes(out / "hf" / "model.safetensors")
+    assert weights == {torch.bfloat16 if tied else torch.float32}, weights
+    assert json.loads((out / "hf" / "generation_config.json").read_text()) == {"eos_token_id": 256}  # bytes
     assert config["tie_word_embeddings"] is tied and config["rms_norm_eps"] == cfg.norm_eps
     # ... and the command, from the run directory, in fp32 and in shards of at most 40 kB.
     assert cli_main(["export", str(out), str(tmp_path / "hf32"), "--dtype", "fp32",
@@ -136,6 +140,26 @@ def test_model_hf_runs_export_their_own_architecture(world, corpus, tmp_path, fa
     assert not torch.equal(exported.model.norm.weight, torch.ones_like(exported.model.norm.weight))
 
 
+def safetensors_dtypes(path) -> set:
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        return {f.get_tensor(name).dtype for name in f.keys()}
+
+
+def test_the_generation_config_is_the_source_directory_s(tmp_path):
+    from mfsdp.train.generation_config import write_generation_config
+
+    source, out = tmp_path / "source", tmp_path / "out"
+    source.mkdir()
+    out.mkdir()
+    transformers.GenerationConfig(bos_token_id=1, eos_token_id=[2, 7], temperature=0.6, do_sample=True
+                                  ).save_pretrained(source)
+    write_generation_config({"bos_token_id": 1, "eos_token_id": 2}, str(source), out)
+    assert (out / "generation_config.json").read_text() == (source / "generation_config.json").read_text()
+    assert transformers.GenerationConfig.from_pretrained(out).eos_token_id == [2, 7]
+
+
 def test_export_errors_are_one_line(tmp_path, capsys):
     from mfsdp.cli import main as cli_main
 
@@ -155,7 +179,8 @@ def test_the_run_tokenizer_goes_out_with_the_weights(world, tmp_path):
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel()
     bpe.train_from_iterator(["def foo(): return 1", "import os, sys"] * 10, trainers.BpeTrainer(
         vocab_size=300, special_tokens=["<unk>", "<eos>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<eos>", unk_token="<unk>")
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<eos>", unk_token="<unk>",
+                                                pad_token="<unk>")
     fast.save_pretrained(tmp_path / "tok")
     corpus = tmp_path / "bpe.tokens"
     prepare(stdlib_source(), corpus, tokenizer=str(tmp_path / "tok"), glob="ab*.py")
@@ -165,3 +190,6 @@ def test_the_run_tokenizer_goes_out_with_the_weights(world, tmp_path):
     loaded = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
     assert loaded.encode("def foo") == fast.encode("def foo")
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["eos_token_id"] == fast.eos_token_id
+    generation = transformers.GenerationConfig.from_pretrained(tmp_path / "hf")  # made of the special ids
+    assert (generation.eos_token_id, generation.pad_token_id) == (fast.eos_token_id, fast.pad_token_id)
+    assert fast.pad_token_id is not None

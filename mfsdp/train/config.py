@@ -128,6 +128,10 @@ class ModelSection:
                 "Hugging Face's modeling code, which returns logits; use --model.hf_impl auto (or bundled), "
                 "or --model.head_loss plain")
 
+    def default_out_dir(self) -> str:
+        """--train.out_dir's default: runs/ and the --model.hf directory's name, else the preset's."""
+        return f"runs/{(Path(self.hf).resolve().name or 'hf') if self.hf else self.preset}"
+
     def float8_skip_patterns(self) -> tuple[str, ...]:
         """--model.float8_skip as ``ParallelizeConfig.float8_skip`` takes it."""
         return tuple(p.strip() for p in self.float8_skip.split(",")) if self.float8_skip else ()
@@ -274,8 +278,12 @@ class TrainSection:
     """Clip the global gradient norm to this; 0 turns clipping off."""
     seed: int = 0
     """Seed of the weight initialisation."""
-    out_dir: str = "runs/demo"
-    """Where metrics.jsonl, checkpoints/ and loss.png go."""
+    out_dir: str | None = None
+    """Where metrics.jsonl, checkpoints/ and loss.png go; None: runs/ and the preset's name or the
+    --model.hf directory's, so that runs of different models never meet (mfsdp/train/run_dir.py)."""
+    overwrite: bool = False
+    """Start this run in an out_dir that holds another run's checkpoints or metrics (another model,
+    config or data), deleting them; without it such a run is refused (--resume continues one)."""
     checkpoint_every: int = 100
     """Save every N steps (and always at the end); 0 saves only at the end."""
     keep_checkpoints: int = 2
@@ -287,8 +295,8 @@ class TrainSection:
     and AdamW's moments: 2 bytes a parameter in bf16 instead of 12, for fine-tunes on a small disk.
     A resume from one loads the weights and starts the optimizer afresh; `mfsdp export` reads it."""
     save_dtype: str = "auto"
-    """The weights' dtype in a --train.save_only_model checkpoint: "auto" (the compute dtype, bf16 on
-    CUDA), "bf16" or "fp32" (the fp32 main weights exactly)."""
+    """The weights' dtype in a --train.save_only_model checkpoint and in the --train.export_hf export:
+    "auto" (the compute dtype, bf16 on CUDA), "bf16" or "fp32" (the fp32 main weights exactly)."""
     sample_tokens: int = 300
     """Length of the text sample printed after training; 0 skips it."""
     progress: bool = True
@@ -357,8 +365,9 @@ class TrainSection:
         require(self.checkpoint_every >= 0, "train.checkpoint_every must not be negative")
         require(self.keep_checkpoints >= 0, "train.keep_checkpoints must not be negative")
         _one_of(self, "save_dtype", ("auto", *DTYPES))
-        require(self.save_dtype == "auto" or self.save_only_model, "--train.save_dtype applies to "
-                "--train.save_only_model true checkpoints (full ones keep the fp32 main weights); set both")
+        require(self.save_dtype == "auto" or self.save_only_model or self.export_hf, "--train.save_dtype applies "
+                "to --train.save_only_model true checkpoints (full ones keep the fp32 main weights) and to "
+                "--train.export_hf true; set one of them")
         require(self.sample_tokens >= 0, "train.sample_tokens must not be negative")
         _one_of(self, "device", ("auto", "cuda", "cpu"))
         require(self.eval_every >= 0, "train.eval_every must not be negative (0 turns it off)")
@@ -459,6 +468,16 @@ class MetricsSection:
     tensorboard: bool = False
     """Also write the scalars of metrics.jsonl as TensorBoard events to OUT_DIR/tensorboard
     (needs the tensorboard package: pip install tensorboard)."""
+    log_every: int = 10
+    """With --train.progress false (batch jobs, Slurm logs): print a line with step, loss, lr, tok/s
+    and ETA every N steps (and at the first and last)."""
+    wandb: bool = False
+    """Also log the scalars of metrics.jsonl to Weights & Biases (pip install mfsdp[wandb]; offline
+    with WANDB_MODE=offline); a resume continues the same W&B run."""
+    wandb_project: str = "mfsdp"
+    """The W&B project of --metrics.wandb."""
+    wandb_run_name: str | None = None
+    """The W&B run name of --metrics.wandb; None: the name of --train.out_dir."""
 
     def __post_init__(self) -> None:
         if self.tensorboard:
@@ -466,6 +485,11 @@ class MetricsSection:
             require(importlib.util.find_spec("tensorboard") is not None,
                      "--metrics.tensorboard true needs the tensorboard package; "
                      "pip install tensorboard (or mfsdp[train])")
+        require(self.log_every > 0, "metrics.log_every must be positive")
+        if self.wandb:
+            import importlib.util
+            require(importlib.util.find_spec("wandb") is not None,
+                    "--metrics.wandb true needs the wandb package; pip install wandb (or mfsdp[wandb])")
 
 
 @dataclass(frozen=True)
@@ -480,11 +504,13 @@ class RunConfig:
     """Sharding, dtypes and the collective timeout."""
     metrics: MetricsSection = field(default_factory=MetricsSection)
     """Where per-step metrics go besides metrics.jsonl."""
-    resume: bool = False
-    """Continue from the newest complete checkpoint in OUT_DIR/checkpoints."""
+    resume: bool | str = False
+    """Continue from the newest complete checkpoint in OUT_DIR/checkpoints (--resume: an error where
+    there is none); "auto" (--resume auto, for job scripts that requeue) starts afresh where there is none."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_given_train", self.train)  # before the recipe fills it in
+        require(self.resume in (False, True, "auto"), f"--resume takes no value or auto, got {self.resume!r}")
         problem = float8_placement_problem(self.model.float8, self.parallel.placements)
         require(problem is None, problem)
         self._resolve_route()
@@ -492,6 +518,8 @@ class RunConfig:
         self._check_float8_skip()
         # The one place the recipe's unset fields (None) become the recipe's values: every reader of
         # cfg.train (the optimizer, the schedule, the checkpoint's meta.json) sees numbers.
+        if self.train.out_dir is None:
+            object.__setattr__(self, "train", dataclasses.replace(self.train, out_dir=self.model.default_out_dir()))
         t = self.train
         if any(getattr(t, key) is None for key in FROM_RECIPE):
             object.__setattr__(self, "train", dataclasses.replace(t, **{
@@ -654,7 +682,7 @@ LAUNCHER_FLAGS = {"--nproc-per-node": ("nproc_per_node", int), "--nnodes": ("nno
                   "--rdzv-id": ("rdzv_id", str), "--max-restarts": ("max_restarts", int),
                   "--stop-timeout": ("stop_timeout_s", float)}
 
-USAGE = """usage: mfsdp train [LAUNCHER FLAGS] [--config FILE.yaml] [--resume] [--SECTION.KEY VALUE ...]
+USAGE = """usage: mfsdp train [LAUNCHER FLAGS] [--config FILE.yaml] [--resume [auto]] [--SECTION.KEY VALUE ...]
 
 Trains a Llama-style model with mfsdp. Several processes, on one node or several:
   mfsdp train --nproc-per-node 8 --train.steps 100
@@ -701,9 +729,9 @@ def load_config(argv: list[str]) -> RunConfig:
     i = 0
     while i < len(argv):
         arg = argv[i]
-        if arg == "--resume":
-            resume = True
-            i += 1
+        if arg in ("--resume", "--resume=auto"):
+            resume = "auto" if arg.endswith("=auto") or argv[i + 1:i + 2] == ["auto"] else True
+            i += 2 if argv[i + 1:i + 2] == ["auto"] else 1
             continue
         if not arg.startswith("--"):
             raise ConfigError(f"unexpected argument {arg!r}; flags look like --train.steps 100")

@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from mfsdp.data import DataError, TokenFile
 from mfsdp.data.tokenizer import load_tokenizer
-from mfsdp.train.config import RunConfig
+from mfsdp.train.config import DTYPES, RunConfig
 from mfsdp.train.errors import CheckpointError, agree
 from mfsdp.train.sample import generate_text
 
@@ -28,20 +28,22 @@ def finish(cfg: RunConfig, model, data: TokenFile, last: int, stopped: bool, dev
         log(f"stopped by signal after step {last}; continue with --resume")
         return
     if cfg.train.export_hf:
-        export_hf(checkpoint, out_dir / "hf", log)
+        # in --train.save_dtype: "auto" is the compute dtype, so an fp32 run exports fp32
+        dtype = DTYPES.get(cfg.train.save_dtype) or cfg.compute_dtype(device.type)
+        export_hf(checkpoint, out_dir / "hf", log, dtype)
     if cfg.train.sample_tokens:
         print_sample(cfg, model, data, device, log)
 
 
-def export_hf(checkpoint: Path, out: Path, log) -> None:
-    """--train.export_hf: rank 0 writes the final checkpoint to ``out`` (read from disk, one tensor
-    at a time, as `mfsdp export` does) while the others wait; a failure stops them all."""
+def export_hf(checkpoint: Path, out: Path, log, dtype: torch.dtype) -> None:
+    """--train.export_hf: rank 0 writes the final checkpoint to ``out`` in ``dtype`` (read from disk, one
+    tensor at a time, as `mfsdp export` does) while the others wait; a failure stops them all."""
     problem = None
     if dist.get_rank() == 0:
         from mfsdp.train.export import ExportError, export_hf as export, exported_line
 
         try:
-            log(exported_line(export(checkpoint, out)))
+            log(exported_line(export(checkpoint, out, dtype)))
         except (ExportError, CheckpointError) as err:
             problem = (f"exporting {checkpoint} to Hugging Face failed: {err} (the checkpoint is intact; "
                        f"retry with `mfsdp export {checkpoint} OUT_DIR`)")

@@ -1,11 +1,11 @@
 """``mfsdp export``: a training checkpoint out as a Hugging Face model directory.
 
-``export_hf(CHECKPOINT_OR_RUN_DIR, OUT_DIR)`` writes ``config.json``, the weights as safetensors
-(``model.safetensors``, or numbered files of at most ``max_shard_bytes`` plus
-``model.safetensors.index.json``) and a tokenizer: a ``--model.hf`` run's directory's tokenizer
-files and chat template as they are, where that directory still has them, else the tokenizer the
-run's token file was made with (if any); ``transformers.AutoModelForCausalLM.from_pretrained(OUT_DIR)``
-then loads the trained model. A model-only checkpoint (``--train.save_only_model``, bf16 or fp32)
+``export_hf(CHECKPOINT_OR_RUN_DIR, OUT_DIR)`` writes ``config.json``, ``generation_config.json``
+(``generation_config.py``), the weights as safetensors (``model.safetensors``, or numbered files of at
+most ``max_shard_bytes`` plus ``model.safetensors.index.json``; in ``checkpoint_dtype`` unless told) and
+a tokenizer: a ``--model.hf`` run's directory's tokenizer files and chat template as they are, where that
+directory still has them, else the tokenizer the run's token file was made with (if any);
+``transformers.AutoModelForCausalLM.from_pretrained(OUT_DIR)`` then loads the trained model. A model-only checkpoint (``--train.save_only_model``, bf16 or fp32)
 exports as a full one does.
 
 * ``--model.hf`` runs go back out as the architecture they came in as, with the config.json they
@@ -42,6 +42,7 @@ from mfsdp.hf_io import SHARD_BYTES, Entry, write_weights
 from mfsdp.models.hf_config import ARCHITECTURES, bundled_config_from_hf, hf_config_of
 from mfsdp.models.hf_weights import hf_weight_names
 from mfsdp.train.checkpoint import META, CheckpointMeta, find_latest, is_complete
+from mfsdp.train.generation_config import write_generation_config
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 MODEL = "model."  # the checkpoint's prefix of the model state (mfsdp.train.checkpoint)
@@ -75,16 +76,18 @@ def resolve_checkpoint(source: str | Path) -> Path:
                       "run, or one of its checkpoints")
 
 
-def export_hf(source: str | Path, out_dir: str | Path, dtype: torch.dtype = torch.bfloat16,
+def export_hf(source: str | Path, out_dir: str | Path, dtype: torch.dtype | None = None,
               max_shard_bytes: int = SHARD_BYTES) -> Exported:
     """Write checkpoint ``source`` (or a run directory's newest) to ``out_dir`` as a Hugging Face
-    model directory; no process group, one tensor in memory at a time."""
+    model directory, in ``dtype`` (None: ``checkpoint_dtype``); no process group, one tensor in
+    memory at a time."""
     checkpoint = resolve_checkpoint(source)
     meta = CheckpointMeta.read(checkpoint)
     run = meta.config
     if not isinstance(run, dict) or "model" not in run:
         raise ExportError(f"{checkpoint / META} holds no run config (written by an older mfsdp); "
                           "resume the run for a step with this mfsdp to write a checkpoint that has one")
+    dtype = dtype or checkpoint_dtype(meta)
     saved = dcp.FileSystemReader(checkpoint).read_metadata().state_dict_metadata
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -109,8 +112,17 @@ def export_hf(source: str | Path, out_dir: str | Path, dtype: torch.dtype = torc
 
     files = write_weights(out, entries, read, max_shard_bytes)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    write_generation_config(config, run["model"].get("hf"), out)
     return Exported(out, config["architectures"][0], len(entries), files,
                     sum(e.nbytes for e in entries), tokenizer)
+
+
+def checkpoint_dtype(meta: CheckpointMeta) -> torch.dtype:
+    """The dtype an export of a checkpoint defaults to: a model-only one's weights', else the run's
+    --train.save_dtype where it named one, else bf16."""
+    if meta.model_only:
+        return DTYPES[meta.weights_dtype]
+    return DTYPES.get(((meta.config or {}).get("train") or {}).get("save_dtype"), torch.bfloat16)
 
 
 # ------------------------------------------------------------------------- bundled models

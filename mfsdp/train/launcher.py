@@ -28,12 +28,16 @@ import sys
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 
 from mfsdp import _compat
 from mfsdp.train.config import LAUNCHER_FLAGS, RunConfig, flag_value, load_config, usage
 from mfsdp.train.errors import LAUNCHED_ENV, USER_ERRORS, ConfigError, is_timeout, require, timeout_hint
+
+if TYPE_CHECKING:
+    from mfsdp.train.preflight import ResolvedRun
 
 USER_ERROR_EXIT = 2
 _ERROR_PREFIX = "mfsdp train: error: "
@@ -109,15 +113,20 @@ def main(argv: list[str]) -> int:
         return 0
     try:
         options, rest = split_args(argv)
-        cfg = check(options, rest)
+        checked = check(options, rest)
     except USER_ERRORS as err:
         return _error(str(err))
-    return run(options, cfg, rest)
+    from mfsdp.train.run_dir import finished_line
+
+    if done := finished_line(checked.cfg, checked.resume_from):  # a resume with nothing left to train
+        print(done, flush=True)
+        return 0
+    return run(options, checked.cfg, rest)
 
 
-def check(options: LaunchOptions, rest: list[str]) -> RunConfig:
+def check(options: LaunchOptions, rest: list[str]) -> ResolvedRun:
     """Everything the workers would refuse, checked here first (``preflight.check_run``); raises a
-    user error."""
+    user error, else returns the checked run."""
     import torch
 
     from mfsdp.data import STDLIB, TokenFile
@@ -133,7 +142,7 @@ def check(options: LaunchOptions, rest: list[str]) -> RunConfig:
                     disk_share=options.nproc_per_node / options.world_size)
     if run.disk_warning:
         print(f"{_WARNING_PREFIX}{run.disk_warning}", file=sys.stderr, flush=True)
-    return cfg
+    return run
 
 
 def run(options: LaunchOptions, cfg: RunConfig, rest: list[str]) -> int:

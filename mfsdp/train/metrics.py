@@ -64,6 +64,12 @@ def _parsed_lines(path: str | Path) -> Iterator[tuple[str, object]]:
         yield line, record
 
 
+def scalars(record: dict) -> dict:
+    """The numbers of a metrics record but its step: what TensorBoard and W&B plot."""
+    return {key: value for key, value in record.items()
+            if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool)}
+
+
 class TensorBoardLog:
     """The numeric fields of each metrics record as TensorBoard scalars under ``log_dir``
     (rank 0 only): the same names as metrics.jsonl, so the two never disagree."""
@@ -78,9 +84,8 @@ class TensorBoardLog:
     def write(self, record: dict) -> None:
         if self._writer is None:
             return
-        for key, value in record.items():
-            if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
-                self._writer.add_scalar(key, value, record["step"])
+        for key, value in scalars(record).items():
+            self._writer.add_scalar(key, value, record["step"])
 
     def close(self) -> None:
         if self._writer is not None:

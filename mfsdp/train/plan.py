@@ -22,7 +22,7 @@ from mfsdp.train.errors import ConfigError
 
 USAGE = """usage: mfsdp plan [--config FILE.yaml] [--nproc-per-node N] [--nnodes N] [--gpu-memory 141GiB]
                   [--tp N [--sequence-parallel true|false] [--loss-parallel true|false]]
-                  [--out plan.png] [--SECTION.KEY VALUE ...]
+                  [--out PNG (default: OUT_DIR/plan.png)] [--SECTION.KEY VALUE ...]
 
 Predicts one GPU's memory for a `mfsdp train` run (peak of allocated memory, the phase where it
 occurs, every component), lists the settings that fit, fastest first, and draws the step's memory.
@@ -53,7 +53,7 @@ def main(argv: list[str]) -> int:
     if argv and argv[0] in ("-h", "--help"):
         print(USAGE)
         return 0
-    own = {"--nproc-per-node": "1", "--nnodes": "1", "--gpu-memory": None, "--out": "mfsdp-plan.png", "--tp": "1",
+    own = {"--nproc-per-node": "1", "--nnodes": "1", "--gpu-memory": None, "--out": None, "--tp": "1",
            "--sequence-parallel": "true", "--loss-parallel": "true"}
     rest, args = [], iter(argv)
     for arg in args:
@@ -86,7 +86,8 @@ def main(argv: list[str]) -> int:
         cfg.model.hf + ("" if cfg.model.uses_manager else " (the bundled Llama)")
     print(plan.report(run, e, model, world, tp, gpu, source,
                       int(own["--nproc-per-node"]), staging))
-    print(f"\nmemory over the step: {plan.plot_phases(e, Path(own['--out']))}")
+    out = Path(own["--out"] or Path(cfg.train.out_dir) / "plan.png")  # the run's directory, never a tracked file
+    print(f"\nmemory over the step: {plan.plot_phases(e, out)}")
     return 0
 
 

@@ -23,6 +23,7 @@ from mfsdp.train.config import ModelSection, RunConfig
 from mfsdp.train.disk import check_disk
 from mfsdp.train.evaluate import held_out_split
 from mfsdp.train.report import run_line
+from mfsdp.train.run_dir import check_out_dir
 from mfsdp.train.errors import LAUNCHED_ENV, USER_ERRORS, CheckpointError, ConfigError, RunFailed, agree
 
 
@@ -76,6 +77,7 @@ def check_run(cfg: RunConfig, world: int, device_type: str, open_data: Callable[
         if resume_from is not None:
             meta = check_compatible(resume_from, model_fingerprint(model_cfg))
             _check_route(resume_from, meta, cfg)
+    check_out_dir(cfg, resume_from)
     if data is not None:
         cfg = _for_samples(cfg, data, world, meta)
     warning = check_disk(cfg, disk_share, device_type) if disk_share is not None else None

@@ -22,6 +22,9 @@ from mfsdp.train.metrics import MetricsLog, StepReadout, TensorBoardLog
 from mfsdp.train.preflight import ResolvedRun, model_fingerprint
 from mfsdp.train.profile import StepProfiler
 from mfsdp.train.report import NoProgress, StepReport, progress_bar
+from mfsdp.train.run_dir import claim, finished_line
+from mfsdp.train.step_lines import StepLines
+from mfsdp.train.wandb_log import WandbLog
 from mfsdp.train.step import lr_at, train_step
 
 
@@ -62,6 +65,12 @@ class Trainer:
 
     def run(self) -> int:
         cfg, d = self.cfg, self.cfg.data
+        if done := finished_line(cfg, self.resume_from):  # every rank: nothing is built
+            self.log(done)
+            return 0
+        if self.rank == 0:
+            claim(cfg, self.resume_from is not None, self.log)
+        dist.barrier()  # the directory is this run's before any rank writes into it
         model, optimizer = build(cfg, self.device, self.world, self.log, resuming=self.resume_from is not None)
         start_step, resumed = self._resume(model, optimizer)
         held, notes = held_out_split(cfg, self.data, resumed)
@@ -73,7 +82,9 @@ class Trainer:
         evaluator = make_evaluator(cfg, self.data, held, self.rank, self.world, self.device, self.log)
         logs = (MetricsLog(self.out_dir / "metrics.jsonl", enabled=self.rank == 0, keep_until_step=start_step),
                 TensorBoardLog(self.out_dir / "tensorboard", enabled=self.rank == 0 and cfg.metrics.tensorboard,
-                               purge_step=start_step + 1 if start_step else None))
+                               purge_step=start_step + 1 if start_step else None),
+                StepLines(cfg, start_step, enabled=self.rank == 0 and not cfg.train.progress, log=self.note),
+                WandbLog(cfg, resumed is not None, enabled=self.rank == 0 and cfg.metrics.wandb))
         t = cfg.train
         checkpointer = make_checkpointer(self.out_dir / "checkpoints", t.keep_checkpoints, t.async_checkpoint,
                                          t.async_checkpoint_on(self.device.type), self.device.type,
@@ -92,8 +103,8 @@ class Trainer:
         for line in self.resume_notes:
             self.log(line)
         if self.resume_from is None:
-            if self.cfg.resume:
-                self.log(f"no checkpoint in {self.out_dir / 'checkpoints'}; starting from step 0")
+            if self.cfg.resume:  # "auto" (a plain --resume with none stopped in preflight)
+                self.log(f"--resume auto: no checkpoint in {self.out_dir / 'checkpoints'}; starting from step 0")
             return 0, None
         meta = load_checkpoint(self.resume_from, model, optimizer)
         fallback = " (the newest whole checkpoint)" if self.resume_notes else ""

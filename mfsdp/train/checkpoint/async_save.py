@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from mfsdp import _compat
 from mfsdp.train.checkpoint.meta import CheckpointMeta, checkpoint_bytes
-from mfsdp.train.checkpoint.storage import (describe, is_complete, make_temp, paths, publish_when_written,
+from mfsdp.train.checkpoint.storage import (damage, describe, is_complete, make_temp, paths, publish_when_written,
                                             raise_if_any, save_checkpoint, state_of)
 from mfsdp.train.errors import CheckpointError
 
@@ -118,7 +118,7 @@ class Checkpointer:
         self.wait()  # training waits here when the previous write is still running
         stall = _Stall(previous=time.perf_counter() - start)
         final, temp = paths(self.root, step)
-        if is_complete(final):  # resumed from this very step (see save_checkpoint)
+        if is_complete(final) and damage(final) is None:  # resumed from this very step (see save_checkpoint)
             return final
         mark = time.perf_counter()
         make_temp(self.root, final, temp, self._poll_group)

@@ -128,7 +128,7 @@ def save_checkpoint(root: str | os.PathLike, step: int, model: torch.nn.Module,
     weights only, in that dtype); collective over all ranks."""
     root = Path(root)
     final, temp = paths(root, step)
-    if is_complete(final):
+    if is_complete(final) and damage(final) is None:
         # Only reachable by stopping again at the step just resumed from: the state on disk is the
         # state in memory, and rewriting it would open a window with no checkpoint.
         return final
@@ -209,7 +209,7 @@ def publish_when_written(root: Path, step: int, meta: CheckpointMeta, keep: int,
             problem = describe(err)
     raise_if_any(problem, root, final, temp, group)
     if _rank() == 0:
-        _prune(root, keep)
+        _prune(root, keep, step)
     if dist.is_initialized():
         dist.barrier(group)
 
@@ -256,11 +256,14 @@ def complete_checkpoints(root: str | os.PathLike) -> list[Path]:
                    if p.name[len(_PREFIX):].isdigit() and is_complete(p)), key=_step_of)
 
 
-def _prune(root: Path, keep: int) -> None:
-    """Delete all but the ``keep`` newest complete checkpoints (0 keeps everything)."""
-    if keep > 0:
-        for old in complete_checkpoints(root)[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+def _prune(root: Path, keep: int, published: int) -> None:
+    """After publishing the checkpoint of step ``published`` (the one ``latest`` names, never deleted):
+    delete those of later steps, left by a timeline this run abandoned (a damaged newest one skipped
+    on resume), then all but the ``keep`` newest (0 keeps everything)."""
+    older = [p for p in complete_checkpoints(root) if _step_of(p) < published]
+    stale = [p for p in complete_checkpoints(root) if _step_of(p) > published]
+    for old in stale + (older[:max(0, len(older) - keep + 1)] if keep > 0 else []):
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module,

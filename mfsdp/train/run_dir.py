@@ -1,0 +1,111 @@
+"""One run per output directory: ``--train.out_dir`` records the run that writes there, and another
+run (another model, config or data) is refused there unless it resumes the run or says
+``--train.overwrite true``, as the Hugging Face Trainer refuses an ``output_dir`` holding checkpoints.
+
+``run.json`` holds the run's identity: its model and data sections and the settings that change
+what it learns, not how long it runs or how it is logged, saved or sharded, so a resume may extend
+the run or change its world size. A directory from before ``run.json`` existed is told by its
+newest checkpoint's recorded config. Also here: what ``--resume`` does where there is no checkpoint
+(an error; ``--resume auto`` starts afresh) or the run already ended.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from mfsdp.train.checkpoint import CheckpointError, CheckpointMeta, complete_checkpoints
+from mfsdp.train.errors import ConfigError
+
+RUN_FILE = "run.json"
+METRICS = "metrics.jsonl"
+OUTPUTS = ("checkpoints", METRICS, "tensorboard", "loss.png", "hf", "wandb-run-id", RUN_FILE)
+"""What a run writes into its out_dir, removed by a fresh start there (logs/ and the demo corpus's
+data/ stay: a log of each attempt, and a cache of the same file)."""
+IDENTITY = {"model": None, "data": None,
+            "train": ("lr", "lr_schedule", "min_lr_ratio", "weight_decay", "beta1", "beta2", "grad_clip", "seed"),
+            "parallel": ("compute_dtype", "main_grads_dtype")}
+"""The keys (None: all) of each config section that make a run's identity. The warm-up is left out:
+the recipe's depends on the number of steps."""
+_PATHS = ("model.hf", "data.path", "data.val_path")
+
+
+def identity(config: dict) -> dict:
+    """The identity of the run of ``config`` (``RunConfig.to_dict``, or a checkpoint's record), its
+    paths absolute so that a run started from another directory compares equal."""
+    out = {}
+    for section, keys in IDENTITY.items():
+        values = config.get(section) or {}
+        for key in keys or sorted(values):
+            name, value = f"{section}.{key}", values.get(key)
+            out[name] = str(Path(value).resolve()) if name in _PATHS and value not in (None, "stdlib") else value
+    return out
+
+
+def recorded_identity(out_dir: Path) -> dict | None:
+    """The identity of the run that wrote into ``out_dir``: {} for one with no record of it (only
+    metrics), None where no run wrote there."""
+    record = out_dir / RUN_FILE
+    if record.is_file():
+        try:
+            return json.loads(record.read_text())["identity"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return {}
+    for checkpoint in reversed(complete_checkpoints(out_dir / "checkpoints")):
+        try:
+            return identity(CheckpointMeta.read(checkpoint).config or {})
+        except CheckpointError:
+            continue
+    metrics = out_dir / METRICS
+    return {} if metrics.is_file() and metrics.stat().st_size else None
+
+
+def check_out_dir(cfg, resume_from: Path | None) -> None:
+    """Refuse a ``--resume`` with nothing to resume, and a fresh run in the directory of another;
+    ConfigError in one line naming the ways on."""
+    out = Path(cfg.train.out_dir)
+    if cfg.resume is True and resume_from is None:
+        raise ConfigError(f"--resume: no checkpoint to continue from in {out / 'checkpoints'}; drop --resume to "
+                          "start this run afresh (--resume auto starts afresh where there is none, for job "
+                          "scripts that requeue)")
+    if resume_from is not None or cfg.train.overwrite:
+        return
+    recorded = recorded_identity(out)
+    if recorded is None:
+        return
+    now = identity(cfg.to_dict())
+    differences = [f"{key} {recorded[key]!r} there, {now[key]!r} now" for key in recorded
+                   if key in now and recorded[key] != now[key]]
+    if recorded and not differences:
+        return
+    what = "; ".join(differences[:3]) if recorded else f"{METRICS} with no record ({RUN_FILE}) of its config"
+    raise ConfigError(f"--train.out_dir {out} holds another run's checkpoints or metrics ({what}); continue "
+                      "that run with --resume, replace it with --train.overwrite true, or give this run its "
+                      "own --train.out_dir")
+
+
+def claim(cfg, resuming: bool, log) -> None:
+    """Make ``out_dir`` this run's (rank 0, after ``check_out_dir``): a fresh start first removes
+    what an earlier run wrote there (its checkpoints would otherwise be resumed or pruned in place of
+    this run's), then the run's identity is recorded."""
+    out = Path(cfg.train.out_dir)
+    if not resuming:
+        removed = [name for name in OUTPUTS if (out / name).exists()]
+        for name in removed:
+            shutil.rmtree(out / name) if (out / name).is_dir() else (out / name).unlink()
+        if set(removed) - {RUN_FILE}:
+            log(f"starting afresh in {out}: removed the earlier run's {', '.join(n for n in removed if n != RUN_FILE)}")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / RUN_FILE).write_text(json.dumps({"identity": identity(cfg.to_dict())}, indent=1) + "\n")
+
+
+def finished_line(cfg, resume_from: Path | None) -> str | None:
+    """The line a resume prints instead of training when its checkpoint is at the last step, or None."""
+    if resume_from is None:
+        return None
+    step = CheckpointMeta.read(resume_from).step
+    if step < cfg.train.steps:
+        return None
+    return (f"{resume_from} is at step {step}, the last of --train.steps {cfg.train.steps}: nothing left to "
+            "train (raise --train.steps to continue)")
