@@ -10,7 +10,9 @@ from __future__ import annotations
 import sys
 
 DEMO_ARGS = ["--train.device", "cpu", "--model.preset", "tiny", "--data.path", "stdlib",
-             "--train.out_dir", "runs/demo"]
+             "--train.out_dir", "runs/demo", "--train.overwrite", "true"]
+"""``--train.overwrite true``: each ``make demo`` starts the demo's run afresh (its directory holds
+only what an earlier demo wrote there)."""
 
 
 def command(extra: list[str]) -> list[str]:

@@ -132,8 +132,13 @@ def test_another_run_is_refused_the_directory_in_one_line(finished, tmp_path, ca
         in message and "--resume" in message and "--train.overwrite true" in message, message
     assert launch(["--nproc-per-node", "1", *fine_tune]) == 2  # from the launcher, before any worker
     assert capsys.readouterr().err.strip() == f"mfsdp train: error: {message}"
-    for lengthened in (["--train.steps", "8"], ["--train.steps", "8", "--resume"]):  # the same run, longer
-        check_run(load_config([*argv, *lengthened]), 1, "cpu")
+    check_run(load_config([*argv, "--train.steps", "8", "--resume"]), 1, "cpu")  # the same run, longer
+    with pytest.raises(ConfigError) as err:  # the same run afresh would delete its checkpoints
+        check_run(load_config([*argv, "--train.steps", "8"]), 1, "cpu")
+    assert str(err.value) == (f"--train.out_dir {out} holds this run's checkpoints (the newest step_4); continue "
+                              "it with --resume, start it over with --train.overwrite true (deletes them), or "
+                              "give this run its own --train.out_dir")
+    check_run(load_config([*argv, "--train.overwrite", "true"]), 1, "cpu")
     check_run(load_config([*fine_tune, "--train.overwrite", "true"]), 1, "cpu")
 
 

@@ -78,6 +78,11 @@ def check_out_dir(cfg, resume_from: Path | None) -> None:
     differences = [f"{key} {recorded[key]!r} there, {now[key]!r} now" for key in recorded
                    if key in now and recorded[key] != now[key]]
     if recorded and not differences:
+        saved = complete_checkpoints(out / "checkpoints")
+        if saved:  # the same run's checkpoints: a fresh start would delete what the user saved
+            raise ConfigError(f"--train.out_dir {out} holds this run's checkpoints (the newest {saved[-1].name}); "
+                              "continue it with --resume, start it over with --train.overwrite true (deletes "
+                              "them), or give this run its own --train.out_dir")
         return
     what = "; ".join(differences[:3]) if recorded else f"{METRICS} with no record ({RUN_FILE}) of its config"
     raise ConfigError(f"--train.out_dir {out} holds another run's checkpoints or metrics ({what}); continue "
