@@ -32,7 +32,7 @@ from pathlib import Path
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 
 from mfsdp import _compat
-from mfsdp.train.config import LAUNCHER_FLAGS, RunConfig, flag_value, load_config, usage
+from mfsdp.train.args import LAUNCHER_FLAGS, RunConfig, flag_value, load_config, usage
 from mfsdp.train.errors import LAUNCHED_ENV, USER_ERRORS, ConfigError, is_timeout, require, timeout_hint
 
 USER_ERROR_EXIT = 2
