@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from test_eval_loss import run_trainer
-from mfsdp.train.config import ConfigError, load_config
+from mfsdp.train.config import ConfigError
+from mfsdp.train.args import load_config
 from mfsdp.train.errors import CheckpointError
 from mfsdp.train.recipes import FINE_TUNING, RECIPES
 from mfsdp.train.step import lr_at

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from mfsdp.data import write_token_file
-from mfsdp.train.config import ConfigError, ModelSection, load_config
+from mfsdp.train.config import ConfigError, ModelSection
+from mfsdp.train.args import load_config
 from test_eval_loss import SMALL, run_trainer
 from test_model_only_checkpoint import tensors
 

@@ -38,7 +38,7 @@ CHUNK = 200
 
 
 def _run_config(shape, placements, replicate, compute, extra=()):
-    from mfsdp.train.config import load_config
+    from mfsdp.train.args import load_config
 
     return load_config([*shape, "--train.device", "cpu", "--train.seed", str(SEED),
                         "--parallel.placements", placements, "--parallel.replicate", str(replicate),
@@ -230,7 +230,7 @@ def test_70b_preset_is_the_llama3_70b_shape_and_builds_on_meta_for_free():
 
 
 def test_70b_preset_reaches_the_trainer_config():
-    from mfsdp.train.config import load_config
+    from mfsdp.train.args import load_config
 
     cfg = load_config(["--model.preset", "70b", "--data.seq_len", "8192"]).llama_config()
     assert cfg == get_config("70b", max_seq_len=8192)

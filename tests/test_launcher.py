@@ -60,7 +60,8 @@ def test_a_bad_flag_is_one_line_and_exit_code_2_before_any_worker_starts(tmp_pat
     assert run.returncode == 2
     keys = ", ".join(f.name for f in dataclasses.fields(TrainSection))
     assert run.stderr.strip().splitlines() == [
-        f"mfsdp train: error: unknown config key train.stepz; known keys of train: {keys}"], run.stderr
+        f"mfsdp train: error: unknown config key train.stepz; did you mean --train.steps? known keys of train: {keys}"
+    ], run.stderr
     assert keys.startswith("steps, ") and "skip_disk_check" in keys
     assert run.stdout == "" and not (tmp_path / "logs").exists()  # no worker ever started
 
@@ -76,6 +77,10 @@ def test_a_bad_flag_is_one_line_and_exit_code_2_before_any_worker_starts(tmp_pat
     (["--parallel.collective_timeout_s", "0"], "collective_timeout_s must be positive"),
     (["--model.float8", "tensorwise", "--parallel.placements", "zero2"],
      "--parallel.placements zero2 keeps them whole. Use --model.float8 rowwise"),
+    (["--data.pth", "x.tokens"], "unknown config key data.pth; did you mean --data.path?"),
+    (["--nproc-per-nod", "2"], "unknown flag --nproc-per-nod; did you mean the launcher flag --nproc-per-node?"),
+    (["--train.lr", "--train.steps", "3"], "--train.lr needs a value, but the next argument is the flag --train.steps"),
+    (["--train.steps"], "--train.steps needs a value"),
 ])
 def test_user_errors_are_named_by_the_launcher(args, message, tmp_path, capsys):
     code = cli_main(["train", "--nproc-per-node", "2", "--train.device", "cpu",
@@ -99,7 +104,8 @@ def test_data_problems_are_found_before_the_workers_start(tmp_path, capsys):
 
 
 def test_launcher_flags_given_to_a_torchrun_worker_are_named():
-    from mfsdp.train.config import ConfigError, load_config
+    from mfsdp.train.config import ConfigError
+    from mfsdp.train.args import load_config
     with pytest.raises(ConfigError, match="--nproc-per-node is a flag of the `mfsdp train` "
                                           "launcher"):
         load_config(["--nproc-per-node", "2"])
@@ -209,7 +215,7 @@ def test_the_summary_names_the_cause_before_the_ranks_that_lost_their_peer(tmp_p
     import signal
     from types import SimpleNamespace
 
-    from mfsdp.train.config import load_config
+    from mfsdp.train.args import load_config
     from mfsdp.train.launcher import _summarize
 
     def failure(local_rank, exitcode, message):

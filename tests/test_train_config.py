@@ -1,8 +1,12 @@
 """Configuration of `mfsdp train`: defaults, YAML, flags, and the errors for bad keys."""
 
+import dataclasses
+import re
+
 import pytest
 
-from mfsdp.train.config import ConfigError, load_config
+from mfsdp.train.config import ConfigError
+from mfsdp.train.args import load_config
 from mfsdp.train.main import main
 from mfsdp.train.step import lr_at
 
@@ -30,7 +34,7 @@ def test_the_shipped_configs_load():
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--train.stepz", "3"], "unknown config key train.stepz; known keys of train: steps"),
+    (["--train.stepz", "3"], "unknown config key train.stepz; did you mean --train.steps? known keys of train: steps"),
     (["--optim.lr", "3"], "unknown flag --optim.lr"),
     (["--model.preset", "13b"], "unknown model preset '13b'; known presets: tiny, 1b, 8b, 70b"),
     (["--train.steps", "many"], "--train.steps expects int"),
@@ -43,7 +47,7 @@ def test_the_shipped_configs_load():
     (["--parallel.offload_fraction", "0.5"], "--parallel.offload_fraction needs --parallel.offload optimizer"),
 ])
 def test_bad_flags_name_the_problem(argv, message):
-    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(".", r"\.")):
+    with pytest.raises(ConfigError, match=re.escape(message)):
         load_config(argv).llama_config()
 
 
@@ -90,3 +94,75 @@ def test_learning_rate_warms_up_then_decays_to_the_floor():
     assert rates[4] == pytest.approx(0.5) and rates[9] == pytest.approx(1.0)
     assert all(a >= b for a, b in zip(rates[9:], rates[10:]))
     assert rates[-1] == pytest.approx(0.1)
+
+
+def test_yaml_numbers_that_yaml_reads_as_strings(tmp_path):
+    """YAML 1.1 reads 1e-3 and 1.5e1 as strings (its floats need a dot and a signed exponent), as
+    torchtune and TRL configs write learning rates: float fields take them, int fields where exact."""
+    path = tmp_path / "run.yaml"
+    path.write_text("train:\n  lr: 1e-3\n  steps: 1.5e1\n  warmup_steps: 2.0\n  grad_clip: 5\n")
+    t = load_config(["--config", str(path)]).train
+    assert (t.lr, t.steps, t.warmup_steps, t.grad_clip) == (1e-3, 15, 2, 5.0)
+    assert type(t.steps) is int and type(t.warmup_steps) is int and type(t.lr) is float
+    assert load_config(["--train.steps", "1e3", "--train.lr", "3E-4"]).train.steps == 1000
+    for text, message in (("steps: 1.5", "train.steps expects int, got 1.5"),
+                          ("steps: 1e-1", "train.steps expects int, got '1e-1'"),
+                          ("lr: fast", "train.lr expects float/NoneType, got 'fast'"),
+                          ("steps: true", "train.steps expects int, got True")):
+        path.write_text(f"train:\n  {text}\n")
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            load_config(["--config", str(path)])
+    with pytest.raises(ConfigError, match=re.escape("--train.steps expects int, got '2.5'")):
+        load_config(["--train.steps", "2.5"])
+
+
+def test_help_gives_every_key_its_default_and_one_line_of_its_docstring():
+    from mfsdp.train.args import SECTIONS, usage
+
+    lines = usage().splitlines()
+    for section, cls in SECTIONS.items():
+        for f in dataclasses.fields(cls):
+            line = next(x for x in lines if x.startswith(f"  --{section}.{f.name} ("))
+            assert len(line.split(")", 1)[1].strip()) > 10, line  # a description beside the default
+    seq_len = next(x for x in lines if x.startswith("  --data.seq_len "))
+    assert seq_len.split() == ["--data.seq_len", "(128)", "Tokens", "per", "training", "sequence."]
+    path = next(x for x in lines if x.startswith("  --data.path "))  # a long first sentence, cut
+    assert path.split(None, 2)[2].startswith("A token file from `mfsdp prepare-data`, or \"stdlib\": build the demo")
+    assert path.endswith(" ...") and "(None)" in next(x for x in lines if x.startswith("  --data.val_path "))
+    assert "  --train.lr (the recipe's)" in usage() and max(map(len, lines)) < 160
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--data.pth", "x"], "unknown config key data.pth; did you mean --data.path? known keys of data: path,"),
+    (["--train.seq_len", "64"], "unknown config key train.seq_len; did you mean --data.seq_len?"),
+    (["--trian.lr", "1"], "unknown flag --trian.lr; did you mean --train.lr?"),
+    (["--resum"], "unknown flag --resum; did you mean --resume?"),
+    (["--nproc-per-nod", "2"], "unknown flag --nproc-per-nod; did you mean the launcher flag --nproc-per-node?"),
+    (["--zzz", "1"], "unknown flag --zzz; flags look like --SECTION.KEY with SECTION one of model, data,"),
+    (["--train.lr", "--train.out_dir", "x"],
+     "--train.lr needs a value, but the next argument is the flag --train.out_dir; write --train.lr VALUE"),
+    (["--train.out_dir", "x", "--train.lr"], "--train.lr needs a value"),
+    (["--config", "--resume"], "--config needs a value, but the next argument is the flag --resume"),
+])
+def test_misspelt_flags_and_missing_values_name_the_fix(argv, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(argv)
+
+
+def test_misspelt_yaml_keys_and_sections_name_the_fix(tmp_path):
+    path = tmp_path / "run.yaml"
+    for text, message in (("data:\n  pth: x.tokens\n", "unknown config key data.pth; did you mean data.path?"),
+                          ("trian:\n  lr: 1\n", "unknown config section 'trian' in " + str(path) + "; did you "
+                           "mean train? known sections: model, data, train, parallel, metrics")):
+        path.write_text(text)
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            load_config(["--config", str(path)])
+
+
+def test_the_worker_entry_gives_one_line_and_exit_code_2_for_a_misspelt_launcher_flag(capsys):
+    """``mfsdp train --nproc-per-nod 2`` has no launcher flag, so it runs in this process: the
+    error still comes before anything starts (the launcher's own path: tests/test_launcher.py)."""
+    assert main(["--nproc-per-nod", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.splitlines() == ["mfsdp train: error: unknown flag --nproc-per-nod; did you mean the launcher "
+                                "flag --nproc-per-node?"]

@@ -6,7 +6,8 @@ import json
 import pytest
 
 from mfsdp.models.llama import PRESETS
-from mfsdp.train.config import ConfigError, TrainSection, load_config, usage
+from mfsdp.train.config import ConfigError, TrainSection
+from mfsdp.train.args import load_config, usage
 from mfsdp.train.step import lr_at
 from mfsdp.train.recipes import RECIPES, WARMUP_FRACTION
 

@@ -199,7 +199,7 @@ def worker_run(rank, world_size, argv):
     import torch
 
     from mfsdp.train import determinism
-    from mfsdp.train.config import load_config
+    from mfsdp.train.args import load_config
     from mfsdp.train.preflight import preflight
     from mfsdp.train.trainer import Trainer
 
@@ -237,7 +237,8 @@ def test_deterministic_bf16_resume_matches_the_uninterrupted_run_bit_for_bit(
     ({"NCCL_NVLS_ENABLE": "1"}, "unset NCCL_NVLS_ENABLE=1"),
 ])
 def test_the_deterministic_flag_is_checked_against_the_environment(env, message, monkeypatch):
-    from mfsdp.train.config import ConfigError, load_config
+    from mfsdp.train.config import ConfigError
+    from mfsdp.train.args import load_config
 
     for name in ("CUBLAS_WORKSPACE_CONFIG", "NCCL_NVLS_ENABLE"):
         monkeypatch.delenv(name, raising=False)

@@ -1,17 +1,14 @@
-"""Configuration of ``mfsdp train``: frozen sections, read from YAML and flags.
+"""Configuration of ``mfsdp train``: frozen sections of plain values, each validated on its own.
 
-Values come from three layers, later ones winning: the defaults below (which train the
-tiny model on the standard-library corpus), an optional ``--config FILE.yaml`` with one
-mapping per section, and ``--section.key value`` flags. A key that no section declares
-is an error rather than a silent no-op, because a misspelt flag that is ignored costs a
-whole training run.
+The defaults below train the tiny model on the standard-library corpus. ``mfsdp.train.args`` reads
+YAML and flags into these sections; ``mfsdp.train.resolve`` then reads what the values name (a
+--model.hf directory's config.json) and fills in what they leave open (the route, the recipe), so
+that these objects only hold values: they read no file and print nothing.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,10 +16,7 @@ import torch
 
 from mfsdp.models.hf_config import UnsupportedHFConfig, bundled_config_from_hf, supports_bundled
 from mfsdp.models.llama import HEAD_LOSSES, LlamaConfig, get_config
-from mfsdp.models.parallelize import (FLOAT8_CHOICES, PLACEMENT_NAMES as PLACEMENTS, TWO_AXIS,
-                                      float8_placement_problem, kept_blocks)
-from mfsdp.hf_io import has_weights
-from mfsdp.train import determinism
+from mfsdp.models.parallelize import FLOAT8_CHOICES, PLACEMENT_NAMES as PLACEMENTS, TWO_AXIS, float8_placement_problem
 from mfsdp.train.errors import ConfigError, require
 from mfsdp.train.recipes import RECIPES, SCHEDULES, Recipe, recipe_for
 
@@ -112,6 +106,8 @@ class ModelSection:
     def __post_init__(self) -> None:
         _one_of(self, "float8", FLOAT8_CHOICES)
         _one_of(self, "hf_impl", HF_IMPLS)
+        require(self.hf is None or not self.shape_overrides(), f"--model.hf takes the shape from {self.hf}/config.json;"
+                f" unset {', '.join('--model.' + n for n in self.shape_overrides())}")
         require(self.hf is not None or (self.hf_impl == "auto" and not self.random_init),
                  "--model.hf_impl and --model.random_init apply to --model.hf DIR runs; unset them")
         require(self.float8 == "none" or self.hf_impl != "manager",
@@ -127,6 +123,11 @@ class ModelSection:
                 f"--model.head_loss {self.head_loss} needs the bundled Llama, and --model.hf_impl manager runs "
                 "Hugging Face's modeling code, which returns logits; use --model.hf_impl auto (or bundled), "
                 "or --model.head_loss plain")
+
+    def shape_overrides(self) -> dict:
+        """The set fields that override the preset's shape."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if f.name not in _NOT_SHAPE and getattr(self, f.name) is not None}
 
     def default_out_dir(self) -> str:
         """--train.out_dir's default: runs/ and the --model.hf directory's name, else the preset's."""
@@ -147,54 +148,35 @@ class ModelSection:
 
     def on_manager(self) -> "ModelSection":
         """This section on the manager's route, whose Hugging Face model returns logits: the head loss
-        is the plain one there (``RunConfig`` resolving "auto", ``mfsdp plan --tp``)."""
+        is the plain one there (``mfsdp.train.resolve`` resolving "auto", ``mfsdp plan --tp``)."""
         return dataclasses.replace(self, hf_impl="manager", head_loss="plain")
 
     @property
     def uses_manager(self) -> bool:
         """Whether mfsdp.manager builds the model from Hugging Face's modeling code: a --model.hf one
-        not on the bundled route (``RunConfig`` resolves "auto" to one of the two)."""
+        not on the bundled route (``mfsdp.train.resolve`` resolves "auto" to one of the two)."""
         return self.hf is not None and self.hf_impl != "bundled"
 
-    def bundled_problem(self, max_seq_len: int) -> str | None:
-        """Why the bundled Llama cannot run the --model.hf config on sequences of ``max_seq_len``
-        tokens (``mfsdp.models.hf_config.supports_bundled``), or None when it can."""
-        return supports_bundled(_hf_json(self), max_seq_len)
-
-    def llama_config(self, max_seq_len: int) -> LlamaConfig:
+    def llama_config(self, max_seq_len: int, hf_config: dict | None = None) -> LlamaConfig:
+        """The model's shape: the preset's with the overrides, or that of ``hf_config``, the --model.hf
+        directory's config.json (read by ``mfsdp.train.resolve``)."""
         if self.hf is not None:
-            return _hf_shape(self, max_seq_len)
-        overrides = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                     if f.name not in _NOT_SHAPE and getattr(self, f.name) is not None}
+            require(hf_config is not None, f"--model.hf {self.hf}: config.json not read (mfsdp.train.resolve)")
+            return _hf_shape(self, hf_config, max_seq_len)
         try:
-            return get_config(self.preset, max_seq_len=max_seq_len, **overrides)
+            return get_config(self.preset, max_seq_len=max_seq_len, **self.shape_overrides())
         except ValueError as err:
             raise ConfigError(f"{err}; set --model.preset or the --model.* fields") from None
 
 
-def _hf_json(model: ModelSection) -> dict:
-    """The --model.hf directory's config.json, after checking that no shape field is set."""
-    import json
-
-    set_fields = [f.name for f in dataclasses.fields(model)
-                  if f.name not in _NOT_SHAPE and getattr(model, f.name) is not None]
-    require(not set_fields, f"--model.hf takes the shape from {model.hf}/config.json; unset "
-             f"{', '.join('--model.' + n for n in set_fields)}")
-    path = Path(model.hf) / "config.json"
-    require(path.is_file(), f"--model.hf {model.hf}: no config.json there (a local Hugging Face "
-             "model directory is needed)")
-    return json.loads(path.read_text())
-
-
-def _hf_shape(model: ModelSection, max_seq_len: int) -> LlamaConfig:
-    """A HF model directory as a LlamaConfig: on the bundled route the exact config of the bundled
-    Llama that runs it; through the manager its shape (for FLOP counts and checkpoint checks)."""
-    c = _hf_json(model)
+def _hf_shape(model: ModelSection, c: dict, max_seq_len: int) -> LlamaConfig:
+    """A HF model's config.json ``c`` as a LlamaConfig: on the bundled route the exact config of the
+    bundled Llama that runs it; through the manager its shape (for FLOP counts and checkpoint checks)."""
     if model.hf_impl == "bundled":
         try:
             return bundled_config_from_hf(c, max_seq_len)
         except UnsupportedHFConfig as err:
-            raise ConfigError(_bundled_refusal(model, err)) from None
+            raise ConfigError(bundled_refusal(model, err)) from None
     try:
         return LlamaConfig.from_hf(c, max_seq_len)
     except (KeyError, ValueError) as err:
@@ -202,7 +184,8 @@ def _hf_shape(model: ModelSection, max_seq_len: int) -> LlamaConfig:
                           f"can train ({err})") from None
 
 
-def _bundled_refusal(model: ModelSection, why) -> str:
+def bundled_refusal(model: ModelSection, why) -> str:
+    """The error of --model.hf_impl bundled for a config the bundled Llama cannot run, and why."""
     return (f"--model.hf_impl bundled: {model.hf} cannot run as the bundled Llama: {why} (--model.hf_impl "
             "manager or auto)")
 
@@ -283,7 +266,8 @@ class TrainSection:
     --model.hf directory's, so that runs of different models never meet (mfsdp/train/run_dir.py)."""
     overwrite: bool = False
     """Start this run in an out_dir that holds another run's checkpoints or metrics (another model,
-    config or data), deleting them; without it such a run is refused (--resume continues one)."""
+    config or data), or this run's checkpoints, deleting them; without it such a run is refused
+    (--resume continues one)."""
     checkpoint_every: int = 100
     """Save every N steps (and always at the end); 0 saves only at the end."""
     keep_checkpoints: int = 2
@@ -451,8 +435,6 @@ class ParallelSection:
                  f"parallel.offload_fraction must be in (0, 1], got {self.offload_fraction}")
         require(self.offload_fraction == 1.0 or self.offload == "optimizer",
                  "--parallel.offload_fraction needs --parallel.offload optimizer")
-        if self.deterministic and (problem := determinism.environment_problem()):
-            raise ConfigError(problem)
         _one_of(self, "placements", PLACEMENTS)
         require(self.replicate > 0, "parallel.replicate must be positive")
         require(self.replicate == 1 or self.placements in TWO_AXIS,
@@ -480,16 +462,7 @@ class MetricsSection:
     """The W&B run name of --metrics.wandb; None: the name of --train.out_dir."""
 
     def __post_init__(self) -> None:
-        if self.tensorboard:
-            import importlib.util
-            require(importlib.util.find_spec("tensorboard") is not None,
-                     "--metrics.tensorboard true needs the tensorboard package; "
-                     "pip install tensorboard (or mfsdp[train])")
         require(self.log_every > 0, "metrics.log_every must be positive")
-        if self.wandb:
-            import importlib.util
-            require(importlib.util.find_spec("wandb") is not None,
-                    "--metrics.wandb true needs the wandb package; pip install wandb (or mfsdp[wandb])")
 
 
 @dataclass(frozen=True)
@@ -507,81 +480,31 @@ class RunConfig:
     resume: bool | str = False
     """Continue from the newest complete checkpoint in OUT_DIR/checkpoints (--resume: an error where
     there is none); "auto" (--resume auto, for job scripts that requeue) starts afresh where there is none."""
+    # What mfsdp.train.resolve found, held so that nothing reads the --model.hf directory again:
+    hf_config: dict | None = None
+    """Its config.json (checkpoints record it: `mfsdp export` needs no access to it); None: a preset."""
+    hf_weights: bool = False
+    """Whether it holds safetensors weights."""
+    from_recipe: tuple[str, ...] = ()
+    """The ``FROM_RECIPE`` fields of ``train`` that no flag set, filled in from the recipe."""
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "_given_train", self.train)  # before the recipe fills it in
         require(self.resume in (False, True, "auto"), f"--resume takes no value or auto, got {self.resume!r}")
         problem = float8_placement_problem(self.model.float8, self.parallel.placements)
         require(problem is None, problem)
-        self._resolve_route()
-        self._check_kept_blocks()
-        self._check_float8_skip()
-        # The one place the recipe's unset fields (None) become the recipe's values: every reader of
-        # cfg.train (the optimizer, the schedule, the checkpoint's meta.json) sees numbers.
-        if self.train.out_dir is None:
-            object.__setattr__(self, "train", dataclasses.replace(self.train, out_dir=self.model.default_out_dir()))
-        t = self.train
-        if any(getattr(t, key) is None for key in FROM_RECIPE):
-            object.__setattr__(self, "train", dataclasses.replace(t, **{
-                key: value for key, value in self.recipe_values().items() if getattr(t, key) is None}))
-
-    def _resolve_route(self) -> None:
-        """Check the --model.hf route against the config.json and resolve "auto" to the bundled route
-        or the manager's, once: the checkpoint records it and a resume keeps it."""
-        m = self.model
-        if m.hf is None or m.hf_impl == "manager":
-            return
-        why = m.bundled_problem(self.data.seq_len)
-        require(why is None or m.hf_impl == "auto", _bundled_refusal(m, why))
-        require(why is None or m.float8 == "none", f"--model.float8 needs the bundled Llama, which cannot run "
-                 f"{m.hf} ({why}); use --model.float8 none")
-        if m.hf_impl == "auto":
-            object.__setattr__(self, "model", m.on_manager() if why else dataclasses.replace(m, hf_impl="bundled"))
-
-    def _check_kept_blocks(self) -> None:
-        kept = self.parallel.kept_blocks()
-        if not kept:
-            return
-        require(not self.model.uses_manager, f"--parallel.keep_gathered_blocks applies to the bundled Llama; "
-                 f"{self.model.hf} trains through the manager here. Use --parallel.keep_gathered_blocks 0")
-        try:
-            kept_blocks(range(self.model.llama_config(self.data.seq_len).n_layers), kept)
-        except ValueError as err:  # the rule's own words, for the flag
-            raise ConfigError(f"--parallel.{err}") from None
-
-    def _check_float8_skip(self) -> None:
-        """Each --model.float8_skip pattern must name a float8 linear of the model that trains (the
-        rule of ``mfsdp.float8.float8_linears``, on the model built on the meta device)."""
-        skip = self.model.float8_skip_patterns()
-        if not skip:
-            return
-        from mfsdp.float8 import float8_linears
-        from mfsdp.models import build_model
-
-        with torch.device("meta"):
-            model = build_model(self.llama_config())
-        try:
-            float8_linears(model, skip)
-        except ValueError as err:
-            raise ConfigError(f"--model.float8_skip: {str(err).removeprefix('mfsdp.float8: ')}") from None
 
     def loads_weights(self) -> bool:
         """Whether the run starts from pretrained weights: --model.hf DIR with safetensors there, and
         not --model.random_init true."""
-        m = self.model
-        return m.hf is not None and not m.random_init and has_weights(m.hf)
-
-    def with_steps(self, steps: int) -> "RunConfig":
-        """This config for a run of ``steps`` steps (``--train.epochs``), the recipe's warm-up
-        re-derived for them where no flag set it."""
-        return dataclasses.replace(self, train=dataclasses.replace(self._given_train, steps=steps))
+        return self.model.hf is not None and not self.model.random_init and self.hf_weights
 
     def recipe(self) -> tuple[str, Recipe]:
         """The name and values of the run's recipe (``mfsdp.train.recipes``): fine-tuning for
         pretrained weights, else the preset's or, for ``--model.hf``, that of the preset nearest in
         size."""
         hf = self.model.hf is not None
-        shape = self.model.llama_config(self.data.seq_len) if hf or self.model.preset not in RECIPES else None
+        shape = self.model.llama_config(self.data.seq_len, self.hf_config) \
+            if hf or self.model.preset not in RECIPES else None
         return recipe_for(self.model.preset, shape, by_size=hf, pretrained=self.loads_weights())
 
     def recipe_values(self) -> dict:
@@ -605,7 +528,7 @@ class RunConfig:
         architecture and its directory."""
         if self.model.hf is None:
             return f"{self.model.preset} model"
-        c = self.hf_config()
+        c = self.hf_config
         name = (c.get("architectures") or [c.get("model_type") or "Hugging Face model"])[0]
         return f"{name} from {self.model.hf}" + ("" if self.loads_weights() else " (random init)")
 
@@ -614,12 +537,12 @@ class RunConfig:
         one line; None where it is on the bundled route (or the manager was asked for a config
         the bundled Llama could run)."""
         m = self.model
-        why = m.bundled_problem(self.data.seq_len) if m.uses_manager else None
+        why = supports_bundled(self.hf_config, self.data.seq_len) if m.uses_manager else None
         return None if why is None else (f"--model.hf {m.hf}: trained through the manager (Hugging Face's "
                                          f"modeling code), not as the bundled Llama: {why}")
 
     def llama_config(self) -> LlamaConfig:
-        shape = self.model.llama_config(max_seq_len=self.data.seq_len)
+        shape = self.model.llama_config(self.data.seq_len, self.hf_config)
         require(not self.parallel.expert_units or (self.model.hf is None and shape.num_experts > 0),
                  "--parallel.expert_units true needs a built-in mixture-of-experts model "
                  "(--model.preset moe-tiny or moe-1b, or --model.num_experts N); unset it otherwise")
@@ -659,182 +582,7 @@ class RunConfig:
         """Whether the blocks are compiled on ``device_type`` ("cuda" or "cpu")."""
         return self.parallel.compile == "true" or (self.parallel.compile == "auto" and device_type == "cuda")
 
-    def hf_config(self) -> dict | None:
-        """A ``--model.hf`` run's config.json (checkpoints record it, so that `mfsdp export` needs no
-        access to that directory); None for the bundled models."""
-        if self.model.hf is None:
-            return None
-        import json
-
-        return json.loads((Path(self.model.hf) / "config.json").read_text())
-
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-
-_SECTION_TYPES = {"model": ModelSection, "data": DataSection, "train": TrainSection,
-                  "parallel": ParallelSection, "metrics": MetricsSection}
-
-# Flags of the `mfsdp train` launcher (mfsdp/train/launcher.py) and the LaunchOptions field each
-# sets, named here so that a worker started by torchrun can say where they belong.
-LAUNCHER_FLAGS = {"--nproc-per-node": ("nproc_per_node", int), "--nnodes": ("nnodes", int),
-                  "--node-rank": ("node_rank", int), "--rdzv-endpoint": ("rdzv_endpoint", str),
-                  "--rdzv-id": ("rdzv_id", str), "--max-restarts": ("max_restarts", int),
-                  "--stop-timeout": ("stop_timeout_s", float)}
-
-USAGE = """usage: mfsdp train [LAUNCHER FLAGS] [--config FILE.yaml] [--resume [auto]] [--SECTION.KEY VALUE ...]
-
-Trains a Llama-style model with mfsdp. Several processes, on one node or several:
-  mfsdp train --nproc-per-node 8 --train.steps 100
-  mfsdp train --nnodes 2 --nproc-per-node 8 --rdzv-endpoint HOST:29500 ...  (on each node)
-(`torchrun --nproc-per-node 8 -m mfsdp.train ...` works too.)
-Launcher flags:
-  --nproc-per-node N      worker processes on this node (one per GPU)
-  --nnodes N              nodes in the job (default 1); start one `mfsdp train` per node
-  --rdzv-endpoint H:P     rendezvous host and port, the same on every node (needed with --nnodes)
-  --node-rank R           this node's index; node 0 hosts the rendezvous (default: by hostname)
-  --rdzv-id ID            job id shared by the nodes (default: $SLURM_JOB_ID or "mfsdp")
-  --max-restarts N        restart the workers up to N times after a failure (default 0)
-  --stop-timeout S        seconds the workers get to save and exit after Ctrl-C, SIGTERM or a
-                          lost rank before they are killed (default 50)
-Sections and keys (defaults in parentheses):
-"""
-
-
-def usage() -> str:
-    lines = [USAGE]
-    for section, cls in _SECTION_TYPES.items():
-        for f in dataclasses.fields(cls):
-            default = "the recipe's" if section == "train" and f.name in FROM_RECIPE else repr(f.default)
-            lines.append(f"  --{section}.{f.name} ({default})")
-    return "\n".join(lines)
-
-
-def flag_value(argv: list[str], i: int) -> tuple[str, str, int]:
-    """The flag at ``argv[i]``, its value (``--flag value`` or ``--flag=value``) and the index after
-    them; the launcher's flags and the config's are spelt alike."""
-    flag, eq, value = argv[i].partition("=")
-    if eq:
-        return flag, value, i + 1
-    if i + 1 >= len(argv):
-        raise ConfigError(f"{flag} needs a value")
-    return flag, argv[i + 1], i + 2
-
-
-def load_config(argv: list[str]) -> RunConfig:
-    """Parse ``argv`` (without the program name) into a validated RunConfig."""
-    values: dict[str, dict[str, object]] = {name: {} for name in _SECTION_TYPES}
-    resume = False
-    flags: list[tuple[str, str]] = []
-    i = 0
-    while i < len(argv):
-        arg = argv[i]
-        if arg in ("--resume", "--resume=auto"):
-            resume = "auto" if arg.endswith("=auto") or argv[i + 1:i + 2] == ["auto"] else True
-            i += 2 if argv[i + 1:i + 2] == ["auto"] else 1
-            continue
-        if not arg.startswith("--"):
-            raise ConfigError(f"unexpected argument {arg!r}; flags look like --train.steps 100")
-        if arg.partition("=")[0] in LAUNCHER_FLAGS:
-            raise ConfigError(f"{arg.partition('=')[0]} is a flag of the `mfsdp train` launcher; "
-                              "under torchrun give the launcher's flags to torchrun, before -m")
-        flag, value, i = flag_value(argv, i)
-        key = flag[2:]
-        if key == "config":
-            _merge_yaml(values, Path(value))
-        else:
-            flags.append((key, value))
-    for key, value in flags:
-        section, name = _split_key(key)
-        values[section][name] = _parse_text(section, name, value)
-    sections = {}
-    for section, cls in _SECTION_TYPES.items():
-        try:
-            sections[section] = cls(**values[section])
-        except (ValueError, TypeError) as err:
-            raise ConfigError(str(err)) from None
-    return RunConfig(resume=resume, **sections)
-
-
-def _split_key(key: str) -> tuple[str, str]:
-    section, dot, name = key.partition(".")
-    if not dot or section not in _SECTION_TYPES:
-        raise ConfigError(f"unknown flag --{key}; flags look like --SECTION.KEY with SECTION "
-                          f"one of {', '.join(_SECTION_TYPES)} (see --help)")
-    _field_type(section, name)
-    return section, name
-
-
-def _field_type(section: str, name: str) -> object:
-    hints = typing.get_type_hints(_SECTION_TYPES[section])
-    if name not in hints:
-        known = ", ".join(hints)
-        raise ConfigError(f"unknown config key {section}.{name}; known keys of {section}: "
-                          f"{known}")
-    return hints[name]
-
-
-def _merge_yaml(values: dict[str, dict[str, object]], path: Path) -> None:
-    try:
-        import yaml  # part of the `train` extra; only needed for --config
-    except ImportError:
-        raise ConfigError("--config needs PyYAML: pip install pyyaml") from None
-    if not path.is_file():
-        raise ConfigError(f"config file {path} does not exist")
-    try:
-        loaded = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as err:
-        raise ConfigError(f"{path} is not valid YAML: {err}") from None
-    if not isinstance(loaded, dict):
-        raise ConfigError(f"{path} must hold a mapping of sections ({', '.join(_SECTION_TYPES)})")
-    for section, entries in loaded.items():
-        if section not in _SECTION_TYPES:
-            raise ConfigError(f"unknown config section {section!r} in {path}; known sections: "
-                              f"{', '.join(_SECTION_TYPES)}")
-        if not isinstance(entries, dict):
-            raise ConfigError(f"section {section!r} in {path} must be a mapping of keys")
-        for name, value in entries.items():
-            values[section][name] = _check_type(section, name, value)
-
-
-def _parse_text(section: str, name: str, text: str) -> object:
-    """Convert a command-line string to the field's type."""
-    options = _type_options(section, name)
-    if type(None) in options and text.lower() in ("none", "null"):
-        return None
-    base = next(t for t in options if t is not type(None))
-    try:
-        if base is bool:
-            lowered = text.lower()
-            if lowered in ("true", "1", "yes", "on"):
-                return True
-            if lowered in ("false", "0", "no", "off"):
-                return False
-            raise ValueError(text)
-        return base(text)
-    except ValueError:
-        raise ConfigError(f"--{section}.{name} expects {base.__name__}, got {text!r}") from None
-
-
-def _check_type(section: str, name: str, value: object) -> object:
-    """Check a YAML value against the field's type (ints are accepted for floats)."""
-    options = _type_options(section, name)
-    if value is None and type(None) in options:
-        return None
-    for option in options:
-        if option is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if option is int and isinstance(value, bool):
-            continue
-        if option is not type(None) and isinstance(value, option):
-            return value
-    names = "/".join(getattr(t, "__name__", str(t)) for t in options)
-    raise ConfigError(f"{section}.{name} expects {names}, got {value!r}")
-
-
-def _type_options(section: str, name: str) -> tuple:
-    """The types a field accepts: the members of an Optional/Union, else the type alone."""
-    kind = _field_type(section, name)
-    if typing.get_origin(kind) in (typing.Union, types.UnionType):
-        return typing.get_args(kind)
-    return (kind,)
+        """The sections and ``resume``, as checkpoints record them (not what resolve read or filled)."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if k not in ("hf_config", "hf_weights",
+                                                                                 "from_recipe")}

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 
 from mfsdp import _compat
-from mfsdp.train.config import LAUNCHER_FLAGS, RunConfig, flag_value, load_config, usage
+from mfsdp.train.args import LAUNCHER_FLAGS, RunConfig, flag_value, load_config, usage
 from mfsdp.train.errors import LAUNCHED_ENV, USER_ERRORS, ConfigError, is_timeout, require, timeout_hint
 
 if TYPE_CHECKING:

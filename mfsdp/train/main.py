@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from mfsdp.train import determinism
-from mfsdp.train.config import load_config, usage
+from mfsdp.train.args import load_config, usage
 from mfsdp.train.errors import (LAUNCHED_ENV, USER_ERRORS, CollectiveTimeout, ConfigError, RunFailed, is_timeout,
                                 timeout_hint)
 from mfsdp.train.preflight import cuda_problem, preflight

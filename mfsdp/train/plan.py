@@ -17,7 +17,8 @@ import torch
 from mfsdp.memory import plan
 from mfsdp.memory.tensor_parallel import TensorParallel
 from mfsdp.train.checkpoint.meta import MAIN_WEIGHT_BYTES, checkpoint_bytes
-from mfsdp.train.config import DTYPES, RunConfig, load_config
+from mfsdp.train.args import load_config
+from mfsdp.train.config import DTYPES, RunConfig
 from mfsdp.train.errors import ConfigError
 
 USAGE = """usage: mfsdp plan [--config FILE.yaml] [--nproc-per-node N] [--nnodes N] [--gpu-memory 141GiB]

@@ -23,6 +23,7 @@ from mfsdp.train.config import ModelSection, RunConfig
 from mfsdp.train.disk import check_disk
 from mfsdp.train.evaluate import held_out_split
 from mfsdp.train.report import run_line
+from mfsdp.train.resolve import with_steps
 from mfsdp.train.run_dir import check_out_dir
 from mfsdp.train.errors import LAUNCHED_ENV, USER_ERRORS, CheckpointError, ConfigError, RunFailed, agree
 
@@ -141,7 +142,7 @@ def _for_samples(cfg: RunConfig, data: TokenFile, world: int, resumed) -> RunCon
                           "route (--model.hf_impl auto or bundled) where the config allows it")
     if cfg.train.epochs is None:
         return cfg
-    return cfg.with_steps(steps_for_epochs(cfg, data, held_out_split(cfg, data, resumed)[0], world))
+    return with_steps(cfg, steps_for_epochs(cfg, data, held_out_split(cfg, data, resumed)[0], world))
 
 
 def cuda_problem(nproc: int = 1, local_rank: int = 0) -> str | None:

@@ -85,13 +85,10 @@ class Trainer:
                                purge_step=start_step + 1 if start_step else None),
                 StepLines(cfg, start_step, enabled=self.rank == 0 and not cfg.train.progress, log=self.note),
                 WandbLog(cfg, resumed is not None, enabled=self.rank == 0 and cfg.metrics.wandb))
-        t = cfg.train
-        checkpointer = make_checkpointer(self.out_dir / "checkpoints", t.keep_checkpoints, t.async_checkpoint,
-                                         t.async_checkpoint_on(self.device.type), self.device.type,
-                                         shard_numel(model), cfg.parallel.collective_timeout_s, self.note,
-                                         model, optimizer, cfg.save_dtype(self.device.type))
+        checkpointer = make_checkpointer(self.out_dir / "checkpoints", cfg, self.device.type, shard_numel(model),
+                                         self.note, model, optimizer)
         meta = CheckpointMeta(model=model_fingerprint(self.model_cfg), config=cfg.to_dict(), world_size=self.world,
-                              data_seed=d.seed, held_out=split_record(cfg, self.data, held), hf_config=cfg.hf_config())
+                              data_seed=d.seed, held_out=split_record(cfg, self.data, held), hf_config=cfg.hf_config)
         last, stopped = self.train(model, optimizer, sampler, evaluator, logs, checkpointer, start_step, meta)
         for log in logs:
             log.close()

@@ -397,11 +397,12 @@ def async_staging_problem(staging_per_rank: int, ranks_per_node: int, host_bytes
             f"GiB), over the {HOST_STAGING_FRACTION:.0%} that --train.async_checkpoint auto allows; "
             "--train.async_checkpoint true forces them")
 
-def make_checkpointer(root: Path, keep: int, mode: str, asynchronous: bool, device_type: str, shard_params: int,
-                      timeout_s: float, log, model, optimizer, save_dtype: torch.dtype | None = None) -> Checkpointer:
-    """The run's Checkpointer: ``asynchronous`` as ``--train.async_checkpoint`` ``mode`` asks, except
-    that "auto" stays synchronous where the node's staging would pin too much of its RAM;
-    ``save_dtype``: a model-only checkpoint's (None: the full training state)."""
+def make_checkpointer(root: Path, cfg, device_type: str, shard_params: int, log, model, optimizer) -> Checkpointer:
+    """The Checkpointer of the run ``cfg`` (a ``RunConfig``; its --train checkpoint keys and collective
+    timeout): asynchronous as ``--train.async_checkpoint`` asks, except that "auto" stays synchronous
+    where the node's staging would pin too much of its RAM."""
+    mode, save_dtype, asynchronous = cfg.train.async_checkpoint, cfg.save_dtype(device_type), \
+        cfg.train.async_checkpoint_on(device_type)
     held = checkpoint_bytes(shard_params, save_dtype)
     if asynchronous and mode == "auto":  # "true" forces it whatever it pins
         problem = async_staging_problem(held, int(os.environ.get("LOCAL_WORLD_SIZE", "1")), host_memory())
@@ -412,8 +413,9 @@ def make_checkpointer(root: Path, keep: int, mode: str, asynchronous: bool, devi
         size = f"{held / 2**30:.1f} GiB" if held >= 2**30 else f"{held / 2**20:.1f} MiB"
         log(f"checkpoints are written in the background (--train.async_checkpoint {mode}), staged in about "
             f"{size} of {'pinned ' if device_type == 'cuda' else ''}host memory per rank")
-    return Checkpointer(root, keep, asynchronous, pinned=device_type == "cuda", timeout_s=timeout_s, log=log,
-                        model=model, optimizer=optimizer, save_dtype=save_dtype)  # to pin its staging early
+    return Checkpointer(root, cfg.train.keep_checkpoints, asynchronous, pinned=device_type == "cuda", log=log,
+                        timeout_s=cfg.parallel.collective_timeout_s, model=model, optimizer=optimizer,
+                        save_dtype=save_dtype)  # model and optimizer: to pin its staging early
 
 
 def host_memory() -> int:
