@@ -52,60 +52,13 @@ def fully_shard(
         communication_policy: prefetch depth, overlap, stream sharing, coalescing, gradient
             divide factor and the NaN check; None is the default policy.
     """
-    if isinstance(module, FsdpModule):
-        raise ValueError(
-            f"fully_shard was already applied to this "
-            f"{next(c for c in type(module).__mro__ if not issubclass(c, FsdpModule)).__name__}; apply it once "
-            "per module"
-        )
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"fully_shard expects an nn.Module, got {type(module).__name__}")
-    if not isinstance(mesh, DeviceMesh):
-        raise TypeError(f"fully_shard expects a DeviceMesh, got {type(mesh).__name__}")
-    if use_symm_mem:
-        if mesh.device_type != "cuda":
-            raise ValueError(f"use_symm_mem=True registers gather buffers with NCCL, which needs a CUDA mesh; "
-                             f"this mesh is on {mesh.device_type!r}. Use use_symm_mem=False")
-        if communication_policy is None or not communication_policy.double_buffer:
-            raise ValueError("use_symm_mem=True registers the persistent gather buffers with NCCL; pass "
-                             "communication_policy=CommunicationPolicy(double_buffer=True) as well")
+    _check_arguments(module, mesh, use_symm_mem, communication_policy)
     placements = placements if placements is not None else default_placements(mesh)
-    if not isinstance(placements, Placements):
-        raise TypeError(f"placements must be an mfsdp.Placements, got {type(placements).__name__}")
-    dp_dims = placements.resolve_axes(mesh)
-    extra = [
-        (mesh.mesh_dim_names or [str(d) for d in range(mesh.ndim)])[d]
-        for d in range(mesh.ndim) if d not in dp_dims
-    ]
-    # Extra axes are allowed where the parameters are already DTensors over them (tensor
-    # parallelism), or where FSDP descendants sharded such parameters on this same mesh.
-    dtensor_axes = {tuple(p.device_mesh.mesh_dim_names or ()) for p in module.parameters() if isinstance(p, DTensor)}
-    owned_axes = {
-        tuple(p.device_mesh.mesh_dim_names or ()) for p in module.parameters()
-        if isinstance(p, DTensor) and not OWNER_OF_PARAMETER.get(p)
-    }
-    if extra and any(axes != tuple(extra) for axes in owned_axes):
-        raise ValueError(
-            f"the parameters are DTensors over mesh axes {sorted(owned_axes)} but the mesh's axes outside "
-            f"the data-parallel ones are {extra}; they must be the same"
-        )
-    if extra and not any(set(extra) <= set(axes) for axes in dtensor_axes):
-        raise ValueError(
-            f"mesh axes {extra} are not data-parallel axes of these placements; pass the data-parallel "
-            f"sub-mesh (e.g. mesh[{tuple(placements.dp_axes)!r}]) or add the axes to Placements.dp_axes"
-        )
+    _check_placements(module, mesh, placements)
     policy = mixed_precision_policy or MixedPrecisionPolicy()
     if not isinstance(policy, MixedPrecisionPolicy):
         raise TypeError(f"mixed_precision_policy must be an mfsdp.MixedPrecisionPolicy, got {type(policy).__name__}")
-    built_on_meta = False
-    for name, param in module.named_parameters():
-        built_on_meta = built_on_meta or param.is_meta
-        if param.device.type not in (mesh.device_type, "meta"):
-            raise ValueError(
-                f"parameter {name!r} is on {param.device} but the mesh is on {mesh.device_type}; move "
-                "the module to the mesh's device first"
-            )
-
+    built_on_meta = _check_devices(module, mesh)
     cls = type(module)
     if cls not in _FSDP_CLASSES:
         _FSDP_CLASSES[cls] = type(f"FSDP{cls.__name__}", (FsdpModule, cls), {"__module__": cls.__module__})
@@ -122,3 +75,57 @@ def fully_shard(
         for group in module.parameter_groups:
             group.weights_written()
     return module
+
+
+def _check_arguments(module, mesh, use_symm_mem: bool, communication_policy) -> None:
+    """The types, a second ``fully_shard`` of one module, and what ``use_symm_mem`` needs."""
+    if isinstance(module, FsdpModule):
+        raise ValueError(
+            f"fully_shard was already applied to this "
+            f"{next(c for c in type(module).__mro__ if not issubclass(c, FsdpModule)).__name__}; apply it once "
+            "per module")
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"fully_shard expects an nn.Module, got {type(module).__name__}")
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"fully_shard expects a DeviceMesh, got {type(mesh).__name__}")
+    if use_symm_mem:
+        if mesh.device_type != "cuda":
+            raise ValueError(f"use_symm_mem=True registers gather buffers with NCCL, which needs a CUDA mesh; "
+                             f"this mesh is on {mesh.device_type!r}. Use use_symm_mem=False")
+        if communication_policy is None or not communication_policy.double_buffer:
+            raise ValueError("use_symm_mem=True registers the persistent gather buffers with NCCL; pass "
+                             "communication_policy=CommunicationPolicy(double_buffer=True) as well")
+
+
+def _check_placements(module: nn.Module, mesh: DeviceMesh, placements) -> None:
+    """Mesh axes outside the data-parallel ones are allowed where the parameters are already
+    DTensors over them (tensor parallelism), or where FSDP descendants sharded such parameters on
+    this same mesh."""
+    if not isinstance(placements, Placements):
+        raise TypeError(f"placements must be an mfsdp.Placements, got {type(placements).__name__}")
+    dp_dims = placements.resolve_axes(mesh)
+    names = mesh.mesh_dim_names or [str(d) for d in range(mesh.ndim)]
+    extra = [names[d] for d in range(mesh.ndim) if d not in dp_dims]
+    dtensor_axes = {tuple(p.device_mesh.mesh_dim_names or ()) for p in module.parameters() if isinstance(p, DTensor)}
+    owned_axes = {tuple(p.device_mesh.mesh_dim_names or ()) for p in module.parameters()
+                  if isinstance(p, DTensor) and not OWNER_OF_PARAMETER.get(p)}
+    if extra and any(axes != tuple(extra) for axes in owned_axes):
+        raise ValueError(
+            f"the parameters are DTensors over mesh axes {sorted(owned_axes)} but the mesh's axes outside "
+            f"the data-parallel ones are {extra}; they must be the same")
+    if extra and not any(set(extra) <= set(axes) for axes in dtensor_axes):
+        raise ValueError(
+            f"mesh axes {extra} are not data-parallel axes of these placements; pass the data-parallel "
+            f"sub-mesh (e.g. mesh[{tuple(placements.dp_axes)!r}]) or add the axes to Placements.dp_axes")
+
+
+def _check_devices(module: nn.Module, mesh: DeviceMesh) -> bool:
+    """Refuse a parameter off the mesh's device type; whether any is on the meta device."""
+    built_on_meta = False
+    for name, param in module.named_parameters():
+        built_on_meta = built_on_meta or param.is_meta
+        if param.device.type not in (mesh.device_type, "meta"):
+            raise ValueError(
+                f"parameter {name!r} is on {param.device} but the mesh is on {mesh.device_type}; move "
+                "the module to the mesh's device first")
+    return built_on_meta

@@ -2,6 +2,7 @@
 (what a reader follows), not only those that run at import time."""
 
 import ast
+import sys
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "mfsdp"
@@ -17,7 +18,8 @@ def _modules() -> dict[str, Path]:
     return out
 
 
-def _imports(name: str, path: Path, known: set[str]) -> set[str]:
+def _imported_names(name: str, path: Path, known: set[str]) -> set[str]:
+    """The absolute names ``name`` imports, a known module for each ``from pkg import module``."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):  # every depth, TYPE_CHECKING blocks included
@@ -32,8 +34,12 @@ def _imports(name: str, path: Path, known: set[str]) -> set[str]:
             found |= subs  # `from pkg import module` depends on that module, not on the package
             if len(subs) < len(node.names):
                 found.add(base)
+    return found
+
+
+def _imports(name: str, path: Path, known: set[str]) -> set[str]:
     edges = set()
-    for target in found:
+    for target in _imported_names(name, path, known):
         while target and target not in known:
             target = target.rpartition(".")[0]
         if target and target != name:
@@ -129,3 +135,38 @@ def test_the_launcher_and_the_report_never_reach_the_loop():
     loop = {"mfsdp.train.trainer", "mfsdp.train.main"}
     assert not loop & _reachable(graph, "mfsdp.train.launcher"), _reachable(graph, "mfsdp.train.launcher") & loop
     assert not loop & _reachable(graph, "mfsdp.train.report")
+
+
+CORE_VALUES = {"mfsdp._compat", "mfsdp.placement", "mfsdp.mixed_precision", "mfsdp.communication"}
+"""The core's value modules the runtime reads (placements, dtypes, communication options) and the one
+home of private torch APIs."""
+
+
+def _foreign_imports(imported: dict[str, set[str]], allowed: dict[str, set[str]]) -> dict[str, list[str]]:
+    """Per module, what it imports besides torch, the standard library and its ``allowed`` mfsdp
+    modules."""
+    out = {}
+    for name, targets in imported.items():
+        bad = sorted(t for t in targets if t.partition(".")[0] not in sys.stdlib_module_names | {"torch"}
+                     and t not in allowed[name])
+        if bad:
+            out[name] = bad
+    return out
+
+
+def test_foreign_imports_are_found():
+    imported = {"mfsdp.runtime.a": {"torch.nn", "weakref", "numpy", "mfsdp.runtime.b", "mfsdp.train"}}
+    assert _foreign_imports(imported, {"mfsdp.runtime.a": {"mfsdp.runtime.b"}}) == {
+        "mfsdp.runtime.a": ["mfsdp.train", "numpy"]}
+
+
+def test_the_runtime_imports_only_torch_the_standard_library_and_the_core_values():
+    """mfsdp/runtime imports torch, the standard library, itself and ``CORE_VALUES``; those import
+    only torch and the standard library (README, Architecture)."""
+    modules = _modules()
+    runtime = {n for n in modules if n == "mfsdp.runtime" or n.startswith("mfsdp.runtime.")}
+    assert {"mfsdp.runtime.module", "mfsdp.runtime.hooks"} <= runtime and CORE_VALUES <= set(modules)
+    imported = {n: _imported_names(n, modules[n], set(modules)) for n in runtime | CORE_VALUES}
+    allowed = {n: runtime | CORE_VALUES if n in runtime else set() for n in imported}
+    foreign = _foreign_imports(imported, allowed)
+    assert not foreign, foreign

@@ -42,13 +42,8 @@ def _coalesced(group, count: int, coalesce: bool):
     return _compat.coalescing_manager(group=group, async_ops=False)
 
 
-def all_gather(
-    outputs: Sequence[torch.Tensor],
-    inputs: Sequence[torch.Tensor],
-    group,
-    stream: Optional[torch.Stream] = None,
-    coalesce: bool = True,
-) -> None:
+def all_gather(outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], group,
+               stream: Optional[torch.Stream] = None, coalesce: bool = True) -> None:
     """Gather each ``inputs[i]`` from every rank of ``group`` into ``outputs[i]`` (rank-major).
 
     Inputs in another dtype than their outputs (fp32 main weights gathered as bf16) are cast
@@ -77,13 +72,8 @@ def own_blocks(outputs: Sequence[torch.Tensor], numels: Sequence[int], group) ->
     return [out.narrow(0, rank * n, n) for out, n in zip(outputs, numels)]
 
 
-def reduce_scatter(
-    outputs: Sequence[torch.Tensor],
-    inputs: Sequence[torch.Tensor],
-    group,
-    stream: Optional[torch.Stream] = None,
-    coalesce: bool = True,
-) -> None:
+def reduce_scatter(outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], group,
+                   stream: Optional[torch.Stream] = None, coalesce: bool = True) -> None:
     """Average each ``inputs[i]`` over ``group`` and keep this rank's block in ``outputs[i]``."""
     if not inputs:
         return

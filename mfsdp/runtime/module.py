@@ -1,4 +1,4 @@
-"""FsdpModule: the mixin ``fully_shard`` attaches to a module, and the hooks that drive it.
+"""FsdpModule: the mixin ``fully_shard`` attaches to a module, and what its hooks drive.
 
 Per module and step::
 
@@ -13,6 +13,12 @@ Hooks only say how far the walk may go; the walk itself (``FsdpContext``, ``sche
 the steps of every module before that point in a static order, so what each rank issues does not
 depend on which modules ran there. Per-parameter gradient hooks record nothing but the misuse of a
 gradient that arrives after its module was reduced.
+
+The mixin keeps the phase, the one record of whether the module is unsharded (its unshard event, a
+kept gather's epochs) and the driving of its groups. Beside it: ``hooks`` (registering the hooks and
+marking a forward's inputs and outputs), ``conversion`` (``_apply`` and state-dict loads keep the
+shards), ``ownership`` (which parameters it takes and how they group, ``_take_ownership`` here builds
+the groups from them) and ``build_context`` below.
 """
 
 from __future__ import annotations
@@ -31,8 +37,11 @@ from mfsdp.communication import CommunicationPolicy
 from mfsdp.mixed_precision import MixedPrecisionPolicy
 from mfsdp.placement import Placements
 from mfsdp.runtime.context import FsdpContext
+from mfsdp.runtime.conversion import apply_keeping_shards
+from mfsdp.runtime.errors import ORDER_HELP
 from mfsdp.runtime.gather_slots import GatherSlots
 from mfsdp.runtime.geometry import ShardGeometry
+from mfsdp.runtime.hooks import hook_inputs, hook_outputs, register_hooks
 from mfsdp.runtime.ownership import (check_parameter_locations, collect_owned_parameters, gathers_in_backward,
                                      group_parameters)
 from mfsdp.runtime.parameter_group import FsdpParameterGroup
@@ -40,14 +49,6 @@ from mfsdp.runtime.registry import GROUP_OF_SHARDED, OWNER_OF_PARAMETER
 from mfsdp.runtime.schedule import Schedule, StepKind
 
 _CPU_READY = object()  # unshard "event" on devices without streams: the work is already done
-
-_ORDER_HELP = (
-    "mfsdp issues collectives in a static order so that ranks running different modules stay in step: "
-    "each FSDP module runs forward first in the order its parent registers it (a module called again "
-    "later must be called again identically on every rank), and backward once per forward, in reverse. "
-    "Register modules in the order they run and call backward once per forward (accumulate with "
-    "mfsdp.microbatch)."
-)
 
 
 class ModulePhase(enum.Enum):
@@ -58,33 +59,11 @@ class ModulePhase(enum.Enum):
     BACKWARD = "backward"  # between the ENTER and EXIT steps of the backward walk (recompute included)
 
 
-class _InputsBackward(torch.autograd.Function):
-    """Identity on a module's inputs; its backward runs right after the module's own backward."""
-
-    @staticmethod
-    def forward(ctx, module_ref, *tensors):
-        ctx.module_ref = module_ref
-        return tensors if len(tensors) > 1 else tensors[0]
-
-    @staticmethod
-    def backward(ctx, *grads):
-        module = ctx.module_ref()
-        if module is not None:
-            module._on_inputs_backward()
-        return (None,) + grads
-
-
 class FsdpModule:
     """Mixin attached to modules managed by mfsdp (see ``fully_shard``)."""
 
-    def __init__(
-        self,
-        mesh: DeviceMesh,
-        placements: Placements,
-        mixed_precision_policy: MixedPrecisionPolicy,
-        use_symm_mem: bool = False,
-        communication_policy: Optional[CommunicationPolicy] = None,
-    ) -> None:
+    def __init__(self, mesh: DeviceMesh, placements: Placements, mixed_precision_policy: MixedPrecisionPolicy,
+                 use_symm_mem: bool = False, communication_policy: Optional[CommunicationPolicy] = None) -> None:
         # Runs on an already-built module whose class now mixes this in: no nn.Module.__init__.
         self._name: Optional[str] = None
         self._context: Optional[FsdpContext] = None
@@ -96,23 +75,8 @@ class FsdpModule:
         self._communication_policy = communication_policy or CommunicationPolicy()
         # CommunicationPolicy.keep_gathered: the weights epochs of the kept gather (None: none kept)
         self._kept_epochs: Optional[tuple] = None
-        owned, children = collect_owned_parameters(self, FsdpModule)
-        self.gathers_in_backward = gathers_in_backward(self, owned)
-        for child in children:
-            child._fsdp_parent = weakref.ref(self)
-        geometry = ShardGeometry(mesh, placements)
-        groups = []
-        for params, aliases in group_parameters(owned):
-            dtypes = mixed_precision_policy.resolve(params[0].dtype)
-            label = f"{type(self).__name__}[{params[0].dtype}, requires_grad={params[0].requires_grad}]"
-            groups.append(FsdpParameterGroup(params, aliases, geometry, dtypes, label, self._communication_policy))
-        self._parameter_groups: tuple[FsdpParameterGroup, ...] = tuple(groups)
-        for group in groups:
-            for orig, sharded in zip(group.params, group.sharded_params):
-                OWNER_OF_PARAMETER[orig] = self
-                OWNER_OF_PARAMETER[sharded] = self
-                GROUP_OF_SHARDED[sharded] = group
-        self._register_hooks()
+        self._parameter_groups = _take_ownership(self, ShardGeometry(mesh, placements), mixed_precision_policy)
+        register_hooks(self)
 
     # ----------------------------------------------------------------------------- properties
     @property
@@ -180,61 +144,10 @@ class FsdpModule:
 
     def _apply(self, fn, recurse: bool = True):
         """``to_empty``, ``to``, ``cuda``, ``float``... on a sharded module: buffers convert as usual;
-        mfsdp's parameters keep their shards.
-
-        The shards live in flat buffers that ``fully_shard`` allocated on the mesh's device (from
-        the meta device too), and every exposed DTensor is a view of them. ``nn.Module._apply``
-        would swap each parameter for a new tensor (``torch.utils.swap_tensors``, always for
-        DTensors), cutting it off from the buffers that the gathers, reductions and optimizer
-        steps use, so the parameters are kept out of its reach. That makes the FSDP2 recipe work:
-        build on meta, ``fully_shard``, ``to_empty(device=...)`` (materialises the buffers and
-        keeps the already allocated shards), then the model's ``init_weights()``, which writes
-        through the DTensors into the shards. A conversion that would change the shards' device or
-        dtype raises instead. The compute weights are re-derived at the next unshard, after
-        whatever the caller writes into the shards next.
-        """
+        mfsdp's parameters keep their shards (``conversion``)."""
         units = [m for _, m in fsdp_modules(self)] if recurse else [self]
         groups = [g for m in units for g in m._parameter_groups]
-        self._check_conversion(fn, groups)
-        # Take mfsdp's parameters out of every dict that holds them (this module's subtree and
-        # aliases), keeping each dict's order so that named_parameters() is unchanged afterwards.
-        saved: dict[int, tuple[dict, list]] = {}
-        for group in groups:
-            for sharded, unsharded, aliases in zip(group.sharded_params, group.params, group.aliases):
-                for parameters, name in aliases:
-                    if parameters.get(name) is sharded or parameters.get(name) is unsharded:
-                        saved.setdefault(id(parameters), (parameters, list(parameters.items())))
-                        del parameters[name]
-        try:
-            result = super()._apply(fn, recurse)
-        finally:
-            for parameters, items in saved.values():
-                current = dict(parameters)
-                parameters.clear()
-                parameters.update((key, current.get(key, value)) for key, value in items)
-                parameters.update((key, value) for key, value in current.items() if key not in parameters)
-            for group in groups:
-                group.weights_written()  # the caller initialises or loads the shards next
-        return result
-
-    def _check_conversion(self, fn, groups) -> None:
-        """Raise where ``fn`` (an ``_apply`` conversion) would move or cast mfsdp's shards."""
-        seen = set()
-        for group in groups:
-            shard = group.main.tensor
-            if (shard.dtype, shard.device) in seen:
-                continue
-            seen.add((shard.dtype, shard.device))
-            with torch.no_grad():
-                probe = fn(torch.empty(0, dtype=shard.dtype, device=shard.device))
-            if probe.device != shard.device or probe.dtype != shard.dtype:
-                raise RuntimeError(
-                    f"mfsdp: {type(self).__name__} is sharded and its {group.label} shards live on "
-                    f"{shard.device} in {shard.dtype}; this conversion (to_empty/to/cuda/half/...) would "
-                    f"make them {probe.dtype} on {probe.device}, which mfsdp cannot do in place. The shards "
-                    f"stay on the mesh's device: build the model on the meta device (or on that device) "
-                    f"before fully_shard and call to_empty(device={str(shard.device)!r}); set dtypes "
-                    f"through MixedPrecisionPolicy (main_params_dtype) and the model's dtype, not .to()")
+        return apply_keeping_shards(self, fn, recurse, groups, super()._apply)
 
     def _set_phase(self, phase: ModulePhase) -> None:
         if (phase is ModulePhase.IDLE) == (self._phase is ModulePhase.IDLE):  # IDLE <-> FORWARD, BACKWARD
@@ -243,56 +156,6 @@ class FsdpModule:
 
     def _nvtx_label(self, phase: str) -> str:
         return f"mfsdp::{phase} {self.name or 'root'}"
-
-    # ---------------------------------------------------------------------------------- hooks
-    def _register_hooks(self) -> None:
-        ref = weakref.ref(self)
-
-        @torch.compiler.disable
-        def pre_hook(module, args, kwargs):
-            return module.pre_forward(args, kwargs)
-
-        @torch.compiler.disable
-        def post_hook(module, args, output):
-            return module.post_forward(output)
-
-        self.register_forward_pre_hook(pre_hook, prepend=True, with_kwargs=True)
-        self.register_forward_hook(post_hook)
-        self.register_load_state_dict_post_hook(lambda module, incompatible_keys: module._after_load_state_dict())
-        for group in self._parameter_groups:
-            if group.requires_grad:
-                for param in group.params:
-                    param.register_post_accumulate_grad_hook(self._make_grad_hook(ref, group.geometry.grad_level))
-
-    @staticmethod
-    def _make_grad_hook(ref, grad_level: int):
-        # Holds no strong reference to the group: a parameter holding a hook holding its group would
-        # be a cycle that keeps every buffer of the model alive until the garbage collector runs.
-        @torch.compiler.disable
-        def hook(param: nn.Parameter) -> None:
-            module = ref()
-            if module is None or module._context is None:
-                return
-            ctx = module._context
-            if not ctx.has_reduced(module):
-                return
-            if grad_level > 0 or ctx.is_last_microbatch:  # the reduction read .grad
-                raise RuntimeError(
-                    f"mfsdp: a gradient of {module.name or 'the root'} arrived after its reduction in this "
-                    f"backward; it would be lost. {_ORDER_HELP}")
-
-        return hook
-
-    def _after_load_state_dict(self) -> None:
-        for group in self._parameter_groups:
-            for sharded, aliases in zip(group.sharded_params, group.aliases):
-                for parameters, name in aliases:
-                    if parameters.get(name) is not sharded:
-                        raise RuntimeError(
-                            f"load_state_dict replaced mfsdp's sharded parameter {name!r} of {self.name}"
-                            " (assign=True?); load with assign=False so values are copied into the shards"
-                        )
-            group.weights_written()
 
     # -------------------------------------------------------------------------------- forward
     def pre_forward(self, args=(), kwargs=None):
@@ -315,7 +178,7 @@ class FsdpModule:
                 # Every call counts; only calls whose inputs need grad can report their backward,
                 # so the EXIT signal fires only when all calls of this visit have reported.
                 self._calls[-1] += 1
-                args, kwargs = self._hook_inputs(args, kwargs or {})
+                args, kwargs = hook_inputs(self, args, kwargs or {})
         return args, kwargs
 
     def post_forward(self, output):
@@ -328,38 +191,12 @@ class FsdpModule:
             self._use_sharded_params()
             training = torch.is_grad_enabled()
             if training:
-                self._hook_outputs(output)
+                hook_outputs(self, output)
             if self.is_root():
                 ctx.end_forward()
             if not (training and self.is_root()):  # the root keeps its storage for backward
                 self.reshard()
         return output
-
-    def _hook_inputs(self, args, kwargs):
-        flat, spec = _compat.tree_flatten((args, kwargs))
-        positions = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
-        if not positions:
-            return args, kwargs
-        outs = _InputsBackward.apply(weakref.ref(self), *[flat[i] for i in positions])
-        outs = outs if isinstance(outs, tuple) else (outs,)
-        for i, t in zip(positions, outs):
-            flat[i] = t
-        return _compat.tree_unflatten(flat, spec)
-
-    def _hook_outputs(self, output) -> None:
-        ref = weakref.ref(self)
-
-        @torch.compiler.disable
-        def hook(grad):
-            module = ref()
-            if module is not None:
-                module.pre_backward()
-            return grad
-
-        flat, _ = _compat.tree_flatten(output)
-        for t in flat:
-            if isinstance(t, torch.Tensor) and t.requires_grad:
-                t.register_hook(hook)
 
     # ------------------------------------------------------------------------------- backward
     def pre_backward(self) -> None:
@@ -368,7 +205,7 @@ class FsdpModule:
         if self._phase is not ModulePhase.BACKWARD and not self.context.backward_reached(StepKind.ENTER, self):
             raise RuntimeError(
                 f"mfsdp: {self.name or 'the root'} started its backward after the backward schedule had "
-                f"passed it (its gradients were already reduced, as zeros, in this backward). {_ORDER_HELP}")
+                f"passed it (its gradients were already reduced, as zeros, in this backward). {ORDER_HELP}")
 
     def _on_inputs_backward(self) -> None:
         if self._calls:
@@ -471,6 +308,27 @@ class FsdpModule:
     def _use_sharded_params(self) -> None:
         for group in self._parameter_groups:
             group.use_sharded_params()
+
+
+def _take_ownership(module: FsdpModule, geometry: ShardGeometry,
+                    mixed_precision_policy: MixedPrecisionPolicy) -> tuple[FsdpParameterGroup, ...]:
+    """The parameter groups of the parameters under ``module`` that no FSDP descendant owns, each
+    registered with its owner; the descendants learn their FSDP parent."""
+    owned, children = collect_owned_parameters(module, FsdpModule)
+    module.gathers_in_backward = gathers_in_backward(module, owned)
+    for child in children:
+        child._fsdp_parent = weakref.ref(module)
+    groups = []
+    for params, aliases in group_parameters(owned):
+        dtypes = mixed_precision_policy.resolve(params[0].dtype)
+        label = f"{type(module).__name__}[{params[0].dtype}, requires_grad={params[0].requires_grad}]"
+        groups.append(FsdpParameterGroup(params, aliases, geometry, dtypes, label, module._communication_policy))
+    for group in groups:
+        for orig, sharded in zip(group.params, group.sharded_params):
+            OWNER_OF_PARAMETER[orig] = module
+            OWNER_OF_PARAMETER[sharded] = module
+            GROUP_OF_SHARDED[sharded] = group
+    return tuple(groups)
 
 
 def fsdp_modules(module: nn.Module) -> list[tuple[str, FsdpModule]]:

@@ -44,15 +44,8 @@ from mfsdp.runtime.reducer import GradientReducer
 class FsdpParameterGroup:
     """Parameters of one FsdpModule with one (dtype, requires_grad), sharded as one unit."""
 
-    def __init__(
-        self,
-        params: list[nn.Parameter],
-        aliases: list[list[tuple[dict, str]]],
-        geometry: ShardGeometry,
-        dtypes: ResolvedDtypes,
-        label: str,
-        policy: CommunicationPolicy = CommunicationPolicy(),
-    ) -> None:
+    def __init__(self, params: list[nn.Parameter], aliases: list[list[tuple[dict, str]]], geometry: ShardGeometry,
+                 dtypes: ResolvedDtypes, label: str, policy: CommunicationPolicy = CommunicationPolicy()) -> None:
         self.params = params  # the Parameters used for compute, views of the unsharded buffer
         self.aliases = aliases  # every (module._parameters, attribute) that holds each parameter
         self.geometry = geometry
@@ -75,22 +68,34 @@ class FsdpParameterGroup:
                                       or os.environ.get("MFSDP_CHECK_COLLECTIVES", "0") not in ("", "0"))
         # Built without storage (meta): the shards are allocated on the mesh's device, then initialised.
         device = geometry.device if params[0].device.type == "meta" else params[0].device
-        g = geometry
         # Tensor-parallel parameters: FSDP works on their local shards, the DTensor keeps its axes.
         locals_ = [local_tensor(p) for p in params]
-        specs = [g.parameter_spec(p) for p in params]
-        self.layout = FlatLayout([t.shape for t in locals_], g.num_shards)
-        g.check_exposed(params, self.layout.members, specs, label)  # the DTensors describe these shards
+        specs = [geometry.parameter_spec(p) for p in params]
+        self.layout = FlatLayout([t.shape for t in locals_], geometry.num_shards)
+        geometry.check_exposed(params, self.layout.members, specs, label)  # the DTensors describe these shards
         # Tagged parameters (gather_codec): None, and the untouched path below, when none is.
-        self.encoded = gather_codec.encoded_gather(params, dtypes, self.layout, label, g.param_level)
+        self.encoded = gather_codec.encoded_gather(params, dtypes, self.layout, label, geometry.param_level)
+        self._allocate_buffers(device)
+        self._fill_shards(locals_)
+        self._point_params_at_unsharded()
+        self._slot = None  # a persistent gather slot (double buffering), bound by the context
+        if self.unsharded is not self.model:
+            self.unsharded.release()  # views stay valid: the storage object is kept
+        self._expose_shards([(mesh, placements) for mesh, placements, _ in specs], device)
+        self.use_sharded_params()
 
-        # Compute weights at rest. Three cases, cheapest memory first:
-        # * main dtype == compute dtype at the same level: the main weights *are* the compute weights;
-        # * sharded like the main weights but in another dtype (ZeRO-3 / HSDP with fp32 masters): no
-        #   persistent copy; each unshard casts the main shard into its block of the gather output
-        #   (one kernel of 1/N of the bytes), which saves 2 bytes per parameter per rank at rest;
-        # * replicated (ZeRO-1/2, DDP) or sharded over fewer axes (HFSDP): a persistent copy, refreshed
-        #   once per optimizer step, so the per-step gathers stay off the slow axes.
+    def _allocate_buffers(self, device: torch.device) -> None:
+        """The main, compute and unsharded buffers and their per-member regions.
+
+        Compute weights at rest. Three cases, cheapest memory first:
+        * main dtype == compute dtype at the same level: the main weights *are* the compute weights;
+        * sharded like the main weights but in another dtype (ZeRO-3 / HSDP with fp32 masters): no
+          persistent copy; each unshard casts the main shard into its block of the gather output
+          (one kernel of 1/N of the bytes), which saves 2 bytes per parameter per rank at rest;
+        * replicated (ZeRO-1/2, DDP) or sharded over fewer axes (HFSDP): a persistent copy, refreshed
+          once per optimizer step, so the per-step gathers stay off the slow axes.
+        """
+        g, dtypes = self.geometry, self.dtypes
         level_ways = g.ways(g.param_level)
         self.main_aliases_model, self.model_on_the_fly = choose_model_buffer(dtypes, g.num_levels, g.param_level)
         self.main = FlatBuffer(self.layout.numel(g.num_shards), dtypes.main, device)
@@ -105,14 +110,21 @@ class FsdpParameterGroup:
         # What unshard gathers from: the compute weights at rest, or the main weights cast on the fly.
         self._model_regions = (self._main_regions if self.model is None
                                else self.layout.regions(self.model.tensor, level_ways))
+
+    def _fill_shards(self, locals_: list[torch.Tensor]) -> None:
+        """Copy this rank's rows of each parameter into the main (and a separate compute) buffer."""
+        g = self.geometry
         with torch.no_grad():
             for i, (t, m) in enumerate(zip(locals_, self.layout.members)):
                 if t.is_meta:
                     continue  # zeros until the caller initialises or loads the shards
                 fill_region(self._main_regions[i], t.detach(), m, g.num_shards, g.shard_index)
                 if self.model is not None and self.model is not self.main:
-                    fill_region(self._model_regions[i], t.detach(), m, level_ways, g.index(g.param_level))
-        for i, (p, view) in enumerate(zip(params, self.layout.unpadded(self._unsharded_regions))):
+                    fill_region(self._model_regions[i], t.detach(), m, g.ways(g.param_level), g.index(g.param_level))
+
+    def _point_params_at_unsharded(self) -> None:
+        """Make each compute parameter a view of its region of the unsharded buffer."""
+        for i, (p, view) in enumerate(zip(self.params, self.layout.unpadded(self._unsharded_regions))):
             if self.encoded is not None and self.encoded.wraps(i):  # a new Parameter: the codec's
                 self.params[i] = self.encoded.wrap(i, p, view)  # wrapper over the gathered bytes
             elif isinstance(p, DTensor):  # a new Parameter: a DTensor over the unsharded view
@@ -127,27 +139,27 @@ class FsdpParameterGroup:
                     p = self.params[i] = nn.Parameter(torch.empty(0, dtype=view.dtype, device=view.device),
                                                       requires_grad=p.requires_grad)
                 p.data = view
-        self._slot = None  # a persistent gather slot (double buffering), bound by the context
-        if self.unsharded is not self.model:
-            self.unsharded.release()  # views stay valid: the storage object is kept
 
-        self._specs = [(mesh, placements) for mesh, placements, _ in specs]
+    def _expose_shards(self, specs: list[tuple], device: torch.device) -> None:
+        """The sharded parameters (DTensors over the main buffer's shards, with ``specs``' mesh and
+        placements) and, for a trainable group, its gradient half ``self.reducer``."""
+        g, dtypes, params = self.geometry, self.dtypes, self.params
+        self._specs = specs
         self.sharded_params = [nn.Parameter(t, requires_grad=p.requires_grad) for p, t in zip(
-            params, exposed_dtensors(params, self.layout.shards(self._main_regions, g.shard_index), self._specs))]
-        if self.requires_grad:  # the gradient half: ``self.reducer``
-            self.reducer = GradientReducer(params, self.sharded_params, self._specs, self.layout, g, dtypes,
-                                           policy.gradient_divide_factor, self.issue, device)
-            if dtypes.grads != dtypes.main:
-                if not _compat.supports_grad_dtype():
-                    raise NotImplementedError(
-                        f"main_grads_dtype={dtypes.grads} differs from main_params_dtype={dtypes.main}, which "
-                        "needs Tensor.grad_dtype (torch >= 2.10); set them equal")
-                # Autograd never produces a gradient for a sharded parameter, so grad_dtype only checks
-                # assignments: None accepts our main gradient and the main-dtype zeros that torch's
-                # get/set_optimizer_state_dict attach to a fresh optimizer.
-                for p in self.sharded_params:
-                    _compat.set_grad_dtype(p, None)
-        self.use_sharded_params()
+            params, exposed_dtensors(params, self.layout.shards(self._main_regions, g.shard_index), specs))]
+        if self.requires_grad:
+            self.reducer = GradientReducer(params, self.sharded_params, specs, self.layout, g, dtypes,
+                                           self.policy.gradient_divide_factor, self.issue, device)
+        if self.requires_grad and dtypes.grads != dtypes.main:
+            if not _compat.supports_grad_dtype():
+                raise NotImplementedError(
+                    f"main_grads_dtype={dtypes.grads} differs from main_params_dtype={dtypes.main}, which "
+                    "needs Tensor.grad_dtype (torch >= 2.10); set them equal")
+            # Autograd never produces a gradient for a sharded parameter, so grad_dtype only checks
+            # assignments: None accepts our main gradient and the main-dtype zeros that torch's
+            # get/set_optimizer_state_dict attach to a fresh optimizer.
+            for p in self.sharded_params:
+                _compat.set_grad_dtype(p, None)
 
     # ------------------------------------------------------------------------------ weights
     @property
@@ -306,8 +318,8 @@ class FsdpParameterGroup:
 
 def choose_model_buffer(dtypes: ResolvedDtypes, num_levels: int, param_level: int) -> tuple[bool, bool]:
     """(main aliases model, model derived on the fly): which compute-weight buffer a group keeps at
-    rest (see the three cases in ``FsdpParameterGroup.__init__``). Pure, so that ``mfsdp.memory``
-    predicts the buffers from the same choice the runtime makes."""
+    rest (the three cases of ``FsdpParameterGroup._allocate_buffers``). Pure, so that
+    ``mfsdp.memory`` predicts the buffers from the same choice the runtime makes."""
     main_aliases_model = dtypes.main == dtypes.compute and num_levels == param_level
     return main_aliases_model, not main_aliases_model and num_levels == param_level > 0
 
