@@ -103,7 +103,7 @@ class FsdpModule:
         geometry = ShardGeometry(mesh, placements)
         groups = []
         for params, aliases in group_parameters(owned):
-            dtypes = mixed_precision_policy.resolve(params[0].dtype)
+            dtypes = mixed_precision_policy.resolve(params[0].dtype, trainable=params[0].requires_grad)
             label = f"{type(self).__name__}[{params[0].dtype}, requires_grad={params[0].requires_grad}]"
             groups.append(FsdpParameterGroup(params, aliases, geometry, dtypes, label, self._communication_policy))
         self._parameter_groups: tuple[FsdpParameterGroup, ...] = tuple(groups)
