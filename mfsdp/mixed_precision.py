@@ -45,14 +45,16 @@ class MixedPrecisionPolicy:
         _check(self.main_grads_dtype, "main_grads_dtype")
         _check(self.grad_comm_dtype, "grad_comm_dtype")
 
-    def resolve(self, compute_dtype: torch.dtype) -> "ResolvedDtypes":
-        """Concrete dtypes for a parameter group whose compute dtype is ``compute_dtype``."""
+    def resolve(self, compute_dtype: torch.dtype, trainable: bool = True) -> "ResolvedDtypes":
+        """Concrete dtypes for a parameter group whose compute dtype is ``compute_dtype``. A frozen
+        group (``trainable`` False: LoRA's base) is never stepped, so its main weights are its
+        compute weights: no fp32 copy of weights that cannot change."""
         if compute_dtype not in _SUPPORTED:
             raise NotImplementedError(
                 f"parameters of dtype {compute_dtype} are not supported; mfsdp computes in float32 "
                 "or bfloat16 (cast the module with .to(torch.bfloat16) or .float())"
             )
-        main = self.main_params_dtype or compute_dtype
+        main = (self.main_params_dtype if trainable else None) or compute_dtype
         grads = self.main_grads_dtype or compute_dtype
         comm = self.grad_comm_dtype or grads
         return ResolvedDtypes(compute=compute_dtype, main=main, grads=grads, comm=comm)

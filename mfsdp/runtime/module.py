@@ -320,7 +320,7 @@ def _take_ownership(module: FsdpModule, geometry: ShardGeometry,
         child._fsdp_parent = weakref.ref(module)
     groups = []
     for params, aliases in group_parameters(owned):
-        dtypes = mixed_precision_policy.resolve(params[0].dtype)
+        dtypes = mixed_precision_policy.resolve(params[0].dtype, trainable=params[0].requires_grad)
         label = f"{type(module).__name__}[{params[0].dtype}, requires_grad={params[0].requires_grad}]"
         groups.append(FsdpParameterGroup(params, aliases, geometry, dtypes, label, module._communication_policy))
     for group in groups:
