@@ -9,10 +9,11 @@ from typing import Callable
 import torch
 
 import mfsdp
+from mfsdp.mesh import TWO_AXIS, build_mesh
 from mfsdp.models.hf_weights import HFWeightsError, load_hf_weights
 from mfsdp.models.llama import Llama
 from mfsdp.models.moe import build_model
-from mfsdp.models.parallelize import ParallelizeConfig, build_mesh, compile_modules, parallelize
+from mfsdp.models.parallelize import ParallelizeConfig, compile_modules, parallelize
 from mfsdp.offload import OffloadPolicy
 from mfsdp.train.config import RunConfig
 from mfsdp.train.errors import ConfigError
@@ -46,7 +47,8 @@ def build_bundled(cfg: RunConfig, device: torch.device, compute: torch.dtype, wo
     with torch.device("meta"):
         model = build_model(cfg.llama_config(), dtype=compute)
     model.set_head_loss(cfg.model.head_loss, compiled=cfg.compiles(device.type))
-    parallelize(model, build_mesh(device.type, world, p.placements, p.replicate), ParallelizeConfig(
+    mesh = build_mesh(device.type, world, replicate=p.replicate if p.placements in TWO_AXIS else None)
+    parallelize(model, mesh, ParallelizeConfig(
         placements=p.placements, mixed_precision=policy, float8=cfg.model.float8,
         float8_skip=cfg.model.float8_skip_patterns(), compile=cfg.compiles(device.type), communication=communication_policy(p),
         activation_checkpointing=p.activation_checkpointing, expert_units=p.expert_units,
