@@ -5,10 +5,11 @@
 1. check the config against the mesh and refuse, with the reason, what mfsdp cannot do yet;
 2. tensor parallel (plan chosen and validated, applied over ``mesh["tp"]``);
 3. activation checkpointing around each unit module's forward;
-4. ``fully_shard`` each unit module bottom-up, then the root, with the placements
-   ``zero_dp_strategy`` maps to, the precision policy the fp32 flags map to and the communication
-   policy the overlap / bucketing / loss-scaling flags map to; a model built on the meta device
-   is then initialised shard-locally or loaded from a Hugging Face directory, slice by slice;
+4. ``fully_shard`` each unit module bottom-up, then the root, with the config's ``placements`` (or
+   those ``zero_dp_strategy`` stands for), the precision policy the fp32 flags map to and the
+   communication policy the overlap / bucketing / loss-scaling flags map to; a model built on the
+   meta device is then initialised shard-locally or loaded from a Hugging Face directory, slice by
+   slice;
 5. dress the root: ``dtype`` reports the compute dtype, ``finish_grad_sync`` /
    ``install_optimized_model_weights`` / ``zero_grad_buffer`` for optimizer-less loops, a guard
    against parameters replaced after wrapping, and a ``load_state_dict`` that accepts full
@@ -39,7 +40,7 @@ from mfsdp.manager import hf_checkpoint
 from mfsdp.manager.config import MegatronFSDPConfig, field_names
 from mfsdp.manager.context_parallel import CAUSAL_SDPA, DP_SHARD_CP, use_causal_sdpa
 from mfsdp.manager.core_options import (_checkpoint_forward, communication_policy, dp_placements,
-                                        precision_policy, resolve_unit_modules)
+                                        mesh_placements, precision_policy, resolve_unit_modules)
 from mfsdp.manager.mesh import check_config_against_mesh, mesh_sizes
 from mfsdp.manager.tp_plans import apply_tensor_parallel, loss_context, sequence_length_check
 
@@ -253,7 +254,9 @@ class MegatronFSDPManager:
         for name in field_names():
             setattr(self, name, getattr(config, name))
         self._check_supported()
-        self.placements = dp_placements(config.zero_dp_strategy, self.sizes, config.outer_dp_sharding_strategy)
+        # The placements this mesh runs: config.placements, else what the Megatron integers stand for.
+        self.placements = (mesh_placements(config.placements, self.sizes) if config.placements is not None else
+                           dp_placements(config.zero_dp_strategy, self.sizes, config.outer_dp_sharding_strategy))
 
     def _check_supported(self) -> None:
         c, device = self.config, self.device_mesh.device_type

@@ -9,7 +9,7 @@ from typing import Callable
 import torch
 
 import mfsdp
-from mfsdp.mesh import TWO_AXIS, build_mesh
+from mfsdp.mesh import DP_SHARD, TWO_AXIS, build_mesh, resolve_placements
 from mfsdp.models.hf_weights import HFWeightsError, load_hf_weights
 from mfsdp.models.llama import Llama
 from mfsdp.models.moe import build_model
@@ -133,16 +133,14 @@ def offload_policy(p):
     return None if p.offload == "none" else OffloadPolicy(fraction=p.offload_fraction)
 
 
-HF_STRATEGIES = {"zero3": 3, "zero2": 2, "zero1": 1, "ddp": 0, "hsdp": 3, "hfsdp": 3}
-
-
 def build_hf(cfg, device: torch.device, compute_dtype: torch.dtype, world: int, pretrained: bool = False):
     """``--model.hf DIR``: the Hugging Face model sharded by the manager.
 
     Built on the meta device from ``DIR/config.json`` in the compute dtype, parallelized by the
-    manager (``--parallel.placements`` mapped to ``zero_dp_strategy``, hsdp/hfsdp to
-    ``dp_replicate_size``), then loaded slice by slice from ``DIR``'s safetensors when
-    ``pretrained``, else initialised shard-locally with ``--train.seed``.
+    manager (``--parallel.placements`` as a ``Placements`` over the manager's dp_shard, hsdp/hfsdp
+    over (dp_replicate, dp_shard) with ``--parallel.replicate`` replicas), then loaded slice by
+    slice from ``DIR``'s safetensors when ``pretrained``, else initialised shard-locally with
+    ``--train.seed``.
     """
     from mfsdp.manager import MegatronFSDPConfig, MegatronFSDPManager, build_device_mesh
     from mfsdp.manager.core_options import resolve_unit_modules
@@ -150,8 +148,7 @@ def build_hf(cfg, device: torch.device, compute_dtype: torch.dtype, world: int, 
 
     p, path = cfg.parallel, cfg.model.hf
     config = MegatronFSDPConfig(
-        zero_dp_strategy=HF_STRATEGIES[p.placements],
-        outer_dp_sharding_strategy=1 if p.placements == "hfsdp" else 0,
+        placements=resolve_placements(p.placements, shard_axis=DP_SHARD),
         grad_reduce_in_fp32=cfg.main_grads_dtype() == torch.float32,
         activation_checkpointing=p.activation_checkpointing,
         init_fsdp_with_meta_device=True)
