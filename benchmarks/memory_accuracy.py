@@ -44,8 +44,9 @@ HF_SHAPES = {"hf-1b": HF_1B, "hf-tiny": dict(vocab_size=512, hidden_size=64, int
 
 
 def build_bundled(preset, placements, ac, world, policy, device, expert_units=False, head_loss="plain"):
+    from mfsdp.mesh import build_mesh
     from mfsdp.models import build_model, get_config
-    from mfsdp.models.parallelize import ParallelizeConfig, build_mesh, parallelize
+    from mfsdp.models.parallelize import ParallelizeConfig, parallelize
 
     cfg = get_config(preset)
     with torch.device("meta"):
@@ -54,7 +55,7 @@ def build_bundled(preset, placements, ac, world, policy, device, expert_units=Fa
     model.to_empty(device=device)
     torch.manual_seed(0)
     model.init_weights(buffer_device=device)
-    mesh = build_mesh(device.type, world, placements)
+    mesh = build_mesh(device.type, world)
     parallelize(model, mesh, ParallelizeConfig(placements=placements, mixed_precision=policy,
                                                activation_checkpointing=ac, expert_units=expert_units))
     return model, cfg.vocab_size

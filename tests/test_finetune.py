@@ -13,8 +13,9 @@ import torch
 import mfsdp
 from mfsdp.cli import main as cli_main
 from mfsdp.data import PackedSampler, TokenFile, write_token_file
+from mfsdp.mesh import build_mesh
 from mfsdp.models.llama import Llama, LlamaConfig
-from mfsdp.models.parallelize import ParallelizeConfig, build_mesh, parallelize
+from mfsdp.models.parallelize import ParallelizeConfig, parallelize
 from mfsdp.train.step import train_step
 from test_eval_loss import run_trainer
 from test_train_e2e import in_process
@@ -42,7 +43,7 @@ def _model() -> Llama:
 def sgd_update(rank, world_size, data_path, local_batch, microbatches):
     """The weights after one SGD step (lr 1, no clipping) of ``train_step``: each minus its gradient."""
     model = _model()
-    parallelize(model, build_mesh("cpu", world_size, "zero3"), ParallelizeConfig(placements="zero3"))
+    parallelize(model, build_mesh("cpu", world_size), ParallelizeConfig(placements="zero3"))
     optimizer = mfsdp.fully_shard_optimizer(model, torch.optim.SGD(model.parameters(), lr=1.0))
     sampler = PackedSampler(TokenFile(data_path), SEQ, local_batch, rank, world_size, seed=5,
                             microbatches=microbatches)

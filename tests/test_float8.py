@@ -136,7 +136,8 @@ def make_llama(dtype=torch.float32):
 
 def parallelize_llama(net, ws, float8="tensorwise", policy=None, comm=None):
     """``mfsdp.models.parallelize`` with ``float8``: one unit per block, as ``mfsdp train`` cuts it."""
-    from mfsdp.models.parallelize import ParallelizeConfig, build_mesh, parallelize
+    from mfsdp.mesh import build_mesh
+    from mfsdp.models.parallelize import ParallelizeConfig, parallelize
 
     parallelize(net, build_mesh("cpu", ws), ParallelizeConfig(float8=float8, mixed_precision=policy))
     return net

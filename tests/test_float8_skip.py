@@ -71,8 +71,9 @@ def skipped_parity(rank, ws):
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     from torchao.float8.float8_linear import Float8Linear
 
+    from mfsdp.mesh import build_mesh
     from mfsdp.models.llama import Llama, LlamaConfig
-    from mfsdp.models.parallelize import build_mesh, parallelize
+    from mfsdp.models.parallelize import parallelize
 
     net = Llama(LlamaConfig(**LLAMA), dtype=torch.float32)
     net.init_weights(seed=0)

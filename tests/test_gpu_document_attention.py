@@ -87,7 +87,8 @@ def sharded_compiled_step(rank, ws, bf16):
     """zero3 over the NCCL world, compiled blocks, activation checkpointing, bf16 compute with fp32
     main weights: the loss and gradients of the unsharded eager model, two batches."""
     import mfsdp
-    from mfsdp.models.parallelize import ParallelizeConfig, build_mesh, parallelize
+    from mfsdp.mesh import build_mesh
+    from mfsdp.models.parallelize import ParallelizeConfig, parallelize
 
     dtype = torch.bfloat16 if bf16 else torch.float32
     policy = mfsdp.MixedPrecisionPolicy(main_params_dtype=torch.float32) if bf16 else None

@@ -143,7 +143,8 @@ def test_a_bad_checkpoint_is_refused_naming_the_tensor(hf_dirs, tmp_path):
 def sharded_load(rank, ws, hf_dir, seq, tokens, checkpointing):
     """Meta build -> zero3 parallelize -> to_empty -> load_hf_weights; logits, and one backward of
     the labels loss over packed documents (gathered gradients), on every rank."""
-    from mfsdp.models.parallelize import ParallelizeConfig, build_mesh, parallelize
+    from mfsdp.mesh import build_mesh
+    from mfsdp.models.parallelize import ParallelizeConfig, parallelize
 
     cfg = bundled_config_from_hf(hf_dir, seq)
     with torch.device("meta"):

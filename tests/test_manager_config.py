@@ -102,6 +102,48 @@ def test_placements_mapping():
     assert dp_placements(3, MeshSizes(2, 1, 2, 1)).name == "HSDP"
 
 
+def test_placements_given_directly():
+    """Placements in the config: the integer front's translation of each strategy, on every mesh shape."""
+    from mfsdp.manager.core_options import mesh_placements
+    from mfsdp.mesh import PLACEMENT_NAMES, TWO_AXIS, resolve_placements
+
+    P = mfsdp.Placements
+    pairs = [((0, 0), P.ddp("dp_shard")), ((1, 0), P.zero1("dp_shard")), ((2, 0), P.zero2("dp_shard")),
+             ((3, 0), P.hsdp("dp_replicate", "dp_shard")), ((3, 1), P.hfsdp("dp_replicate", "dp_shard"))]
+    for sizes in (MeshSizes(1, 4, 1, 1), MeshSizes(2, 2, 1, 1), MeshSizes(1, 2, 2, 1), MeshSizes(2, 1, 2, 2)):
+        for (s, outer), given in pairs:
+            if s < 3 and sizes.dp_replicate > 1:
+                with pytest.raises(NotImplementedError, match="placements=.* with dp_replicate_size=2"):
+                    mesh_placements(given, sizes)
+                continue
+            assert mesh_placements(given, sizes) == dp_placements(s, sizes, outer), (sizes, s, outer)
+    assert mesh_placements(P.zero3("dp_shard"), MeshSizes(1, 4, 1, 1)) == P.zero3("dp_shard")
+    assert mesh_placements(P.hfsdp("dp_replicate", "dp_shard"), MeshSizes(1, 2, 2, 1)) == P.zero3("dp_shard_cp")
+    both = P.fully_sharded("dp_replicate", "dp_shard")  # beyond the integers: ZeRO-3 over both dims
+    assert mesh_placements(both, MeshSizes(2, 2, 2, 1)).dp_axes == ("dp_replicate", "dp_shard_cp")
+    # mfsdp train's manager route: each --parallel.placements name, as the Placements the bundled route
+    # resolves, runs what its old integer translation ran.
+    integers = {"zero3": (3, 0), "zero2": (2, 0), "zero1": (1, 0), "ddp": (0, 0), "hsdp": (3, 0), "hfsdp": (3, 1)}
+    assert set(integers) == set(PLACEMENT_NAMES)
+    for name, (s, outer) in integers.items():
+        for sizes in (MeshSizes(1, 4, 1, 1), MeshSizes(2, 2, 1, 1)) if name in TWO_AXIS else (MeshSizes(1, 4, 1, 1),):
+            assert mesh_placements(resolve_placements(name, "dp_shard"), sizes) == dp_placements(s, sizes, outer)
+    c = MegatronFSDPConfig(placements=P.zero1("dp_shard"))
+    assert c.placements == P.zero1("dp_shard") and dataclasses.replace(c, placements=both).placements == both
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"placements": "zero3"}, "must be a mfsdp.Placements"),
+    ({"placements": mfsdp.Placements.zero3("dp")}, r"over the manager mesh's dims.*got Placements\(dp_axes=\('dp',\)"),
+    ({"placements": mfsdp.Placements.hsdp("dp_shard", "dp_replicate")}, "over the manager mesh's dims"),
+    ({"placements": mfsdp.Placements.zero3("dp_shard"), "zero_dp_strategy": 1}, "both say what dp shards; set one"),
+    ({"placements": mfsdp.Placements.zero3("dp_shard"), "outer_dp_sharding_strategy": 1}, "both say"),
+])
+def test_placements_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        MegatronFSDPConfig(**kwargs)
+
+
 def test_communication_policy_mapping():
     from mfsdp.manager import communication_policy
 

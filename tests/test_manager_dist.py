@@ -8,11 +8,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import mfsdp
 from models import full_params as full, max_rel_error
 from test_manager_models import batch, make_hf, optimizer_groups
 from mfsdp.manager import (MegatronFSDPConfig, MegatronFSDPManager, NonFiniteGradientError, build_device_mesh,
-                           fully_shard_optimizer, maybe_shard_optimizer, restore_distributed_param_attrs,
-                           snapshot_distributed_param_attrs)
+                           fully_shard_optimizer, maybe_shard_optimizer, precision_policy,
+                           restore_distributed_param_attrs, snapshot_distributed_param_attrs)
 from mfsdp.optimizer import _BOUND_OPTIMIZERS  # bound by the core's fully_shard_optimizer
 
 pytest.importorskip("transformers")
@@ -338,6 +339,48 @@ def mesh_errors(rank, ws):
         opt = torch.optim.SGD(make_hf().parameters(), lr=0.1)
         out["maybe_world1"] = maybe_shard_optimizer(None, opt, MegatronFSDPConfig(), allow=False) is opt
     return out
+
+
+def _core_setup(manager, model) -> tuple:
+    """What the core was given and built: the placements and policies, and per parameter group its
+    label, levels, this rank's shard and the exposed DTensors (mesh dims, placements, local shapes)."""
+    groups = [(g.label, g.geometry.sizes, g.geometry.param_level, g.geometry.grad_level, g.geometry.shard_index,
+               g.policy, [(p.device_mesh.mesh_dim_names, p.placements, p.to_local().shape) for p in g.sharded_params])
+              for m in model.modules() if isinstance(m, mfsdp.FsdpModule) for g in m.parameter_groups]
+    return manager.placements, manager.communication_policy, precision_policy(manager.config), groups
+
+
+def placements_vs_integers(rank, ws):
+    """For each Megatron integer option and the Placements it stands for, whether the two managers
+    (same mesh, same model) set up the core alike; ZeRO-3 also as HSDP on one replica."""
+    P = mfsdp.Placements
+    pairs = [({"zero_dp_strategy": 0}, P.ddp("dp_shard")), ({"zero_dp_strategy": 1}, P.zero1("dp_shard")),
+             ({"zero_dp_strategy": 2}, P.zero2("dp_shard")), ({}, P.zero3("dp_shard")),
+             ({}, P.hsdp("dp_replicate", "dp_shard"))]
+    if ws % 2 == 0:
+        pairs += [({"dp_replicate_size": 2}, P.hsdp("dp_replicate", "dp_shard")),
+                  ({"dp_replicate_size": 2, "outer_dp_sharding_strategy": 1}, P.hfsdp("dp_replicate", "dp_shard"))]
+    out = []
+    for integers, placements in pairs:
+        replicate = integers.get("dp_replicate_size", 1)
+        setups = []
+        for config in (MegatronFSDPConfig(**integers), MegatronFSDPConfig(placements=placements,
+                                                                          dp_replicate_size=replicate)):
+            manager = MegatronFSDPManager(config, build_device_mesh("cpu", dp_replicate_size=replicate))
+            model, _ = manager.parallelize(make_hf(vocab=64))
+            setups.append(_core_setup(manager, model))
+        assert setups[0][3], "no parameter groups compared"
+        out.append((integers, placements.name, setups[0][0].name, setups[0] == setups[1]))
+    return out
+
+
+def test_placements_given_directly_build_the_same_core(world):
+    """MegatronFSDPConfig(placements=...) and the equivalent zero_dp_strategy / outer_dp_sharding_strategy
+    build the same core options and parameter groups (4 ranks: dp_shard=4, and 2 replicas x 2)."""
+    results = world(4).run(placements_vs_integers)[0]
+    assert [ran for _, _, ran, _ in results] == ["DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3", "ZeRO-3", "HSDP", "HFSDP"]
+    for integers, given, ran, same in results:
+        assert same, (integers, given, ran)
 
 
 def test_errors_world2(world):

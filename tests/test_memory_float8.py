@@ -82,8 +82,9 @@ def llama_case(rank, ws, policy, staging_numel):
     from mfsdp.memory.api import _resolve
     from mfsdp.memory.model_state import Levels, describe_units, optimizer_state_bytes
     from mfsdp.memory.tensor_parallel import TensorParallel
+    from mfsdp.mesh import build_mesh
     from mfsdp.models import LlamaConfig, build_model
-    from mfsdp.models.parallelize import ParallelizeConfig, build_mesh, parallelize
+    from mfsdp.models.parallelize import ParallelizeConfig, parallelize
 
     compute, dtypes = POLICIES[policy]
     mp = mfsdp.MixedPrecisionPolicy(**dtypes)
@@ -160,7 +161,7 @@ def odd_case(rank, ws):
     import mfsdp
     from mfsdp.memory import mesh_for
     from mfsdp.memory.model_state import Levels, describe_units
-    from mfsdp.models.parallelize import build_mesh
+    from mfsdp.mesh import build_mesh
 
     torch.manual_seed(0)
     net, mesh = _float8_odd(), build_mesh("cpu", ws)

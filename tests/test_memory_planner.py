@@ -180,14 +180,15 @@ def _tp_predictions(strategy, dp):
 def moe_model_state_case(rank, ws, kind, expert_units):
     """moe-tiny through ``parallelize`` (bf16 compute, fp32 main weights and gradients)."""
     import mfsdp
+    from mfsdp.mesh import build_mesh
     from mfsdp.models import build_model, get_config
-    from mfsdp.models.parallelize import ParallelizeConfig, build_mesh, parallelize
+    from mfsdp.models.parallelize import ParallelizeConfig, parallelize
 
     cfg = get_config("moe-tiny")
     torch.manual_seed(0)
     model = build_model(cfg, dtype=torch.bfloat16)
     policy = mfsdp.MixedPrecisionPolicy(main_params_dtype=torch.float32, main_grads_dtype=torch.float32)
-    parallelize(model, build_mesh("cpu", ws, kind), ParallelizeConfig(kind, policy, expert_units=expert_units))
+    parallelize(model, build_mesh("cpu", ws), ParallelizeConfig(kind, policy, expert_units=expert_units))
     opt = mfsdp.fully_shard_optimizer(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
     batches = [global_batch(step, 2 * ws, 16, cfg.vocab_size)[0].chunk(ws)[rank] for step in range(2)]
 

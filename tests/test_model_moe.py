@@ -18,9 +18,10 @@ import torch.nn.functional as F
 
 import mfsdp
 from models import full_params, max_rel_error
+from mfsdp.mesh import build_mesh
 from mfsdp.models import (Llama, LlamaConfig, MoEFeedForward, MoELlama, build_model, flops_per_token,
                           get_config, param_counts)
-from mfsdp.models.parallelize import ParallelizeConfig, build_mesh, parallelize, sharding_units
+from mfsdp.models.parallelize import ParallelizeConfig, parallelize, sharding_units
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -264,7 +265,7 @@ def moe_parity(rank, ws, routing="split", expert_units=False, placements="zero3"
     if routing == "split":
         route_by_vocabulary_half(model)
     ref = copy.deepcopy(model)
-    parallelize(model, build_mesh("cpu", ws, placements),
+    parallelize(model, build_mesh("cpu", ws),
                 ParallelizeConfig(placements=placements, expert_units=expert_units))
 
     def adamw(params):

@@ -17,8 +17,9 @@ from mfsdp.manager.hf_checkpoint import (init_weights_shard_local, load_hf_weigh
                                          meta_model_from_config, save_hf_checkpoint)
 from mfsdp.manager.manager import (MegatronFSDPManager, MegatronFSDPModel, NonFiniteGradientError,
                                    fully_shard_optimizer, maybe_shard_optimizer)
-from mfsdp.manager.mesh import MESH_DIM_NAMES, build_device_mesh, build_device_mesh_from_config, resolve_sizes
+from mfsdp.manager.mesh import MESH_DIM_NAMES, build_device_mesh, build_device_mesh_from_config
 from mfsdp.manager.param_attrs import restore_distributed_param_attrs, snapshot_distributed_param_attrs
+from mfsdp.mesh import resolve_sizes
 
 HAS_MEGATRON_FSDP = True
 """Always True: the backend is mfsdp itself, which is importable wherever this module is."""

@@ -9,6 +9,10 @@ The config is a pure value: it checks types, ranges and combinations that can ne
 a feature is available on a given mesh and device is checked by the manager, which raises
 ``NotImplementedError`` naming the reason for anything mfsdp cannot do yet; no field is ever
 silently ignored.
+
+What the data-parallel dims shard is mfsdp's own ``Placements`` (``placements``); Megatron's
+integer options (``zero_dp_strategy``, ``outer_dp_sharding_strategy``) are the drop-in front,
+which the manager translates into a ``Placements`` in one place (``core_options.dp_placements``).
 """
 
 from __future__ import annotations
@@ -16,6 +20,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any, Optional, Union
+
+from mfsdp.mesh import DP_REPLICATE, DP_SHARD
+from mfsdp.placement import Placements
 
 ZERO_DP_STRATEGY_NAMES = {"no_shard": 0, "optim": 1, "optim_grads": 2, "optim_grads_params": 3}
 """Megatron-FSDP's names for ``zero_dp_strategy`` levels."""
@@ -34,15 +41,12 @@ _BOOL_FIELDS = (
 def _level(value: Any, names: Mapping[str, int], field: str, top: int) -> int:
     if isinstance(value, str):
         key = value.strip().lower()
-        if key.isdigit():
-            value = int(key)
-        elif key in names:
+        if key in names:
             return names[key]
-        else:
-            raise ValueError(
-                f"MegatronFSDPConfig.{field}={value!r} is not a known name; use one of "
-                f"{sorted(names, key=names.get)} or an integer 0..{top}"
-            )
+        if not key.isdigit():
+            raise ValueError(f"MegatronFSDPConfig.{field}={value!r} is not a known name; use one of "
+                             f"{sorted(names, key=names.get)} or an integer 0..{top}")
+        value = int(key)
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= top:
         raise ValueError(f"MegatronFSDPConfig.{field} must be an integer 0..{top} or a name, got {value!r}")
     return value
@@ -62,10 +66,14 @@ class MegatronFSDPConfig:
     LlamaDecoderLayer"``) or classes. None: the model's ``_no_split_modules``. Nothing matching is an
     error. The root always becomes a unit too and owns every parameter no unit owns."""
 
+    placements: Optional[Placements] = None
+    """Default None (from ``zero_dp_strategy``). mfsdp's own placements over ``("dp_shard",)`` or ``("dp_replicate",
+    "dp_shard")`` (``Placements.zero1("dp_shard")``); the integers below then keep their defaults."""
+
     zero_dp_strategy: Union[int, str] = 3
-    """Default 3. What dp_shard shards: 0 ``no_shard`` (DDP: one all-reduce per step), 1 ``optim``
-    (ZeRO-1: optimizer state), 2 ``optim_grads`` (ZeRO-2: + gradients), 3 ``optim_grads_params``
-    (ZeRO-3: + parameters). Stored as the integer."""
+    """Default 3. Megatron's front for ``placements``: what dp_shard shards, 0 ``no_shard`` (DDP), 1
+    ``optim`` (ZeRO-1: optimizer state), 2 ``optim_grads`` (ZeRO-2: + gradients), 3 ``optim_grads_params``
+    (ZeRO-3: + parameters; HSDP with dp_replicate > 1). Stored as the integer."""
 
     outer_dp_sharding_strategy: Union[int, str] = 0
     """Default 0. With ``dp_replicate > 1`` and ``zero_dp_strategy=3``: 0 ``no_shard`` replicates
@@ -208,6 +216,14 @@ class MegatronFSDPConfig:
         object.__setattr__(self, "outer_dp_sharding_strategy",
                            _level(self.outer_dp_sharding_strategy, OUTER_DP_SHARDING_NAMES,
                                   "outer_dp_sharding_strategy", 1))
+        p = self.placements
+        if p is not None and not (isinstance(p, Placements) and p.dp_axes in ((DP_SHARD,), (DP_REPLICATE, DP_SHARD))):
+            raise ValueError("MegatronFSDPConfig.placements must be a mfsdp.Placements over the manager mesh's dims, "
+                             "('dp_shard',) or ('dp_replicate', 'dp_shard'), e.g. Placements.zero3('dp_shard') or "
+                             f"Placements.hsdp('dp_replicate', 'dp_shard'); got {p!r}")
+        if p is not None and (self.zero_dp_strategy, self.outer_dp_sharding_strategy) != (3, 0):
+            raise ValueError(f"MegatronFSDPConfig: placements={p.name} and the Megatron integers (zero_dp_strategy, "
+                             "outer_dp_sharding_strategy) both say what dp shards; set one, the integers left 3 and 0")
         for name in ("tp_size", "cp_size", "dp_replicate_size"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):

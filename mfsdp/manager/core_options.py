@@ -13,30 +13,38 @@ from torch.utils.checkpoint import checkpoint
 import mfsdp
 from mfsdp.manager.config import MegatronFSDPConfig
 from mfsdp.manager.context_parallel import DP_SHARD_CP
-from mfsdp.manager.mesh import MeshSizes
+from mfsdp.mesh import DP_SHARD, MeshSizes, resolve_placements
 
 
 # ---------------------------------------------------------------------------------- placements
 def dp_placements(zero_dp_strategy: int, sizes: MeshSizes, outer_dp_sharding_strategy: int = 0) -> mfsdp.Placements:
-    """The mfsdp placements a strategy stands for on a manager mesh of ``sizes``.
+    """The placements a Megatron strategy stands for on a manager mesh of ``sizes``: the integer front
+    of ``MegatronFSDPConfig.placements``. 0..2 are DDP, ZeRO-1, ZeRO-2 over dp_shard; 3 is HSDP (HFSDP
+    with ``outer_dp_sharding_strategy=1``), which :func:`mesh_placements` makes ZeRO-3 on one replica."""
+    name = ("ddp", "zero1", "zero2", ("hsdp", "hfsdp")[outer_dp_sharding_strategy])[zero_dp_strategy]
+    return mesh_placements(resolve_placements(name, shard_axis=DP_SHARD), sizes, f"zero_dp_strategy={zero_dp_strategy}")
 
-    Parameters shard over dp_shard (over the flattened ``dp_shard_cp`` dim when cp > 1, which the
-    manager creates) and replicate over dp_replicate.
+
+def mesh_placements(placements: mfsdp.Placements, sizes: MeshSizes, given: str = "") -> mfsdp.Placements:
+    """``placements`` over ``(dp_shard,)`` or ``(dp_replicate, dp_shard)`` as ``fully_shard`` takes
+    them on a manager mesh of ``sizes`` (``given``: how the config said it, for the error).
+
+    One replica (dp_replicate of size 1): a two-dim placement is its dp_shard part, ZeRO-3. cp > 1:
+    dp_shard stands for the flattened dp_shard x cp dim (``dp_shard_cp``, which the manager creates),
+    so gradients are averaged over every rank that saw different tokens.
     """
-    s = zero_dp_strategy
-    shard = DP_SHARD_CP if sizes.cp > 1 else "dp_shard"
-    if sizes.dp_replicate > 1:
-        if s != 3:
-            raise NotImplementedError(
-                f"zero_dp_strategy={s} with dp_replicate_size={sizes.dp_replicate}: mfsdp has no placement that "
-                "replicates across dp_replicate while sharding only optimizer state/gradients within dp_shard. "
-                "Use zero_dp_strategy=3 (HSDP, or HFSDP with outer_dp_sharding_strategy=1), or "
-                f"dp_replicate_size=1 with zero_dp_strategy={s} over all data-parallel ranks (with nothing "
-                "sharded, a separate replicate axis saves nothing)")
-        if outer_dp_sharding_strategy == 1:
-            return mfsdp.Placements.hfsdp("dp_replicate", shard)
-        return mfsdp.Placements.hsdp("dp_replicate", shard)
-    return (mfsdp.Placements.ddp, mfsdp.Placements.zero1, mfsdp.Placements.zero2, mfsdp.Placements.zero3)[s](shard)
+    p, given = placements, given or f"placements={placements.name}"
+    if len(p.dp_axes) == 2 and sizes.dp_replicate == 1:
+        p = mfsdp.Placements(p.dp_axes[1:], p.parameter[1:], p.gradient[1:], p.optimizer[1:])
+    elif len(p.dp_axes) == 1 and sizes.dp_replicate > 1:
+        raise NotImplementedError(
+            f"{given} with dp_replicate_size={sizes.dp_replicate}: mfsdp has no placement that replicates across "
+            "dp_replicate while sharding only within dp_shard (over dp_shard alone, the replicas would never "
+            "average their gradients). Use zero_dp_strategy=3 or two-dim placements (HSDP, HFSDP, or ZeRO-3 over "
+            f"both: Placements.hsdp, hfsdp, fully_sharded), or dp_replicate_size=1 with {given} over all "
+            "data-parallel ranks")
+    axes = tuple(DP_SHARD_CP if sizes.cp > 1 and a == DP_SHARD else a for a in p.dp_axes)
+    return mfsdp.Placements(axes, p.parameter, p.gradient, p.optimizer)
 
 
 def precision_policy(config: MegatronFSDPConfig) -> mfsdp.MixedPrecisionPolicy:

@@ -5,10 +5,11 @@
 1. check the config against the mesh and refuse, with the reason, what mfsdp cannot do yet;
 2. tensor parallel (plan chosen and validated, applied over ``mesh["tp"]``);
 3. activation checkpointing around each unit module's forward;
-4. ``fully_shard`` each unit module bottom-up, then the root, with the placements
-   ``zero_dp_strategy`` maps to, the precision policy the fp32 flags map to and the communication
-   policy the overlap / bucketing / loss-scaling flags map to; a model built on the meta device
-   is then initialised shard-locally or loaded from a Hugging Face directory, slice by slice;
+4. ``fully_shard`` each unit module bottom-up, then the root, with the config's ``placements`` (or
+   those ``zero_dp_strategy`` stands for), the precision policy the fp32 flags map to and the
+   communication policy the overlap / bucketing / loss-scaling flags map to; a model built on the
+   meta device is then initialised shard-locally or loaded from a Hugging Face directory, slice by
+   slice;
 5. dress the root: ``dtype`` reports the compute dtype, ``finish_grad_sync`` /
    ``install_optimized_model_weights`` / ``zero_grad_buffer`` for optimizer-less loops, a guard
    against parameters replaced after wrapping, and a ``load_state_dict`` that accepts full
@@ -40,7 +41,7 @@ from mfsdp.manager import hf_checkpoint
 from mfsdp.manager.config import MegatronFSDPConfig, field_names
 from mfsdp.manager.context_parallel import CAUSAL_SDPA, DP_SHARD_CP, use_causal_sdpa
 from mfsdp.manager.core_options import (_checkpoint_forward, communication_policy, dp_placements,
-                                        precision_policy, resolve_unit_modules)
+                                        mesh_placements, precision_policy, resolve_unit_modules)
 from mfsdp.manager.mesh import check_config_against_mesh, mesh_sizes
 from mfsdp.manager.tp_plans import apply_tensor_parallel, loss_context, sequence_length_check
 
@@ -254,7 +255,9 @@ class MegatronFSDPManager:
         for name in field_names():
             setattr(self, name, getattr(config, name))
         self._check_supported()
-        self.placements = dp_placements(config.zero_dp_strategy, self.sizes, config.outer_dp_sharding_strategy)
+        # The placements this mesh runs: config.placements, else what the Megatron integers stand for.
+        self.placements = (mesh_placements(config.placements, self.sizes) if config.placements is not None else
+                           dp_placements(config.zero_dp_strategy, self.sizes, config.outer_dp_sharding_strategy))
 
     def _check_supported(self) -> None:
         c, device = self.config, self.device_mesh.device_type
@@ -315,32 +318,13 @@ class MegatronFSDPManager:
         initialised locally (:func:`~mfsdp.manager.hf_checkpoint.init_weights_shard_local`, seeded
         by ``init_seed``). ``hf_path`` also loads into a materialised model.
         """
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"parallelize expects an nn.Module, got {type(model).__name__}")
-        if isinstance(model, FsdpModule) or any(isinstance(m, FsdpModule) for m in model.modules()):
-            raise ValueError("this model is already sharded by mfsdp; parallelize it once")
-        c, sizes, mesh = self.config, self.sizes, self.device_mesh
-        floating = [p for p in model.parameters() if p.is_floating_point()]
-        if not floating:
-            raise ValueError(f"{type(model).__name__} has no floating-point parameters to shard")
-        on_meta = any(p.is_meta for p in model.parameters())
-        if on_meta and not c.init_fsdp_with_meta_device:
-            raise ValueError(f"{type(model).__name__} has parameters on the meta device; set "
-                             "MegatronFSDPConfig.init_fsdp_with_meta_device=True to shard and initialise it here")
-        if on_meta and optimizer is not None:
-            raise ValueError("an optimizer cannot be built on a meta-device model; pass optimizer=None and build "
-                             "it on model.parameters() after parallelize")
-        if hf_path is not None and not has_weights(hf_path):
-            raise FileNotFoundError(f"hf_path={hf_path!r} holds no model.safetensors (or index)")
-        compute_dtype = floating[0].dtype
-        dtypes = {p.dtype for p in floating}
-        if len(dtypes) > 1:
-            logger.warning("model parameters have several dtypes %s; model.dtype reports %s", dtypes, compute_dtype)
+        compute_dtype, on_meta = self._check_model(model, optimizer, hf_path)
         old_names = _param_names(model)
+        c, sizes = self.config, self.sizes
 
         if sizes.tp > 1:  # cp > 1: torch's context-parallel attention expects the DTensor path
-            path = apply_tensor_parallel(model, mesh["tp"], user_plan=c.tp_plan, sequence_parallel=c.sequence_parallel,
-                                         loss_parallel=c.loss_parallel,
+            path = apply_tensor_parallel(model, self.device_mesh["tp"], user_plan=c.tp_plan,
+                                         sequence_parallel=c.sequence_parallel, loss_parallel=c.loss_parallel,
                                          activation_path=c.tp_activation_path if sizes.cp == 1 else "dtensor")
             logger.info("tensor parallel over tp=%d: %s activations", sizes.tp, path)
             if c.sequence_parallel:
@@ -356,12 +340,9 @@ class MegatronFSDPManager:
                 hf_config.use_cache = False
 
         # The core takes the data-parallel axes, plus tp where the parameters are TP DTensors over it.
-        dp_mesh = self._dp_mesh()
-        policy = precision_policy(c)
-        comm = self.communication_policy
-        for _, unit in units:
-            mfsdp.fully_shard(unit, dp_mesh, self.placements, policy, c.nccl_ub, communication_policy=comm)
-        mfsdp.fully_shard(model, dp_mesh, self.placements, policy, c.nccl_ub, communication_policy=comm)
+        dp_mesh, policy, comm = self._dp_mesh(), precision_policy(c), self.communication_policy
+        for module in [unit for _, unit in units] + [model]:
+            mfsdp.fully_shard(module, dp_mesh, self.placements, policy, c.nccl_ub, communication_policy=comm)
         if sizes.cp > 1 and hasattr(model, "set_attn_implementation"):
             logger.info("context parallel: switching attention to %s (causal SDPA without a mask tensor)",
                         CAUSAL_SDPA)
@@ -373,14 +354,36 @@ class MegatronFSDPManager:
         elif on_meta:
             hf_checkpoint.init_weights_shard_local(model, seed=init_seed)
 
-        state = _ManagerState(c, compute_dtype, _gradient_groups(model), _slots(model))
-        _dress_root(model, state)
+        _dress_root(model, _ManagerState(c, compute_dtype, _gradient_groups(model), _slots(model)))
         if optimizer is not None:
             _rebind_optimizer(optimizer, old_names, model)
             fully_shard_optimizer(model, optimizer)
         logger.info("mfsdp: %s over mesh %s, %d unit modules, %s, %s", self.placements.name, sizes, len(units),
                     policy, comm)
         return model, optimizer
+
+    def _check_model(self, model: nn.Module, optimizer, hf_path: Optional[str]) -> tuple[torch.dtype, bool]:
+        """Refuse what ``parallelize`` cannot shard; the model's compute dtype and whether it is on meta."""
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"parallelize expects an nn.Module, got {type(model).__name__}")
+        if isinstance(model, FsdpModule) or any(isinstance(m, FsdpModule) for m in model.modules()):
+            raise ValueError("this model is already sharded by mfsdp; parallelize it once")
+        floating = [p for p in model.parameters() if p.is_floating_point()]
+        if not floating:
+            raise ValueError(f"{type(model).__name__} has no floating-point parameters to shard")
+        on_meta = any(p.is_meta for p in model.parameters())
+        if on_meta and not self.config.init_fsdp_with_meta_device:
+            raise ValueError(f"{type(model).__name__} has parameters on the meta device; set "
+                             "MegatronFSDPConfig.init_fsdp_with_meta_device=True to shard and initialise it here")
+        if on_meta and optimizer is not None:
+            raise ValueError("an optimizer cannot be built on a meta-device model; pass optimizer=None and build "
+                             "it on model.parameters() after parallelize")
+        if hf_path is not None and not has_weights(hf_path):
+            raise FileNotFoundError(f"hf_path={hf_path!r} holds no model.safetensors (or index)")
+        dtypes = {p.dtype for p in floating}
+        if len(dtypes) > 1:
+            logger.warning("model parameters have several dtypes %s; model.dtype reports %s", dtypes, floating[0].dtype)
+        return floating[0].dtype, on_meta
 
     def load_pretrained(self, model: nn.Module, path: str) -> nn.Module:
         """Load a local HF safetensors directory into a model this manager parallelized (slices only)."""

@@ -19,23 +19,20 @@ from mfsdp.memory.activations import ActivationProfile, measure_hf, measure_llam
 from mfsdp.memory.estimate import MemoryEstimate, StepSettings, simulate
 from mfsdp.memory.model_state import Levels, describe_units, optimizer_state_bytes
 from mfsdp.memory.tensor_parallel import TensorParallel, apply_tp, default_group_exists, fake_tp_mesh, in_child
+from mfsdp.mesh import DP, DP_REPLICATE, DP_SHARD, PLACEMENT_NAMES, TWO_AXIS, resolve_placements
 from mfsdp.mixed_precision import MixedPrecisionPolicy
 from mfsdp.offload.policy import host_bytes, units_to_offload
 from mfsdp.placement import Placements
-
-PLACEMENT_NAMES = ("zero3", "zero2", "zero1", "ddp", "hsdp", "hfsdp")
-
 
 def mesh_for(placements: str, world_size: int, replicate: int = 1) -> tuple[Placements, dict]:
     """The placements a name stands for and the mesh shape ``parallelize`` / the manager build."""
     if placements not in PLACEMENT_NAMES:
         raise ValueError(f"unknown placements {placements!r}; use one of {', '.join(PLACEMENT_NAMES)}")
-    if placements in ("hsdp", "hfsdp"):
-        if world_size % replicate:
-            raise ValueError(f"replicate={replicate} must divide the world size {world_size}")
-        return (getattr(Placements, placements)("dp_replicate", "dp_shard"),
-                {"dp_replicate": replicate, "dp_shard": world_size // replicate})
-    return getattr(Placements, placements)("dp"), {"dp": world_size}
+    if placements not in TWO_AXIS:
+        return resolve_placements(placements), {DP: world_size}
+    if world_size % replicate:
+        raise ValueError(f"replicate={replicate} must divide the world size {world_size}")
+    return resolve_placements(placements), {DP_REPLICATE: replicate, DP_SHARD: world_size // replicate}
 
 
 def estimate(model_or_config, *, world_size: Optional[int] = None, mesh_shape: Optional[dict] = None,

@@ -24,19 +24,13 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 
 import mfsdp
+from mfsdp.mesh import PLACEMENT_NAMES, resolve_placements
 from mfsdp.models.llama import Llama
 from mfsdp.models.moe import MoEFeedForward
 
-# Axis names of the meshes built here; the two-axis placements replicate over the first
-# and shard over the second.
-DP = "dp"
-DP_REPLICATE = "dp_replicate"
-DP_SHARD = "dp_shard"
-TWO_AXIS = ("hsdp", "hfsdp")
-PLACEMENT_NAMES = ("zero3", "zero2", "zero1", "ddp", *TWO_AXIS)
 FLOAT8_CHOICES = ("none", "tensorwise", "rowwise")
 
 
@@ -84,39 +78,6 @@ class ParallelizeConfig:
         if self.float8_skip and self.float8 == "none":
             raise ValueError(f"float8_skip {self.float8_skip!r} keeps linears out of float8, but float8 is "
                              "'none'; set float8 (tensorwise or rowwise) or drop float8_skip")
-
-
-def resolve_placements(placements: "str | mfsdp.Placements") -> "mfsdp.Placements":
-    """The Placements object a name stands for, on the axis names of ``build_mesh``."""
-    if not isinstance(placements, str):
-        return placements
-    if placements in TWO_AXIS:
-        return getattr(mfsdp.Placements, placements)(DP_REPLICATE, DP_SHARD)
-    return getattr(mfsdp.Placements, placements)(DP)
-
-
-def mesh_shape_error(world_size: int, placements: str, replicate: int) -> str | None:
-    """Why ``world_size`` processes cannot form the mesh, or None when they can."""
-    if placements not in TWO_AXIS:
-        return None if replicate == 1 else (
-            f"parallel.replicate={replicate} only applies to hsdp/hfsdp placements")
-    if world_size % replicate:
-        return (f"world size {world_size} does not fit a mesh of {replicate} replicas "
-                f"(parallel.replicate must divide the number of processes); launch a "
-                f"multiple of {replicate} processes or change --parallel.replicate")
-    return None
-
-
-def build_mesh(device_type: str, world_size: int, placements: str = "zero3",
-               replicate: int = 1) -> DeviceMesh:
-    """A 1-D ``dp`` mesh, or a 2-D (dp_replicate, dp_shard) mesh for hsdp/hfsdp."""
-    problem = mesh_shape_error(world_size, placements, replicate)
-    if problem:
-        raise ValueError(problem)
-    if placements in TWO_AXIS:
-        return init_device_mesh(device_type, (replicate, world_size // replicate),
-                                mesh_dim_names=(DP_REPLICATE, DP_SHARD))
-    return init_device_mesh(device_type, (world_size,), mesh_dim_names=(DP,))
 
 
 def parallelize(model: Llama, mesh: DeviceMesh, config: ParallelizeConfig) -> Llama:

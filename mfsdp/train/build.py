@@ -10,10 +10,11 @@ import torch
 
 import mfsdp
 from mfsdp.hf_io import HFWeightsError
+from mfsdp.mesh import DP_SHARD, TWO_AXIS, build_mesh, resolve_placements
 from mfsdp.models.hf_weights import load_hf_weights
 from mfsdp.models.llama import Llama
 from mfsdp.models.moe import build_model
-from mfsdp.models.parallelize import ParallelizeConfig, build_mesh, compile_modules, parallelize
+from mfsdp.models.parallelize import ParallelizeConfig, compile_modules, parallelize
 from mfsdp.offload import OffloadPolicy
 from mfsdp.train.config import RunConfig
 from mfsdp.train.errors import ConfigError
@@ -47,7 +48,8 @@ def build_bundled(cfg: RunConfig, device: torch.device, compute: torch.dtype, wo
     with torch.device("meta"):
         model = build_model(cfg.llama_config(), dtype=compute)
     model.set_head_loss(cfg.model.head_loss, compiled=cfg.compiles(device.type))
-    parallelize(model, build_mesh(device.type, world, p.placements, p.replicate), ParallelizeConfig(
+    mesh = build_mesh(device.type, world, replicate=p.replicate if p.placements in TWO_AXIS else None)
+    parallelize(model, mesh, ParallelizeConfig(
         placements=p.placements, mixed_precision=policy, float8=cfg.model.float8,
         float8_skip=cfg.model.float8_skip_patterns(), compile=cfg.compiles(device.type), communication=communication_policy(p),
         activation_checkpointing=p.activation_checkpointing, expert_units=p.expert_units,
@@ -132,16 +134,14 @@ def offload_policy(p):
     return None if p.offload == "none" else OffloadPolicy(fraction=p.offload_fraction)
 
 
-HF_STRATEGIES = {"zero3": 3, "zero2": 2, "zero1": 1, "ddp": 0, "hsdp": 3, "hfsdp": 3}
-
-
 def build_hf(cfg, device: torch.device, compute_dtype: torch.dtype, world: int, pretrained: bool = False):
     """``--model.hf DIR``: the Hugging Face model sharded by the manager.
 
     Built on the meta device from ``DIR/config.json`` in the compute dtype, parallelized by the
-    manager (``--parallel.placements`` mapped to ``zero_dp_strategy``, hsdp/hfsdp to
-    ``dp_replicate_size``), then loaded slice by slice from ``DIR``'s safetensors when
-    ``pretrained``, else initialised shard-locally with ``--train.seed``.
+    manager (``--parallel.placements`` as a ``Placements`` over the manager's dp_shard, hsdp/hfsdp
+    over (dp_replicate, dp_shard) with ``--parallel.replicate`` replicas), then loaded slice by
+    slice from ``DIR``'s safetensors when ``pretrained``, else initialised shard-locally with
+    ``--train.seed``.
     """
     from mfsdp.manager import MegatronFSDPConfig, MegatronFSDPManager, build_device_mesh
     from mfsdp.manager.core_options import resolve_unit_modules
@@ -149,8 +149,7 @@ def build_hf(cfg, device: torch.device, compute_dtype: torch.dtype, world: int, 
 
     p, path = cfg.parallel, cfg.model.hf
     config = MegatronFSDPConfig(
-        zero_dp_strategy=HF_STRATEGIES[p.placements],
-        outer_dp_sharding_strategy=1 if p.placements == "hfsdp" else 0,
+        placements=resolve_placements(p.placements, shard_axis=DP_SHARD),
         grad_reduce_in_fp32=cfg.main_grads_dtype() == torch.float32,
         activation_checkpointing=p.activation_checkpointing,
         init_fsdp_with_meta_device=True)

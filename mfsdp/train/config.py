@@ -14,9 +14,10 @@ from pathlib import Path
 
 import torch
 
+from mfsdp.mesh import PLACEMENT_NAMES as PLACEMENTS, TWO_AXIS
 from mfsdp.models.hf_config import UnsupportedHFConfig, bundled_config_from_hf, supports_bundled
 from mfsdp.models.llama import HEAD_LOSSES, LlamaConfig, get_config
-from mfsdp.models.parallelize import FLOAT8_CHOICES, PLACEMENT_NAMES as PLACEMENTS, TWO_AXIS, float8_placement_problem
+from mfsdp.models.parallelize import FLOAT8_CHOICES, float8_placement_problem
 from mfsdp.train.errors import ConfigError, require
 from mfsdp.train.recipes import RECIPES, SCHEDULES, Recipe, recipe_for
 

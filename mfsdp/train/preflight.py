@@ -15,8 +15,8 @@ import torch.distributed as dist
 
 from mfsdp.data import STDLIB, DataError, TokenFile, prepare_stdlib_corpus
 from mfsdp.data.identity import check_tokenizer
+from mfsdp.mesh import mesh_shape_error
 from mfsdp.models.llama import LlamaConfig
-from mfsdp.models.parallelize import mesh_shape_error
 from mfsdp.train.batches import steps_for_epochs
 from mfsdp.train.checkpoint import CheckpointMeta, check_compatible, find_resumable
 from mfsdp.train.config import ModelSection, RunConfig
