@@ -198,6 +198,13 @@ class Float8GatherCodec(gather_codec.GatherCodec):
         rounds the weight first, else the source's own."""
         return self.compute_dtype if self.compute_dtype != torch.float32 else source_dtype
 
+    def staging_nbytes(self, sizes: Sequence[int], source_dtype: torch.dtype) -> int:
+        """Transient bytes of the largest ``_cast_staged`` pass (``_passes``) over members of ``sizes``
+        elements at its high point, the multiply: the staged rows, their fp32 scales and the float8 rows."""
+        ends, width = _passes(sizes, ENCODE_STAGING_NUMEL), self.staged_dtype(source_dtype).itemsize + 1
+        rows = [sum(-(-n // ENCODE_ROW) for n in sizes[start:stop]) for start, stop in zip([0, *ends], ends)]
+        return max(r * ENCODE_ROW * width + r * 4 for r in rows)
+
     def _rows(self, sizes: list, device) -> tuple[list, torch.Tensor]:
         """Each member's first row in the staging, and every row's member as a device index, made
         once per shape (no host copy per gather)."""
@@ -246,13 +253,6 @@ def enable_fp8_all_gather(module: nn.Module) -> int:
         raise ValueError(f"mfsdp.float8.enable_fp8_all_gather: {type(module).__name__} has no torchao Float8Linear; "
                          "convert it first with torchao.float8.convert_to_float8_training")
     return count
-
-
-def encode_staging_nbytes(sizes: Sequence[int], staged_dtype: torch.dtype) -> int:
-    """Transient bytes of one ``Float8GatherCodec._cast_staged`` pass over members of ``sizes`` at its high
-    point, the multiply: the staged rows, their fp32 scales and the float8 rows (the planner's rule)."""
-    rows = sum(-(-n // ENCODE_ROW) for n in sizes)
-    return rows * ENCODE_ROW * (staged_dtype.itemsize + 1) + rows * 4
 
 
 def _row_views(rows2d: torch.Tensor, starts: Sequence[int], sizes: Sequence[int]) -> list[torch.Tensor]:
