@@ -282,26 +282,33 @@ def float8_filter(module: nn.Module, fqn: str) -> bool:
             and module.in_features % 16 == 0 and module.out_features % 16 == 0)
 
 
-def float8_linears(model: nn.Module, skip: tuple[str, ...] = (), strict: bool = True,
-                   module_filter_fn=float8_filter) -> list[str]:
+def float8_linears(model: nn.Module, skip: tuple[str, ...] = (), module_filter_fn=float8_filter) -> list[str]:
     """The names of ``model``'s linears that train in float8: those ``module_filter_fn`` takes, less
     those whose name matches a ``skip`` pattern (``fnmatch``, on the full name, e.g.
-    ``layers.0.*`` or ``*.feed_forward.w2``), which stay in the compute dtype. ``strict``: a pattern
-    that matches none of the linears the filter takes is an error (a misspelt name would otherwise
-    leave every layer in float8 without a word), and so is a skip that leaves none."""
+    ``layers.0.*`` or ``*.feed_forward.w2``), which stay in the compute dtype. A pattern that matches
+    none of the linears the filter takes is an error (a misspelt name would otherwise leave every
+    layer in float8 without a word), and so is a skip that leaves none."""
     taken = [fqn for fqn, m in model.named_modules() if module_filter_fn(m, fqn)]
     chosen = [fqn for fqn in taken if not any(fnmatch.fnmatchcase(fqn, p) for p in skip)]
-    if strict:
-        for pattern in skip:
-            if not any(fnmatch.fnmatchcase(fqn, pattern) for fqn in taken):
-                example = ", ".join(taken[:3] + taken[-1:]) if taken else "none"
-                raise ValueError(f"mfsdp.float8: the skip pattern {pattern!r} matches none of the float8 "
-                                 f"linears (their names: {example}, ...; the head is never float8); fix the "
-                                 "pattern or drop it")
-        if skip and not chosen:
-            raise ValueError(f"mfsdp.float8: the skip patterns {', '.join(skip)} leave no linear in float8; "
-                             "train without float8 instead")
+    for pattern in skip:
+        if not any(fnmatch.fnmatchcase(fqn, pattern) for fqn in taken):
+            example = ", ".join(taken[:3] + taken[-1:]) if taken else "none"
+            raise ValueError(f"mfsdp.float8: the skip pattern {pattern!r} matches none of the float8 "
+                             f"linears (their names: {example}, ...; the head is never float8); fix the "
+                             "pattern or drop it")
+    if skip and not chosen:
+        raise ValueError(f"mfsdp.float8: the skip patterns {', '.join(skip)} leave no linear in float8; "
+                         "train without float8 instead")
     return chosen
+
+
+def check_recipe(recipe: str, fp8_all_gather: bool) -> None:
+    """ValueError unless ``recipe`` is one of ``RECIPES``, and tensorwise with ``fp8_all_gather``."""
+    if recipe not in RECIPES:
+        raise ValueError(f"mfsdp.float8: unknown recipe {recipe!r}; choose from {', '.join(RECIPES)}")
+    if fp8_all_gather and recipe != "tensorwise":
+        raise ValueError(f"mfsdp.float8: FP8 all-gather needs the tensorwise recipe, not {recipe!r} "
+                         "(rowwise weights are gathered in the compute dtype)")
 
 
 def convert_to_float8(model: nn.Module, recipe: str = "tensorwise", fp8_all_gather: bool = True,
@@ -311,11 +318,7 @@ def convert_to_float8(model: nn.Module, recipe: str = "tensorwise", fp8_all_gath
     tag their weights for mfsdp's FP8 all-gather (``enable_fp8_all_gather``), or with ``for_fsdp2``
     set torchao's own ``enable_fsdp_float8_all_gather`` for ``torch.distributed.fsdp.fully_shard``
     instead. Call before sharding (and before ``torch.compile``); returns the number of float8 linears."""
-    if recipe not in RECIPES:
-        raise ValueError(f"mfsdp.float8: unknown recipe {recipe!r}; choose from {', '.join(RECIPES)}")
-    if fp8_all_gather and recipe != "tensorwise":
-        raise ValueError(f"mfsdp.float8: FP8 all-gather needs the tensorwise recipe, not {recipe!r} "
-                         "(rowwise weights are gathered in the compute dtype)")
+    check_recipe(recipe, fp8_all_gather)
     _torchao()
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
@@ -324,10 +327,9 @@ def convert_to_float8(model: nn.Module, recipe: str = "tensorwise", fp8_all_gath
     if fp8_all_gather and for_fsdp2:
         config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
     convert_to_float8_training(model, config=config, module_filter_fn=lambda m, fqn: fqn in chosen)
-    count = sum(isinstance(m, _torchao()["Float8Linear"]) for m in model.modules())
     if fp8_all_gather and not for_fsdp2:
         enable_fp8_all_gather(model)
-    return count
+    return len(chosen)
 
 
 def precompute_fp8_scales_after(optimizer: torch.optim.Optimizer, module: nn.Module):

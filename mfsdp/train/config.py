@@ -19,8 +19,8 @@ import torch
 
 from mfsdp.models.hf_config import UnsupportedHFConfig, bundled_config_from_hf, supports_bundled
 from mfsdp.models.llama import HEAD_LOSSES, LlamaConfig, get_config
-from mfsdp.models.parallelize import (FLOAT8_CHOICES, PLACEMENT_NAMES as PLACEMENTS, TWO_AXIS,
-                                      float8_placement_problem, kept_blocks)
+from mfsdp.float8_transform import FLOAT8_CHOICES, float8_placement_problem
+from mfsdp.models.parallelize import PLACEMENT_NAMES as PLACEMENTS, TWO_AXIS, kept_blocks
 from mfsdp.models.safetensors_file import has_weights
 from mfsdp.train import determinism
 from mfsdp.train.errors import ConfigError, require
@@ -129,7 +129,7 @@ class ModelSection:
                 "or --model.head_loss plain")
 
     def float8_skip_patterns(self) -> tuple[str, ...]:
-        """--model.float8_skip as ``ParallelizeConfig.float8_skip`` takes it."""
+        """--model.float8_skip as ``Float8Transform.skip`` takes it."""
         return tuple(p.strip() for p in self.float8_skip.split(",")) if self.float8_skip else ()
 
     @classmethod
