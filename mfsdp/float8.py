@@ -214,6 +214,13 @@ class Float8GatherCodec(gather_codec.GatherCodec):
         rounds the weight first, else the source's own."""
         return self.compute_dtype if self.compute_dtype != torch.float32 else source_dtype
 
+    def staging_nbytes(self, sizes: Sequence[int], source_dtype: torch.dtype) -> int:
+        """Transient bytes of the largest ``_cast_staged`` pass (``_passes``) over members of ``sizes``
+        elements at its high point, the multiply: the staged rows, their fp32 scales and the float8 rows."""
+        ends, width = _passes(sizes, ENCODE_STAGING_NUMEL), self.staged_dtype(source_dtype).itemsize + 1
+        rows = [sum(-(-n // ENCODE_ROW) for n in sizes[start:stop]) for start, stop in zip([0, *ends], ends)]
+        return max(r * ENCODE_ROW * width + r * 4 for r in rows)
+
     def _rows(self, sizes: list, device) -> tuple[list, torch.Tensor]:
         """Each member's first row in the staging, and every row's member as a device index, made
         once per shape (no host copy per gather)."""
@@ -264,13 +271,6 @@ def enable_fp8_all_gather(module: nn.Module) -> int:
     return count
 
 
-def encode_staging_nbytes(sizes: Sequence[int], staged_dtype: torch.dtype) -> int:
-    """Transient bytes of one ``Float8GatherCodec._cast_staged`` pass over members of ``sizes`` at its high
-    point, the multiply: the staged rows, their fp32 scales and the float8 rows (the planner's rule)."""
-    rows = sum(-(-n // ENCODE_ROW) for n in sizes)
-    return rows * ENCODE_ROW * (staged_dtype.itemsize + 1) + rows * 4
-
-
 def _row_views(rows2d: torch.Tensor, starts: Sequence[int], sizes: Sequence[int]) -> list[torch.Tensor]:
     """The 1-D view of each member's elements in a staging of whole rows (member ``k`` starts at
     row ``starts[k]``; the tail of its last row is padding)."""
@@ -298,26 +298,33 @@ def float8_filter(module: nn.Module, fqn: str) -> bool:
             and module.in_features % 16 == 0 and module.out_features % 16 == 0)
 
 
-def float8_linears(model: nn.Module, skip: tuple[str, ...] = (), strict: bool = True,
-                   module_filter_fn=float8_filter) -> list[str]:
+def float8_linears(model: nn.Module, skip: tuple[str, ...] = (), module_filter_fn=float8_filter) -> list[str]:
     """The names of ``model``'s linears that train in float8: those ``module_filter_fn`` takes, less
     those whose name matches a ``skip`` pattern (``fnmatch``, on the full name, e.g.
-    ``layers.0.*`` or ``*.feed_forward.w2``), which stay in the compute dtype. ``strict``: a pattern
-    that matches none of the linears the filter takes is an error (a misspelt name would otherwise
-    leave every layer in float8 without a word), and so is a skip that leaves none."""
+    ``layers.0.*`` or ``*.feed_forward.w2``), which stay in the compute dtype. A pattern that matches
+    none of the linears the filter takes is an error (a misspelt name would otherwise leave every
+    layer in float8 without a word), and so is a skip that leaves none."""
     taken = [fqn for fqn, m in model.named_modules() if module_filter_fn(m, fqn)]
     chosen = [fqn for fqn in taken if not any(fnmatch.fnmatchcase(fqn, p) for p in skip)]
-    if strict:
-        for pattern in skip:
-            if not any(fnmatch.fnmatchcase(fqn, pattern) for fqn in taken):
-                example = ", ".join(taken[:3] + taken[-1:]) if taken else "none"
-                raise ValueError(f"mfsdp.float8: the skip pattern {pattern!r} matches none of the float8 "
-                                 f"linears (their names: {example}, ...; the head is never float8); fix the "
-                                 "pattern or drop it")
-        if skip and not chosen:
-            raise ValueError(f"mfsdp.float8: the skip patterns {', '.join(skip)} leave no linear in float8; "
-                             "train without float8 instead")
+    for pattern in skip:
+        if not any(fnmatch.fnmatchcase(fqn, pattern) for fqn in taken):
+            example = ", ".join(taken[:3] + taken[-1:]) if taken else "none"
+            raise ValueError(f"mfsdp.float8: the skip pattern {pattern!r} matches none of the float8 "
+                             f"linears (their names: {example}, ...; the head is never float8); fix the "
+                             "pattern or drop it")
+    if skip and not chosen:
+        raise ValueError(f"mfsdp.float8: the skip patterns {', '.join(skip)} leave no linear in float8; "
+                         "train without float8 instead")
     return chosen
+
+
+def check_recipe(recipe: str, fp8_all_gather: bool) -> None:
+    """ValueError unless ``recipe`` is one of ``RECIPES``, and tensorwise with ``fp8_all_gather``."""
+    if recipe not in RECIPES:
+        raise ValueError(f"mfsdp.float8: unknown recipe {recipe!r}; choose from {', '.join(RECIPES)}")
+    if fp8_all_gather and recipe != "tensorwise":
+        raise ValueError(f"mfsdp.float8: FP8 all-gather needs the tensorwise recipe, not {recipe!r} "
+                         "(rowwise weights are gathered in the compute dtype)")
 
 
 def convert_to_float8(model: nn.Module, recipe: str = "tensorwise", fp8_all_gather: bool = True,
@@ -327,11 +334,7 @@ def convert_to_float8(model: nn.Module, recipe: str = "tensorwise", fp8_all_gath
     tag their weights for mfsdp's FP8 all-gather (``enable_fp8_all_gather``), or with ``for_fsdp2``
     set torchao's own ``enable_fsdp_float8_all_gather`` for ``torch.distributed.fsdp.fully_shard``
     instead. Call before sharding (and before ``torch.compile``); returns the number of float8 linears."""
-    if recipe not in RECIPES:
-        raise ValueError(f"mfsdp.float8: unknown recipe {recipe!r}; choose from {', '.join(RECIPES)}")
-    if fp8_all_gather and recipe != "tensorwise":
-        raise ValueError(f"mfsdp.float8: FP8 all-gather needs the tensorwise recipe, not {recipe!r} "
-                         "(rowwise weights are gathered in the compute dtype)")
+    check_recipe(recipe, fp8_all_gather)
     _torchao()
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
@@ -340,10 +343,9 @@ def convert_to_float8(model: nn.Module, recipe: str = "tensorwise", fp8_all_gath
     if fp8_all_gather and for_fsdp2:
         config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
     convert_to_float8_training(model, config=config, module_filter_fn=lambda m, fqn: fqn in chosen)
-    count = sum(isinstance(m, _torchao()["Float8Linear"]) for m in model.modules())
     if fp8_all_gather and not for_fsdp2:
         enable_fp8_all_gather(model)
-    return count
+    return len(chosen)
 
 
 def precompute_fp8_scales_after(optimizer: torch.optim.Optimizer, module: nn.Module):

@@ -10,7 +10,11 @@ there is no second description of a transform's effect to drift from the first.
 Order matters (LoRA wraps whatever linear float8 left behind), so each transform names the
 transforms it must follow (``follows``) and ``validate_order`` refuses a list that breaks that,
 as torchtitan's model converters do. Hooks that live past ``apply`` (after the optimizer step,
-around checkpoints and exports) are optional methods; a transform without one is skipped.
+around checkpoints and exports) are optional methods; a transform without one is skipped. So are
+the planner's: ``placement_problem(placements)`` (why a placement name cannot run it, or None: the
+search skips such settings) and ``plan_note(model)`` (how the plan models it, on the transformed
+meta model). ``str(transform)`` names it with its settings in a few words ("float8 tensorwise"),
+for the plan's header.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from typing import Any, ClassVar, Protocol, Sequence, runtime_checkable
 
 from torch import nn
 
-__all__ = ["ModelTransform", "validate_order", "apply_transforms", "after_optimizer_step", "find"]
+__all__ = ["ModelTransform", "validate_order", "apply_transforms", "after_optimizer_step", "hook_results", "find"]
 
 
 @runtime_checkable
@@ -41,10 +45,11 @@ class ModelTransform(Protocol):
 
 def validate_order(transforms: Sequence[ModelTransform]) -> None:
     """ValueError unless names are unique and each transform comes after those it ``follows``."""
-    names = [t.name for t in transforms]
-    for i, transform in enumerate(transforms):
+    for transform in transforms:
         if not isinstance(transform, ModelTransform):
             raise TypeError(f"{transform!r} is not a model transform (it needs name, follows, apply and describe)")
+    names = [t.name for t in transforms]
+    for i, transform in enumerate(transforms):
         if transform.name in names[:i]:
             raise ValueError(f"transform {transform.name!r} is listed twice; list each transform once")
         late = [n for n in transform.follows if n in names[i + 1:]]
@@ -64,10 +69,12 @@ def apply_transforms(model: nn.Module, transforms: Sequence[ModelTransform]) -> 
 def after_optimizer_step(transforms: Sequence[ModelTransform], optimizer: Any, model: nn.Module) -> None:
     """Register each transform's ``after_optimizer_step(optimizer, model)`` hook, where it has one
     (float8's scale precompute)."""
-    for transform in transforms:
-        hook = getattr(transform, "after_optimizer_step", None)
-        if hook is not None:
-            hook(optimizer, model)
+    hook_results(transforms, "after_optimizer_step", optimizer, model)
+
+
+def hook_results(transforms: Sequence[ModelTransform], hook: str, *args) -> list:
+    """What each transform's optional ``hook(*args)`` returns, for those that have it, in list order."""
+    return [getattr(t, hook)(*args) for t in transforms if hasattr(t, hook)]
 
 
 def find(transforms: Sequence[ModelTransform], name: str) -> ModelTransform | None:

@@ -8,7 +8,7 @@ tests compare the same way with the default ``assertEqual`` tolerance, used here
 
 Two shardings: a block as one unit (its float8 weights and its norm in one group, one gather per
 block, the recipe), and the MLP as a unit of its own inside the block (groups of float8 weights
-only); a llama block (``mfsdp.models``) through ``parallelize(float8=...)`` as ``mfsdp train`` does.
+only); a llama block (``mfsdp.models``) through ``parallelize`` with a ``Float8Transform`` as ``mfsdp train`` does.
 """
 
 from __future__ import annotations
@@ -135,11 +135,14 @@ def make_llama(dtype=torch.float32):
 
 
 def parallelize_llama(net, ws, float8="tensorwise", policy=None, comm=None):
-    """``mfsdp.models.parallelize`` with ``float8``: one unit per block, as ``mfsdp train`` cuts it."""
+    """``mfsdp.models.parallelize`` with ``float8`` ("none" or a recipe, as ``Float8Transform``): one unit per
+    block, as ``mfsdp train`` cuts it."""
+    from mfsdp.float8_transform import Float8Transform
     from mfsdp.mesh import build_mesh
     from mfsdp.models.parallelize import ParallelizeConfig, parallelize
 
-    parallelize(net, build_mesh("cpu", ws), ParallelizeConfig(float8=float8, mixed_precision=policy))
+    transforms = () if float8 == "none" else (Float8Transform(float8),)
+    parallelize(net, build_mesh("cpu", ws), ParallelizeConfig(transforms=transforms, mixed_precision=policy))
     return net
 
 

@@ -1,6 +1,7 @@
 """``--model.float8_skip``: linears kept in the compute dtype under ``--model.float8``.
 
-The rule is ``mfsdp.float8.float8_linears``; parallelize, the planner and the config check call it.
+The rule is ``mfsdp.float8.float8_linears``; ``Float8Transform`` (which parallelize applies and the
+planner replays) and the config check call it.
 Float8 is emulated on CPU (torchao's casts and scaled matmuls run in plain torch)."""
 import copy
 import dataclasses
@@ -11,6 +12,7 @@ import torch
 pytest.importorskip("torchao")
 
 from mfsdp.float8 import float8_linears  # noqa: E402
+from mfsdp.float8_transform import Float8Transform  # noqa: E402
 from mfsdp.models.parallelize import ParallelizeConfig  # noqa: E402
 from mfsdp.train.config import ConfigError  # noqa: E402
 from mfsdp.train.args import load_config  # noqa: E402
@@ -40,17 +42,24 @@ def test_patterns_pick_the_linears_and_a_pattern_that_names_none_is_an_error():
         float8_linears(model, ("layers.0.attention.wz",))
     with pytest.raises(ValueError, match="the head is never float8"):
         float8_linears(model, ("output",))
-    assert float8_linears(model, ("output",), strict=False) == every
     with pytest.raises(ValueError, match=r"the skip patterns layers\.\* leave no linear in float8"):
         float8_linears(model, ("layers.*",))
 
 
-def test_parallelize_config_checks_the_skip():
-    assert ParallelizeConfig(float8="tensorwise", float8_skip=SKIP).float8_skip == SKIP
-    with pytest.raises(ValueError, match="float8 is 'none'; set float8"):
-        ParallelizeConfig(float8_skip=SKIP)
-    with pytest.raises(ValueError, match="float8_skip must be a tuple of name patterns"):
-        ParallelizeConfig(float8="tensorwise", float8_skip="layers.0.*")
+def test_the_transform_checks_the_skip():
+    """Its fields at construction; the patterns against the model at ``apply`` (a meta model here), with
+    ``float8_linears``' errors, before any linear is converted."""
+    assert ParallelizeConfig(transforms=(Float8Transform("tensorwise", SKIP),)).transforms[0].skip == SKIP
+    with pytest.raises(ValueError, match="skip must be a tuple of name patterns"):
+        Float8Transform("tensorwise", "layers.0.*")
+    with pytest.raises(ValueError, match="skip must be a tuple of name patterns"):
+        Float8Transform("tensorwise", ("layers.0.*", ""))
+    model = tiny_meta()
+    with pytest.raises(ValueError, match=r"skip pattern 'layers\.9\.\*' matches none of the float8 linears"):
+        Float8Transform("tensorwise", ("layers.9.*",)).apply(model)
+    with pytest.raises(ValueError, match=r"the skip patterns layers\.\* leave no linear in float8"):
+        Float8Transform("rowwise", ("layers.*",)).apply(model)
+    assert not any(type(m).__name__ == "Float8Linear" for m in model.modules())
 
 
 def test_the_flag_is_parsed_and_checked_against_the_model():
@@ -81,7 +90,7 @@ def skipped_parity(rank, ws):
     chosen = set(float8_linears(ref, SKIP))
     convert_to_float8_training(ref, config=Float8LinearConfig.from_recipe_name("tensorwise"),
                                module_filter_fn=lambda mod, fqn: fqn in chosen)
-    parallelize(net, build_mesh("cpu", ws), ParallelizeConfig(float8="tensorwise", float8_skip=SKIP))
+    parallelize(net, build_mesh("cpu", ws), ParallelizeConfig(transforms=(Float8Transform("tensorwise", SKIP),)))
     kinds = {name: isinstance(m, Float8Linear) for name, m in net.named_modules() if isinstance(m, torch.nn.Linear)}
     tagged = [len(block.parameter_groups[0].encoded.tagged) if block.parameter_groups[0].encoded else 0
               for block in net.layers]
@@ -103,12 +112,14 @@ def test_the_planner_plans_the_skipped_linears():
     check's run carries the flag."""
     from mfsdp.memory import estimate
     from mfsdp.memory.activations import measure_llama
-    from mfsdp.models import get_config
+    from mfsdp.models import build_model, get_config
     from mfsdp.train.plan import planned_run
+    from mfsdp.transforms import apply_transforms
 
     cfg = get_config("1b")
-    args = dict(world_size=8, placements="zero3", seq_len=1024, float8="tensorwise")
-    every, skipped = estimate("1b", **args), estimate("1b", float8_skip=("layers.0.*",), **args)
+    args = dict(world_size=8, placements="zero3", seq_len=1024)
+    every = estimate("1b", transforms=(Float8Transform("tensorwise"),), **args)
+    skipped = estimate("1b", transforms=(Float8Transform("tensorwise", ("layers.0.*",)),), **args)
     block = 2 * cfg.dim * cfg.dim + 2 * cfg.n_kv_heads * cfg.head_dim * cfg.dim + 3 * cfg.dim * cfg.ffn_dim
     by_name = {p.name: p.components for p in skipped.phases}
     for phase in every.phases:
@@ -121,19 +132,24 @@ def test_the_planner_plans_the_skipped_linears():
     from mfsdp.memory.tensor_parallel import TensorParallel
 
     def acts(skip):  # the estimate's activation profile of a microbatch of 1 x 1024
-        measure = _resolve(cfg, torch.bfloat16, 1024, False, TensorParallel(1), None, "tensorwise", "plain", False,
-                           skip)[3]
+        measure = _resolve(cfg, torch.bfloat16, 1024, False, TensorParallel(1), None,
+                           (Float8Transform("tensorwise", skip),))[3]
         return dataclasses.asdict(measure(1, 1024, False))
+
+    def block(skip):  # a block of the 1b model as it trains, on the meta device
+        with torch.device("meta"):
+            model = build_model(cfg, dtype=torch.bfloat16)
+        return apply_transforms(model, (Float8Transform("tensorwise", skip),)).layers[1]
 
     small = dataclasses.replace(cfg, max_seq_len=1024)
     plain = dataclasses.asdict(measure_llama(small, torch.bfloat16, 1, 1024, False))
-    fp8 = dataclasses.asdict(measure_llama(small, torch.bfloat16, 1, 1024, False, "tensorwise"))
+    fp8 = dataclasses.asdict(measure_llama(small, torch.bfloat16, 1, 1024, False, block=block(())))
     assert fp8 == acts(())
     mixed = acts(("layers.0.*",))
     assert mixed == {k: v if k == "grad_window" else max(v, plain[k]) for k, v in fp8.items()}, (mixed, fp8, plain)
     assert plain != fp8  # the two kinds of block differ (a float8 block's transients are not bf16's)
-    w2 = measure_llama(small, torch.bfloat16, 1, 1024, False, "tensorwise", float8_kept_out=frozenset({"feed_forward.w2"}))
-    assert acts(("*.w2",)) == dataclasses.asdict(w2)  # one kind of block: measured as it is
+    w2 = measure_llama(small, torch.bfloat16, 1, 1024, False, block=block(("*.w2",)))
+    assert acts(("*.w2",)) == dataclasses.asdict(w2) != fp8  # one kind of block: measured as it is
     run = planned_run(load_config(["--model.preset", "1b", "--model.float8", "tensorwise",
                                    "--model.float8_skip", "*.w2"]))
-    assert run.float8_skip == ("*.w2",)
+    assert run.transforms == (Float8Transform("tensorwise", ("*.w2",)),)

@@ -1,4 +1,5 @@
-"""The memory planner with torchao float8 linears (``estimate(float8=...)``, ``mfsdp plan --model.float8``):
+"""The memory planner with torchao float8 linears (``estimate(transforms=(Float8Transform(...),))``,
+``mfsdp plan --model.float8``):
 FP8 all-gather's byte buffers and encode staging to the byte against live groups on 2 gloo ranks,
 activations of float8 blocks on fake tensors against a real CPU run, and the estimate against bf16."""
 
@@ -12,12 +13,15 @@ from torch import nn
 
 pytest.importorskip("torchao.float8")
 
+from mfsdp.float8_transform import Float8Transform  # noqa: E402
 from models import global_batch  # noqa: E402
 from test_memory_planner import (_compare_model_state, _live_model_state, _plan,  # noqa: E402
                                  _predicted_model_state, _two_microbatches_and_a_step)
 
 LLAMA = dict(dim=32, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=64, vocab_size=48, max_seq_len=16)
 """test_float8's llama: seven float8 linears and two norms per block, one group per block."""
+TENSORWISE = (Float8Transform("tensorwise"),)
+"""The transform list of ``--model.float8 tensorwise``."""
 POLICIES = {"bf16": (torch.bfloat16, dict(main_params_dtype=torch.float32, main_grads_dtype=torch.float32)),
             "fp32": (torch.float32, {})}
 
@@ -74,7 +78,7 @@ def _predicted_gathers(units) -> dict:
 
 
 def llama_case(rank, ws, policy, staging_numel):
-    """``parallelize(float8="tensorwise")`` as ``mfsdp train`` builds it (ZeRO-3), a step of two
+    """``parallelize`` with ``Float8Transform("tensorwise")`` as ``mfsdp train`` builds it (ZeRO-3), a step of two
     microbatches; the planner's prediction from ``estimate``'s own meta model (``_resolve``)."""
     import mfsdp
     import mfsdp.float8 as mf8
@@ -91,7 +95,7 @@ def llama_case(rank, ws, policy, staging_numel):
     cfg = LlamaConfig(**LLAMA)
     torch.manual_seed(0)
     model = build_model(cfg, dtype=compute)
-    parallelize(model, build_mesh("cpu", ws), ParallelizeConfig("zero3", mp, float8="tensorwise"))
+    parallelize(model, build_mesh("cpu", ws), ParallelizeConfig("zero3", mp, transforms=TENSORWISE))
     opt = mfsdp.fully_shard_optimizer(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
     batches = [global_batch(step, 2 * ws, 8, cfg.vocab_size)[0].chunk(ws)[rank] for step in range(2)]
     default, mf8.ENCODE_STAGING_NUMEL = mf8.ENCODE_STAGING_NUMEL, staging_numel
@@ -101,7 +105,7 @@ def llama_case(rank, ws, policy, staging_numel):
             m(x).float().flatten(0, 1), x.flatten()).backward())
         shard = model.parameter_groups[0].geometry.shard_index
         placements, mesh_shape = mesh_for("zero3", ws)
-        meta, units, _, _, _ = _resolve(cfg, compute, 8, False, TensorParallel(1), None, "tensorwise")
+        meta, units, _, _, _ = _resolve(cfg, compute, 8, False, TensorParallel(1), None, TENSORWISE)
         described = describe_units(meta, units, mp, Levels.of(placements, mesh_shape), shard)
         staging = {u.name: [g.encode_staging for g in u.groups] for u in described}
     finally:
@@ -186,22 +190,27 @@ def test_float8_activations_fake_equal_real():
     """float8 blocks (tensorwise, weights pre-cast as FP8 all-gather hands them; rowwise, cast by
     torchao) measured on fake tensors equal the same measurement of a real CPU run; tensorwise saves
     what bf16 saves (torchao keeps the high-precision input), its transients differ."""
-    from mfsdp.memory.activations import float8_blocks, labels_run, measure, measure_llama
+    from mfsdp.memory.activations import gathered_copy, labels_run, measure, measure_llama
     from mfsdp.models import build_model, get_config
+    from mfsdp.transforms import apply_transforms
 
     cfg = get_config("tiny", n_layers=2, dim=128, n_heads=4, n_kv_heads=2, ffn_dim=256)  # float8 is emulated on CPU
     batch, seq = 2, 32
     plain = measure_llama(cfg, torch.bfloat16, batch, seq, False)
+    fakes = {}
     for recipe in ("tensorwise", "rowwise"):
-        fake = measure_llama(cfg, torch.bfloat16, batch, seq, False, float8=recipe)
+        transforms = (Float8Transform(recipe),)
+        with torch.device("meta"):
+            meta = apply_transforms(build_model(cfg, dtype=torch.bfloat16), transforms)
+        fakes[recipe] = fake = measure_llama(cfg, torch.bfloat16, batch, seq, False, block=meta.layers[0])
         torch.manual_seed(0)
-        model = build_model(dataclasses.replace(cfg, max_seq_len=seq), dtype=torch.bfloat16)
-        float8_blocks(model, list(model.layers), recipe)
+        model = apply_transforms(build_model(dataclasses.replace(cfg, max_seq_len=seq), dtype=torch.bfloat16),
+                                 transforms)
+        model.layers = nn.ModuleList([gathered_copy(block) for block in model.layers])
         real = measure(model, list(model.layers), labels_run(torch.randint(0, cfg.vocab_size, (batch, seq))))
         assert dataclasses.asdict(real) == dataclasses.asdict(fake), recipe
         assert fake.block_bytes == plain.block_bytes and fake.block_forward_transient != plain.block_forward_transient
-    precast = measure_llama(cfg, torch.bfloat16, batch, seq, False, float8="tensorwise")
-    cast = measure_llama(cfg, torch.bfloat16, batch, seq, False, float8="rowwise")
+    precast, cast = fakes["tensorwise"], fakes["rowwise"]
     assert precast.block_forward_transient < cast.block_forward_transient  # no weight casts in forward
 
 
@@ -224,8 +233,8 @@ def test_estimate_float8_tensorwise_against_bf16():
     linear = 2 * dim * dim + 2 * kv * dim + 3 * dim * ffn  # elements of one block's float8 linears
     n = cfg.n_layers
     args = dict(world_size=8, placements="zero3", seq_len=1024)
-    bf16, fp8 = estimate("1b", **args), estimate("1b", float8="tensorwise", **args)
-    assert fp8.settings.float8 == "tensorwise" and any("float8 tensorwise" in note for note in fp8.notes)
+    bf16, fp8 = estimate("1b", **args), estimate("1b", transforms=TENSORWISE, **args)
+    assert fp8.settings.transforms == ("float8 tensorwise",) and any("float8 tensorwise" in n for n in fp8.notes)
     by_name = {p.name: p.components for p in fp8.phases}
     encode = [p for p in fp8.phases if p.name.endswith(", gather (FP8 encode)")]
     assert len(by_name) == len(bf16.phases) + len(encode)
@@ -251,7 +260,7 @@ def test_estimate_float8_tensorwise_against_bf16():
     assert fp8.component_max("unsharded (forward)") == bf16.component_max("unsharded (forward)") - linear
     comm = CommunicationPolicy(double_buffer=True)
     slots_bf16 = estimate("1b", communication_policy=comm, **args).breakdown["gather slots"]
-    slots_fp8 = estimate("1b", communication_policy=comm, float8="tensorwise", **args).breakdown["gather slots"]
+    slots_fp8 = estimate("1b", communication_policy=comm, transforms=TENSORWISE, **args).breakdown["gather slots"]
     assert slots_bf16 - slots_fp8 == 2 * linear
 
 
@@ -273,12 +282,12 @@ def test_plan_and_train_check_read_model_float8(tmp_path):
     assert rows and all("--parallel.placements zero3" in row for row in rows), rows
     cfg = load_config(args[:6] + ["--model.float8", "tensorwise"])
     planned = estimate_run(planned_run(cfg), 8)
-    assert planned.settings.float8 == "tensorwise"
+    assert planned.settings.transforms == ("float8 tensorwise",)
     assert planned.component_max("unsharded (forward)") == estimate(
-        cfg.llama_config(), world_size=8, placements="zero3", local_batch=2, seq_len=2048, float8="tensorwise",
+        cfg.llama_config(), world_size=8, placements="zero3", local_batch=2, seq_len=2048, transforms=TENSORWISE,
         mixed_precision_policy=_train_policy()).component_max("unsharded (forward)")
     with pytest.raises(NotImplementedError, match="FP8 all-gather"):
-        estimate("tiny", world_size=2, placements="zero2", float8="tensorwise")
+        estimate("tiny", world_size=2, placements="zero2", transforms=TENSORWISE)
 
 
 def _train_policy():

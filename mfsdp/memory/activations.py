@@ -19,6 +19,7 @@ and a block's numbers do not depend on depth).
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import weakref
 from typing import Callable, Optional
@@ -30,6 +31,7 @@ from torch import nn
 from mfsdp import _compat
 from mfsdp.models.llama import IGNORE_INDEX
 from mfsdp.models.outputs import logits_of
+from mfsdp.runtime import gather_codec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -348,22 +350,21 @@ def compiled_plain_loss(hidden, weight, labels):
     return CompiledPlainLoss.apply(hidden, weight, labels), (labels != IGNORE_INDEX).sum()
 
 
-def measure_llama(cfg, dtype: torch.dtype, batch: int, seq: int, checkpointing: bool,
-                  float8: str = "none", head_loss: str = "plain", compiled_head: bool = False,
-                  float8_kept_out: frozenset = frozenset()) -> ActivationProfile:
+def measure_llama(cfg, dtype: torch.dtype, batch: int, seq: int, checkpointing: bool, head_loss: str = "plain",
+                  compiled_head: bool = False, block: Optional[nn.Module] = None) -> ActivationProfile:
     """A bundled Llama (or MoE) shape, cut to two blocks, measured on fake tensors as ``mfsdp train``
     runs it (``labels_run``) with ``head_loss`` (``Llama.set_head_loss``), compiled with the blocks
     where ``compiled_head`` (the plain loss then as ``CompiledPlainLoss``; the fused one as its eager
-    self, an upper bound); ``float8`` (a recipe of ``mfsdp.float8``) converts its linears first, as
-    ``parallelize`` does (``float8_blocks``), but for those named by ``float8_kept_out`` (names within a
-    block, such as "feed_forward.w2") in every block."""
+    self, an upper bound). ``block``: a block of the model as it trains (the model transforms applied,
+    on the meta device), whose fake copies (``gathered_copy``: weights as the runtime's gathers hand
+    them) are the two blocks; None: the blocks ``cfg`` builds."""
     from mfsdp.models import build_model
 
     small = dataclasses.replace(cfg, n_layers=2, max_seq_len=max(cfg.max_seq_len, seq))
     with _compat.fake_tensor_mode():
         model = build_model(small, dtype=dtype)
-        if float8 != "none":
-            float8_blocks(model, list(model.layers), float8, float8_kept_out)
+        if block is not None:
+            model.layers = nn.ModuleList([gathered_copy(block), gathered_copy(block)])
         model.set_activation_checkpointing(checkpointing)
         model.set_head_loss(head_loss)
         if compiled_head and head_loss == "plain":
@@ -372,36 +373,36 @@ def measure_llama(cfg, dtype: torch.dtype, batch: int, seq: int, checkpointing: 
         return measure(model, list(model.layers), labels_run(tokens), uniform_routing=cfg.num_experts > 0)
 
 
-def float8_blocks(model: nn.Module, blocks: list, recipe: str, kept_out: frozenset = frozenset()) -> None:
-    """Convert ``model``'s linears to torchao float8 as ``parallelize(float8=recipe)`` does
-    (``mfsdp.float8.convert_to_float8``), but for the linears named ``kept_out`` within each block
-    of ``model.layers``. With FP8 all-gather (tensorwise) each block's float8 linears
-    then get the weights the gather hands them: the runtime's codec (``gather_codec.encoded_gather``
-    of the block's one group, ``wrap``) builds a ``Float8TrainingTensor`` over a float8 tensor of the
-    weight's shape, so torchao casts no weight in forward or backward, and what it saves for backward
-    is the gathered weight (counted as model state), as in a sharded run. The float8 tensors exist
-    before the measurement starts; under fake tensors they hold no data."""
-    from mfsdp.float8 import convert_to_float8, float8_linears
-    from mfsdp.mixed_precision import MixedPrecisionPolicy
-    from mfsdp.runtime import gather_codec
-    from mfsdp.runtime.flat_buffer import FlatLayout
+def block_kind(block: nn.Module) -> tuple:
+    """What sets a block's activations apart from another's of the same shape: its modules' types and
+    settings, its parameters' dtypes, ``requires_grad`` and gather-codec specs. Model transforms that
+    treat blocks differently (``Float8Transform.skip``) make blocks of several kinds."""
+    return (tuple((name, type(m).__qualname__, m.extra_repr()) for name, m in block.named_modules()),
+            tuple((name, p.dtype, p.requires_grad, gather_codec.spec_of(p)) for name, p in block.named_parameters()))
 
-    skip = tuple(f"layers.{i}.{name}" for i in range(len(model.layers)) for name in sorted(kept_out))
-    if skip and not float8_linears(model, skip, strict=False):
-        return  # blocks with every linear kept out: measured as they are
-    convert_to_float8(model, recipe, fp8_all_gather=recipe == "tensorwise", skip=skip)
-    if recipe != "tensorwise":
-        return
-    for block in blocks:
-        named = list(block.named_parameters())
-        params = [p for _, p in named]
-        encoded = gather_codec.encoded_gather(params, MixedPrecisionPolicy().resolve(params[0].dtype),
-                                              FlatLayout([p.shape for p in params], 1), "measured block")
-        for i, (name, param) in enumerate(named):
-            if encoded is not None and encoded.wraps(i):
-                owner, _, attr = name.rpartition(".")
-                view = torch.zeros(param.shape, dtype=encoded.codec.wire_dtype, device=param.device)
-                setattr(block.get_submodule(owner), attr, encoded.wrap(i, param, view))
+
+def gathered_copy(block: nn.Module) -> nn.Module:
+    """A copy of ``block`` (on the meta device, or any) over new CPU tensors (fake ones under a fake
+    mode), its tagged weights (a gather codec's: FP8 all-gather) as the runtime's gather hands them:
+    their codec (``CodecSpec.build`` of their specs, ``wrap``) builds each one's compute parameter
+    over a tensor of the wire dtype, so torchao casts no weight in forward or backward, and what it
+    saves for backward is the gathered weight (counted as model state), as in a sharded run."""
+    from mfsdp.mixed_precision import MixedPrecisionPolicy
+
+    copied = copy.deepcopy(block)
+    for module, source in zip(copied.modules(), block.modules()):
+        for key, param in source.named_parameters(recurse=False):
+            setattr(module, key, nn.Parameter(torch.empty_like(param, device="cpu"), param.requires_grad))
+        for key, buffer in source.named_buffers(recurse=False):
+            setattr(module, key, torch.empty_like(buffer, device="cpu"))
+    tagged = [(name, p) for name, p in block.named_parameters() if gather_codec.spec_of(p) is not None]
+    specs = [gather_codec.spec_of(p) for _, p in tagged]
+    codec = specs and specs[0].build(specs, MixedPrecisionPolicy().resolve(tagged[0][1].dtype), "measured block")
+    for k, (name, param) in enumerate(tagged):
+        owner, _, attr = name.rpartition(".")
+        view = torch.zeros(param.shape, dtype=codec.wire_dtype, device="cpu")
+        setattr(copied.get_submodule(owner), attr, codec.wrap(k, copied.get_parameter(name), view))
+    return copied
 
 
 def measure_hf(config, dtype: torch.dtype, batch: int, seq: int, checkpointing: bool,
@@ -411,8 +412,6 @@ def measure_hf(config, dtype: torch.dtype, batch: int, seq: int, checkpointing: 
     > 1) the manager's plan is applied first over ``tp_mesh`` (a fake ``tp`` mesh, see
     ``tensor_parallel``), so every block runs with its TP-local weights and, under sequence
     parallel, seq / tp tokens between sub-layers; the loss runs in ``loss_parallel()`` when asked."""
-    import copy
-
     import transformers
 
     from mfsdp.manager.core_options import _checkpoint_forward, resolve_unit_modules

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from mfsdp.communication import CommunicationPolicy
-from mfsdp.memory.activations import ActivationProfile, measure_hf, measure_llama
+from mfsdp.memory.activations import ActivationProfile, block_kind, measure_hf, measure_llama
 from mfsdp.memory.estimate import MemoryEstimate, StepSettings, simulate
 from mfsdp.memory.model_state import Levels, describe_units, optimizer_state_bytes
 from mfsdp.memory.tensor_parallel import TensorParallel, apply_tp, default_group_exists, fake_tp_mesh, in_child
@@ -23,6 +23,7 @@ from mfsdp.mesh import DP, DP_REPLICATE, DP_SHARD, PLACEMENT_NAMES, TWO_AXIS, re
 from mfsdp.mixed_precision import MixedPrecisionPolicy
 from mfsdp.offload.policy import host_bytes, units_to_offload
 from mfsdp.placement import Placements
+from mfsdp.transforms import apply_transforms, hook_results
 
 def mesh_for(placements: str, world_size: int, replicate: int = 1) -> tuple[Placements, dict]:
     """The placements a name stands for and the mesh shape ``parallelize`` / the manager build."""
@@ -44,10 +45,9 @@ def estimate(model_or_config, *, world_size: Optional[int] = None, mesh_shape: O
              flat_adamw: bool = False,
              compute_dtype: torch.dtype = torch.bfloat16, expert_units: bool = False,
              tensor_parallel: Union[int, TensorParallel] = 1, tp_in_process: bool = False,
-             float8: str = "none", device: str = "cuda", offload_fraction: float = 0.0,
+             transforms: tuple = (), device: str = "cuda", offload_fraction: float = 0.0,
              offload_overlap: str = "step", compiled: bool = False, head_loss: str = "plain",
-             compiled_head: bool = False, keep_gathered_blocks: int = 0,
-             float8_skip: tuple = ()) -> MemoryEstimate:
+             compiled_head: bool = False, keep_gathered_blocks: int = 0) -> MemoryEstimate:
     """Predict one rank's memory over a training step and its peak.
 
     ``model_or_config``: a bundled preset name ("8b", "moe-1b"), a ``LlamaConfig``, a model built on
@@ -60,16 +60,15 @@ def estimate(model_or_config, *, world_size: Optional[int] = None, mesh_shape: O
     spawned child process (a few seconds) unless ``tp_in_process``: then over a fake process group in
     this process, which must have none and must not create a real one later (``mfsdp plan``), see
     ``tensor_parallel``. ``expert_units``: each expert of a
-    bundled MoE is its own unit (``ParallelizeConfig.expert_units``). ``float8``: the linears'
-    torchao float8 recipe (``ParallelizeConfig.float8``, bundled Llama only): "tensorwise" gathers
-    their weights as float8 bytes (the runtime's ``ByteLayout``, plus the encode's staging while a
-    gather is issued), and the activations are measured on the converted blocks. A given model
-    whose linears are already ``Float8Linear`` is sized as it is (its tags decide the gathers); pass
-    its recipe as ``float8`` for the activations. ``float8_skip``: the linears kept out of float8
-    (``ParallelizeConfig.float8_skip``); where they make blocks differ, each block is planned with the
-    largest activations of the kinds of block there are (an upper bound). ``device``: "cuda" counts the
-    cuBLAS workspaces, the allocator reserve and the CUDA context. ``offload_fraction`` > 0: the
-    optimizer states of that share of the units live on the host (``mfsdp.OffloadPolicy``, with
+    bundled MoE is its own unit (``ParallelizeConfig.expert_units``). ``transforms``: the model
+    transforms ``parallelize`` applies (``ParallelizeConfig.transforms``, bundled Llama only), replayed
+    on a copy of the meta model: model state is sized from what they leave (``Float8Transform``'s
+    tags gather float8 bytes, plus the encode's staging while a gather is issued), and the
+    activations are measured on fake copies of its blocks. A given model is sized as it is, its
+    blocks included. Where the transforms make blocks differ (``Float8Transform.skip``), each block
+    is planned with the largest activations of the kinds of block there are (an upper bound).
+    ``device``: "cuda" counts the cuBLAS workspaces, the allocator reserve and the CUDA context.
+    ``offload_fraction`` > 0: the optimizer states of that share of the units live on the host (``mfsdp.OffloadPolicy``, with
     ``offload_overlap`` its ``overlap``); the result is then an ``OffloadedEstimate``, with the
     host bytes. ``compiled``: the blocks run through torch.compile (``COMPILED_BLOCK_SAVED``);
     ``compiled_head``: the bundled Llama's head loss does too (``measure_llama``), as in ``mfsdp train``.
@@ -100,20 +99,19 @@ def estimate(model_or_config, *, world_size: Optional[int] = None, mesh_shape: O
     levels = Levels.of(placements, mesh_shape)
     with fake_tp_mesh(tp.size) if tp.enabled else contextlib.nullcontext() as tp_mesh:
         model, units, blocks, measure, notes = _resolve(model_or_config, compute_dtype, seq_len, expert_units,
-                                                        tp, tp_mesh, float8, head_loss, compiled_head,
-                                                        tuple(float8_skip))
+                                                        tp, tp_mesh, tuple(transforms), head_loss, compiled_head)
         unit_bytes = describe_units(model, units, mixed_precision_policy or MixedPrecisionPolicy(), levels)
         acts = measure(local_batch, seq_len, activation_checkpointing)
     if compiled:
-        acts = _compiled(acts, model, activation_checkpointing, float8, notes)
+        acts = _compiled(acts, model, activation_checkpointing, transforms, notes)
     from mfsdp.models.parallelize import kept_blocks
 
     settings = StepSettings(placements.name, tp.size * math.prod(mesh_shape.values()), local_batch, seq_len,
                             microbatches, activation_checkpointing, optimizer, foreach,
                             prefetch_depth=comm.prefetch_depth if comm.overlap else 0,
                             prefetch_across_step=comm.prefetch_across_step and comm.overlap,
-                            double_buffer=comm.double_buffer, cuda=device == "cuda", tp=tp.size, float8=float8,
-                            head_loss=head_loss, flat_adamw=flat_adamw,
+                            double_buffer=comm.double_buffer, cuda=device == "cuda", tp=tp.size,
+                            transforms=tuple(map(str, transforms)), head_loss=head_loss, flat_adamw=flat_adamw,
                             kept_gathered=tuple(kept_blocks(blocks, keep_gathered_blocks)))
     e = dataclasses.replace(simulate(unit_bytes, acts, settings, blocks), notes=tuple(notes))
     return offloaded(e, unit_bytes, offload_fraction, offload_overlap) if offload_fraction > 0 else e
@@ -173,44 +171,41 @@ COMPILED_BLOCK_SAVED = 0.70
 share of the eager block's (measured on fake tensors): Inductor's partitioner recomputes cheap
 pointwise results in backward instead of saving them. Set just above the shares measured on one H200
 at 1b and 8B in bf16 and at 8B in FP8 tensorwise (``benchmarks/results/2026-12-01_compiled_block_saved.md``)."""
-COMPILED_FLOAT8 = ("none", "tensorwise")
-"""The float8 settings whose compiled blocks ``COMPILED_BLOCK_SAVED`` was measured for (bf16 at 1b and
-8B, tensorwise at 8B); other recipes' blocks are planned as eager ones, an upper bound."""
+COMPILED_TRANSFORMS = ("float8 tensorwise",)
+"""The model transforms (``str(transform)``) whose compiled blocks ``COMPILED_BLOCK_SAVED`` was
+measured with (besides none: bf16 at 1b and 8B; tensorwise at 8B); blocks under others are planned as
+eager ones, an upper bound."""
 COMPILED_NOTE = (f"compiled blocks (--parallel.compile auto/true): a bundled dense Llama's blocks without "
                  f"checkpointing, in bf16 or FP8 tensorwise, are predicted to save {COMPILED_BLOCK_SAVED:.2f}x "
                  "the eager activations (measured on one H200); other models and recipes as eager ones, an "
                  "upper bound")
 
 
-def _compiled(acts: ActivationProfile, model: nn.Module, ac: bool, float8: str, notes: list) -> ActivationProfile:
+def _compiled(acts: ActivationProfile, model: nn.Module, ac: bool, transforms: tuple, notes: list) -> ActivationProfile:
     """``acts`` of compiled blocks, with ``COMPILED_NOTE`` in ``notes``; measured only where it is
     scaled: the bundled dense Llama, no checkpointing (which saves the block inputs either way), bf16
-    or FP8 tensorwise (``COMPILED_FLOAT8``)."""
+    or FP8 tensorwise (``COMPILED_TRANSFORMS``)."""
     notes.append(COMPILED_NOTE)
     cfg = getattr(model, "cfg", None)
-    if cfg is None or not hasattr(model, "layers") or cfg.num_experts or ac or float8 not in COMPILED_FLOAT8:
+    measured = all(str(t) in COMPILED_TRANSFORMS for t in transforms)
+    if cfg is None or not hasattr(model, "layers") or cfg.num_experts or ac or not measured:
         return acts
     return dataclasses.replace(acts, block_bytes=int(acts.block_bytes * COMPILED_BLOCK_SAVED))
 
 
-def _resolve(obj, dtype, seq_len, expert_units, tp: TensorParallel, tp_mesh, float8: str = "none",
-             head_loss: str = "plain", compiled_head: bool = False, float8_skip: tuple = ()):
+def _resolve(obj, dtype, seq_len, expert_units, tp: TensorParallel, tp_mesh, transforms: tuple = (),
+             head_loss: str = "plain", compiled_head: bool = False):
     """(meta model, non-root units bottom-up, block names, activation measurement, notes)."""
     from mfsdp.models import LlamaConfig, get_config
     from mfsdp.models.llama import HEAD_LOSSES
-    from mfsdp.models.parallelize import FLOAT8_CHOICES
 
     if isinstance(obj, str) and not os.path.isdir(obj):
         obj = get_config(obj)
     llama = isinstance(obj, LlamaConfig) or (isinstance(obj, nn.Module) and hasattr(obj, "cfg")
                                              and hasattr(obj, "layers"))
-    if float8 not in FLOAT8_CHOICES:
-        raise ValueError(f"estimate: unknown float8 {float8!r}; use {', '.join(FLOAT8_CHOICES)}")
-    if float8 != "none" and not llama:
-        raise ValueError("estimate: float8 applies to the bundled Llama (as --model.float8 does), not to a "
-                         "Hugging Face model")
-    if float8_skip and float8 == "none":
-        raise ValueError(f"estimate: float8_skip {float8_skip!r} needs a float8 recipe")
+    if transforms and not llama:
+        raise ValueError(f"estimate: the model transforms ({', '.join(map(str, transforms))}) are planned on the "
+                         "bundled Llama (as --model.float8 applies to it), not on a Hugging Face model")
     if head_loss not in HEAD_LOSSES:
         raise ValueError(f"estimate: unknown head_loss {head_loss!r}; use {', '.join(HEAD_LOSSES)}")
     if head_loss != "plain" and not llama:
@@ -221,32 +216,23 @@ def _resolve(obj, dtype, seq_len, expert_units, tp: TensorParallel, tp_mesh, flo
                          "Llama has no tensor-parallel plan: estimate it with tensor_parallel=1")
     if llama:
         cfg, model = (obj, None) if isinstance(obj, LlamaConfig) else (obj.cfg, obj)
-        return _llama(cfg, dtype, seq_len, expert_units, model=model, float8=float8, head_loss=head_loss,
-                      compiled_head=compiled_head, float8_skip=float8_skip)
+        return _llama(cfg, dtype, seq_len, expert_units, model, transforms, head_loss, compiled_head)
     if isinstance(obj, (str, os.PathLike)) or hasattr(obj, "to_json_string") or isinstance(obj, nn.Module):
         return _hf(obj, dtype, tp, tp_mesh)
     raise TypeError(f"estimate: cannot size a {type(obj).__name__}; pass a preset name, a LlamaConfig, a "
                     "meta-device model, a Hugging Face config or a local Hugging Face directory")
 
 
-def _llama(cfg, dtype, seq_len, expert_units, model=None, float8="none", head_loss="plain", compiled_head=False,
-           float8_skip=()):
+def _llama(cfg, dtype, seq_len, expert_units, model=None, transforms=(), head_loss="plain", compiled_head=False):
     from mfsdp.models.parallelize import sharding_units
 
     cfg = dataclasses.replace(cfg, max_seq_len=max(cfg.max_seq_len, seq_len))
-    if model is None:
-        model = _meta_llama(cfg, dtype)
+    model, kinds = _meta_llama(cfg, dtype, transforms, model)
     dtype = next(model.parameters()).dtype
-    notes = []
-    if float8 != "none":
-        kinds = _kept_out_kinds(model, float8_skip)
-        model = _float8_model(model, float8, float8_skip)
-        notes.append(_float8_note(model, float8))
-        if len(kinds) > 1:
-            notes.append(f"float8_skip {','.join(float8_skip)}: blocks of {len(kinds)} kinds (linears kept out of "
-                         "float8 differ); every block is planned with the largest activations of those kinds")
-    else:
-        kinds = [frozenset()]
+    notes = hook_results(transforms, "plan_note", model)
+    if len(kinds) > 1:
+        notes.append(f"{', '.join(map(str, transforms))}: blocks of {len(kinds)} kinds (the transforms treat them "
+                     "differently); every block is planned with the largest activations of those kinds")
     units = sharding_units(model, expert_units=expert_units)
     blocks = [f"layers.{i}" for i in range(len(model.layers))]
     if cfg.num_experts:
@@ -258,27 +244,11 @@ def _llama(cfg, dtype, seq_len, expert_units, model=None, float8="none", head_lo
                if expert_units else "each block gathers all its experts with it"))
 
     def acts(batch, seq, ac):
-        return _largest([_cached_acts(("llama", cfg, dtype, batch, seq, ac, float8, head_loss, compiled_head, kind),
-                                      functools.partial(measure_llama, cfg, dtype, batch, seq, ac, float8, head_loss,
-                                                        compiled_head, kind))
-                         for kind in kinds])
+        return _largest([_cached_acts(("llama", cfg, dtype, batch, seq, ac, head_loss, compiled_head, kind),
+                                      functools.partial(measure_llama, cfg, dtype, batch, seq, ac, head_loss,
+                                                        compiled_head, block))
+                         for kind, block in kinds.items()])
     return model, units, blocks, acts, notes
-
-
-def _kept_out_kinds(model: nn.Module, skip: tuple) -> list:
-    """The kinds of block ``skip`` makes: for each block, the names (within it) of its linears kept out
-    of float8 (``mfsdp.float8.float8_linears``, strict); one kind per distinct set, in block order."""
-    from mfsdp.float8 import float8_linears
-
-    taken = float8_linears(model, skip=())
-    chosen = set(float8_linears(model, skip=skip))
-    kinds = []
-    for i in range(len(model.layers)):
-        prefix = f"layers.{i}."
-        kind = frozenset(n[len(prefix):] for n in taken if n.startswith(prefix) and n not in chosen)
-        if kind not in kinds:
-            kinds.append(kind)
-    return kinds
 
 
 def _largest(profiles: list) -> ActivationProfile:
@@ -291,15 +261,25 @@ def _largest(profiles: list) -> ActivationProfile:
     return dataclasses.replace(profiles[0], **fields)
 
 
-@functools.lru_cache(maxsize=8)
-def _meta_llama(cfg, dtype: torch.dtype) -> nn.Module:
-    """The bundled Llama of ``cfg`` on the meta device, built once per shape: a search (``mfsdp plan``,
-    ``--parallel.offload auto``, ``--parallel.keep_gathered_blocks auto``) estimates dozens of settings of
-    one model, and building the 8B one costs more than the rest of an estimate. Read only."""
+@functools.lru_cache(maxsize=16)
+def _meta_llama(cfg, dtype: torch.dtype, transforms: tuple = (), given: Optional[nn.Module] = None):
+    """The bundled Llama of ``cfg`` on the meta device (or a copy of the ``given`` one, itself where no
+    transform changes it) with ``transforms`` applied as ``parallelize`` applies them, and one block of
+    each kind (``block_kind`` -> its first block): what model state is sized from and activations are
+    measured on. Built once per (shape, transforms): a search (``mfsdp plan``, ``--parallel.offload
+    auto``, ``--parallel.keep_gathered_blocks auto``) estimates dozens of settings of one model, and
+    building the 8B one costs more than the rest of an estimate. Read only."""
     from mfsdp.models import build_model
 
-    with torch.device("meta"):
-        return build_model(cfg, dtype=dtype)
+    if given is None:
+        with torch.device("meta"):
+            given = build_model(cfg, dtype=dtype)
+    elif transforms:
+        given = copy.deepcopy(given)
+    model, kinds = apply_transforms(given, transforms), {}
+    for block in model.layers:
+        kinds.setdefault(block_kind(block), block)
+    return model, kinds
 
 
 _ACTS: dict = {}
@@ -319,33 +299,6 @@ def _cached_acts(key, measure) -> ActivationProfile:
         _ACTS[key] = measure()
     acts = _ACTS[key]
     return dataclasses.replace(acts, grad_window=dict(acts.grad_window))  # the caller's own dict
-
-
-@functools.lru_cache(maxsize=64)
-def _float8_model(model: nn.Module, recipe: str, skip: tuple = ()) -> nn.Module:
-    """A copy of the meta model (the caller's, or the shared ``_meta_llama``) with its linears converted
-    as ``parallelize(float8=recipe)`` converts them (``convert_to_float8``: tensorwise tags the weights
-    for FP8 all-gather), but for the linears ``skip`` names. A model already converted is used as it is."""
-    from mfsdp.float8 import _torchao, convert_to_float8
-
-    if any(isinstance(m, _torchao()["Float8Linear"]) for m in model.modules()):
-        return model
-    model = copy.deepcopy(model)
-    convert_to_float8(model, recipe, fp8_all_gather=recipe == "tensorwise", skip=skip)
-    return model
-
-
-def _float8_note(model: nn.Module, recipe: str) -> str:
-    from mfsdp.float8 import _torchao
-
-    count = sum(isinstance(m, _torchao()["Float8Linear"]) for m in model.modules())
-    gathers = ("their weights gathered as float8 bytes beside the norms (the runtime's ByteLayout), and "
-               "each gather's encode stages up to 2^25 elements at 8 bytes (the 'FP8 encode staging' line, "
-               "in the phases that issue gathers)" if recipe == "tensorwise" else
-               "their weights gathered in the compute dtype (torchao casts them in each GEMM)")
-    return (f"float8 {recipe}: {count} torchao Float8Linear layers, {gathers}; activations measured with "
-            "torchao's Float8Linear on fake tensors" + (", weights pre-cast as the FP8 gather hands them"
-                                                         if recipe == "tensorwise" else ""))
 
 
 def _hf(obj, dtype, tp: TensorParallel, tp_mesh):

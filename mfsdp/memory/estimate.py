@@ -89,8 +89,8 @@ class StepSettings:
     """Count the CUDA workspaces (cuBLAS, two handles) that the caching allocator holds."""
     tp: int = 1
     """Tensor-parallel ranks (``world_size`` counts them: data-parallel ranks x tp)."""
-    float8: str = "none"
-    """torchao float8 recipe of the linears ("none", "tensorwise" with FP8 all-gather, "rowwise")."""
+    transforms: tuple = ()
+    """The model transforms planned, each as ``str(transform)`` names it ("float8 tensorwise")."""
     head_loss: str = "plain"
     """The bundled Llama's head loss ("plain" or "fused", ``Llama.set_head_loss``)."""
 

@@ -17,9 +17,9 @@ runtime's own ``gather_codec.encoded_gather``, and its unsharded buffer is sized
 ``ByteLayout`` (float8 members 1 byte per element, the others the compute dtype, each at a 16-byte
 aligned offset) in uint8, as ``FsdpParameterGroup`` allocates it. The encode's transient staging
 (``Float8GatherCodec._cast_staged``: the rows staged in the compute dtype, their scales and the
-float8 rows, ``mfsdp.float8.encode_staging_nbytes`` of the largest pass of ``mfsdp.float8._passes``) is
-``GroupBytes.encode_staging``. On CUDA the fused encode (``mfsdp.kernels``) stages nothing,
-so there this figure is an upper bound by one pass (at most 192 MiB).
+float8 rows of its largest pass) is the codec's own ``staging_nbytes``, ``GroupBytes.encode_staging``.
+On CUDA the fused encode (``mfsdp.kernels``) stages nothing, so there this figure is an upper bound
+by one pass (at most 192 MiB).
 """
 
 from __future__ import annotations
@@ -148,17 +148,10 @@ def group_bytes(label: str, shapes, dtypes: ResolvedDtypes, levels: Levels, requ
 def _encode_staging(encoded, layout: FlatLayout, levels: Levels, source_dtype: torch.dtype) -> int:
     """Bytes of the largest encode pass of a group's gather: its tagged members' sources are this
     rank's regions at the level it gathers from (the runtime's ``FlatLayout.regions``, on meta),
-    split into passes by ``mfsdp.float8._passes`` as ``Float8GatherCodec.encode`` splits them."""
-    from mfsdp.float8 import ENCODE_STAGING_NUMEL, Float8GatherCodec, _passes, encode_staging_nbytes
-
-    if not isinstance(encoded.codec, Float8GatherCodec):
-        return 0
+    sized by the codec (``GatherCodec.staging_nbytes``)."""
     ways = levels.ways(levels.param_level)
     regions = layout.regions(torch.empty(layout.numel(ways), device="meta"), ways)
-    sizes = [regions[i].numel() for i in encoded.tagged]
-    staged_dtype = encoded.codec.staged_dtype(source_dtype)
-    ends = _passes(sizes, ENCODE_STAGING_NUMEL)
-    return max(encode_staging_nbytes(sizes[start:stop], staged_dtype) for start, stop in zip([0, *ends], ends))
+    return encoded.codec.staging_nbytes([regions[i].numel() for i in encoded.tagged], source_dtype)
 
 
 class _UnitMarker(type):
@@ -184,7 +177,7 @@ def describe_units(model: nn.Module, units: list, policy: MixedPrecisionPolicy, 
         parent_of.update((id(child), names.get(id(unit))) for child in children)  # the runtime's FSDP parent rule
         groups = []
         for params, _ in group_parameters(owned):
-            dtypes = policy.resolve(params[0].dtype)
+            dtypes = policy.resolve(params[0].dtype, trainable=params[0].requires_grad)
             label = f"{names.get(id(unit)) or 'root'}[{params[0].dtype}]"
             groups.append(group_bytes(label, [local_tensor(p).shape for p in params], dtypes, levels,
                                       params[0].requires_grad, rank_shard, params=list(params)))

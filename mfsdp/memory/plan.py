@@ -16,7 +16,7 @@ from mfsdp.memory.api import estimate
 from mfsdp.memory.estimate import COMPONENTS, GIB, PLANNER_OVERSHOOT, RESERVE_FRACTION, MemoryEstimate
 from mfsdp.memory.tensor_parallel import TensorParallel
 from mfsdp.mixed_precision import MixedPrecisionPolicy
-from mfsdp.models.parallelize import float8_placement_problem
+from mfsdp.transforms import hook_results
 
 PLACEMENT_SPEED = ("zero1", "zero2", "zero3")
 """Faster first: ZeRO-1 and ZeRO-2 gather weights once per step, ZeRO-3 in every pass."""
@@ -93,8 +93,9 @@ class PlannedRun:
     """Dtype of the gradient reduction (None: the core's default)."""
     expert_units: bool = False
     """Each expert of a mixture of experts sharded as its own unit."""
-    float8: str = "none"
-    """The float8 recipe of the linears ("none", "tensorwise", "rowwise")."""
+    transforms: tuple = ()
+    """The model transforms ``parallelize`` applies (``ParallelizeConfig.transforms``), replayed on the
+    planner's meta model."""
     foreach: bool = False
     """AdamW's foreach kernels (a shard-sized temporary at the step), else the fused one."""
     compiled: bool = True
@@ -110,8 +111,6 @@ class PlannedRun:
     """AdamW steps each group flat (``mfsdp.flat_adamw``), with no transient at the step."""
     keep_gathered_blocks: int = 0
     """The last blocks that keep their gathered weights through the step (``kept_blocks``)."""
-    float8_skip: tuple = ()
-    """The linears kept out of float8 (``ParallelizeConfig.float8_skip``)."""
 
     @property
     def hf(self) -> bool:
@@ -167,10 +166,10 @@ def estimate_run(run: PlannedRun, world: int, setting: Optional[Setting] = None,
                     offload_fraction=s.offload, mixed_precision_policy=policy, local_batch=s.local_batch,
                     seq_len=run.seq_len, microbatches=s.microbatches, activation_checkpointing=s.activation_checkpointing,
                     compute_dtype=run.compute_dtype, expert_units=run.expert_units, tensor_parallel=tp,
-                    tp_in_process=tp_in_process, float8=run.float8, foreach=run.foreach, compiled=run.compiled,
+                    tp_in_process=tp_in_process, transforms=run.transforms, foreach=run.foreach, compiled=run.compiled,
                     compiled_head=run.compiled if run.compiled_head is None else run.compiled_head,
                     head_loss=run.head_loss, flat_adamw=run.flat_adamw,
-                    keep_gathered_blocks=run.keep_gathered_blocks, float8_skip=run.float8_skip)
+                    keep_gathered_blocks=run.keep_gathered_blocks)
 
 
 def candidates(run: PlannedRun) -> list[Setting]:
@@ -180,7 +179,7 @@ def candidates(run: PlannedRun) -> list[Setting]:
     tokens = c.local_batch * c.microbatches
     batches = [b for b in range(tokens, 0, -1) if tokens % b == 0 and (b & (b - 1) == 0 or b == c.local_batch)]
     placements = [c.placements] if c.placements in ("hsdp", "hfsdp") else list(PLACEMENT_SPEED)
-    placements = [pl for pl in placements if float8_placement_problem(run.float8, pl) is None]
+    placements = [pl for pl in placements if not any(hook_results(run.transforms, "placement_problem", pl))]
     grads = [c.main_grads_dtype, *(g for g in ("fp32", "bf16") if g != (
         run.auto_grads if c.main_grads_dtype == "auto" else c.main_grads_dtype))]
     out = [Setting(pl, ac, b, tokens // b, g, off, tokens * run.seq_len) for pl in placements for ac in (False, True)
@@ -281,7 +280,7 @@ def report(run: PlannedRun, e: MemoryEstimate, model: str, world: int, tp: Tenso
     where that figure comes from): the breakdown, the verdict, the host RAM and the settings that
     fit, fastest first; ``staging``: an asynchronous checkpoint's pinned bytes per rank."""
     s = e.settings
-    variant = (f" (float8 {s.float8})" if s.float8 != "none" else "") + \
+    variant = "".join(f" ({label})" for label in s.transforms) + \
         (f" ({s.head_loss} head loss)" if s.head_loss != "plain" else "")
     parallel = f" x {tp.describe()}" if tp.enabled else ""
     verdict = {"fits": "fits", "no": "does NOT fit",

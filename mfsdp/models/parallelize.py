@@ -14,9 +14,8 @@ while other ranks do, the hardest case of conditional computation for the runtim
 
 With ``compile`` each block is compiled after sharding (the hooks stay outside its graphs).
 
-With ``float8`` the linears train in float8 (torchao, ``mfsdp.float8``), converted before
-anything else; tensorwise also gathers their weights in FP8, in the block's one gather beside its
-norms.
+``transforms`` (``mfsdp.transforms``: float8 training, ``mfsdp.float8_transform``) rewrite the
+unsharded model before anything else, in list order; the memory planner replays the same list.
 """
 
 from __future__ import annotations
@@ -30,8 +29,8 @@ import mfsdp
 from mfsdp.mesh import PLACEMENT_NAMES, resolve_placements
 from mfsdp.models.llama import Llama
 from mfsdp.models.moe import MoEFeedForward
+from mfsdp.transforms import apply_transforms, validate_order
 
-FLOAT8_CHOICES = ("none", "tensorwise", "rowwise")
 
 
 @dataclass(frozen=True)
@@ -47,13 +46,9 @@ class ParallelizeConfig:
     expert_units: bool = False
     """Shard each expert of a mixture-of-experts block as its own unit (inside the block's unit)
     instead of with the rest of the block; needs a model with experts."""
-    float8: str = "none"
-    """"none", or a torchao float8 recipe for the linears (``mfsdp.float8.RECIPES``: tensorwise,
-    with FP8 all-gather, or rowwise, gathered in the compute dtype); needs torchao."""
-    float8_skip: tuple = ()
-    """With ``float8``: the linears kept in the compute dtype, as ``fnmatch`` patterns of their names
-    (``layers.0.*``, ``*.feed_forward.w2``; ``mfsdp.float8.float8_linears``). The head is never
-    float8. A pattern that names no float8 linear is an error."""
+    transforms: tuple = ()
+    """Model transforms (``mfsdp.transforms.ModelTransform``) applied to the unsharded model first, in
+    order: ``(Float8Transform("tensorwise"),)`` trains the linears in float8 with FP8 all-gather."""
     communication: "mfsdp.CommunicationPolicy | None" = None
     """How every unit's collectives are scheduled (streams, prefetch); None keeps the core's default."""
     keep_gathered_blocks: int = 0
@@ -69,15 +64,11 @@ class ParallelizeConfig:
         if isinstance(self.placements, str) and self.placements not in PLACEMENT_NAMES:
             raise ValueError(f"unknown placements {self.placements!r}; use zero3, zero2, "
                              "zero1, ddp, hsdp or hfsdp, or pass a mfsdp.Placements")
-        if self.float8 not in FLOAT8_CHOICES:
-            raise ValueError(f"unknown float8 {self.float8!r}; use {', '.join(FLOAT8_CHOICES)}")
         if not isinstance(self.keep_gathered_blocks, int) or self.keep_gathered_blocks < 0:
             raise ValueError(f"keep_gathered_blocks must be an int >= 0, got {self.keep_gathered_blocks!r}")
-        if not isinstance(self.float8_skip, tuple) or not all(isinstance(p, str) and p for p in self.float8_skip):
-            raise ValueError(f"float8_skip must be a tuple of name patterns, got {self.float8_skip!r}")
-        if self.float8_skip and self.float8 == "none":
-            raise ValueError(f"float8_skip {self.float8_skip!r} keeps linears out of float8, but float8 is "
-                             "'none'; set float8 (tensorwise or rowwise) or drop float8_skip")
+        if not isinstance(self.transforms, tuple):
+            raise ValueError(f"transforms must be a tuple of model transforms, got {self.transforms!r}")
+        validate_order(self.transforms)
 
 
 def parallelize(model: Llama, mesh: DeviceMesh, config: ParallelizeConfig) -> Llama:
@@ -94,11 +85,7 @@ def parallelize(model: Llama, mesh: DeviceMesh, config: ParallelizeConfig) -> Ll
         raise ValueError("ParallelizeConfig.expert_units=True needs a model with experts "
                          "(LlamaConfig.num_experts > 0, built by mfsdp.models.build_model); "
                          "set expert_units=False for a dense model")
-    if config.float8 != "none":
-        from mfsdp.float8 import convert_to_float8
-
-        convert_to_float8(model, config.float8, fp8_all_gather=config.float8 == "tensorwise",
-                          skip=config.float8_skip)
+    apply_transforms(model, config.transforms)
     if config.activation_checkpointing:
         model.set_activation_checkpointing(True)
     # Bottom-up: each unit before the root claims the rest (the final norm).
@@ -152,12 +139,3 @@ def sharding_units(model: Llama, expert_units: bool = False) -> list:
 def _moe_layers(model: Llama) -> list:
     return [b.feed_forward for b in model.layers if isinstance(b.feed_forward, MoEFeedForward)]
 
-
-def float8_placement_problem(float8: str, placements: str) -> str | None:
-    """Why ``float8`` cannot run with ``placements``, or None: tensorwise gathers the weights in
-    FP8, which needs them sharded at rest."""
-    if float8 != "tensorwise" or resolve_placements(placements).num_param_sharded:
-        return None
-    return (f"--model.float8 tensorwise all-gathers the weights in FP8, which needs placements that shard "
-            f"them at rest (zero3, hsdp, hfsdp); --parallel.placements {placements} keeps them whole. Use "
-            "--model.float8 rowwise (float8 compute, bf16 gathers) or --parallel.placements zero3")

@@ -63,6 +63,11 @@ class GatherCodec:
         """After the gather: finish the compute parameters of the tagged members."""
         raise NotImplementedError
 
+    def staging_nbytes(self, sizes: Sequence[int], source_dtype: torch.dtype) -> int:
+        """Transient bytes ``encode`` holds at its high point over tagged members of ``sizes`` elements
+        (this rank's sources, of ``source_dtype``): what ``mfsdp.memory`` plans for it."""
+        return 0
+
 
 class CodecSpec:
     """Per-parameter request for a codec; the class decides how a group's specs become one."""

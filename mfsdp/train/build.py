@@ -9,6 +9,8 @@ from typing import Callable
 import torch
 
 import mfsdp
+from mfsdp import transforms
+from mfsdp.float8_transform import Float8Transform
 from mfsdp.hf_io import HFWeightsError
 from mfsdp.mesh import DP_SHARD, TWO_AXIS, build_mesh, resolve_placements
 from mfsdp.models.hf_weights import load_hf_weights
@@ -16,7 +18,7 @@ from mfsdp.models.llama import Llama
 from mfsdp.models.moe import build_model
 from mfsdp.models.parallelize import ParallelizeConfig, compile_modules, parallelize
 from mfsdp.offload import OffloadPolicy
-from mfsdp.train.config import RunConfig
+from mfsdp.train.config import ModelSection, RunConfig
 from mfsdp.train.errors import ConfigError
 from mfsdp.train.metrics import peak_memory_gib
 
@@ -25,23 +27,29 @@ def build(cfg: RunConfig, device: torch.device, world: int, log: Callable[[str],
     """The sharded model and its sharded optimizer (offloaded in part where the config asks);
     ``resuming``: a checkpoint's weights replace the initial ones, so pretrained ones are not read."""
     compute = cfg.compute_dtype(device.type)
-    pretrained = cfg.loads_weights() and not resuming
+    pretrained, model_transforms = cfg.loads_weights() and not resuming, transforms_for(cfg.model)
     model = build_hf(cfg, device, compute, world, pretrained) if cfg.model.uses_manager else \
-        build_bundled(cfg, device, compute, world, log, pretrained)
+        build_bundled(cfg, device, compute, world, log, pretrained, model_transforms)
     optimizer = mfsdp.fully_shard_optimizer(model, adamw(model, cfg.train), offload=offload_policy(cfg.parallel),
                                             flat_adamw=cfg.train.flat_adamw(device.type))
     describe_offload(optimizer, cfg, log)
-    mfsdp.float8.precompute_fp8_scales_after(optimizer, model)  # FP8 all-gather's scales, if any
+    transforms.after_optimizer_step(model_transforms, optimizer, model)
     return model, optimizer
 
 
+def transforms_for(m: ModelSection) -> tuple:
+    """The model transforms the --model section asks for, in the order they apply: the one list that
+    ``parallelize`` applies and the memory planner replays."""
+    return (Float8Transform(m.float8, m.float8_skip_patterns()),) if m.float8 != "none" else ()
+
+
 def build_bundled(cfg: RunConfig, device: torch.device, compute: torch.dtype, world: int, log,
-                  pretrained: bool = False) -> Llama:
+                  pretrained: bool = False, model_transforms: tuple = ()) -> Llama:
     """The bundled Llama (or MoELlama), built on the meta device and sharded there: each rank
     allocates only its shards, and the whole model never exists on any rank. A --model.hf model on
     the bundled route is the Llama of its config, built alike, then loaded from the directory's
     weights (each rank reads only its slices) when ``pretrained``. Its head computes the loss of
-    ``--model.head_loss``."""
+    ``--model.head_loss``; ``model_transforms`` (``transforms_for``) rewrite it before sharding."""
     p = cfg.parallel
     policy = mfsdp.MixedPrecisionPolicy(main_params_dtype=torch.float32, main_grads_dtype=cfg.main_grads_dtype(),
                                         grad_comm_dtype=cfg.grad_comm_dtype())
@@ -50,18 +58,13 @@ def build_bundled(cfg: RunConfig, device: torch.device, compute: torch.dtype, wo
     model.set_head_loss(cfg.model.head_loss, compiled=cfg.compiles(device.type))
     mesh = build_mesh(device.type, world, replicate=p.replicate if p.placements in TWO_AXIS else None)
     parallelize(model, mesh, ParallelizeConfig(
-        placements=p.placements, mixed_precision=policy, float8=cfg.model.float8,
-        float8_skip=cfg.model.float8_skip_patterns(), compile=cfg.compiles(device.type), communication=communication_policy(p),
+        placements=p.placements, mixed_precision=policy, transforms=model_transforms,
+        compile=cfg.compiles(device.type), communication=communication_policy(p),
         activation_checkpointing=p.activation_checkpointing, expert_units=p.expert_units,
         keep_gathered_blocks=p.kept_blocks()))
     materialize_and_init(model, device, cfg.train.seed)
-    if cfg.model.float8 != "none":
-        from mfsdp.float8 import float8_linears
-
-        skip = cfg.model.float8_skip_patterns()
-        others = f"--model.float8_skip {','.join(skip)} keeps the others" if skip else "all"
-        log(f"float8 {cfg.model.float8}: {len(float8_linears(model, skip))} of the {len(float8_linears(model))} block "
-            f"linears train in float8 ({others}; the head in {str(compute).removeprefix('torch.')})")
+    for transform in model_transforms:
+        log(transform.describe(model))
     log(f"model built and initialised shard by shard: {shard_numel(model) / 1e6:,.1f}M parameters on this "
         f"rank, peak memory {peak_memory_gib(device):.2f} GiB")
     if pretrained:

@@ -17,7 +17,7 @@ import torch
 from mfsdp.mesh import PLACEMENT_NAMES as PLACEMENTS, TWO_AXIS
 from mfsdp.models.hf_config import UnsupportedHFConfig, bundled_config_from_hf, supports_bundled
 from mfsdp.models.llama import HEAD_LOSSES, LlamaConfig, get_config
-from mfsdp.models.parallelize import FLOAT8_CHOICES, float8_placement_problem
+from mfsdp.float8_transform import FLOAT8_CHOICES, float8_placement_problem
 from mfsdp.train.errors import ConfigError, require
 from mfsdp.train.recipes import RECIPES, SCHEDULES, Recipe, recipe_for
 
@@ -135,7 +135,7 @@ class ModelSection:
         return f"runs/{(Path(self.hf).resolve().name or 'hf') if self.hf else self.preset}"
 
     def float8_skip_patterns(self) -> tuple[str, ...]:
-        """--model.float8_skip as ``ParallelizeConfig.float8_skip`` takes it."""
+        """--model.float8_skip as ``Float8Transform.skip`` takes it."""
         return tuple(p.strip() for p in self.float8_skip.split(",")) if self.float8_skip else ()
 
     @classmethod

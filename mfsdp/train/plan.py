@@ -16,6 +16,7 @@ import torch
 
 from mfsdp.memory import plan
 from mfsdp.memory.tensor_parallel import TensorParallel
+from mfsdp.train.build import transforms_for
 from mfsdp.train.checkpoint.meta import MAIN_WEIGHT_BYTES, checkpoint_bytes
 from mfsdp.train.args import load_config
 from mfsdp.train.config import DTYPES, RunConfig
@@ -45,9 +46,9 @@ def planned_run(cfg: RunConfig) -> plan.PlannedRun:
     return plan.PlannedRun(
         cfg.model.hf if cfg.model.uses_manager else cfg.llama_config(), setting, d.seq_len, grads,
         cfg.main_grads_name("cuda"), p.replicate, cfg.compute_dtype("cuda"), cfg.grad_comm_dtype(),
-        p.expert_units, cfg.model.float8, not cfg.train.fused_adamw("cuda"), cfg.compiles("cuda"),
+        p.expert_units, transforms_for(cfg.model), not cfg.train.fused_adamw("cuda"), cfg.compiles("cuda"),
         cfg.train.async_checkpoint_on("cuda"), cfg.model.head_loss, flat_adamw=cfg.train.flat_adamw("cuda"),
-        keep_gathered_blocks=p.kept_blocks(), float8_skip=cfg.model.float8_skip_patterns())
+        keep_gathered_blocks=p.kept_blocks())
 
 
 def main(argv: list[str]) -> int:
