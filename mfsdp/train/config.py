@@ -29,6 +29,7 @@ def dtype_name(dtype: torch.dtype) -> str:
     """The dtype flags' name of ``dtype``: "fp32" or "bf16"."""
     return next(name for name, value in DTYPES.items() if value == dtype)
 COMPILE_CHOICES = ("auto", "true", "false")
+PEFT_METHODS = ("none", "lora")
 OFFLOAD_CHOICES = ("none", "optimizer", "auto")
 HF_IMPLS = ("auto", "bundled", "manager")
 _NOT_SHAPE = ("preset", "hf", "float8", "float8_skip", "hf_impl", "random_init", "head_loss")
@@ -467,6 +468,48 @@ class MetricsSection:
 
 
 @dataclass(frozen=True)
+class PeftSection:
+    """Parameter-efficient fine-tuning (``mfsdp.lora``), with PEFT's names and meanings."""
+
+    method: str = "none"
+    """"none" trains every weight; "lora" freezes the base (kept only in the compute dtype: no fp32
+    copy, gradient or optimizer state) and trains low-rank adapters on the target linears. Room is
+    left here for other methods (DoRA, ...), which are not built."""
+    lora_r: int = 16
+    """The adapters' rank r (PEFT's ``r``)."""
+    lora_alpha: float = 32.0
+    """The adapters' scale is lora_alpha / r (PEFT's ``lora_alpha``), or lora_alpha / sqrt(r) with use_rslora."""
+    lora_dropout: float = 0.0
+    """Dropout on the adapters' input in training (PEFT's ``lora_dropout``)."""
+    target_modules: str = "all-linear"
+    """The linears that get adapters: "all-linear" (every linear of the blocks, never the head), or
+    comma-separated fnmatch patterns over linear names, Hugging Face's (q_proj, down_proj, ...) or the
+    bundled model's (wq, w2, ...) on either route."""
+    use_rslora: bool = False
+    """Scale by lora_alpha / sqrt(r) (rank-stabilised LoRA) instead of lora_alpha / r."""
+    merge_on_export: bool = False
+    """Exports (--train.export_hf, mfsdp export) write the merged full Hugging Face model, with the base
+    directory's tokenizer and chat template, instead of a PEFT adapter directory."""
+
+    def __post_init__(self) -> None:
+        _one_of(self, "method", PEFT_METHODS)
+        if self.method == "none":
+            given = [f"--peft.{f.name}" for f in dataclasses.fields(self)
+                     if f.name != "method" and getattr(self, f.name) != f.default]
+            require(not given, f"{', '.join(given)} applies to --peft.method lora; set --peft.method lora or "
+                    f"drop {'them' if len(given) > 1 else 'it'}")
+        require(isinstance(self.lora_r, int) and self.lora_r >= 1, f"--peft.lora_r must be an integer >= 1, "
+                f"got {self.lora_r!r}")
+        require(self.lora_alpha > 0, f"--peft.lora_alpha must be positive, got {self.lora_alpha!r}")
+        require(0 <= self.lora_dropout < 1, f"--peft.lora_dropout must be in [0, 1), got {self.lora_dropout!r}")
+        require(bool(self.target_modules.strip()), "--peft.target_modules is empty; give all-linear or patterns")
+
+    @property
+    def lora(self) -> bool:
+        return self.method == "lora"
+
+
+@dataclass(frozen=True)
 class RunConfig:
     model: ModelSection = field(default_factory=ModelSection)
     """The model to train: a preset with optional shape overrides, or a Hugging Face directory."""
@@ -478,6 +521,8 @@ class RunConfig:
     """Sharding, dtypes and the collective timeout."""
     metrics: MetricsSection = field(default_factory=MetricsSection)
     """Where per-step metrics go besides metrics.jsonl."""
+    peft: PeftSection = field(default_factory=PeftSection)
+    """Parameter-efficient fine-tuning (LoRA) instead of training every weight."""
     resume: bool | str = False
     """Continue from the newest complete checkpoint in OUT_DIR/checkpoints (--resume: an error where
     there is none); "auto" (--resume auto, for job scripts that requeue) starts afresh where there is none."""

@@ -23,7 +23,7 @@ METRICS = "metrics.jsonl"
 OUTPUTS = ("checkpoints", METRICS, "tensorboard", "loss.png", "hf", "wandb-run-id", RUN_FILE)
 """What a run writes into its out_dir, removed by a fresh start there (logs/ and the demo corpus's
 data/ stay: a log of each attempt, and a cache of the same file)."""
-IDENTITY = {"model": None, "data": None,
+IDENTITY = {"model": None, "data": None, "peft": None,
             "train": ("lr", "lr_schedule", "min_lr_ratio", "weight_decay", "beta1", "beta2", "grad_clip", "seed"),
             "parallel": ("compute_dtype", "main_grads_dtype")}
 """The keys (None: all) of each config section that make a run's identity. The warm-up is left out:
