@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mfsdp.adapter_names import ADAPTERS, is_adapter
 from mfsdp.models.llama import _local_block, init_chunk_seed
 
 __all__ = ["LoraTransform", "LoraLinear", "ALL_LINEAR", "ADAPTERS", "HF_LINEAR_NAMES", "lora_linears",
@@ -43,9 +44,6 @@ __all__ = ["LoraTransform", "LoraLinear", "ALL_LINEAR", "ADAPTERS", "HF_LINEAR_N
 
 ALL_LINEAR = "all-linear"
 """The ``target_modules`` entry that selects every linear of the blocks (PEFT's shorthand)."""
-
-ADAPTERS = ("lora_A", "lora_B")
-"""The attribute names of the two adapter matrices on a LoRA linear (PEFT's)."""
 
 HF_LINEAR_NAMES = {"attention.wq": "self_attn.q_proj", "attention.wk": "self_attn.k_proj",
                    "attention.wv": "self_attn.v_proj", "attention.wo": "self_attn.o_proj",
@@ -133,11 +131,6 @@ def lora_linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
     return [(name, m) for name, m in model.named_modules() if isinstance(m, _LoraForward)]
 
 
-def is_adapter(name: str) -> bool:
-    """Whether the parameter ``name`` is a LoRA adapter matrix (``...wq.lora_A``)."""
-    return name.rpartition(".")[2] in ADAPTERS
-
-
 @dataclasses.dataclass(frozen=True)
 class LoraTransform:
     """LoRA on the linears of the blocks: frozen base, trainable low-rank adapters (PEFT's LoRA)."""
@@ -197,11 +190,15 @@ class LoraTransform:
             return candidates
         for pattern in self.target_modules:
             if not any(_matches(pattern, name) for name, _ in candidates):
+                _refuse_grouped_experts(model, pattern)
                 known = sorted({n.rpartition(".")[2] for n, _ in candidates}
                                | {hf_module_name(n).rpartition(".")[2] for n, _ in candidates})
                 raise ValueError(f"LoRA target_modules pattern {pattern!r} matches no linear of the blocks; "
                                  f"use 'all-linear' or patterns over the names {', '.join(known)}")
         return [(name, m) for name, m in candidates if any(_matches(p, name) for p in self.target_modules)]
+
+    def __str__(self) -> str:
+        return f"LoRA r {self.r}"
 
     def apply(self, model: nn.Module) -> None:
         """Freeze every parameter of ``model`` and give each target linear an adapter, initialised
@@ -235,6 +232,18 @@ class LoraTransform:
                 f"{total / 1e6:,.1f}M")
 
 
+def _refuse_grouped_experts(model: nn.Module, pattern: str) -> None:
+    """ValueError where ``pattern`` names a mixture of experts' grouped weights (one 3-D parameter
+    for all experts, not a linear): LoRA on them is out of scope."""
+    grouped = [name for name, p in model.named_parameters() if p.ndim >= 3 and
+               (_matches(pattern, name) or _matches(pattern, name.rpartition(".")[0]))]
+    if grouped:
+        raise ValueError(f"LoRA target_modules pattern {pattern!r} names the experts' grouped weights "
+                         f"({grouped[0]}, one {model.get_parameter(grouped[0]).ndim}-D parameter for every "
+                         "expert, not a linear): LoRA on them is out of scope; target the attention and other "
+                         "linears (q_proj,k_proj,v_proj,o_proj) or all-linear, which leaves the experts frozen")
+
+
 @torch.no_grad()
 def init_adapters(model: nn.Module, seed: int | None = None) -> None:
     """Initialise every adapter of ``model`` as PEFT does: A Kaiming-uniform (a = sqrt(5)), B zeros.
@@ -245,7 +254,7 @@ def init_adapters(model: nn.Module, seed: int | None = None) -> None:
     ``seed`` None draws one from torch's global generator (``torch.manual_seed`` makes it repeat).
     """
     if seed is None:
-        seed = int(torch.randint(0, 2**62, (1,)).item())
+        seed = int(torch.randint(0, 2**62, (1,), device="cpu").item())  # under a meta device context too
     for name, linear in lora_linears(model):
         a_local, offset, shape = _local_block(linear.lora_A)
         if not a_local.is_meta and a_local.numel():

@@ -33,6 +33,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from mfsdp import _compat
+from mfsdp.adapter_names import is_adapter
 from mfsdp.hf_io import SHARD_BYTES, Entry, HFWeightsError, WeightFiles, read_block, write_weights
 from mfsdp.runtime.parameter_group import local_tensor
 
@@ -117,7 +118,8 @@ def load_hf_weights(model: nn.Module, path: str, *, strict: bool = True) -> list
         for names, tensor in _model_tensors(model):
             key = next((k for k in _candidate_keys(names, prefix) if k in files), None)
             if key is None:
-                if id(tensor) in param_ids:  # a persistent buffer may be absent (HF omits many)
+                if id(tensor) in param_ids and not is_adapter(names[0]):  # a persistent buffer may be absent
+                    # (HF omits many); LoRA adapters are not in a base checkpoint (init_adapters draws them)
                     missing.append(names[0])
                 continue
             used.add(key)

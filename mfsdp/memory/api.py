@@ -61,7 +61,8 @@ def estimate(model_or_config, *, world_size: Optional[int] = None, mesh_shape: O
     this process, which must have none and must not create a real one later (``mfsdp plan``), see
     ``tensor_parallel``. ``expert_units``: each expert of a
     bundled MoE is its own unit (``ParallelizeConfig.expert_units``). ``transforms``: the model
-    transforms ``parallelize`` applies (``ParallelizeConfig.transforms``, bundled Llama only), replayed
+    transforms ``parallelize`` applies (``ParallelizeConfig.transforms``; on a Hugging Face model, those
+    the manager route applies: model state only, activations measured without them), replayed
     on a copy of the meta model: model state is sized from what they leave (``Float8Transform``'s
     tags gather float8 bytes, plus the encode's staging while a gather is issued), and the
     activations are measured on fake copies of its blocks. A given model is sized as it is, its
@@ -181,6 +182,10 @@ COMPILED_NOTE = (f"compiled blocks (--parallel.compile auto/true): a bundled den
                  "upper bound")
 
 
+BUNDLED_ONLY_TRANSFORMS = ("float8",)
+"""The transforms (``name``) that only the bundled Llama runs; LoRA's is replayed on either model."""
+
+
 def _compiled(acts: ActivationProfile, model: nn.Module, ac: bool, transforms: tuple, notes: list) -> ActivationProfile:
     """``acts`` of compiled blocks, with ``COMPILED_NOTE`` in ``notes``; measured only where it is
     scaled: the bundled dense Llama, no checkpointing (which saves the block inputs either way), bf16
@@ -203,8 +208,9 @@ def _resolve(obj, dtype, seq_len, expert_units, tp: TensorParallel, tp_mesh, tra
         obj = get_config(obj)
     llama = isinstance(obj, LlamaConfig) or (isinstance(obj, nn.Module) and hasattr(obj, "cfg")
                                              and hasattr(obj, "layers"))
-    if transforms and not llama:
-        raise ValueError(f"estimate: the model transforms ({', '.join(map(str, transforms))}) are planned on the "
+    bundled_only = [str(t) for t in transforms if t.name in BUNDLED_ONLY_TRANSFORMS]
+    if bundled_only and not llama:
+        raise ValueError(f"estimate: the model transforms ({', '.join(bundled_only)}) are planned on the "
                          "bundled Llama (as --model.float8 applies to it), not on a Hugging Face model")
     if head_loss not in HEAD_LOSSES:
         raise ValueError(f"estimate: unknown head_loss {head_loss!r}; use {', '.join(HEAD_LOSSES)}")
@@ -218,7 +224,7 @@ def _resolve(obj, dtype, seq_len, expert_units, tp: TensorParallel, tp_mesh, tra
         cfg, model = (obj, None) if isinstance(obj, LlamaConfig) else (obj.cfg, obj)
         return _llama(cfg, dtype, seq_len, expert_units, model, transforms, head_loss, compiled_head)
     if isinstance(obj, (str, os.PathLike)) or hasattr(obj, "to_json_string") or isinstance(obj, nn.Module):
-        return _hf(obj, dtype, tp, tp_mesh)
+        return _hf(obj, dtype, tp, tp_mesh, transforms)
     raise TypeError(f"estimate: cannot size a {type(obj).__name__}; pass a preset name, a LlamaConfig, a "
                     "meta-device model, a Hugging Face config or a local Hugging Face directory")
 
@@ -301,7 +307,9 @@ def _cached_acts(key, measure) -> ActivationProfile:
     return dataclasses.replace(acts, grad_window=dict(acts.grad_window))  # the caller's own dict
 
 
-def _hf(obj, dtype, tp: TensorParallel, tp_mesh):
+def _hf(obj, dtype, tp: TensorParallel, tp_mesh, transforms: tuple = ()):
+    """A Hugging Face model's parts, its model state from the meta model with ``transforms`` applied (as
+    the manager route applies them) and its activations measured without them."""
     import transformers
 
     from mfsdp.manager.core_options import resolve_unit_modules
@@ -310,6 +318,10 @@ def _hf(obj, dtype, tp: TensorParallel, tp_mesh):
     given = isinstance(obj, nn.Module)
     model = obj if given else meta_model_from_config(obj, dtype=dtype)
     notes = []
+    if transforms:
+        model = apply_transforms(copy.deepcopy(model) if given else model, transforms)
+        notes.append(f"{', '.join(map(str, transforms))}: model state of the transformed model; activations "
+                     "measured on the Hugging Face model without the transforms")
     if tp.enabled:  # the manager's first step, on a copy: parameters become TP DTensors
         model = apply_tp(copy.deepcopy(model) if given else model, tp, tp_mesh)
         notes.append(f"{tp.describe()}: model state from the TP-local shards of the manager's plan (tp rank 0), "

@@ -24,6 +24,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from mfsdp import _compat
+from mfsdp.adapter_names import is_adapter
 from mfsdp.hf_io import HFWeightsError, WeightFiles, read_block
 from mfsdp.models.llama import Llama, LlamaConfig, _local_block
 
@@ -69,11 +70,12 @@ def hf_weight_names(cfg: LlamaConfig) -> list[tuple[str, str]]:
 @torch.no_grad()
 def load_hf_weights(model: Llama, hf_dir: str | Path) -> None:
     """Copy a Hugging Face checkpoint's weights into ``model``'s parameters (their local shards when
-    sharded) and rebuild the rotary tables; raises ``HFWeightsError`` naming every tensor that is
+    sharded) and rebuild the rotary tables (LoRA adapters, which a base checkpoint lacks, are left to
+    ``mfsdp.lora.init_adapters``); raises ``HFWeightsError`` naming every tensor that is
     missing, of another shape, or left over, before anything is written."""
     params = dict(model.named_parameters())  # a tied matrix once, as the embedding
     names = hf_weight_names(model.cfg)
-    unfilled = sorted(set(params) - {name for _, name in names})
+    unfilled = sorted(set(params) - {name for _, name in names} - set(filter(is_adapter, params)))
     if unfilled:
         raise HFWeightsError(f"the bundled model's {unfilled[0]} has no Hugging Face name (a model "
                              f"{type(model).__name__} these weights cannot fill)")

@@ -12,24 +12,27 @@ import mfsdp
 from mfsdp import transforms
 from mfsdp.float8_transform import Float8Transform
 from mfsdp.hf_io import HFWeightsError
+from mfsdp.lora import LoraTransform, init_adapters
 from mfsdp.mesh import DP_SHARD, TWO_AXIS, build_mesh, resolve_placements
 from mfsdp.models.hf_weights import load_hf_weights
 from mfsdp.models.llama import Llama
 from mfsdp.models.moe import build_model
 from mfsdp.models.parallelize import ParallelizeConfig, compile_modules, parallelize
 from mfsdp.offload import OffloadPolicy
-from mfsdp.train.config import ModelSection, RunConfig
+from mfsdp.train.config import RunConfig
 from mfsdp.train.errors import ConfigError
 from mfsdp.train.metrics import peak_memory_gib
 
 
 def build(cfg: RunConfig, device: torch.device, world: int, log: Callable[[str], None], resuming: bool = False):
     """The sharded model and its sharded optimizer (offloaded in part where the config asks);
-    ``resuming``: a checkpoint's weights replace the initial ones, so pretrained ones are not read."""
+    ``resuming``: a checkpoint's weights replace the initial ones, so pretrained ones are not read
+    (but for LoRA, whose checkpoints hold only the adapters: the frozen base is read again)."""
     compute = cfg.compute_dtype(device.type)
-    pretrained, model_transforms = cfg.loads_weights() and not resuming, transforms_for(cfg.model)
-    model = build_hf(cfg, device, compute, world, pretrained) if cfg.model.uses_manager else \
-        build_bundled(cfg, device, compute, world, log, pretrained, model_transforms)
+    pretrained = cfg.loads_weights() and (not resuming or cfg.peft.lora)
+    model_transforms = transforms_for(cfg)
+    model = build_hf(cfg, device, compute, world, log, pretrained, model_transforms) if cfg.model.uses_manager \
+        else build_bundled(cfg, device, compute, world, log, pretrained, model_transforms)
     optimizer = mfsdp.fully_shard_optimizer(model, adamw(model, cfg.train), offload=offload_policy(cfg.parallel),
                                             flat_adamw=cfg.train.flat_adamw(device.type))
     describe_offload(optimizer, cfg, log)
@@ -37,10 +40,15 @@ def build(cfg: RunConfig, device: torch.device, world: int, log: Callable[[str],
     return model, optimizer
 
 
-def transforms_for(m: ModelSection) -> tuple:
-    """The model transforms the --model section asks for, in the order they apply: the one list that
-    ``parallelize`` applies and the memory planner replays."""
-    return (Float8Transform(m.float8, m.float8_skip_patterns()),) if m.float8 != "none" else ()
+def transforms_for(cfg: RunConfig) -> tuple:
+    """The model transforms the config asks for, in the order they apply (float8 first: LoRA wraps
+    the float8 linears, so the frozen base computes in float8): the one list that ``parallelize`` and
+    the manager route apply, the memory planner replays and ``resolve`` checks on the meta model."""
+    m, peft = cfg.model, cfg.peft
+    out = (Float8Transform(m.float8, m.float8_skip_patterns()),) if m.float8 != "none" else ()
+    if peft.lora:
+        out += (LoraTransform(peft.lora_r, peft.lora_alpha, peft.lora_dropout, peft.target_modules, peft.use_rslora),)
+    return out
 
 
 def build_bundled(cfg: RunConfig, device: torch.device, compute: torch.dtype, world: int, log,
@@ -63,7 +71,7 @@ def build_bundled(cfg: RunConfig, device: torch.device, compute: torch.dtype, wo
         activation_checkpointing=p.activation_checkpointing, expert_units=p.expert_units,
         keep_gathered_blocks=p.kept_blocks()))
     materialize_and_init(model, device, cfg.train.seed)
-    for transform in model_transforms:
+    for transform in model_transforms:  # a DTensor's numel is the whole parameter's: whole-model numbers
         log(transform.describe(model))
     log(f"model built and initialised shard by shard: {shard_numel(model) / 1e6:,.1f}M parameters on this "
         f"rank, peak memory {peak_memory_gib(device):.2f} GiB")
@@ -73,6 +81,7 @@ def build_bundled(cfg: RunConfig, device: torch.device, compute: torch.dtype, wo
         except HFWeightsError as err:  # alike on every rank: each checks every tensor before writing
             raise ConfigError(f"--model.hf {cfg.model.hf}: {err}") from None
         log(f"loaded the weights of {cfg.model.hf} into the bundled Llama, each rank its own slices")
+    init_adapters(model, cfg.train.seed)  # neither init_weights nor the loader touches them
     return model
 
 
@@ -114,9 +123,10 @@ def adamw(model, t) -> torch.optim.AdamW:
     them towards zero only hurts. ``--train.adamw_kernel`` picks torch's kernels for the groups the
     flat step (``fully_shard_optimizer(flat_adamw=)``) does not take (``fused_adamw``: fused on CUDA,
     one kernel per dtype and no shard-sized temporary, often the step's memory peak with foreach;
-    foreach on CPU, where the fused kernel is slower)."""
-    decay = [q for q in model.parameters() if q.ndim >= 2]
-    no_decay = [q for q in model.parameters() if q.ndim < 2]
+    foreach on CPU, where the fused kernel is slower). Frozen parameters (LoRA's base) are left out."""
+    trainable = [q for q in model.parameters() if q.requires_grad]  # LoRA: the adapters only
+    decay = [q for q in trainable if q.ndim >= 2]
+    no_decay = [q for q in trainable if q.ndim < 2]
     device = (decay + no_decay)[0].device.type
     kernel = {"fused": True} if t.fused_adamw(device) else {"foreach": True}
     return torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay},
@@ -137,18 +147,20 @@ def offload_policy(p):
     return None if p.offload == "none" else OffloadPolicy(fraction=p.offload_fraction)
 
 
-def build_hf(cfg, device: torch.device, compute_dtype: torch.dtype, world: int, pretrained: bool = False):
+def build_hf(cfg, device: torch.device, compute_dtype: torch.dtype, world: int, log=print, pretrained: bool = False,
+             model_transforms: tuple = ()):
     """``--model.hf DIR``: the Hugging Face model sharded by the manager.
 
     Built on the meta device from ``DIR/config.json`` in the compute dtype, parallelized by the
     manager (``--parallel.placements`` as a ``Placements`` over the manager's dp_shard, hsdp/hfsdp
     over (dp_replicate, dp_shard) with ``--parallel.replicate`` replicas), then loaded slice by
     slice from ``DIR``'s safetensors when ``pretrained``, else initialised shard-locally with
-    ``--train.seed``.
+    ``--train.seed``. ``model_transforms`` (LoRA) rewrite the meta model first, and are described
+    there (whole-model numbers); the adapters are initialised after the load.
     """
     from mfsdp.manager import MegatronFSDPConfig, MegatronFSDPManager, build_device_mesh
     from mfsdp.manager.core_options import resolve_unit_modules
-    from mfsdp.manager.hf_checkpoint import meta_model_from_config
+    from mfsdp.manager.hf_checkpoint import meta_model_from_config, refresh_compute_weights
 
     p, path = cfg.parallel, cfg.model.hf
     config = MegatronFSDPConfig(
@@ -159,10 +171,16 @@ def build_hf(cfg, device: torch.device, compute_dtype: torch.dtype, world: int, 
     mesh = build_device_mesh(device.type, dp_replicate_size=p.replicate, world_size=world)
     model = meta_model_from_config(path, dtype=compute_dtype)
     model.config.use_cache = False
+    transforms.apply_transforms(model, model_transforms)
+    for transform in model_transforms:
+        log(transform.describe(model))
     # The units, named before sharding renames their classes; compiled after it, as the blocks are.
     units = [module for _, module in resolve_unit_modules(model, config.megatron_fsdp_unit_modules)]
     model, _ = MegatronFSDPManager(config, mesh).parallelize(
         model, hf_path=path if pretrained else None, init_seed=cfg.train.seed)
+    if model_transforms:
+        init_adapters(model, cfg.train.seed)
+        refresh_compute_weights(model)  # the adapters' compute copies, from the main weights just written
     if cfg.compiles(device.type):
         compile_modules(units)
     return model

@@ -545,13 +545,13 @@ class RunConfig:
         return self.model.hf is not None and not self.model.random_init and self.hf_weights
 
     def recipe(self) -> tuple[str, Recipe]:
-        """The name and values of the run's recipe (``mfsdp.train.recipes``): fine-tuning for
-        pretrained weights, else the preset's or, for ``--model.hf``, that of the preset nearest in
+        """The name and values of the run's recipe (``mfsdp.train.recipes``): fine-tuning (LoRA's with
+        --peft.method lora) for pretrained weights, else the preset's or, for ``--model.hf``, that of the preset nearest in
         size."""
         hf = self.model.hf is not None
         shape = self.model.llama_config(self.data.seq_len, self.hf_config) \
             if hf or self.model.preset not in RECIPES else None
-        return recipe_for(self.model.preset, shape, by_size=hf, pretrained=self.loads_weights())
+        return recipe_for(self.model.preset, shape, by_size=hf, pretrained=self.loads_weights(), lora=self.peft.lora)
 
     def recipe_values(self) -> dict:
         """The recipe's value of each ``FROM_RECIPE`` field of ``--train``, for this run's length."""
@@ -577,6 +577,14 @@ class RunConfig:
         c = self.hf_config
         name = (c.get("architectures") or [c.get("model_type") or "Hugging Face model"])[0]
         return f"{name} from {self.model.hf}" + ("" if self.loads_weights() else " (random init)")
+
+    def method_line(self) -> str:
+        """What trains, in a few words, for the first line of a run: every weight, or LoRA's adapters."""
+        p = self.peft
+        if not p.lora:
+            return "every weight trains"
+        scale = f"alpha {p.lora_alpha:g}" + (", rsLoRA" if p.use_rslora else "")
+        return f"LoRA r {p.lora_r}, {scale} on {p.target_modules} (the base frozen)"
 
     def route_note(self) -> str | None:
         """Why a --model.hf model trains through the manager although the bundled Llama is faster, in

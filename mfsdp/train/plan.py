@@ -46,7 +46,7 @@ def planned_run(cfg: RunConfig) -> plan.PlannedRun:
     return plan.PlannedRun(
         cfg.model.hf if cfg.model.uses_manager else cfg.llama_config(), setting, d.seq_len, grads,
         cfg.main_grads_name("cuda"), p.replicate, cfg.compute_dtype("cuda"), cfg.grad_comm_dtype(),
-        p.expert_units, transforms_for(cfg.model), not cfg.train.fused_adamw("cuda"), cfg.compiles("cuda"),
+        p.expert_units, transforms_for(cfg), not cfg.train.fused_adamw("cuda"), cfg.compiles("cuda"),
         cfg.train.async_checkpoint_on("cuda"), cfg.model.head_loss, flat_adamw=cfg.train.flat_adamw("cuda"),
         keep_gathered_blocks=p.kept_blocks())
 

@@ -10,11 +10,13 @@ all warm-up (2,000 steps in the recipe); torchtitan's 1000-step Llama 3 configs 
 steps, the same fifth.
 
 Fine-tuning (``--model.hf DIR`` with pretrained weights): ``FINE_TUNING``, the same for every size,
-since the published full fine-tuning recipes do not scale their rate with the model either.
+since the published full fine-tuning recipes do not scale their rate with the model either. LoRA
+(``--peft.method lora``) on pretrained weights: ``LORA``, the fine-tuning schedule at LoRA's rate.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -97,13 +99,25 @@ RECIPES: dict[str, Recipe] = {
 FINE_TUNING = Recipe(lr=2e-5, warmup_steps=100, min_lr_ratio=0.0, warmup_fraction=0.1, schedule="cosine",
                      beta2=0.999, weight_decay=0.0)
 
+# LoRA fine-tuning of pretrained weights (only the adapters train).
+# * lr 2e-4: Axolotl's LoRA example configs (learning_rate 0.0002); TRL's
+#   PEFT guidance, about 10x the full fine-tuning rate (SFTConfig's 2e-5); torchtune's
+#   llama3_1/8B_lora.yaml takes 3e-4, within a factor of 1.5.
+# * Warm-up min(100, steps // 10) and cosine decay to 0: the fine-tuning schedule above, which is
+#   torchtune's LoRA configs' own (get_cosine_schedule_with_warmup, num_warmup_steps 100).
+# * Weight decay 0: TRL/HF's TrainingArguments default, which PEFT LoRA runs inherit; decaying the
+#   adapters would pull B towards zero, towards the base model. torchtune's LoRA configs take 0.01.
+# * AdamW betas (0.9, 0.999), clipping at 1.0: HF TrainingArguments' defaults, as for FINE_TUNING.
+LORA = dataclasses.replace(FINE_TUNING, lr=2e-4)
 
-def recipe_for(preset: str, shape: LlamaConfig, by_size: bool, pretrained: bool = False) -> tuple[str, Recipe]:
-    """The name and recipe of a run's model: ``FINE_TUNING`` for ``pretrained`` weights, else its
-    preset's or (``by_size``: a Hugging Face model) that of the dense preset nearest in parameter
-    count."""
+
+def recipe_for(preset: str, shape: LlamaConfig, by_size: bool, pretrained: bool = False,
+               lora: bool = False) -> tuple[str, Recipe]:
+    """The name and recipe of a run's model: ``LORA`` for ``lora`` on ``pretrained`` weights,
+    ``FINE_TUNING`` for other ``pretrained`` ones, else its preset's or (``by_size``: a Hugging Face
+    model) that of the dense preset nearest in parameter count."""
     if pretrained:
-        return "fine-tuning", FINE_TUNING
+        return ("LoRA", LORA) if lora else ("fine-tuning", FINE_TUNING)
     if not by_size:
         return preset, RECIPES[preset]
     n = flops.param_counts(shape)["total"]

@@ -35,7 +35,7 @@ def resolve(cfg: RunConfig) -> RunConfig:
     if cfg.model.hf is not None:
         cfg = _resolve_hf(cfg)
     _check_kept_blocks(cfg)
-    check_float8_skip(cfg)
+    check_transforms(cfg)
     if cfg.train.out_dir is None:
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, out_dir=cfg.model.default_out_dir()))
     return _fill_recipe(cfg)
@@ -86,17 +86,30 @@ def _check_kept_blocks(cfg: RunConfig) -> None:
         raise ConfigError(f"--parallel.{err}") from None
 
 
-def check_float8_skip(cfg: RunConfig) -> None:
-    """Each --model.float8_skip pattern must name a float8 linear of the model that trains (the rule
-    of ``mfsdp.float8.float8_linears``, on the model built on the meta device)."""
-    if not (skip := cfg.model.float8_skip_patterns()):
-        return
-    from mfsdp.float8 import float8_linears
-    from mfsdp.models import build_model
+def check_transforms(cfg: RunConfig) -> None:
+    """The model transforms of ``cfg`` (``build.transforms_for``: --model.float8, --peft) must fit its
+    model: they are applied, by their own rules, to the model that trains built on the meta device
+    (the bundled Llama, or the Hugging Face model of --model.hf's config.json on the manager route),
+    and a ValueError becomes the ConfigError of the flags."""
+    from mfsdp.train.build import transforms_for
+    from mfsdp.transforms import apply_transforms
 
-    with torch.device("meta"):
-        model = build_model(cfg.llama_config())
+    if not (model_transforms := transforms_for(cfg)):
+        return
+    if cfg.model.uses_manager:
+        from mfsdp.manager.hf_checkpoint import meta_model_from_config
+
+        model = meta_model_from_config(cfg.model.hf)
+    else:
+        from mfsdp.models import build_model
+
+        with torch.device("meta"):
+            model = build_model(cfg.llama_config())
     try:
-        float8_linears(model, skip)
-    except ValueError as err:
-        raise ConfigError(f"--model.float8_skip: {str(err).removeprefix('mfsdp.float8: ')}") from None
+        apply_transforms(model, model_transforms)
+    except ValueError as err:  # float8's words lack the flag; LoRA's name theirs
+        message = str(err)
+        if message.startswith("mfsdp.float8: "):
+            flag = "--model.float8_skip" if cfg.model.float8_skip_patterns() else "--model.float8"
+            message = f"{flag}: {message.removeprefix('mfsdp.float8: ')}"
+        raise ConfigError(message) from None
