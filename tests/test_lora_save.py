@@ -185,14 +185,34 @@ def test_mfsdp_export_of_a_lora_checkpoint_is_a_peft_adapter_with_our_logits(tra
         assert float((loaded(TOKENS).logits - model(TOKENS)).abs().max()) < 1e-5
 
 
+def _export_at_the_end(rank, ws, checkpoint, out):
+    from pathlib import Path
+
+    from mfsdp.train.epilogue import export_hf
+
+    said = []
+    export_hf(Path(checkpoint), Path(out), said.append, torch.float32)
+    return said
+
+
+def test_export_hf_at_the_end_of_a_lora_run_writes_the_adapter(trained, world, tmp_path):
+    model, base, runs = trained
+    said = world(2).run(_export_at_the_end, checkpoint=str(runs["false"]), out=str(tmp_path / "hf"))
+    assert said[1] == [] and said[0][0].startswith(f"wrote a PEFT LoRA adapter to {tmp_path / 'hf'}: 12 tensors"), said
+    assert f"peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained('{base}')" in said[0][0]
+    assert json.loads((tmp_path / "hf" / ADAPTER_CONFIG).read_text())["base_model_name_or_path"] == str(base)
+
+
 def test_merge_on_export_writes_the_merged_model_with_the_base_tokenizer(trained, tmp_path):
     peft = pytest.importorskip("peft")
     from safetensors.torch import load_file
 
-    from mfsdp.train.export import exported_line
+    from mfsdp.train.export import ExportError, export_hf, exported_line
     from mfsdp.train.export_lora import export_checkpoint
 
     model, base, runs = trained
+    with pytest.raises(ExportError, match="holds LoRA adapters only; export it with `mfsdp export`"):
+        export_hf(runs["true"], tmp_path / "plain")
     done = export_checkpoint(runs["true"], tmp_path / "merged")
     assert "AutoModelForCausalLM.from_pretrained" in exported_line(done) and done.tokenizer == str(base)
     for name in ("chat_template.jinja", "tokenizer_config.json", "generation_config.json", "config.json"):
