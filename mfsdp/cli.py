@@ -108,7 +108,8 @@ def export(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="mfsdp export",
         description="Write a training checkpoint as a Hugging Face model directory (config.json, "
-                    "safetensors, the run's tokenizer) that transformers' from_pretrained loads.")
+                    "safetensors, the run's tokenizer) that transformers' from_pretrained loads; a LoRA "
+                    "run's as a PEFT adapter directory, or merged into its base with --peft.merge_on_export.")
     parser.add_argument("source", help="a checkpoint (OUT_DIR/checkpoints/step_N) or a run's OUT_DIR "
                                        "(its newest whole checkpoint)")
     parser.add_argument("out", help="the directory to write")
@@ -119,9 +120,10 @@ def export(argv: list[str]) -> int:
                         help="largest safetensors file, in GB (default: 5)")
     args = parser.parse_args(argv)
     from mfsdp.train.checkpoint import CheckpointError
-    from mfsdp.train.export import DTYPES, ExportError, export_hf, exported_line
+    from mfsdp.train.export import DTYPES, ExportError, exported_line
+    from mfsdp.train.export_lora import export_checkpoint
     try:
-        done = export_hf(args.source, args.out, dtype=DTYPES.get(args.dtype),
+        done = export_checkpoint(args.source, args.out, dtype=DTYPES.get(args.dtype),
                          max_shard_bytes=max(1, int(args.max_shard_gb * 1e9)))
     except (ExportError, CheckpointError) as err:
         print(f"mfsdp export: error: {err}", file=sys.stderr)

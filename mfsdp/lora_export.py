@@ -20,8 +20,8 @@ from torch import nn
 
 from mfsdp.lora import ADAPTERS, LoraTransform, candidate_linears, hf_module_name, is_adapter, lora_linears
 
-__all__ = ["ADAPTER_WEIGHTS", "ADAPTER_CONFIG", "adapter_state_dict", "merged_state_dict", "peft_key",
-           "hf_target_modules", "peft_adapter_config", "save_peft_adapter"]
+__all__ = ["ADAPTER_WEIGHTS", "ADAPTER_CONFIG", "adapter_state_dict", "merged_state_dict", "merge_weight", "peft_key",
+           "hf_target_modules", "peft_adapter_config", "save_peft_adapter", "write_peft_adapter"]
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -50,10 +50,16 @@ def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
         weight = _whole(param)
         linear = merged.get(id(param))
         if linear is not None:
-            delta = _whole(linear.lora_B).float() @ _whole(linear.lora_A).float()
-            weight = (weight.float() + linear.lora_scale * delta).to(weight.dtype)
+            weight = merge_weight(weight, _whole(linear.lora_A), _whole(linear.lora_B), linear.lora_scale)
         out[name] = weight
     return out
+
+
+def merge_weight(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor, scale: float,
+                 dtype: torch.dtype | None = None) -> torch.Tensor:
+    """W + scale * B @ A, summed in fp32 and cast to ``dtype`` (None: W's own)."""
+    delta = lora_B.float() @ lora_A.float()
+    return (weight.float() + scale * delta).to(dtype or weight.dtype)
 
 
 def peft_key(name: str) -> str:
@@ -93,15 +99,23 @@ def save_peft_adapter(model: nn.Module, lora: LoraTransform, out_dir: str | Path
     return it. ``dtype`` None keeps the adapters' own dtype (fp32 main weights under mfsdp).
     Sharded adapters are gathered whole (a collective: every rank calls; rank 0 writing is the
     caller's choice, as the files are the same on every rank)."""
+    adapters = adapter_state_dict(model)
+    if not adapters:
+        raise ValueError(f"{type(model).__name__} has no LoRA adapters to save; apply LoraTransform first")
+    config = peft_adapter_config(lora, hf_target_modules(model), base_model_name_or_path)
+    return write_peft_adapter(adapters, config, out_dir, dtype)
+
+
+def write_peft_adapter(adapters: dict[str, torch.Tensor], config: dict, out_dir: str | Path,
+                       dtype: torch.dtype | None = None) -> Path:
+    """Write ``adapters`` (whole, under the model's names: ``layers.0.attention.wq.lora_A``) under
+    PEFT's keys, in ``dtype`` (None: their own), and ``config`` (``peft_adapter_config``) as the PEFT
+    adapter directory ``out_dir``; the one writer of both the live and the offline export."""
     from safetensors.torch import save_file
 
-    tensors = {peft_key(name): t.to(dtype or t.dtype).cpu().contiguous()
-               for name, t in adapter_state_dict(model).items()}
-    if not tensors:
-        raise ValueError(f"{type(model).__name__} has no LoRA adapters to save; apply LoraTransform first")
+    tensors = {peft_key(name): t.to(dtype or t.dtype).cpu().contiguous() for name, t in adapters.items()}
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / ADAPTER_WEIGHTS), metadata={"format": "pt"})
-    config = peft_adapter_config(lora, hf_target_modules(model), base_model_name_or_path)
     (out / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
     return out

@@ -3,7 +3,8 @@
 A save that fails for want of space comes after the training it was meant to keep, hours into a
 long run (an 8b checkpoint is 96 GB: fp32 main weights and two AdamW moments; 16 GB with
 ``--train.save_only_model`` in bf16). So before any worker starts, the launcher sizes one
-checkpoint (``checkpoint.checkpoint_bytes`` of the model's parameters), counts how many the run
+checkpoint (``checkpoint.checkpoint_bytes`` of the model's parameters; a LoRA run's of its adapters'
+only, which is all its checkpoints hold), counts how many the run
 holds at once, adds the export when one is asked for, and compares that with the free space of
 ``--train.out_dir`` (its nearest existing ancestor, when it does not exist yet). Not even one
 checkpoint fits: ``ConfigError``, one line, exit 2. Not all of them fit: a warning line, and the run
@@ -21,6 +22,7 @@ import shutil
 from pathlib import Path
 
 from mfsdp.models import flops
+from mfsdp.train.adapters import adapter_params
 from mfsdp.train.checkpoint import checkpoint_bytes, complete_checkpoints
 from mfsdp.train.config import RunConfig, TrainSection, dtype_name
 from mfsdp.train.errors import ConfigError
@@ -47,10 +49,19 @@ def new_checkpoints_at_once(t: TrainSection, existing: int) -> int:
     return max(1, min(saves(t), t.keep_checkpoints + 1) - existing)
 
 
+def checkpointed_params(cfg: RunConfig) -> int:
+    """The parameters a checkpoint of ``cfg`` holds: a LoRA run's adapters, else every parameter."""
+    return adapter_params(cfg) if cfg.peft.lora else flops.param_counts(cfg.llama_config())["total"]
+
+
 def export_bytes(cfg: RunConfig) -> int:
     """Bytes of the model export the run writes besides its checkpoints: with ``--train.export_hf``,
-    every parameter once in bf16 (``export.export_hf``'s default dtype), else 0."""
-    return 2 * flops.param_counts(cfg.llama_config())["total"] if cfg.train.export_hf else 0
+    every parameter once in bf16 (``export.export_hf``'s default dtype; a LoRA run's adapters only,
+    unless it merges them on export), else 0."""
+    if not cfg.train.export_hf:
+        return 0
+    adapters = cfg.peft.lora and not cfg.peft.merge_on_export
+    return 2 * (adapter_params(cfg) if adapters else flops.param_counts(cfg.llama_config())["total"])
 
 
 def free_space(path: str | Path) -> tuple[Path, int]:
@@ -69,7 +80,7 @@ def check_disk(cfg: RunConfig, share: float = 1.0, device_type: str = "cuda") ->
     t = cfg.train
     if t.skip_disk_check:
         return None
-    params = flops.param_counts(cfg.llama_config())["total"]
+    params = checkpointed_params(cfg)
     one = int(checkpoint_bytes(params, cfg.save_dtype(device_type)) * share)
     root = Path(t.out_dir) / "checkpoints"
     where, free = free_space(root)
@@ -107,7 +118,10 @@ def _too_many(t: TrainSection, count: int, one: int, export: int, where: Path, f
 def _contents(cfg: RunConfig, device_type: str) -> str:
     """What a checkpoint of ``cfg`` holds, in a few words."""
     dtype = cfg.save_dtype(device_type)
-    return "fp32 main weights and AdamW moments" if dtype is None else f"the model's weights in {dtype_name(dtype)}"
+    if dtype is None:
+        return f"{'the LoRA adapters: ' * cfg.peft.lora}fp32 main weights and AdamW moments"
+    whose = "the LoRA adapters'" if cfg.peft.lora else "the model's"
+    return f"{whose} weights in {dtype_name(dtype)}"
 
 
 def _model_only_fix(cfg: RunConfig, params: int, share: float, device_type: str, room: int) -> str | None:

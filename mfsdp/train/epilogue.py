@@ -37,10 +37,12 @@ def finish(cfg: RunConfig, model, data: TokenFile, last: int, stopped: bool, dev
 
 def export_hf(checkpoint: Path, out: Path, log, dtype: torch.dtype) -> None:
     """--train.export_hf: rank 0 writes the final checkpoint to ``out`` in ``dtype`` (read from disk, one
-    tensor at a time, as `mfsdp export` does) while the others wait; a failure stops them all."""
+    tensor at a time, as `mfsdp export` does; a LoRA run's as a PEFT adapter, or merged) while the
+    others wait; a failure stops them all."""
     problem = None
     if dist.get_rank() == 0:
-        from mfsdp.train.export import ExportError, export_hf as export, exported_line
+        from mfsdp.train.export import ExportError, exported_line
+        from mfsdp.train.export_lora import export_checkpoint as export
 
         try:
             log(exported_line(export(checkpoint, out, dtype)))

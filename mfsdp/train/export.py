@@ -61,6 +61,8 @@ class Exported:
     nbytes: int
     tokenizer: str | None
     """The directory whose tokenizer was copied, or None (the byte tokenizer, or a token file gone)."""
+    base: str | None = None
+    """A PEFT adapter directory's base model directory; None: a whole model."""
 
 
 def resolve_checkpoint(source: str | Path) -> Path:
@@ -83,10 +85,10 @@ def export_hf(source: str | Path, out_dir: str | Path, dtype: torch.dtype | None
     memory at a time."""
     checkpoint = resolve_checkpoint(source)
     meta = CheckpointMeta.read(checkpoint)
-    run = meta.config
-    if not isinstance(run, dict) or "model" not in run:
-        raise ExportError(f"{checkpoint / META} holds no run config (written by an older mfsdp); "
-                          "resume the run for a step with this mfsdp to write a checkpoint that has one")
+    run = recorded_run(checkpoint, meta)
+    if meta.peft is not None:
+        raise ExportError(f"checkpoint {checkpoint} holds LoRA adapters only; export it with `mfsdp export` "
+                          "(mfsdp.train.export_lora.export_checkpoint), which writes a PEFT adapter or merges it")
     dtype = dtype or checkpoint_dtype(meta)
     saved = dcp.FileSystemReader(checkpoint).read_metadata().state_dict_metadata
     out = Path(out_dir)
@@ -103,18 +105,32 @@ def export_hf(source: str | Path, out_dir: str | Path, dtype: torch.dtype | None
     keys, reader = dict(plan), dcp.FileSystemReader(checkpoint)
 
     def read(entry: Entry) -> torch.Tensor:
-        md = saved[keys[entry.name]]
-        state = {keys[entry.name]: torch.empty(md.size, dtype=md.properties.dtype)}
-        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(state, storage_reader=reader, no_dist=True)
-        return state[keys[entry.name]]
+        return read_tensors(reader, saved, [keys[entry.name]])[keys[entry.name]]
 
     files = write_weights(out, entries, read, max_shard_bytes)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     write_generation_config(config, run["model"].get("hf"), out)
     return Exported(out, config["architectures"][0], len(entries), files,
                     sum(e.nbytes for e in entries), tokenizer)
+
+
+def recorded_run(checkpoint: Path, meta: CheckpointMeta) -> dict:
+    """The run config that checkpoint ``checkpoint`` (whose record is ``meta``) was written by."""
+    run = meta.config
+    if not isinstance(run, dict) or "model" not in run:
+        raise ExportError(f"{checkpoint / META} holds no run config (written by an older mfsdp); "
+                          "resume the run for a step with this mfsdp to write a checkpoint that has one")
+    return run
+
+
+def read_tensors(reader: dcp.FileSystemReader, saved: dict, keys: list[str]) -> dict[str, torch.Tensor]:
+    """The checkpoint tensors ``keys`` (``saved``: the checkpoint's metadata), read without a
+    process group."""
+    state = {key: torch.empty(saved[key].size, dtype=saved[key].properties.dtype) for key in keys}
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, storage_reader=reader, no_dist=True)
+    return state
 
 
 def checkpoint_dtype(meta: CheckpointMeta) -> torch.dtype:
@@ -277,6 +293,10 @@ def _tokenizer(run: dict):
 def exported_line(done: Exported) -> str:
     """What ``mfsdp export`` and ``--train.export_hf`` print."""
     tokenizer = f", tokenizer from {done.tokenizer}" if done.tokenizer else ""
+    if done.base is not None:
+        return (f"wrote a PEFT LoRA adapter to {done.path}: {done.tensors} tensors, {done.nbytes / 1e6:,.1f} MB"
+                f"{tokenizer}; load it with peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM."
+                f"from_pretrained({done.base!r}), {str(done.path)!r})")
     return (f"wrote {done.architecture} to {done.path}: {done.tensors} tensors, "
             f"{done.nbytes / 1e6:,.1f} MB in {done.files} safetensors file(s){tokenizer}; load it with "
             f"transformers.AutoModelForCausalLM.from_pretrained({str(done.path)!r})")

@@ -13,7 +13,8 @@ import torch.distributed as dist
 from mfsdp.data.packing import cut_note
 from mfsdp.models.moe import MoELlama
 from mfsdp.train.batches import make_sampler
-from mfsdp.train.build import build, shard_numel
+from mfsdp.train.adapters import adapter_record, checkpointed_numel
+from mfsdp.train.build import build
 from mfsdp.train.checkpoint import CheckpointMeta, load_checkpoint
 from mfsdp.train.checkpoint.async_save import make_checkpointer
 from mfsdp.train.epilogue import finish
@@ -85,10 +86,11 @@ class Trainer:
                                purge_step=start_step + 1 if start_step else None),
                 StepLines(cfg, start_step, enabled=self.rank == 0 and not cfg.train.progress, log=self.note),
                 WandbLog(cfg, resumed is not None, enabled=self.rank == 0 and cfg.metrics.wandb))
-        checkpointer = make_checkpointer(self.out_dir / "checkpoints", cfg, self.device.type, shard_numel(model),
+        checkpointer = make_checkpointer(self.out_dir / "checkpoints", cfg, self.device.type, checkpointed_numel(model),
                                          self.note, model, optimizer)
         meta = CheckpointMeta(model=model_fingerprint(self.model_cfg), config=cfg.to_dict(), world_size=self.world,
-                              data_seed=d.seed, held_out=split_record(cfg, self.data, held), hf_config=cfg.hf_config)
+                              data_seed=d.seed, held_out=split_record(cfg, self.data, held), hf_config=cfg.hf_config,
+                              peft=adapter_record(cfg, model))
         last, stopped = self.train(model, optimizer, sampler, evaluator, logs, checkpointer, start_step, meta)
         for log in logs:
             log.close()

@@ -50,6 +50,10 @@ class CheckpointMeta:
     (``--train.save_only_model``), so a resume starts the optimizer afresh."""
     weights_dtype: str = "fp32"
     """The weights' dtype on disk, a key of ``config.DTYPES``."""
+    peft: dict | None = None
+    """A LoRA run's PEFT adapter config (``adapters.adapter_record``): the checkpoint holds only the
+    adapters (and their optimizer state), the frozen base being ``base_model_name_or_path``'s; an
+    export writes this as ``adapter_config.json``. None: every parameter is in the checkpoint."""
 
     def __post_init__(self) -> None:
         if self.contents not in CONTENTS or self.weights_dtype not in DTYPES:

@@ -17,6 +17,9 @@ that rank and restored on resume, so dropout in Hugging Face models continues wh
 With ``--train.save_only_model`` (``save_dtype``) a checkpoint holds the model's weights in that
 dtype and the generators, not the optimizer: loading it casts the weights back to the fp32 main
 weights and leaves the optimizer as it is, fresh.
+
+A LoRA model's checkpoint holds its adapters and their optimizer state only (``meta.json``'s
+``peft`` says so): its frozen base comes from the base directory, on resume as at the start.
 """
 
 from __future__ import annotations
@@ -29,10 +32,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 
 from mfsdp import _compat
+from mfsdp.lora import lora_linears
 from mfsdp.train.checkpoint.meta import META, CheckpointMeta
 from mfsdp.train.errors import CheckpointError, first_problem
 
@@ -166,17 +170,36 @@ def make_temp(root: Path, final: Path, temp: Path, group=None) -> None:
 
 def state_of(model: torch.nn.Module, optimizer: torch.optim.Optimizer, model_only: bool = False) -> dict:
     """What a checkpoint holds: the model's and (unless ``model_only``) the optimizer's state dicts
-    and the generators."""
+    and the generators (a LoRA model's trainable state only)."""
     return {**_train_state(model, optimizer, model_only), RNG: _rng_state()}
 
 
 def _train_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, model_only: bool) -> dict:
     """The model's state dict and, unless ``model_only``, the optimizer's: a fresh optimizer is not
-    even asked for one there, since torch would give it a step of its own to make it."""
-    state = {"model": get_model_state_dict(model)}
+    even asked for one there, since torch would give it a step of its own to make it. A LoRA model's
+    frozen base is left out (it is the base directory's, loaded again on resume): the adapters and
+    their optimizer state are megabytes where the model is gigabytes."""
+    state = {"model": get_model_state_dict(model, options=_options(model))}
     if not model_only:
         state["optimizer"] = get_optimizer_state_dict(model, optimizer)
     return state
+
+
+def _options(model: torch.nn.Module) -> StateDictOptions:
+    """The state-dict options of ``model``: a LoRA model's hold its trainable parameters only, and
+    load into a model whose frozen base is already in place."""
+    adapters_only = bool(lora_linears(model))
+    return StateDictOptions(ignore_frozen_params=adapters_only, strict=not adapters_only)
+
+
+def _check_contents(path: Path, meta: CheckpointMeta, model: torch.nn.Module) -> None:
+    """CheckpointError when ``path`` holds LoRA adapters and ``model`` has none, or the reverse."""
+    adapters = bool(lora_linears(model))
+    if adapters != (meta.peft is not None):
+        held, now = ("LoRA adapters only", "trains every weight") if meta.peft else (
+            "every weight (no LoRA adapters)", "is a LoRA model")
+        raise CheckpointError(f"checkpoint {path} holds {held} but this run {now}; resume with the --peft.* "
+                              "settings it was written with, or start fresh in another --train.out_dir")
 
 
 def on_host(state: dict, dtype: torch.dtype) -> dict:
@@ -273,6 +296,7 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module,
     the rank and cause, on every rank (DCP raises on all)."""
     path = Path(path)
     meta = CheckpointMeta.read(path)
+    _check_contents(path, meta, model)
     state = _train_state(model, optimizer, meta.model_only)
     rng = _saved_rng_state(path)
     if rng:
@@ -282,7 +306,7 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module,
     except CheckpointException as err:  # a BaseException
         raise CheckpointError(f"loading checkpoint {path} failed ({describe(err)}); move it aside to "
                               "resume from the one before it") from None
-    set_model_state_dict(model, state["model"])
+    set_model_state_dict(model, state["model"], options=_options(model))
     if not meta.model_only:
         set_optimizer_state_dict(model, optimizer, state["optimizer"])
     generators = rng.get(_rng_key(), {})
