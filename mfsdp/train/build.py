@@ -12,13 +12,14 @@ import mfsdp
 from mfsdp import transforms
 from mfsdp.float8_transform import Float8Transform
 from mfsdp.hf_io import HFWeightsError
-from mfsdp.lora import LoraTransform, init_adapters
+from mfsdp.lora import init_adapters
 from mfsdp.mesh import DP_SHARD, TWO_AXIS, build_mesh, resolve_placements
 from mfsdp.models.hf_weights import load_hf_weights
 from mfsdp.models.llama import Llama
 from mfsdp.models.moe import build_model
 from mfsdp.models.parallelize import ParallelizeConfig, compile_modules, parallelize
 from mfsdp.offload import OffloadPolicy
+from mfsdp.train.adapters import lora_transform
 from mfsdp.train.config import RunConfig
 from mfsdp.train.errors import ConfigError
 from mfsdp.train.metrics import peak_memory_gib
@@ -47,7 +48,7 @@ def transforms_for(cfg: RunConfig) -> tuple:
     m, peft = cfg.model, cfg.peft
     out = (Float8Transform(m.float8, m.float8_skip_patterns()),) if m.float8 != "none" else ()
     if peft.lora:
-        out += (LoraTransform(peft.lora_r, peft.lora_alpha, peft.lora_dropout, peft.target_modules, peft.use_rslora),)
+        out += (lora_transform(peft),)
     return out
 
 
