@@ -118,13 +118,17 @@ def export(argv: list[str]) -> int:
                              "the run's --train.save_dtype where it named one, else bf16)")
     parser.add_argument("--max-shard-gb", type=float, default=5.0,
                         help="largest safetensors file, in GB (default: 5)")
+    parser.add_argument("--peft.merge_on_export", dest="merge", choices=("true", "false"), default=None,
+                        help="a LoRA run: write the merged model (true) or the PEFT adapter (false); "
+                             "default: the run's --peft.merge_on_export")
     args = parser.parse_args(argv)
     from mfsdp.train.checkpoint import CheckpointError
     from mfsdp.train.export import DTYPES, ExportError, exported_line
     from mfsdp.train.export_lora import export_checkpoint
     try:
         done = export_checkpoint(args.source, args.out, dtype=DTYPES.get(args.dtype),
-                         max_shard_bytes=max(1, int(args.max_shard_gb * 1e9)))
+                         max_shard_bytes=max(1, int(args.max_shard_gb * 1e9)),
+                         merge=None if args.merge is None else args.merge == "true")
     except (ExportError, CheckpointError) as err:
         print(f"mfsdp export: error: {err}", file=sys.stderr)
         return 2

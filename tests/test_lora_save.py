@@ -231,3 +231,9 @@ def test_merge_on_export_writes_the_merged_model_with_the_base_tokenizer(trained
         else:
             assert weight.dtype == original[name].dtype and torch.equal(weight, original[name]), name
     assert len(lora_linears(model)) == len(targets)
+    # `mfsdp export --peft.merge_on_export` overrides the run's choice, both ways.
+    from mfsdp.cli import main as cli
+    assert cli(["export", str(runs["false"]), str(tmp_path / "merged_cli"), "--peft.merge_on_export", "true"]) == 0
+    assert load_file(tmp_path / "merged_cli" / "model.safetensors").keys() == merged.keys()
+    assert cli(["export", str(runs["true"]), str(tmp_path / "adapter_cli"), "--peft.merge_on_export", "false"]) == 0
+    assert (tmp_path / "adapter_cli" / ADAPTER_CONFIG).is_file()

@@ -28,10 +28,10 @@ from mfsdp.train.generation_config import write_generation_config
 
 
 def export_checkpoint(source: str | Path, out_dir: str | Path, dtype: torch.dtype | None = None,
-                      max_shard_bytes: int = SHARD_BYTES) -> Exported:
+                      max_shard_bytes: int = SHARD_BYTES, merge: bool | None = None) -> Exported:
     """Write checkpoint ``source`` (or a run directory's newest) to ``out_dir`` in ``dtype`` (None:
-    ``checkpoint_dtype``): a LoRA run's as a PEFT adapter directory or, with its
-    ``--peft.merge_on_export``, the merged model; any other run's as ``export_hf``."""
+    ``checkpoint_dtype``): a LoRA run's as a PEFT adapter directory or, with ``merge`` (None: the
+    run's ``--peft.merge_on_export``), the merged model; any other run's as ``export_hf``."""
     checkpoint = resolve_checkpoint(source)
     meta = CheckpointMeta.read(checkpoint)
     if meta.peft is None:
@@ -39,7 +39,7 @@ def export_checkpoint(source: str | Path, out_dir: str | Path, dtype: torch.dtyp
     run, dtype, out = recorded_run(checkpoint, meta), dtype or checkpoint_dtype(meta), Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     adapters = read_adapters(checkpoint)
-    if (run.get("peft") or {}).get("merge_on_export"):
+    if (run.get("peft") or {}).get("merge_on_export") if merge is None else merge:
         return _export_merged(run, meta, adapters, dtype, out, max_shard_bytes)
     write_peft_adapter(adapters, meta.peft, out, dtype)
     tokenizer = _write_tokenizer(run, {}, out)
