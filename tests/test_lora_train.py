@@ -163,3 +163,24 @@ def test_a_lora_run_trains_the_adapters_only(world, hf_dir, tmp_path, route):
     assert route == "manager" or any(line.startswith("loaded the weights of") for line in lines)
     losses = [r["loss"] for r in records]
     assert sum(losses[-2:]) < sum(losses[:2]), losses
+
+
+def test_lora_block_activations_by_hand():
+    """What a LoRA block saves, counted by hand (tiny shape, exact bytes): each frozen base linear's
+    input is still saved, for its adapter's A (the same tensor a trained linear saves for its weight
+    gradient, so no new bytes), plus the r-wide x @ A.T for B's gradient; the frozen norms save
+    nothing for their weights' gradient (a trained norm keeps its normalised input, tokens x dim)."""
+    from mfsdp.memory.activations import measure_llama
+    from mfsdp.models import build_model, get_config
+    from mfsdp.transforms import apply_transforms
+
+    cfg = get_config("tiny", n_layers=2, dim=64, n_heads=4, n_kv_heads=2, ffn_dim=128)
+    batch, seq, r, isz = 2, 16, 4, 2
+    with torch.device("meta"):
+        meta = apply_transforms(build_model(cfg, dtype=torch.bfloat16), (LoraTransform(r=r),))
+    full = measure_llama(cfg, torch.bfloat16, batch, seq, False)
+    lora = measure_llama(cfg, torch.bfloat16, batch, seq, False, block=meta.layers[0])
+    tokens = batch * seq
+    assert lora.block_bytes == full.block_bytes - 2 * tokens * cfg.dim * isz + 7 * tokens * r * isz
+    adapters = sum(p.numel() for n, p in meta.layers[0].named_parameters() if p.requires_grad) * isz
+    assert 0 < lora.block_weight_grad_bytes <= adapters < full.block_weight_grad_bytes  # only adapters' grads

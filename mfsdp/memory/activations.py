@@ -341,6 +341,8 @@ class CompiledPlainLoss(torch.autograd.Function):
         hidden, weight = ctx.saved_tensors
         grad_logits = torch.empty_like(ctx.logits.pop())
         grad_hidden = grad_logits @ weight
+        if not ctx.needs_input_grad[1]:  # a frozen head (LoRA): the compiled backward makes no weight gradient
+            return grad_hidden, None, None
         grad_weight = grad_logits.flatten(0, -2).t() @ hidden.flatten(0, -2)
         return grad_hidden, grad_weight, None
 

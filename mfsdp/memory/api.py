@@ -182,20 +182,45 @@ COMPILED_NOTE = (f"compiled blocks (--parallel.compile auto/true): a bundled den
                  "upper bound")
 
 
+COMPILED_LORA_BLOCK_SAVED = 0.73
+"""What a compiled LoRA block of the bundled dense Llama (bf16 base frozen, adapters on all its
+linears, no dropout), without checkpointing, saves as a share of the eager block's: just above the
+shares measured block by block on one H200 (8B at r 16 and r 64, 1b at r 16;
+``benchmarks/results/2026-12-04_compiled_lora_block_saved.md``). It is higher than a full
+fine-tune's: the eager LoRA block already saves nothing for the frozen norms' weights, results the
+compiled full fine-tune recomputes; compiled, both save the same, plus the adapters' r-wide inputs."""
+LORA_NOTE = ("LoRA: activations measured on the transformed blocks (the base frozen, the adapters present): a "
+             "frozen linear saves its input only because its adapter's A needs it (the same tensor a trained "
+             "linear saves for its weight gradient), plus the r-wide x @ A.T for B's gradient; the frozen norms "
+             "save nothing for their weights")
+COMPILED_LORA_NOTE = (f"compiled blocks (--parallel.compile auto/true): a bundled dense Llama's LoRA blocks (bf16 "
+                      f"base, all-linear, no dropout) without checkpointing are predicted to save "
+                      f"{COMPILED_LORA_BLOCK_SAVED:.2f}x the eager activations (measured on one H200); other LoRA "
+                      "recipes (a float8 base, some targets, dropout) as eager ones, an upper bound")
+
+
 BUNDLED_ONLY_TRANSFORMS = ("float8",)
 """The transforms (``name``) that only the bundled Llama runs; LoRA's is replayed on either model."""
 
 
 def _compiled(acts: ActivationProfile, model: nn.Module, ac: bool, transforms: tuple, notes: list) -> ActivationProfile:
-    """``acts`` of compiled blocks, with ``COMPILED_NOTE`` in ``notes``; measured only where it is
-    scaled: the bundled dense Llama, no checkpointing (which saves the block inputs either way), bf16
-    or FP8 tensorwise (``COMPILED_TRANSFORMS``)."""
-    notes.append(COMPILED_NOTE)
+    """``acts`` of compiled blocks, with ``COMPILED_NOTE`` (``COMPILED_LORA_NOTE`` under LoRA) in
+    ``notes``; scaled only where measured: the bundled dense Llama, no checkpointing (which saves the
+    block inputs either way), bf16 or FP8 tensorwise (``COMPILED_TRANSFORMS``), or LoRA on all the
+    linears of a bf16 base without dropout (``COMPILED_LORA_BLOCK_SAVED``)."""
+    lora = [t for t in transforms if t.name == "lora"]
+    notes.append(COMPILED_LORA_NOTE if lora else COMPILED_NOTE)
+    if lora:
+        from mfsdp.lora import ALL_LINEAR
+
+        measured = len(transforms) == 1 and lora[0].target_modules == (ALL_LINEAR,) and not lora[0].dropout
+        share = COMPILED_LORA_BLOCK_SAVED
+    else:
+        measured, share = all(str(t) in COMPILED_TRANSFORMS for t in transforms), COMPILED_BLOCK_SAVED
     cfg = getattr(model, "cfg", None)
-    measured = all(str(t) in COMPILED_TRANSFORMS for t in transforms)
     if cfg is None or not hasattr(model, "layers") or cfg.num_experts or ac or not measured:
         return acts
-    return dataclasses.replace(acts, block_bytes=int(acts.block_bytes * COMPILED_BLOCK_SAVED))
+    return dataclasses.replace(acts, block_bytes=int(acts.block_bytes * share))
 
 
 def _resolve(obj, dtype, seq_len, expert_units, tp: TensorParallel, tp_mesh, transforms: tuple = (),
@@ -236,6 +261,8 @@ def _llama(cfg, dtype, seq_len, expert_units, model=None, transforms=(), head_lo
     model, kinds = _meta_llama(cfg, dtype, transforms, model)
     dtype = next(model.parameters()).dtype
     notes = hook_results(transforms, "plan_note", model)
+    if any(t.name == "lora" for t in transforms):
+        notes.append(LORA_NOTE)
     if len(kinds) > 1:
         notes.append(f"{', '.join(map(str, transforms))}: blocks of {len(kinds)} kinds (the transforms treat them "
                      "differently); every block is planned with the largest activations of those kinds")
