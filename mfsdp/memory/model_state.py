@@ -50,7 +50,8 @@ class GroupBytes:
     model: int
     """Compute weights at rest, 0 where they alias the main weights or are cast on the fly."""
     unsharded: int
-    """The gathered compute weights while the module runs; 0 where the model buffer is whole."""
+    """The gathered compute weights while the module runs; 0 where they are the model buffer itself
+    (``unsharded_aliases_model``: replicated, or split one way at rest, as a frozen group on one GPU)."""
     main_grad: int
     """Reduced gradients (optimizer shard, gradient dtype) plus the int64 usage row."""
     accumulator: int
