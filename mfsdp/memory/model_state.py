@@ -35,7 +35,7 @@ from mfsdp.runtime import gather_codec
 from mfsdp.runtime.flat_buffer import FlatLayout
 from mfsdp.runtime.geometry import Levels
 from mfsdp.runtime.ownership import collect_owned_parameters, gathers_in_backward, group_parameters
-from mfsdp.runtime.parameter_group import choose_model_buffer, local_tensor
+from mfsdp.runtime.parameter_group import choose_model_buffer, local_tensor, unsharded_aliases_model
 from mfsdp.runtime.reducer import reduction_nbytes, usage_layout
 
 
@@ -50,7 +50,8 @@ class GroupBytes:
     model: int
     """Compute weights at rest, 0 where they alias the main weights or are cast on the fly."""
     unsharded: int
-    """The gathered compute weights while the module runs; 0 where the model buffer is whole."""
+    """The gathered compute weights while the module runs; 0 where they are the model buffer itself
+    (``unsharded_aliases_model``: replicated, or split one way at rest, as a frozen group on one GPU)."""
     main_grad: int
     """Reduced gradients (optimizer shard, gradient dtype) plus the int64 usage row."""
     accumulator: int
@@ -116,9 +117,9 @@ def group_bytes(label: str, shapes, dtypes: ResolvedDtypes, levels: Levels, requ
     isz = lambda d: torch.empty((), dtype=d).element_size()  # noqa: E731
     main = layout.numel(k) * isz(dtypes.main)
     model = 0 if (main_aliases_model or on_the_fly) else layout.numel(levels.ways(levels.param_level)) * isz(dtypes.compute)
-    gathered = levels.param_level > 0
     encoded = (None if params is None
                else gather_codec.encoded_gather(params, dtypes, layout, label, levels.param_level))
+    gathered = not unsharded_aliases_model(dtypes, levels, encoded)
     gather_layout, gather_dtype = ((layout, dtypes.compute) if encoded is None
                                    else (encoded.layout, encoded.layout.dtype))  # the runtime's ByteLayout
     unsharded = gather_layout.numel(1) * isz(gather_dtype) if gathered else 0

@@ -7,7 +7,7 @@ buffer             level              role
 =================  =================  ===========================================================
 ``main``           optimizer shard    main weights in ``main`` dtype; the exposed DTensors
 ``model``          parameter shard    compute weights at rest; aliases ``main`` when equal
-``unsharded``      whole              gathered for compute; released at rest (ZeRO-3, HSDP)
+``unsharded``      whole              gathered for compute; released at rest; aliases ``model`` when whole
 ``accum``          gradient shard     HFSDP only: per-microbatch reductions until the last one
 ``main_grad``      optimizer shard    reduced gradients in ``grads`` dtype; the exposed ``.grad``
 =================  =================  ===========================================================
@@ -103,13 +103,16 @@ class FsdpParameterGroup:
                                             else FlatBuffer(self.layout.numel(level_ways), dtypes.compute, device))
         # The unsharded buffer's layout: bytes with a view per member's dtype when encoded.
         self._gather_layout = self.layout if self.encoded is None else self.encoded.layout
-        self.unsharded = self.model if g.param_level == 0 else FlatBuffer(
+        self.unsharded = self.model if unsharded_aliases_model(dtypes, g, self.encoded) else FlatBuffer(
             self._gather_layout.numel(1), dtypes.compute if self.encoded is None else self._gather_layout.dtype, device)
         self._unsharded_regions = self._gather_layout.regions(self.unsharded.tensor, 1)
         self._main_regions = self.layout.regions(self.main.tensor, g.num_shards)
         # What unshard gathers from: the compute weights at rest, or the main weights cast on the fly.
         self._model_regions = (self._main_regions if self.model is None
                                else self.layout.regions(self.model.tensor, level_ways))
+        if self.unsharded is self.model:  # one shard way: the whole layout, padding included, is the model's
+            assert [(r.storage_offset(), r.numel()) for r in self._unsharded_regions] == [
+                (r.storage_offset(), r.numel()) for r in self._model_regions], self.label
 
     def _fill_shards(self, locals_: list[torch.Tensor]) -> None:
         """Copy this rank's rows of each parameter into the main (and a separate compute) buffer."""
@@ -322,6 +325,16 @@ def choose_model_buffer(dtypes: ResolvedDtypes, num_levels: int, param_level: in
     ``mfsdp.memory`` predicts the buffers from the same choice the runtime makes."""
     main_aliases_model = dtypes.main == dtypes.compute and num_levels == param_level
     return main_aliases_model, not main_aliases_model and num_levels == param_level > 0
+
+
+def unsharded_aliases_model(dtypes: ResolvedDtypes, levels, encoded) -> bool:
+    """Whether a group's unsharded buffer *is* its compute buffer at rest, so that nothing is
+    gathered, kept or freed: the compute weights are split one way at rest (replicated, or sharded
+    over axes of size 1: a frozen group on one GPU), persistent (not cast from the main weights on
+    the fly) and not encoded for the gather. ``levels``: the group's ``geometry.Levels``;
+    ``encoded``: its ``gather_codec.encoded_gather``. The one rule ``mfsdp.memory`` plans with too."""
+    _, on_the_fly = choose_model_buffer(dtypes, levels.num_levels, levels.param_level)
+    return levels.ways(levels.param_level) == 1 and not on_the_fly and encoded is None
 
 
 def _tensor_key(t: torch.Tensor) -> tuple:
