@@ -83,10 +83,12 @@ def embedding_unit(rank, ws, kind="zero3", variant="bare", ckpt=None, steps=3):
 
 @pytest.mark.parametrize("kind", ["zero3", "hsdp"])
 def test_bare_embedding_is_not_gathered_in_backward(world, kind):
-    # Backward gathers the three blocks (the root kept its weights from forward), not the table.
+    # Backward gathers the three blocks (the root kept its weights from forward), not the table. HSDP
+    # over two ranks shards one way: in fp32 each group computes on its resting buffer
+    # (unsharded_aliases_model), so nothing is gathered at all.
     err, gathers, table_gathered = world(2).run(embedding_unit, kind=kind)[0]
     assert err < FP32_TOL, err
-    assert gathers == [3] * 3, gathers
+    assert gathers == [3 if kind == "zero3" else 0] * 3, gathers
     assert not table_gathered
 
 
