@@ -19,11 +19,11 @@ for the plan's header.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Protocol, Sequence, runtime_checkable
+from typing import ClassVar, Protocol, Sequence, runtime_checkable
 
 from torch import nn
 
-__all__ = ["ModelTransform", "validate_order", "apply_transforms", "after_optimizer_step", "hook_results", "find"]
+__all__ = ["ModelTransform", "validate_order", "apply_transforms", "hook_results"]
 
 
 @runtime_checkable
@@ -31,7 +31,7 @@ class ModelTransform(Protocol):
     """One in-place rewrite of an unsharded model, applied before ``fully_shard``."""
 
     name: ClassVar[str]
-    """A short unique name ("float8", "lora"): the key of ``follows`` and of ``find``."""
+    """A short unique name ("float8", "lora"): the key of ``follows``."""
     follows: ClassVar[tuple[str, ...]]
     """Names of transforms that, when present in the list, must come before this one."""
 
@@ -66,17 +66,7 @@ def apply_transforms(model: nn.Module, transforms: Sequence[ModelTransform]) -> 
     return model
 
 
-def after_optimizer_step(transforms: Sequence[ModelTransform], optimizer: Any, model: nn.Module) -> None:
-    """Register each transform's ``after_optimizer_step(optimizer, model)`` hook, where it has one
-    (float8's scale precompute)."""
-    hook_results(transforms, "after_optimizer_step", optimizer, model)
-
-
 def hook_results(transforms: Sequence[ModelTransform], hook: str, *args) -> list:
-    """What each transform's optional ``hook(*args)`` returns, for those that have it, in list order."""
+    """What each transform's optional ``hook(*args)`` returns, for those that have it, in list order
+    (``after_optimizer_step``: float8's scale precompute, registered on the optimizer)."""
     return [getattr(t, hook)(*args) for t in transforms if hasattr(t, hook)]
-
-
-def find(transforms: Sequence[ModelTransform], name: str) -> ModelTransform | None:
-    """The transform called ``name`` in ``transforms``, or None."""
-    return next((t for t in transforms if t.name == name), None)

@@ -30,14 +30,6 @@ ZERO_DP_STRATEGY_NAMES = {"no_shard": 0, "optim": 1, "optim_grads": 2, "optim_gr
 OUTER_DP_SHARDING_NAMES = {"no_shard": 0, "optim": 1}
 """Names for ``outer_dp_sharding_strategy`` (what the dp_replicate axis shards)."""
 
-_BOOL_FIELDS = (
-    "activation_checkpointing", "average_in_collective", "calculate_per_token_loss", "check_for_nan_in_grad",
-    "disable_bucketing", "fsdp_double_buffer", "grad_reduce_in_fp32", "init_fsdp_with_meta_device",
-    "keep_fp8_transpose_cache", "nccl_ub", "overlap_grad_reduce", "overlap_param_gather", "preserve_fp32_weights",
-    "report_nan_in_param_grad", "sequence_parallel", "loss_parallel",
-)
-
-
 def _level(value: Any, names: Mapping[str, int], field: str, top: int) -> int:
     if isinstance(value, str):
         key = value.strip().lower()
@@ -207,7 +199,7 @@ class MegatronFSDPConfig:
     dict of module-name patterns to ``torch.distributed.tensor.parallel`` styles."""
 
     def __post_init__(self) -> None:
-        for name in _BOOL_FIELDS:
+        for name in (f.name for f in dataclasses.fields(self) if f.type == "bool"):  # types are strings here
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise TypeError(f"MegatronFSDPConfig.{name} must be a bool, got {value!r}")

@@ -66,14 +66,11 @@ def communication_policy(config: MegatronFSDPConfig, sizes: MeshSizes) -> mfsdp.
     ``report_nan_in_param_grad``: the core's NaN/Inf check at the end of backward
     (``check_finite_gradients``), which raises on every rank.
     """
-    factor = 1.0
-    if config.calculate_per_token_loss and sizes.dp > 1:
-        factor = 1.0 / sizes.dp
     return mfsdp.CommunicationPolicy(
         overlap=config.overlap_grad_reduce and config.overlap_param_gather,
         coalesce=not config.disable_bucketing,
         double_buffer=config.fsdp_double_buffer,
-        gradient_divide_factor=factor,
+        gradient_divide_factor=1.0 / sizes.dp if config.calculate_per_token_loss else 1.0,
         check_finite_gradients=config.checks_gradients,
     )
 

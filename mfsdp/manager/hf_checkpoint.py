@@ -63,9 +63,7 @@ def local_indices(param: torch.Tensor) -> Optional[list[torch.Tensor]]:
     mesh, placements = param.device_mesh, param.placements
     coord = mesh.get_coordinate()
     shards = [(a, pl) for a, pl in enumerate(placements) if _is_shard(pl)]
-    strided = [(a, pl) for a, pl in shards if _compat.is_strided_shard(pl)]
-    plain = [(a, pl) for a, pl in shards if not _compat.is_strided_shard(pl)]
-    for axis, pl in plain + strided:
+    for axis, pl in sorted(shards, key=lambda shard: _compat.is_strided_shard(shard[1])):  # plain ones first
         pieces = full[pl.dim].chunk(mesh.size(axis))
         full[pl.dim] = pieces[coord[axis]] if coord[axis] < len(pieces) else full[pl.dim][:0]
     if tuple(len(i) for i in full) != local_shape:

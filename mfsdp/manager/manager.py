@@ -36,6 +36,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 import mfsdp
 from mfsdp import FsdpModule, _compat
+from mfsdp.api import mixin_class
 from mfsdp.hf_io import has_weights
 from mfsdp.manager import hf_checkpoint
 from mfsdp.manager.config import MegatronFSDPConfig, field_names
@@ -58,7 +59,7 @@ class _ManagerState:
     def __init__(self, config: MegatronFSDPConfig, compute_dtype: torch.dtype, groups, slots) -> None:
         self.config = config
         self.compute_dtype = compute_dtype
-        self.groups = groups  # [(label, core parameter group, [parameter names])], trainable groups only
+        self.groups = groups  # the trainable core parameter groups
         self.slots = slots  # [(module, attr, param, dtype)] as left by parallelize
         # The checked attributes as (the module's parameter dict, attr, param, dtype): a dict lookup
         # per parameter on every forward instead of nn.Module.__getattr__.
@@ -97,8 +98,7 @@ class MegatronFSDPModel:
     def install_optimized_model_weights(self) -> None:
         """Re-derive the compute weights from the main weights the optimizer just updated (the
         trainable groups: an optimizer changes nothing else)."""
-        state = self._mfsdp_manager_state
-        for _, group, _ in state.groups:
+        for group in self._mfsdp_manager_state.groups:
             group.refresh_if_stale()
 
     def loss_context(self):
@@ -136,10 +136,6 @@ class MegatronFSDPModel:
         return self
 
 
-def _param_names(model: nn.Module) -> dict[int, str]:
-    return {id(p): n for n, p in model.named_parameters()}
-
-
 def _make_guard(state: _ManagerState):
     def guard(module, args, kwargs):
         for owner, params, attr, param, dtype in state.guarded:
@@ -170,14 +166,8 @@ def _make_load_hook(slots):
     return hook
 
 
-_MANAGED_CLASSES: dict[type, type] = {}
-
-
 def _dress_root(model: nn.Module, state: _ManagerState) -> None:
-    cls = type(model)
-    if cls not in _MANAGED_CLASSES:
-        _MANAGED_CLASSES[cls] = type(f"Managed{cls.__name__}", (MegatronFSDPModel, cls), {"__module__": cls.__module__})
-    model.__class__ = _MANAGED_CLASSES[cls]
+    model.__class__ = mixin_class(MegatronFSDPModel, type(model), "Managed")
     model._mfsdp_manager_state = state
     model.register_forward_pre_hook(_make_guard(state), prepend=True, with_kwargs=True)
     by_module: dict[int, tuple[nn.Module, list]] = {}
@@ -319,7 +309,7 @@ class MegatronFSDPManager:
         by ``init_seed``). ``hf_path`` also loads into a materialised model.
         """
         compute_dtype, on_meta = self._check_model(model, optimizer, hf_path)
-        old_names = _param_names(model)
+        old_names = {id(p): n for n, p in model.named_parameters()}
         c, sizes = self.config, self.sizes
 
         if sizes.tp > 1:  # cp > 1: torch's context-parallel attention expects the DTensor path
@@ -396,16 +386,9 @@ class MegatronFSDPManager:
 
 
 def _gradient_groups(model: nn.Module) -> list:
-    """The trainable core parameter groups, labelled ``"<unit> (<dtype>)"``, with parameter names."""
-    names = _param_names(model)  # a tied weight: its first name
-    out = []
-    for unit_name, module in model.named_modules():
-        if isinstance(module, FsdpModule):
-            for group in module.parameter_groups:
-                if group.requires_grad:
-                    label = f"{unit_name or '<root>'} ({str(group.sharded_params[0].dtype).replace('torch.', '')})"
-                    out.append((label, group, [names[id(p)] for p in group.sharded_params]))
-    return out
+    """The trainable core parameter groups of every unit under ``model``."""
+    return [group for module in model.modules() if isinstance(module, FsdpModule)
+            for group in module.parameter_groups if group.requires_grad]
 
 
 def _slots(model: nn.Module) -> list:

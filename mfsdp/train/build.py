@@ -37,7 +37,7 @@ def build(cfg: RunConfig, device: torch.device, world: int, log: Callable[[str],
     optimizer = mfsdp.fully_shard_optimizer(model, adamw(model, cfg.train), offload=offload_policy(cfg.parallel),
                                             flat_adamw=cfg.train.flat_adamw(device.type))
     describe_offload(optimizer, cfg, log)
-    transforms.after_optimizer_step(model_transforms, optimizer, model)
+    transforms.hook_results(model_transforms, "after_optimizer_step", optimizer, model)
     return model, optimizer
 
 
