@@ -184,3 +184,17 @@ def test_lora_block_activations_by_hand():
     assert lora.block_bytes == full.block_bytes - 2 * tokens * cfg.dim * isz + 7 * tokens * r * isz
     adapters = sum(p.numel() for n, p in meta.layers[0].named_parameters() if p.requires_grad) * isz
     assert 0 < lora.block_weight_grad_bytes <= adapters < full.block_weight_grad_bytes  # only adapters' grads
+
+
+def test_the_plan_stages_a_lora_checkpoint_of_the_adapters_alone(capsys, tmp_path):
+    """`mfsdp plan`'s host-RAM line sizes a LoRA run's checkpoint staging from its adapters (fp32 main
+    weights and two AdamW moments: 12 bytes each), not from the frozen base."""
+    from mfsdp.train.adapters import adapter_params
+    from mfsdp.train.args import load_config
+    from mfsdp.train.plan import main as plan_main
+
+    flags = ["--model.preset", "1b", "--peft.method", "lora", "--train.async_checkpoint", "true"]
+    assert plan_main([*flags, "--nproc-per-node", "1", "--out", str(tmp_path / "p.png")]) == 0
+    expected = adapter_params(load_config(flags)) * 12 / 2**30
+    line = next(l for l in capsys.readouterr().out.splitlines() if l.startswith("host RAM"))
+    assert expected > 0.05 and line.endswith(f"checkpoint staging {expected:.2f})"), (line, expected)

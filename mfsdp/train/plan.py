@@ -17,6 +17,7 @@ import torch
 from mfsdp.memory import plan
 from mfsdp.memory.tensor_parallel import TensorParallel
 from mfsdp.train.build import transforms_for
+from mfsdp.train.adapters import adapter_params
 from mfsdp.train.checkpoint.meta import MAIN_WEIGHT_BYTES, checkpoint_bytes
 from mfsdp.train.args import load_config
 from mfsdp.train.config import DTYPES, RunConfig
@@ -113,8 +114,9 @@ def main(argv: list[str]) -> int:
         e = plan.estimate_run(run, world, tp=tp, tp_in_process=True)
     except (ConfigError, ValueError, NotImplementedError) as err:
         return _error(str(err))
-    staging = checkpoint_bytes(e.breakdown.get("main weights", 0) // MAIN_WEIGHT_BYTES,
-                               cfg.save_dtype("cuda")) if run.async_checkpoint else 0
+    # A LoRA checkpoint holds the adapters alone: all of them, an upper bound of a rank's shard.
+    params = adapter_params(cfg) if cfg.peft.lora else e.breakdown.get("main weights", 0) // MAIN_WEIGHT_BYTES
+    staging = checkpoint_bytes(params, cfg.save_dtype("cuda")) if run.async_checkpoint else 0
     model = cfg.model.preset if cfg.model.hf is None else \
         cfg.model.hf + ("" if cfg.model.uses_manager else " (the bundled Llama)")
     if line and cfg.parallel.checkpointing():  # a plan that needs none says so in its header
