@@ -41,7 +41,7 @@ def estimate(model_or_config, *, world_size: Optional[int] = None, mesh_shape: O
              mixed_precision_policy: Optional[MixedPrecisionPolicy] = None,
              communication_policy: Optional[CommunicationPolicy] = None,
              local_batch: int = 1, seq_len: int = 4096, microbatches: int = 1,
-             activation_checkpointing: Union[bool, int] = False, optimizer: str = "adamw", foreach: bool = True,
+             activation_checkpointing: bool = False, optimizer: str = "adamw", foreach: bool = True,
              flat_adamw: bool = False,
              compute_dtype: torch.dtype = torch.bfloat16, expert_units: bool = False,
              tensor_parallel: Union[int, TensorParallel] = 1, tp_in_process: bool = False,
@@ -77,9 +77,6 @@ def estimate(model_or_config, *, world_size: Optional[int] = None, mesh_shape: O
     as that model computes it, in its head's forward; a Hugging Face model returns logits (plain).
     ``keep_gathered_blocks``: that many of the last blocks keep their gathered weights through the step
     (``ParallelizeConfig.keep_gathered_blocks``, by its rule ``kept_blocks``), resident in every phase.
-    ``activation_checkpointing``: every block (True), none (False) or a count of the first blocks
-    (``ParallelizeConfig.activation_checkpointing``, by its rule ``checkpointed_blocks``): those hold
-    only their inputs, measured with checkpointing, the others as without.
     ``foreach`` / ``flat_adamw``: AdamW's kernels (``fully_shard_optimizer(flat_adamw=)``), which
     decide the step's transient (``mfsdp.optimizer.step_transient_bytes``).
     """
@@ -101,18 +98,14 @@ def estimate(model_or_config, *, world_size: Optional[int] = None, mesh_shape: O
     if tp.enabled and tp.sequence_parallel and seq_len % tp.size:
         raise ValueError(f"sequence parallel: seq_len {seq_len} does not divide by the tensor-parallel size {tp.size}")
     levels = Levels.of(placements, mesh_shape)
-    from mfsdp.models.parallelize import checkpointed_blocks, kept_blocks
-
     with fake_tp_mesh(tp.size) if tp.enabled else contextlib.nullcontext() as tp_mesh:
         model, units, blocks, measure, notes = _resolve(model_or_config, compute_dtype, seq_len, expert_units,
                                                         tp, tp_mesh, tuple(transforms), head_loss, compiled_head)
         unit_bytes = describe_units(model, units, mixed_precision_policy or MixedPrecisionPolicy(), levels)
-        checkpointed = checkpointed_blocks(blocks, activation_checkpointing)
-        every = activation_checkpointing is True or (bool(blocks) and len(checkpointed) == len(blocks))
-        acts = measure(local_batch, seq_len, every)
-        ckpt_acts = measure(local_batch, seq_len, True) if checkpointed and not every else None
+        acts = measure(local_batch, seq_len, activation_checkpointing)
     if compiled:
-        acts = _compiled(acts, model, every, transforms, notes)
+        acts = _compiled(acts, model, activation_checkpointing, transforms, notes)
+    from mfsdp.models.parallelize import kept_blocks
 
     settings = StepSettings(placements.name, tp.size * math.prod(mesh_shape.values()), local_batch, seq_len,
                             microbatches, activation_checkpointing, optimizer, foreach,
@@ -120,9 +113,8 @@ def estimate(model_or_config, *, world_size: Optional[int] = None, mesh_shape: O
                             prefetch_across_step=comm.prefetch_across_step and comm.overlap,
                             double_buffer=comm.double_buffer, cuda=device == "cuda", tp=tp.size,
                             transforms=tuple(map(str, transforms)), head_loss=head_loss, flat_adamw=flat_adamw,
-                            kept_gathered=tuple(kept_blocks(blocks, keep_gathered_blocks)),
-                            checkpointed=tuple(checkpointed))
-    e = dataclasses.replace(simulate(unit_bytes, acts, settings, blocks, ckpt_acts), notes=tuple(notes))
+                            kept_gathered=tuple(kept_blocks(blocks, keep_gathered_blocks)))
+    e = dataclasses.replace(simulate(unit_bytes, acts, settings, blocks), notes=tuple(notes))
     return offloaded(e, unit_bytes, offload_fraction, offload_overlap) if offload_fraction > 0 else e
 
 

@@ -67,9 +67,8 @@ class StepSettings:
     """Tokens per sequence."""
     microbatches: int
     """Microbatches per optimizer step."""
-    activation_checkpointing: "bool | int"
-    """Whether blocks recompute their activations in backward: all, none, or a count of the first
-    ones (``checkpointed``)."""
+    activation_checkpointing: bool
+    """Whether blocks recompute their activations in backward."""
     optimizer: str
     """"adamw" or "sgd"."""
     foreach: bool = True
@@ -94,14 +93,6 @@ class StepSettings:
     """The model transforms planned, each as ``str(transform)`` names it ("float8 tensorwise")."""
     head_loss: str = "plain"
     """The bundled Llama's head loss ("plain" or "fused", ``Llama.set_head_loss``)."""
-    checkpointed: tuple = ()
-    """Names of the blocks that recompute in backward (``checkpointed_blocks``): they hold only
-    their inputs between forward and backward, and their backward holds the recompute."""
-
-    def checkpointing_label(self) -> str:
-        """"on", "off", or "k of n blocks" for a count."""
-        ac = self.activation_checkpointing
-        return ("on" if ac else "off") if isinstance(ac, bool) else f"on the first {ac} blocks" if ac else "off"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,14 +164,8 @@ CUBLAS_WORKSPACES = 2 * 32 * (1 << 20)
 class _Walk:
     """Mutable state of the replay; ``snap`` records a phase."""
 
-    def __init__(self, units: list[UnitBytes], s: StepSettings, blocks: list[str], acts: ActivationProfile,
-                 checkpointed_acts: ActivationProfile) -> None:
+    def __init__(self, units: list[UnitBytes], s: StepSettings, blocks: list[str]) -> None:
         self.units = units
-        # Each block's profile: a checkpointed block's (its input only, the recompute in backward) or not.
-        self.profiles = {b: checkpointed_acts if b in s.checkpointed else acts for b in blocks}
-        self.saved_blocks = [0]  # saved_blocks[i]: what the first i blocks hold between forward and backward
-        for b in blocks:
-            self.saved_blocks.append(self.saved_blocks[-1] + self.profiles[b].block_bytes)
         self.by_name = {u.name: u for u in units}
         # The runtime's own schedule over the units: its walk and ancestors, not a copy of them.
         self.schedule = Schedule(units, {id(u): self.by_name[u.parent or ""] for u in units[1:]})
@@ -244,11 +229,10 @@ def _gather_slots(units: list[UnitBytes], s: StepSettings) -> tuple[int, dict]:
     return slot_bytes, {u.name: sum(g.unsharded for g in u.groups if id(g) not in bound) for u in units}
 
 
-def simulate(units: list[UnitBytes], acts: ActivationProfile, s: StepSettings, blocks: list[str],
-             checkpointed_acts: Optional[ActivationProfile] = None) -> MemoryEstimate:
-    """Replay one step (its first and, with several, its last microbatch) and find the peak; the
-    blocks of ``s.checkpointed`` take their bytes from ``checkpointed_acts`` (default ``acts``)."""
-    w = _Walk(units, s, blocks, acts, checkpointed_acts or acts)
+def simulate(units: list[UnitBytes], acts: ActivationProfile, s: StepSettings,
+             blocks: list[str]) -> MemoryEstimate:
+    """Replay one step (its first and, with several, its last microbatch) and find the peak."""
+    w = _Walk(units, s, blocks)
     grads_every_backward = any(g.every_backward for u in units for g in u.groups if g.requires_grad)
     for which in (["first", "last"] if s.microbatches > 1 else ["only"]):
         _microbatch(w, acts, s, which, grads_every_backward)
@@ -274,7 +258,7 @@ def _microbatch(w: _Walk, acts: ActivationProfile, s: StepSettings, which: str, 
 def _forward(w: _Walk, acts: ActivationProfile, depth: int, tag: str) -> None:
     """The forward walk: each unit gathered with ``depth`` more ahead, released after its forward
     unless it is an ancestor of the next one (the root stays into backward); then the loss."""
-    units, root, head = w.units, w.root, acts.head_forward_bytes
+    units, root, block, head = w.units, w.root, acts.block_bytes, acts.head_forward_bytes
     computed: list[UnitBytes] = []
     for pos, u in enumerate(units):
         for q in range(pos, w.schedule.issued_by(pos, depth)):  # the earlier ones are gathered already
@@ -284,16 +268,15 @@ def _forward(w: _Walk, acts: ActivationProfile, depth: int, tag: str) -> None:
                 w.gathered.pop(done.name, None)
                 computed.remove(done)
         kind = w.kind[u.name]
-        b = w.profiles[w._block_of(u)] if kind == "block" else None
         w.snap(f"forward: {u.name or 'root'}{tag}", unsharded_fwd=sum(w.gathered.values()),
                act_saved=_saved_before(w, u, acts),
-               act_transient=b.block_forward_transient + b.block_bytes if b else 0,
+               act_transient=acts.block_forward_transient + block if kind == "block" else 0,
                logits_and_loss=head if kind == "post" else 0)
         computed.append(u)
     for done in computed:
         if done is not root:
             w.gathered.pop(done.name, None)
-    saved_all = acts.embed_bytes + w.saved_blocks[-1]
+    saved_all = acts.embed_bytes + len(w.blocks) * block
     w.snap(f"forward: loss{tag}", unsharded_fwd=sum(w.gathered.values()), act_saved=saved_all,
            logits_and_loss=head + acts.head_forward_transient)
     w.snap(f"backward: loss{tag}", unsharded_bwd=sum(w.gathered.values()), act_saved=saved_all,
@@ -305,8 +288,8 @@ def _backward(w: _Walk, acts: ActivationProfile, depth: int, tag: str, first: bo
     """The backward walk: ENTER gathers and prefetches and records the backward of a block, the
     embedding or the head; EXIT reshards, releases pending reductions by the runtime's rule, packs
     and reduces."""
-    units, root, head = w.units, w.root, acts.head_forward_bytes
-    saved_all = acts.embed_bytes + w.saved_blocks[-1]
+    units, root, block, head = w.units, w.root, acts.block_bytes, acts.head_forward_bytes
+    saved_all = acts.embed_bytes + len(w.blocks) * block
     pending: list[tuple[int, int]] = []  # (bytes held, bytes the release rule counts)
     root_grads = _root_grads(root, acts)
     arrived = {"head": root_grads["head"], "blocks": 0, "embed": 0}
@@ -322,10 +305,9 @@ def _backward(w: _Walk, acts: ActivationProfile, depth: int, tag: str, first: bo
             own = sum(u.param_grad_bytes) if u is not root else 0  # the weight gradients its backward adds
             if kind == "block":
                 arrived["blocks"] = root_grads["blocks"]
-                b = w.profiles[w._block_of(u)]
-                own = b.block_weight_grad_bytes if u.name in w.blocks else own
-                parts = dict(act_saved=_saved_before(w, u, acts) + b.block_bytes,
-                             act_transient=b.block_backward_peak - b.block_weight_grad_bytes)
+                own = acts.block_weight_grad_bytes if u.name in w.blocks else own
+                parts = dict(act_saved=_saved_before(w, u, acts) + block,
+                             act_transient=acts.block_backward_peak - acts.block_weight_grad_bytes)
             elif kind == "pre":
                 arrived["embed"] = root_grads["embed"]
                 parts = dict(act_saved=acts.embed_bytes, act_transient=acts.embed_backward_peak)
@@ -377,7 +359,7 @@ def _saved_before(w: _Walk, u: UnitBytes, acts: ActivationProfile) -> int:
     """Activations saved when ``u``'s forward begins (a block's: those of the blocks before it)."""
     kind = w.kind[u.name]
     blocks = w.blocks.index(w._block_of(u)) if kind == "block" else len(w.blocks) if kind == "post" else 0
-    return 0 if kind == "root" else acts.embed_bytes + w.saved_blocks[blocks]
+    return 0 if kind == "root" else acts.embed_bytes + blocks * acts.block_bytes
 
 
 def _root_grads(root: UnitBytes, acts: ActivationProfile) -> dict:

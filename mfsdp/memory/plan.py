@@ -29,8 +29,8 @@ class Setting:
 
     placements: str
     """zero1, zero2, zero3 (or the config's hsdp / hfsdp)."""
-    activation_checkpointing: "bool | int"
-    """Recompute blocks in backward: all, none, or a count of the first ones (``checkpointed_blocks``)."""
+    activation_checkpointing: bool
+    """Recompute blocks in backward."""
     local_batch: int
     """Sequences per microbatch; microbatches keep the tokens per step."""
     microbatches: int
@@ -43,19 +43,10 @@ class Setting:
     --parallel.offload_fraction``); 0: none."""
     tokens: int = 0
     """Tokens per optimizer step on one GPU (what decides whether offload can hide its CPU step)."""
-    blocks: int = 0
-    """The model's blocks, for a count's share of the recompute in ``step_cost`` (0: a count costs
-    as all)."""
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.offload <= 1.0:
             raise ValueError(f"Setting.offload must be in [0, 1], got {self.offload}")
-
-    @property
-    def recomputed_share(self) -> float:
-        """The share of the blocks that recompute in backward."""
-        ac = self.activation_checkpointing
-        return float(ac) if isinstance(ac, bool) or not ac else min(1.0, ac / self.blocks) if self.blocks else 1.0
 
     def flags(self) -> str:
         off = (f" --parallel.offload optimizer --parallel.offload_fraction {self.offload:g}" if self.offload else "")
@@ -69,10 +60,10 @@ class Setting:
 
     def step_cost(self, share: Optional[float] = None) -> float:
         """The step's predicted time, relative to the same tokens with neither checkpointing nor
-        offload: ``AC_COST`` more with checkpointing (its share for a count of blocks), plus what the host step of ``share`` of the
+        offload: ``AC_COST`` more with checkpointing, plus what the host step of ``share`` of the
         parameters leaves exposed (``exposed_share``; ``share`` defaults to the unit fraction)."""
         exposed = exposed_share(self, self.offload if share is None else share) if self.offload else 0.0
-        return 1.0 + AC_COST * self.recomputed_share + exposed
+        return 1.0 + AC_COST * self.activation_checkpointing + exposed
 
     def speed_key(self, share: Optional[float] = None) -> tuple:
         rank = PLACEMENT_SPEED.index(self.placements) if self.placements in PLACEMENT_SPEED else len(PLACEMENT_SPEED)
@@ -191,10 +182,7 @@ def candidates(run: PlannedRun) -> list[Setting]:
     placements = [pl for pl in placements if not any(hook_results(run.transforms, "placement_problem", pl))]
     grads = [c.main_grads_dtype, *(g for g in ("fp32", "bf16") if g != (
         run.auto_grads if c.main_grads_dtype == "auto" else c.main_grads_dtype))]
-    count = c.activation_checkpointing if not isinstance(c.activation_checkpointing, bool) and \
-        0 < c.activation_checkpointing < c.blocks else None  # the run's own count, tried between none and all
-    out = [Setting(pl, ac, b, tokens // b, g, off, tokens * run.seq_len, c.blocks) for pl in placements
-           for ac in (False, *([count] if count else []), True)
+    out = [Setting(pl, ac, b, tokens // b, g, off, tokens * run.seq_len) for pl in placements for ac in (False, True)
            for b in batches for off in (0.0, *OFFLOAD_FRACTIONS) for g in grads]
     return sorted(out, key=Setting.speed_key)
 
@@ -300,7 +288,7 @@ def report(run: PlannedRun, e: MemoryEstimate, model: str, world: int, tp: Tenso
                         "but may run out of memory)"}[e.fit(gpu)]
     lines = [f"mfsdp plan: {model}{variant}, {s.placements}{parallel} on {world} GPU(s), local batch {s.local_batch} "
              f"x {s.seq_len} tokens, {s.microbatches} microbatch(es), activation checkpointing "
-             f"{s.checkpointing_label()}\n", breakdown_table(e),
+             f"{'on' if s.activation_checkpointing else 'off'}\n", breakdown_table(e),
              f"\nthis setting {verdict} in {gib(gpu)} GiB per GPU ({source})",
              host_ram_line(e, ranks_per_node, staging) + "\n"]
     fits = fitting(run, world, gpu, tp) or fitting(run, world, gpu, tp, tight=True)
@@ -334,50 +322,20 @@ def offload_note(setting: Setting, e: MemoryEstimate) -> str:
     return f"   [host {gib(sum(e.host_bytes.values()))} GiB per rank, ~{exposed:.2f} s CPU exposed per step{slower}]"
 
 
-# [Note: checkpointing and kept gathers compete for memory] ``--parallel.activation_checkpointing
-# auto`` and ``--parallel.keep_gathered_blocks auto`` are resolved in that order, by one rule: less
-# recompute first. Checkpointing takes the fewest blocks with which the run fits with no gathers kept
-# (or the kept count given as a number); kept gathers then take the most blocks that still fit with
-# those checkpointed. A recomputed block costs a forward's compute, a gather not kept only a cast.
 def kept_blocks_that_fit(run: PlannedRun, world: int, gpu_bytes: int, blocks: int) -> int:
     """``mfsdp train --parallel.keep_gathered_blocks auto``: the most of the ``blocks`` blocks that may
-    keep their gathers with the run (its checkpointing resolved first) still fitting ``gpu_bytes``
-    with the allocator's margin (0 if none does). Kept blocks only add memory, so the count that fits
-    is found by bisection."""
+    keep their gathers with the run still fitting ``gpu_bytes`` with the allocator's margin (0 if none
+    does). Kept blocks only add memory, so the count that fits is found by bisection."""
     def fits(n: int) -> bool:
         return estimate_run(dataclasses.replace(run, keep_gathered_blocks=n), world).fit(gpu_bytes) == "fits"
 
-    # fits(0) is assumed (checked by the memory check): the most that fit is one below the fewest that do not.
-    return blocks if fits(blocks) else _fewest(lambda n: not fits(n), 0, blocks) - 1
-
-
-def checkpointed_blocks_that_fit(run: PlannedRun, world: int, gpu_bytes: int, blocks: int, counts: bool = True,
-                                 tp: TensorParallel = TensorParallel()) -> int:
-    """``mfsdp train --parallel.activation_checkpointing auto``: the fewest of the ``blocks`` blocks
-    (the first ones, ``checkpointed_blocks``) that must recompute in backward for the run to fit
-    ``gpu_bytes`` with the allocator's margin; all where even that does not (the memory check then
-    says what would). ``counts`` False (the manager's route, all or none): 0 or ``blocks``; ``tp``:
-    the manager's tensor parallel, as ``estimate_run`` takes it. More
-    checkpointed blocks never need more memory, so the count is found by bisection."""
-    def fits(n: int) -> bool:
-        ac = n if 0 < n < blocks else bool(n)
-        setting = dataclasses.replace(run.setting, activation_checkpointing=ac, blocks=blocks)
-        return estimate_run(run, world, setting, tp, tp_in_process=True).fit(gpu_bytes) == "fits"
-
-    if fits(0):
-        return 0
-    if not counts or not fits(blocks):
-        return blocks
-    return _fewest(fits, 0, blocks)
-
-
-def _fewest(ok, low: int, high: int) -> int:
-    """The smallest n in (``low``, ``high``] with ``ok(n)``, where ``ok`` is false at ``low``, true at
-    ``high`` and changes once between them (bisection)."""
+    low, high = 0, blocks  # fits(low) is assumed (checked by the memory check), high is the upper end
+    if fits(high):
+        return high
     while high - low > 1:
         mid = (low + high) // 2
-        low, high = (low, mid) if ok(mid) else (mid, high)
-    return high
+        low, high = (mid, high) if fits(mid) else (low, mid)
+    return low
 
 
 def offload_fraction_that_fits(run: PlannedRun, world: int, gpu_bytes: int) -> Optional[float]:

@@ -41,9 +41,8 @@ class ParallelizeConfig:
     """A name (zero3, zero2, zero1, ddp, hsdp, hfsdp) or a Placements object."""
     mixed_precision: "mfsdp.MixedPrecisionPolicy | None" = None
     """Main-weight and gradient dtypes; None keeps the core's default policy."""
-    activation_checkpointing: "bool | int" = False
-    """Recompute blocks' activations in backward instead of storing them: True every block, False
-    none, a count that many of the first blocks (``checkpointed_blocks``)."""
+    activation_checkpointing: bool = False
+    """Recompute each block's activations in backward instead of storing them."""
     expert_units: bool = False
     """Shard each expert of a mixture-of-experts block as its own unit (inside the block's unit)
     instead of with the rest of the block; needs a model with experts."""
@@ -67,9 +66,6 @@ class ParallelizeConfig:
                              "zero1, ddp, hsdp or hfsdp, or pass a mfsdp.Placements")
         if not isinstance(self.keep_gathered_blocks, int) or self.keep_gathered_blocks < 0:
             raise ValueError(f"keep_gathered_blocks must be an int >= 0, got {self.keep_gathered_blocks!r}")
-        ac = self.activation_checkpointing
-        if not isinstance(ac, (bool, int)) or ac < 0:
-            raise ValueError(f"activation_checkpointing must be True, False or a count of blocks >= 0, got {ac!r}")
         if not isinstance(self.transforms, tuple):
             raise ValueError(f"transforms must be a tuple of model transforms, got {self.transforms!r}")
         validate_order(self.transforms)
@@ -90,8 +86,8 @@ def parallelize(model: Llama, mesh: DeviceMesh, config: ParallelizeConfig) -> Ll
                          "(LlamaConfig.num_experts > 0, built by mfsdp.models.build_model); "
                          "set expert_units=False for a dense model")
     apply_transforms(model, config.transforms)
-    for block in checkpointed_blocks(list(model.layers), config.activation_checkpointing):
-        block.checkpointing = True  # as Llama.set_activation_checkpointing(True) sets every block
+    if config.activation_checkpointing:
+        model.set_activation_checkpointing(True)
     # Bottom-up: each unit before the root claims the rest (the final norm).
     kept = {id(b) for b in kept_blocks(list(model.layers), config.keep_gathered_blocks)}
     keeping = dataclasses.replace(config.communication or mfsdp.CommunicationPolicy(), keep_gathered=True)
@@ -120,23 +116,6 @@ def kept_blocks(blocks: list, count: int) -> list:
         raise ValueError(f"keep_gathered_blocks={count}, but the model has {len(blocks)} blocks; give a number "
                          f"from 0 to {len(blocks)}")
     return blocks[len(blocks) - count:]
-
-
-def checkpointed_blocks(blocks: list, setting: "bool | int") -> list:
-    """The blocks that recompute their activations in backward (``activation_checkpointing``): all
-    for True, none for False, else the FIRST ``setting``. Every block's saved activations live from
-    its forward to its backward, so which k blocks hold only their inputs does not change the bytes
-    held when backward starts; it changes when the recompute runs: the first blocks' backward comes
-    last, when every later block has freed its activations, so their recompute transient lands
-    on the lowest live bytes. Kept gathers (``kept_blocks``) are the last blocks'; a block that is
-    both recomputes with its kept weights, so the two choices never conflict. The one rule, which ``mfsdp.memory``
-    plans with too (over block names)."""
-    if isinstance(setting, bool):
-        return list(blocks) if setting else []
-    if not 0 <= setting <= len(blocks):
-        raise ValueError(f"activation_checkpointing={setting}, but the model has {len(blocks)} blocks; give a "
-                         f"number from 0 to {len(blocks)} (or true / false)")
-    return list(blocks[:setting])
 
 
 def sharding_units(model: Llama, expert_units: bool = False) -> list:

@@ -69,7 +69,7 @@ def build_bundled(cfg: RunConfig, device: torch.device, compute: torch.dtype, wo
     parallelize(model, mesh, ParallelizeConfig(
         placements=p.placements, mixed_precision=policy, transforms=model_transforms,
         compile=cfg.compiles(device.type), communication=communication_policy(p),
-        activation_checkpointing=p.checkpointing(), expert_units=p.expert_units,
+        activation_checkpointing=p.activation_checkpointing, expert_units=p.expert_units,
         keep_gathered_blocks=p.kept_blocks()))
     materialize_and_init(model, device, cfg.train.seed)
     for transform in model_transforms:  # a DTensor's numel is the whole parameter's: whole-model numbers
@@ -167,7 +167,7 @@ def build_hf(cfg, device: torch.device, compute_dtype: torch.dtype, world: int, 
     config = MegatronFSDPConfig(
         placements=resolve_placements(p.placements, shard_axis=DP_SHARD),
         grad_reduce_in_fp32=cfg.main_grads_dtype() == torch.float32,
-        activation_checkpointing=bool(p.checkpointing()),
+        activation_checkpointing=p.activation_checkpointing,
         init_fsdp_with_meta_device=True)
     mesh = build_device_mesh(device.type, dp_replicate_size=p.replicate, world_size=world)
     model = meta_model_from_config(path, dtype=compute_dtype)

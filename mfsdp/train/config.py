@@ -380,12 +380,8 @@ class ParallelSection:
     upcasts them to fp32 one group at a time. fp32 accumulates in fp32."""
     grad_comm_dtype: str = "auto"
     """Dtype of the gradient reduce-scatter; "auto" follows the core's default."""
-    activation_checkpointing: str | bool | int = "auto"
-    """Recompute blocks' activations in backward to save memory: "true" every block, "false" none, a
-    number that many of the first blocks, or "auto": on GPUs, the fewest the planner needs for the
-    step to fit with the allocator's margin (none where it fits without; the manager's route all or
-    none; CPU runs none), resolved before keep_gathered_blocks auto (less recompute first). The
-    resolved count is recorded in the checkpoint, and a resume keeps it."""
+    activation_checkpointing: bool = False
+    """Recompute each block's activations in backward to save memory."""
     expert_units: bool = False
     """Shard each expert of a mixture-of-experts model as its own unit, not with its block."""
     collective_timeout_s: float = 300.0
@@ -432,18 +428,7 @@ class ParallelSection:
         """``keep_gathered_blocks`` as a number ("auto" before preflight resolves it: none)."""
         return 0 if self.keep_gathered_blocks == "auto" else int(self.keep_gathered_blocks)
 
-    def checkpointing(self) -> bool | int:
-        """``activation_checkpointing`` as ``ParallelizeConfig`` takes it: True, False or a count of the
-        first blocks ("auto" before preflight resolves it: none)."""
-        ac = self.activation_checkpointing
-        return ac == "true" or (int(ac) if ac.isdigit() else False)
-
     def __post_init__(self) -> None:
-        # One spelling: YAML gives true/false as bools (and a count as an int), a flag may say True.
-        object.__setattr__(self, "activation_checkpointing", str(self.activation_checkpointing).lower())
-        require(self.activation_checkpointing in ("auto", "true", "false") or self.activation_checkpointing.isdigit(),
-                "parallel.activation_checkpointing must be auto, true, false or a number of blocks >= 0, got "
-                f"{self.activation_checkpointing!r}")
         require(self.collective_timeout_s > 0, "parallel.collective_timeout_s must be positive")
         require(self.keep_gathered_blocks == "auto" or (self.keep_gathered_blocks.isdigit()),
                 f"parallel.keep_gathered_blocks must be auto or a number >= 0, got {self.keep_gathered_blocks!r}")

@@ -40,12 +40,9 @@ def planned_run(cfg: RunConfig) -> plan.PlannedRun:
     --model.hf model on the bundled route is planned as the bundled Llama of its config, the model
     that trains (compiled blocks included); through the manager, as the Hugging Face model."""
     p, d = cfg.parallel, cfg.data
-    blocks = 0 if cfg.model.uses_manager else cfg.llama_config().n_layers
-    ac = p.checkpointing()
-    ac = ac if isinstance(ac, bool) or 0 < ac < blocks else bool(ac)  # a count of none or all as false / true
-    setting = plan.Setting(p.placements, ac, d.local_batch, d.microbatches,
+    setting = plan.Setting(p.placements, p.activation_checkpointing, d.local_batch, d.microbatches,
                            p.main_grads_dtype, p.offload_fraction if p.offload == "optimizer" else 0.0,
-                           d.local_batch * d.microbatches * d.seq_len, blocks)
+                           d.local_batch * d.microbatches * d.seq_len)
     grads = {name: cfg.main_grads_dtype(name) for name in ("auto", *DTYPES)}
     return plan.PlannedRun(
         cfg.model.hf if cfg.model.uses_manager else cfg.llama_config(), setting, d.seq_len, grads,
@@ -53,33 +50,6 @@ def planned_run(cfg: RunConfig) -> plan.PlannedRun:
         p.expert_units, transforms_for(cfg), not cfg.train.fused_adamw("cuda"), cfg.compiles("cuda"),
         cfg.train.async_checkpoint_on("cuda"), cfg.model.head_loss, flat_adamw=cfg.train.flat_adamw("cuda"),
         keep_gathered_blocks=p.kept_blocks())
-
-
-def resolve_checkpointing(cfg: RunConfig, world: int, gpu_bytes: int | None,
-                          tp: TensorParallel = TensorParallel()) -> tuple[RunConfig, str | None]:
-    """``--parallel.activation_checkpointing auto`` as a plain setting on ``world`` GPUs of
-    ``gpu_bytes`` (None: a CPU run, none; ``tp``: ``mfsdp plan --tp``'s), and the line that names the choice (None where the config
-    was not auto): the planner's fewest blocks with which the run fits (``checkpointed_blocks_that_fit``,
-    gathers kept only as a number gives them: [Note: checkpointing and kept gathers compete for
-    memory]), all or none on the manager's route. ``mfsdp train`` and ``mfsdp plan`` both ask here."""
-    p = cfg.parallel
-    if p.activation_checkpointing != "auto":
-        return cfg, None
-    manager = cfg.model.uses_manager
-    blocks = int((cfg.hf_config or {}).get("num_hidden_layers", 1)) if manager else cfg.llama_config().n_layers
-    where = "one GPU" if world == 1 else f"{world} GPUs"
-    chosen, why = 0, "CPU run"
-    if gpu_bytes is not None:
-        try:
-            chosen = plan.checkpointed_blocks_that_fit(planned_run(cfg), world, gpu_bytes, blocks, not manager, tp)
-            why = f"{where}, the manager's route: all or none" if manager else \
-                f"{where}: {'the run fits without' if not chosen else 'the fewest that fit'}"
-        except NotImplementedError as err:  # a model the planner cannot measure
-            why = f"no plan, {err}"
-    value = ("true" if chosen else "false") if manager else str(chosen)
-    line = (f"--parallel.activation_checkpointing auto: {'none' if not chosen else chosen} of {blocks} blocks "
-            f"checkpointed ({why})")
-    return dataclasses.replace(cfg, parallel=dataclasses.replace(p, activation_checkpointing=value)), line
 
 
 def main(argv: list[str]) -> int:
@@ -102,6 +72,7 @@ def main(argv: list[str]) -> int:
         tp = _tensor_parallel(own)
         if tp.enabled and cfg.model.hf is not None:  # tensor parallel is the manager's
             cfg = dataclasses.replace(cfg, model=cfg.model.on_manager())
+        run = planned_run(cfg)
         world = int(own["--nproc-per-node"]) * int(own["--nnodes"])
         if own["--gpu-memory"]:
             gpu, source = plan.parse_bytes(own["--gpu-memory"]), "--gpu-memory"
@@ -109,8 +80,6 @@ def main(argv: list[str]) -> int:
             gpu, source = torch.cuda.mem_get_info()[1], torch.cuda.get_device_name()
         else:
             gpu, source = plan.DEFAULT_GPU, "assumed (an H200; set --gpu-memory)"
-        cfg, line = resolve_checkpointing(cfg, world, gpu, tp)
-        run = planned_run(cfg)
         e = plan.estimate_run(run, world, tp=tp, tp_in_process=True)
     except (ConfigError, ValueError, NotImplementedError) as err:
         return _error(str(err))
@@ -119,8 +88,6 @@ def main(argv: list[str]) -> int:
     staging = checkpoint_bytes(params, cfg.save_dtype("cuda")) if run.async_checkpoint else 0
     model = cfg.model.preset if cfg.model.hf is None else \
         cfg.model.hf + ("" if cfg.model.uses_manager else " (the bundled Llama)")
-    if line and cfg.parallel.checkpointing():  # a plan that needs none says so in its header
-        print(line)
     print(plan.report(run, e, model, world, tp, gpu, source,
                       int(own["--nproc-per-node"]), staging))
     out = Path(own["--out"] or Path(cfg.train.out_dir) / "plan.png")  # the run's directory, never a tracked file

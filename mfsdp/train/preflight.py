@@ -78,20 +78,11 @@ def check_run(cfg: RunConfig, world: int, device_type: str, open_data: Callable[
         if resume_from is not None:
             meta = check_compatible(resume_from, model_fingerprint(model_cfg))
             _check_route(resume_from, meta, cfg)
-            cfg = _resumed_checkpointing(cfg, meta)
     check_out_dir(cfg, resume_from)
     if data is not None:
         cfg = _for_samples(cfg, data, world, meta)
     warning = check_disk(cfg, disk_share, device_type) if disk_share is not None else None
     return ResolvedRun(cfg, data, resume_from, tuple(notes), warning)
-
-
-def _resumed_checkpointing(cfg: RunConfig, meta: CheckpointMeta) -> RunConfig:
-    """``--parallel.activation_checkpointing auto`` as the resumed checkpoint's run resolved it."""
-    recorded = ((meta.config or {}).get("parallel") or {}).get("activation_checkpointing", "auto")
-    if cfg.parallel.activation_checkpointing != "auto" or str(recorded).lower() == "auto":
-        return cfg
-    return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, activation_checkpointing=recorded))
 
 
 def _check_route(path: Path, meta: CheckpointMeta, cfg: RunConfig) -> None:
@@ -123,8 +114,7 @@ def preflight(cfg: RunConfig, device: torch.device, log: Callable[[str], None]) 
     log(run_line(run.cfg, world, device, run.data))
     if note := run.cfg.route_note():
         log(note)
-    cfg = resolve_checkpointing(resolve_offload(run.cfg, world, device, log), world, device, log)
-    cfg = resolve_kept_blocks(cfg, world, device, log)
+    cfg = resolve_kept_blocks(resolve_offload(run.cfg, world, device, log), world, device, log)
     check_memory(cfg, world, device, log)
     return dataclasses.replace(run, cfg=cfg)
 
@@ -209,18 +199,6 @@ def resolve_offload(cfg: RunConfig, world: int, device: torch.device, log) -> Ru
     log(f"--parallel.offload auto: {'offload ' + format(fraction, 'g') + ' of the units' if fraction else 'no offload'}"
         f"{' (CPU run)' if device.type != 'cuda' else ''}")
     return dataclasses.replace(cfg, parallel=chosen)
-
-
-def resolve_checkpointing(cfg: RunConfig, world: int, device: torch.device, log) -> RunConfig:
-    """``--parallel.activation_checkpointing auto``: the planner's fewest blocks with which the run
-    fits this GPU, before ``resolve_kept_blocks`` (less recompute first: [Note: checkpointing and kept
-    gathers compete for memory]); a resumed run keeps the count its checkpoint recorded (``check_run``)."""
-    from mfsdp.train.plan import resolve_checkpointing as resolve
-
-    cfg, line = resolve(cfg, world, device_memory(device) if device.type == "cuda" else None)
-    if line:
-        log(line)
-    return cfg
 
 
 def resolve_kept_blocks(cfg: RunConfig, world: int, device: torch.device, log) -> RunConfig:

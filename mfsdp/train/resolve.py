@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from mfsdp.models.hf_config import supports_bundled
-from mfsdp.models.parallelize import checkpointed_blocks, kept_blocks
+from mfsdp.models.parallelize import kept_blocks
 from mfsdp.hf_io import has_weights
 from mfsdp.train import determinism
 from mfsdp.train.config import FROM_RECIPE, RunConfig, bundled_refusal
@@ -34,7 +34,7 @@ def resolve(cfg: RunConfig) -> RunConfig:
             "--metrics.wandb true needs the wandb package; pip install wandb (or mfsdp[wandb])")
     if cfg.model.hf is not None:
         cfg = _resolve_hf(cfg)
-    _check_block_counts(cfg)
+    _check_kept_blocks(cfg)
     check_transforms(cfg)
     if cfg.train.out_dir is None:
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, out_dir=cfg.model.default_out_dir()))
@@ -75,24 +75,15 @@ def _resolve_hf(cfg: RunConfig) -> RunConfig:
     return dataclasses.replace(cfg, model=auto) if m.hf_impl == "auto" else cfg
 
 
-def _check_block_counts(cfg: RunConfig) -> None:
-    """A count of blocks (--parallel.keep_gathered_blocks N, --parallel.activation_checkpointing N)
-    applies to the bundled Llama, and must fit its blocks by the runtime's rule for it."""
-    p, hf = cfg.parallel, cfg.model.hf
-    ac = p.checkpointing()
-    for rule, count, manager in (
-            (kept_blocks, p.kept_blocks(), f"--parallel.keep_gathered_blocks applies to the bundled Llama; {hf} "
-             "trains through the manager here. Use --parallel.keep_gathered_blocks 0"),
-            (checkpointed_blocks, 0 if isinstance(ac, bool) else ac, f"--parallel.activation_checkpointing {ac}: a "
-             f"count of blocks applies to the bundled Llama; {hf} trains through the manager here, all or none: "
-             "use true or false")):
-        if not count:
-            continue
-        require(not cfg.model.uses_manager, manager)
-        try:
-            rule(range(cfg.llama_config().n_layers), count)
-        except ValueError as err:  # the rule's own words, for the flag
-            raise ConfigError(f"--parallel.{err}") from None
+def _check_kept_blocks(cfg: RunConfig) -> None:
+    if not (kept := cfg.parallel.kept_blocks()):
+        return
+    require(not cfg.model.uses_manager, f"--parallel.keep_gathered_blocks applies to the bundled Llama; "
+            f"{cfg.model.hf} trains through the manager here. Use --parallel.keep_gathered_blocks 0")
+    try:
+        kept_blocks(range(cfg.llama_config().n_layers), kept)
+    except ValueError as err:  # the rule's own words, for the flag
+        raise ConfigError(f"--parallel.{err}") from None
 
 
 def check_transforms(cfg: RunConfig) -> None:
