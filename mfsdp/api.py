@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 from typing import Optional, TypeVar
 
 from torch import nn
@@ -16,6 +15,7 @@ from mfsdp.runtime.module import FsdpModule
 from mfsdp.runtime.registry import OWNER_OF_PARAMETER
 
 M = TypeVar("M", bound=nn.Module)
+_FSDP_CLASSES: dict[type, type] = {}
 
 
 def fully_shard(
@@ -60,7 +60,9 @@ def fully_shard(
         raise TypeError(f"mixed_precision_policy must be an mfsdp.MixedPrecisionPolicy, got {type(policy).__name__}")
     built_on_meta = _check_devices(module, mesh)
     cls = type(module)
-    module.__class__ = mixin_class(FsdpModule, cls, "FSDP")
+    if cls not in _FSDP_CLASSES:
+        _FSDP_CLASSES[cls] = type(f"FSDP{cls.__name__}", (FsdpModule, cls), {"__module__": cls.__module__})
+    module.__class__ = _FSDP_CLASSES[cls]
     try:
         FsdpModule.__init__(module, mesh, placements, policy, use_symm_mem, communication_policy)
     except BaseException:
@@ -73,13 +75,6 @@ def fully_shard(
         for group in module.parameter_groups:
             group.weights_written()
     return module
-
-
-@functools.lru_cache(maxsize=None)
-def mixin_class(mixin: type, cls: type, prefix: str) -> type:
-    """``cls`` with ``mixin`` in front, named ``prefix + cls.__name__``: made once per class, so every
-    instance that an in-place ``__class__`` swap dresses shares it."""
-    return type(f"{prefix}{cls.__name__}", (mixin, cls), {"__module__": cls.__module__})
 
 
 def _check_arguments(module, mesh, use_symm_mem: bool, communication_policy) -> None:
@@ -126,9 +121,11 @@ def _check_placements(module: nn.Module, mesh: DeviceMesh, placements) -> None:
 
 def _check_devices(module: nn.Module, mesh: DeviceMesh) -> bool:
     """Refuse a parameter off the mesh's device type; whether any is on the meta device."""
+    built_on_meta = False
     for name, param in module.named_parameters():
+        built_on_meta = built_on_meta or param.is_meta
         if param.device.type not in (mesh.device_type, "meta"):
             raise ValueError(
                 f"parameter {name!r} is on {param.device} but the mesh is on {mesh.device_type}; move "
                 "the module to the mesh's device first")
-    return any(param.is_meta for param in module.parameters())
+    return built_on_meta

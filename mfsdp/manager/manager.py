@@ -36,7 +36,6 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 import mfsdp
 from mfsdp import FsdpModule, _compat
-from mfsdp.api import mixin_class
 from mfsdp.hf_io import has_weights
 from mfsdp.manager import hf_checkpoint
 from mfsdp.manager.config import MegatronFSDPConfig, field_names
@@ -166,8 +165,14 @@ def _make_load_hook(slots):
     return hook
 
 
+_MANAGED_CLASSES: dict[type, type] = {}
+
+
 def _dress_root(model: nn.Module, state: _ManagerState) -> None:
-    model.__class__ = mixin_class(MegatronFSDPModel, type(model), "Managed")
+    cls = type(model)
+    if cls not in _MANAGED_CLASSES:
+        _MANAGED_CLASSES[cls] = type(f"Managed{cls.__name__}", (MegatronFSDPModel, cls), {"__module__": cls.__module__})
+    model.__class__ = _MANAGED_CLASSES[cls]
     model._mfsdp_manager_state = state
     model.register_forward_pre_hook(_make_guard(state), prepend=True, with_kwargs=True)
     by_module: dict[int, tuple[nn.Module, list]] = {}

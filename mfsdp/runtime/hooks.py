@@ -65,9 +65,12 @@ def _late_gradient_hook(ref, grad_level: int):
     @torch.compiler.disable
     def hook(param) -> None:
         module = ref()
-        ctx = module._context if module is not None else None
-        # Lost only where the reduction read .grad: every backward (grad_level > 0), or the last microbatch's.
-        if ctx is not None and ctx.has_reduced(module) and (grad_level > 0 or ctx.is_last_microbatch):
+        if module is None or module._context is None:
+            return
+        ctx = module._context
+        if not ctx.has_reduced(module):
+            return
+        if grad_level > 0 or ctx.is_last_microbatch:  # the reduction read .grad
             raise RuntimeError(
                 f"mfsdp: a gradient of {module.name or 'the root'} arrived after its reduction in this "
                 f"backward; it would be lost. {ORDER_HELP}")
