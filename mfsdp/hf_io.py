@@ -19,7 +19,6 @@ safetensors and the standard library, so every layer of mfsdp may use it.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import math
 import os
@@ -152,7 +151,7 @@ class Entry:
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 def plan_files(entries: Sequence[Entry], max_file_bytes: int) -> list[list[Entry]]:
@@ -189,7 +188,7 @@ def write_file(path: Path, entries: Sequence[Entry], read: Callable[[Entry], tor
                 raise ValueError(f"{e.name}: read a tensor of shape {tuple(tensor.shape)}, planned {e.shape}")
             tensor = tensor.detach().to("cpu", e.dtype).contiguous()
             if tensor.numel():
-                f.write(ctypes.string_at(tensor.data_ptr(), e.nbytes))
+                f.write(tensor.reshape(-1).view(torch.uint8).numpy())  # the tensor's own bytes, no copy
             del tensor  # one tensor alive at a time
     os.replace(temp, path)
 

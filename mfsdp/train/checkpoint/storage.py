@@ -132,7 +132,7 @@ def save_checkpoint(root: str | os.PathLike, step: int, model: torch.nn.Module,
     weights only, in that dtype); collective over all ranks."""
     root = Path(root)
     final, temp = paths(root, step)
-    if is_complete(final) and damage(final) is None:
+    if damage(final) is None:
         # Only reachable by stopping again at the step just resumed from: the state on disk is the
         # state in memory, and rewriting it would open a window with no checkpoint.
         return final
@@ -283,8 +283,9 @@ def _prune(root: Path, keep: int, published: int) -> None:
     """After publishing the checkpoint of step ``published`` (the one ``latest`` names, never deleted):
     delete those of later steps, left by a timeline this run abandoned (a damaged newest one skipped
     on resume), then all but the ``keep`` newest (0 keeps everything)."""
-    older = [p for p in complete_checkpoints(root) if _step_of(p) < published]
-    stale = [p for p in complete_checkpoints(root) if _step_of(p) > published]
+    saved = complete_checkpoints(root)
+    older = [p for p in saved if _step_of(p) < published]
+    stale = [p for p in saved if _step_of(p) > published]
     for old in stale + (older[:max(0, len(older) - keep + 1)] if keep > 0 else []):
         shutil.rmtree(old, ignore_errors=True)
 
