@@ -231,6 +231,13 @@ class LoraTransform:
         return (f"LoRA r {self.r}, alpha {self.alpha:g}{rs}, {where}, {trainable / 1e6:,.1f}M trainable of "
                 f"{total / 1e6:,.1f}M")
 
+    def plan_note(self, model: nn.Module) -> str:
+        """The memory plan's note on what a LoRA block saves (the planner measures the transformed blocks)."""
+        return ("LoRA: activations measured on the transformed blocks (the base frozen, the adapters present): a "
+                "frozen linear saves its input only because its adapter's A needs it (the same tensor a trained "
+                "linear saves for its weight gradient), plus the r-wide x @ A.T for B's gradient; the frozen norms "
+                "save nothing for their weights")
+
 
 def _refuse_grouped_experts(model: nn.Module, pattern: str) -> None:
     """ValueError where ``pattern`` names a mixture of experts' grouped weights (one 3-D parameter

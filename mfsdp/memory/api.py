@@ -189,10 +189,6 @@ shares measured block by block on one H200 (8B at r 16 and r 64, 1b at r 16;
 ``benchmarks/results/2026-12-04_compiled_lora_block_saved.md``). It is higher than a full
 fine-tune's: the eager LoRA block already saves nothing for the frozen norms' weights, results the
 compiled full fine-tune recomputes; compiled, both save the same, plus the adapters' r-wide inputs."""
-LORA_NOTE = ("LoRA: activations measured on the transformed blocks (the base frozen, the adapters present): a "
-             "frozen linear saves its input only because its adapter's A needs it (the same tensor a trained "
-             "linear saves for its weight gradient), plus the r-wide x @ A.T for B's gradient; the frozen norms "
-             "save nothing for their weights")
 COMPILED_LORA_NOTE = (f"compiled blocks (--parallel.compile auto/true): a bundled dense Llama's LoRA blocks (bf16 "
                       f"base, all-linear, no dropout) without checkpointing are predicted to save "
                       f"{COMPILED_LORA_BLOCK_SAVED:.2f}x the eager activations (measured on one H200); other LoRA "
@@ -261,8 +257,6 @@ def _llama(cfg, dtype, seq_len, expert_units, model=None, transforms=(), head_lo
     model, kinds = _meta_llama(cfg, dtype, transforms, model)
     dtype = next(model.parameters()).dtype
     notes = hook_results(transforms, "plan_note", model)
-    if any(t.name == "lora" for t in transforms):
-        notes.append(LORA_NOTE)
     if len(kinds) > 1:
         notes.append(f"{', '.join(map(str, transforms))}: blocks of {len(kinds)} kinds (the transforms treat them "
                      "differently); every block is planned with the largest activations of those kinds")

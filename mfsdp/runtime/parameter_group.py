@@ -110,9 +110,6 @@ class FsdpParameterGroup:
         # What unshard gathers from: the compute weights at rest, or the main weights cast on the fly.
         self._model_regions = (self._main_regions if self.model is None
                                else self.layout.regions(self.model.tensor, level_ways))
-        if self.unsharded is self.model:  # one shard way: the whole layout, padding included, is the model's
-            assert [(r.storage_offset(), r.numel()) for r in self._unsharded_regions] == [
-                (r.storage_offset(), r.numel()) for r in self._model_regions], self.label
 
     def _fill_shards(self, locals_: list[torch.Tensor]) -> None:
         """Copy this rank's rows of each parameter into the main (and a separate compute) buffer."""
