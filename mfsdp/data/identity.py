@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from mfsdp.data.prepare import STDLIB
-from mfsdp.data.token_file import DataError, TokenFile, prepare_command
+from mfsdp.data.token_file import DataError, TokenFile, fresh_token_path, prepare_command
 from mfsdp.data.tokenizer import BYTES, HuggingFaceTokenizer
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -44,8 +44,10 @@ def check_tokenizer(data: TokenFile, model_hf: str | None, data_path: str) -> No
     who = "the byte tokenizer" if data.tokenizer == BYTES else f"the tokenizer {data.tokenizer}"
     if data.tokenizer == tokenizer.name:
         who = f"an earlier version of the tokenizer in {data.tokenizer}"
-    source, out = ("INPUT", data.path) if data_path != STDLIB else (STDLIB, Path("data") / "stdlib.tokens")
-    then = f" and pass --data.path {out}" if data_path == STDLIB else ""
+    source, out, then = "INPUT", data.path, ""
+    if data_path == STDLIB:  # the demo corpus: a token file of its own for this tokenizer
+        source, out = STDLIB, fresh_token_path(STDLIB)
+        then = f" and pass --data.path {out}"
     raise DataError(f"{data.path} was tokenized by {who} (vocabulary {data.vocab_size}), not by the tokenizer "
                     f"of --model.hf {model_hf} (vocabulary {tokenizer.vocab_size}), so its ids mean other "
                     f"text to the model; tokenize the data with it: "

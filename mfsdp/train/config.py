@@ -607,12 +607,15 @@ class RunConfig:
         return DTYPES.get(self.parallel.compute_dtype) or (
             torch.bfloat16 if device_type == "cuda" else torch.float32)
 
-    def save_dtype(self, device_type: str) -> torch.dtype | None:
-        """The weights' dtype of a ``--train.save_only_model`` checkpoint ("auto": the compute
-        dtype), or None when checkpoints hold the whole training state."""
-        if not self.train.save_only_model:
-            return None
+    def weights_dtype(self, device_type: str) -> torch.dtype:
+        """``--train.save_dtype`` as a dtype ("auto": the compute dtype): what model-only checkpoints
+        and the end-of-run export write the weights in."""
         return DTYPES.get(self.train.save_dtype) or self.compute_dtype(device_type)
+
+    def save_dtype(self, device_type: str) -> torch.dtype | None:
+        """The weights' dtype of a ``--train.save_only_model`` checkpoint, or None when checkpoints
+        hold the whole training state."""
+        return self.weights_dtype(device_type) if self.train.save_only_model else None
 
     def main_grads_name(self, device_type: str = "cuda") -> str:
         """What ``--parallel.main_grads_dtype`` means, "fp32" or "bf16": "auto" is the compute dtype

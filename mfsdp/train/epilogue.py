@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from mfsdp.data import DataError, TokenFile
 from mfsdp.data.tokenizer import load_tokenizer
-from mfsdp.train.config import DTYPES, RunConfig
+from mfsdp.train.config import RunConfig
 from mfsdp.train.errors import CheckpointError, agree
 from mfsdp.train.sample import generate_text
 
@@ -28,9 +28,7 @@ def finish(cfg: RunConfig, model, data: TokenFile, last: int, stopped: bool, dev
         log(f"stopped by signal after step {last}; continue with --resume")
         return
     if cfg.train.export_hf:
-        # in --train.save_dtype: "auto" is the compute dtype, so an fp32 run exports fp32
-        dtype = DTYPES.get(cfg.train.save_dtype) or cfg.compute_dtype(device.type)
-        export_hf(checkpoint, out_dir / "hf", log, dtype)
+        export_hf(checkpoint, out_dir / "hf", log, cfg.weights_dtype(device.type))  # an fp32 run exports fp32
     if cfg.train.sample_tokens:
         print_sample(cfg, model, data, device, log)
 
