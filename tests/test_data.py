@@ -120,7 +120,7 @@ def test_prepare_data_command(tmp_path, capsys):
     (["prepare-data", "in", "out", "--data.max_len"], "--data.max_len needs a value"),
     (["prepare-data", "in", "out", "--data.max_len", "many"], "--data.max_len expects int, got 'many'"),
     (["prepare-data", "in", "--data.format", "chat", "out"], "unknown format 'chat'; use one of text,"),
-    (["prepare-data", "in"], "expected INPUT OUT and flags, got 'in'"),
+    (["prepare-data", "in"], "expects INPUT OUT, got 'in'"),
     (["export", "src", "out", "--export.dtpye", "fp32"], "did you mean --export.dtype?"),
     (["export", "src", "out", "--dtpye", "fp32"], "unknown flag --dtpye; did you mean --export.dtype?"),
     (["export", "src", "out", "--max-shard-gb"], "--max-shard-gb needs a value"),

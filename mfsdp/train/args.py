@@ -146,7 +146,7 @@ def parse_command(argv: list[str], sections: dict[str, type], aliases: dict[str,
             args.append(argv[i])
             i += 1
     if len(args) != len(positional):
-        raise ConfigError(f"expected {' '.join(positional)} and flags, got {' '.join(map(repr, args)) or 'none'}")
+        raise ConfigError(f"expects {' '.join(positional)}, got {' '.join(map(repr, args)) or 'none'}")
     return args, _sections(values, sections)
 
 
