@@ -3,8 +3,10 @@ and ``mfsdp export ...``."""
 
 from __future__ import annotations
 
-import argparse
 import sys
+from dataclasses import dataclass
+
+from mfsdp.data.prepare import RowOptions
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,63 +37,103 @@ def main(argv: list[str] | None = None) -> int:
             from mfsdp.train.plotting import needs_matplotlib
             print(f"\nmemory over the step: {needs_matplotlib('the PNG')}")
             return 0
-    if command == "prepare-data":
-        return prepare_data(rest)
-    if command == "export":
-        return export(rest)
+    if command in COMMANDS:
+        return _run(command, rest)
     print(f"mfsdp: unknown command {command!r}; use train, plan, prepare-data or export", file=sys.stderr)
     return 2
 
 
-def prepare_data(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(
-        prog="mfsdp prepare-data",
-        description="Tokenize text, or fine-tuning rows, into the token file that `mfsdp train "
-                    '--data.path` reads. JSONL rows are {"text": ...} (a token stream, as for '
-                    'pretraining), or samples, each row in any of: {"prompt": ..., "completion": ...} '
-                    '(strings, or both lists of messages), {"messages": [{"role": ..., "content": ...}, '
-                    '...]} (roles system, user, assistant and tool; assistant tool_calls and a row\'s '
-                    '"tools" go to the chat template), ShareGPT {"conversations": [{"from": "human"|"gpt"|'
-                    '"system"|"function_call"|"observation", "value": ...}]} and Alpaca {"instruction": '
-                    '..., "input": ..., "output": ...}. The loss counts the completion or every '
-                    "assistant turn (tool calls too) and the token closing it. Chats go through the "
-                    "tokenizer's chat template, or mfsdp's own (<|user|>\\n...\\n<|assistant|>\\n"
-                    "...<eos>) when it has none; a plain prompt/completion is the tokenizer's text "
-                    "(its BOS too), then the end-of-sequence token. A bad row stops with FILE:LINE and "
-                    "writes nothing.")
-    parser.add_argument("input", help="a .txt file, a .jsonl file (one row per line), "
-                                      "or a directory, or 'stdlib' for the demo corpus")
-    parser.add_argument("out", help="the token file to write")
-    parser.add_argument("--tokenizer", default=None,
-                        help="a local Hugging Face tokenizer directory (default: --model.hf DIR "
-                             "when given, else bytes)")
-    parser.add_argument("--model.hf", dest="model_hf", default=None, metavar="DIR",
-                        help="the Hugging Face model directory the data is for: its tokenizer "
-                             "is the default --tokenizer")
-    parser.add_argument("--format", choices=("text", "prompt_completion", "messages", "sharegpt", "alpaca"),
-                        default=None, help="the format of every JSONL row (default: each row's, from "
-                                           "its keys)")
-    parser.add_argument("--train-on-prompt", action="store_true",
-                        help="count every token in the loss, prompts and user turns too "
-                             "(default: only the completion or the assistant turns)")
-    parser.add_argument("--max-len", type=int, default=None, metavar="N",
-                        help="keep at most N tokens of each sample, counting those cut "
-                             "(default: no limit)")
-    parser.add_argument("--text-key", default="text", help="JSONL field holding the text")
-    parser.add_argument("--glob", default="*.py",
-                        help="files to read when INPUT is a directory (default: *.py)")
-    args = parser.parse_args(argv)
-    from mfsdp.data import DataError, RowOptions, prepare
-    from mfsdp.data.prepare import STDLIB, stdlib_source
-    source = stdlib_source() if args.input == STDLIB else args.input
+PREPARE = """Tokenize text, or fine-tuning rows, into the token file that `mfsdp train --data.path` reads.
+JSONL rows are {"text": ...} documents (a token stream, as for pretraining) or samples, each row in any
+of the formats prompt/completion, messages (tools too), ShareGPT and Alpaca (README: Fine-tuning, Data).
+The loss counts the completion or every assistant turn (tool calls too) and the token closing it. Chats
+go through the tokenizer's chat template, or mfsdp's own when it has none. A bad row stops with
+FILE:LINE and writes nothing.
+  INPUT   a .txt file, a .jsonl or .json file (one row per line), a directory, or 'stdlib' for the
+          demo corpus (this Python's standard library, its *.py files)
+  OUT     the token file to write
+"""
+EXPORT = """Write a training checkpoint as a Hugging Face model directory (config.json, safetensors, the run's
+tokenizer) that transformers' from_pretrained loads; a LoRA run's as a PEFT adapter directory, or merged
+into its base with --peft.merge_on_export true.
+  SOURCE  a checkpoint (OUT_DIR/checkpoints/step_N) or a run's OUT_DIR (its newest whole checkpoint)
+  OUT     the directory to write
+"""
+
+
+@dataclass(frozen=True)
+class PrepareSection(RowOptions):
+    tokenizer: str | None = None
+    """A local Hugging Face tokenizer directory; None: --model.hf DIR's when given, else bytes."""
+    text_key: str = "text"
+    """The JSONL field holding a text row's document."""
+    glob: str | None = None
+    """The files to read when INPUT is a directory; None: its data files (*.jsonl, *.json, *.txt,
+    *.md), and *.py for stdlib."""
+
+
+@dataclass(frozen=True)
+class DataModel:
+    hf: str | None = None
+    """The Hugging Face model directory the data is for: its tokenizer is the default --data.tokenizer."""
+
+
+@dataclass(frozen=True)
+class ExportSection:
+    dtype: str = "auto"
+    """The weights' dtype: auto, bf16 or fp32; auto: a model-only checkpoint's, else the run's
+    --train.save_dtype where it named one, else bf16."""
+    max_shard_gb: float = 5.0
+    """The largest safetensors file, in GB."""
+
+    def __post_init__(self):
+        if self.dtype not in ("auto", "bf16", "fp32"):
+            raise ValueError(f"export.dtype must be one of auto, bf16, fp32, got {self.dtype!r}")
+
+
+@dataclass(frozen=True)
+class ExportPeft:
+    merge_on_export: bool | None = None
+    """A LoRA run: write the merged model (true) or the PEFT adapter (false); None: the run's
+    --peft.merge_on_export."""
+
+
+COMMANDS = {  # the sections, old spellings (kept for one release) and arguments of prepare-data and export
+    "prepare-data": (PREPARE, {"data": PrepareSection, "model": DataModel},
+                     {"--tokenizer": "data.tokenizer", "--format": "data.format", "--max-len": "data.max_len",
+                      "--train-on-prompt": "data.train_on_prompt=true", "--text-key": "data.text_key",
+                      "--glob": "data.glob"}, ("INPUT", "OUT")),
+    "export": (EXPORT, {"export": ExportSection, "peft": ExportPeft},
+               {"--dtype": "export.dtype", "--max-shard-gb": "export.max_shard_gb"}, ("SOURCE", "OUT"))}
+
+
+def _run(command: str, argv: list[str]) -> int:
+    """``mfsdp prepare-data`` or ``mfsdp export``: its help, or its command line read as `mfsdp train`
+    reads one, then the command; a user error is one line and exit code 2."""
+    from mfsdp.train.args import parse_command, usage
+    from mfsdp.train.errors import USER_ERRORS
+    head, sections, aliases, positional = COMMANDS[command]
+    if "-h" in argv or "--help" in argv:
+        print(usage(f"usage: mfsdp {command} {' '.join(positional)} [--SECTION.KEY VALUE ...]\n\n{head}",
+                    sections, aliases))
+        return 0
     try:
-        rows = RowOptions(format=args.format, train_on_prompt=args.train_on_prompt,
-                          max_len=args.max_len)
-        info = prepare(source, args.out, tokenizer=args.tokenizer or args.model_hf,
-                       text_key=args.text_key, glob=args.glob, rows=rows)
-    except DataError as err:
-        print(f"mfsdp prepare-data: error: {err}", file=sys.stderr)
-        return 2
+        args, parsed = parse_command(argv, sections, aliases, positional)
+        return (prepare_data if command == "prepare-data" else export)(*args, *parsed.values())
+    except USER_ERRORS as err:
+        return _error(command, err)
+
+
+def _error(command: str, err: Exception) -> int:
+    print(f"mfsdp {command}: error: {err}", file=sys.stderr)
+    return 2
+
+
+def prepare_data(source: str, out: str, data: PrepareSection, model: DataModel) -> int:
+    from mfsdp.data.prepare import STDLIB, STDLIB_GLOB, prepare, stdlib_source
+    stdlib = source == STDLIB
+    info = prepare(stdlib_source() if stdlib else source, out, tokenizer=data.tokenizer or model.hf,
+                   text_key=data.text_key, glob=data.glob or (STDLIB_GLOB if stdlib else None), rows=data)
     where = f"to {info['path']} (tokenizer {info['tokenizer']}, vocabulary {info['vocab_size']})"
     if info["format"] == "text":
         print(f"wrote {info['tokens']:,} tokens from {info['documents']:,} documents {where}")
@@ -104,34 +146,15 @@ def prepare_data(argv: list[str]) -> int:
     return 0
 
 
-def export(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(
-        prog="mfsdp export",
-        description="Write a training checkpoint as a Hugging Face model directory (config.json, "
-                    "safetensors, the run's tokenizer) that transformers' from_pretrained loads; a LoRA "
-                    "run's as a PEFT adapter directory, or merged into its base with --peft.merge_on_export.")
-    parser.add_argument("source", help="a checkpoint (OUT_DIR/checkpoints/step_N) or a run's OUT_DIR "
-                                       "(its newest whole checkpoint)")
-    parser.add_argument("out", help="the directory to write")
-    parser.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto",
-                        help="dtype of the weights written (default auto: a model-only checkpoint's, else "
-                             "the run's --train.save_dtype where it named one, else bf16)")
-    parser.add_argument("--max-shard-gb", type=float, default=5.0,
-                        help="largest safetensors file, in GB (default: 5)")
-    parser.add_argument("--peft.merge_on_export", dest="merge", choices=("true", "false"), default=None,
-                        help="a LoRA run: write the merged model (true) or the PEFT adapter (false); "
-                             "default: the run's --peft.merge_on_export")
-    args = parser.parse_args(argv)
+def export(source: str, out: str, options: ExportSection, peft: ExportPeft) -> int:
     from mfsdp.train.checkpoint import CheckpointError
     from mfsdp.train.export import DTYPES, ExportError, exported_line
     from mfsdp.train.export_lora import export_checkpoint
     try:
-        done = export_checkpoint(args.source, args.out, dtype=DTYPES.get(args.dtype),
-                         max_shard_bytes=max(1, int(args.max_shard_gb * 1e9)),
-                         merge=None if args.merge is None else args.merge == "true")
+        done = export_checkpoint(source, out, dtype=DTYPES.get(options.dtype),
+                         max_shard_bytes=max(1, int(options.max_shard_gb * 1e9)), merge=peft.merge_on_export)
     except (ExportError, CheckpointError) as err:
-        print(f"mfsdp export: error: {err}", file=sys.stderr)
-        return 2
+        return _error("export", err)
     print(exported_line(done))
     return 0
 

@@ -80,13 +80,22 @@ def test_prepare_text_jsonl_and_directory(tmp_path):
     assert prepare(tmp_path / "b.jsonl", tmp_path / "b.tokens")["tokens"] == 3 + 1 + 3 + 1
 
     (tmp_path / "bad.jsonl").write_text('{"body": "x"}\n')
-    with pytest.raises(DataError, match="bad.jsonl:1: .*--text-key"):
+    with pytest.raises(DataError, match="bad.jsonl:1: .*--data.text_key"):
         prepare(tmp_path / "bad.jsonl", tmp_path / "c.tokens")
 
     (tmp_path / "src").mkdir()
-    for name in ("x.py", "y.py", "z.txt"):
+    for name in ("x.py", "y.py", "z.txt", "notes.md"):
         (tmp_path / "src" / name).write_text("pass\n")
-    assert prepare(tmp_path / "src", tmp_path / "d.tokens")["documents"] == 2
+    (tmp_path / "src" / "rows.jsonl").write_text('{"text": "one"}\n{"text": "two"}\n')
+    assert prepare(tmp_path / "src", tmp_path / "d.tokens", glob="*.py")["documents"] == 2
+    # Without a pattern, a directory is read for its data files: the rows of each .jsonl (not its
+    # JSON syntax), each .txt and .md whole; never its code.
+    info = prepare(tmp_path / "src", tmp_path / "e.tokens")
+    assert info["documents"] == 2 + 1 + 1 and info["tokens"] == 4 + 4 + 6 + 6
+    (tmp_path / "code").mkdir()
+    (tmp_path / "code" / "x.py").write_text("pass\n")
+    with pytest.raises(DataError, match=r"no files match \*.jsonl \*.json \*.txt \*.md in .*; pass --data.glob"):
+        prepare(tmp_path / "code", tmp_path / "f.tokens")
 
 
 def test_prepare_data_command(tmp_path, capsys):
@@ -95,6 +104,71 @@ def test_prepare_data_command(tmp_path, capsys):
     assert "wrote 201 tokens" in capsys.readouterr().out
     assert cli_main(["prepare-data", str(tmp_path / "nope.txt"), str(tmp_path / "o2")]) == 2
     assert "does not exist" in capsys.readouterr().err
+    (tmp_path / "dir").mkdir()
+    for name, text in (("a.txt", "abc"), ("b.py", "import os\n"), ("c.jsonl", '{"text": "de"}\n')):
+        (tmp_path / "dir" / name).write_text(text)
+    assert cli_main(["prepare-data", str(tmp_path / "dir"), str(tmp_path / "d.tokens")]) == 0
+    assert "wrote 7 tokens from 2 documents" in capsys.readouterr().out  # a.txt and c.jsonl's row, not b.py
+    assert cli_main(["prepare-data", str(tmp_path / "dir"), str(tmp_path / "p.tokens"), "--data.glob", "*.py"]) == 0
+    assert "wrote 11 tokens from 1 documents" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["prepare-data", "in", "out", "--data.max_lenn", "4"],
+     "unknown config key data.max_lenn; did you mean --data.max_len? known keys of data: format,"),
+    (["prepare-data", "in", "out", "--max-lne", "4"], "unknown flag --max-lne; did you mean --data.max_len?"),
+    (["prepare-data", "in", "out", "--data.max_len"], "--data.max_len needs a value"),
+    (["prepare-data", "in", "out", "--data.max_len", "many"], "--data.max_len expects int, got 'many'"),
+    (["prepare-data", "in", "--data.format", "chat", "out"], "unknown format 'chat'; use one of text,"),
+    (["prepare-data", "in"], "expects INPUT OUT, got 'in'"),
+    (["export", "src", "out", "--export.dtpye", "fp32"], "did you mean --export.dtype?"),
+    (["export", "src", "out", "--dtpye", "fp32"], "unknown flag --dtpye; did you mean --export.dtype?"),
+    (["export", "src", "out", "--max-shard-gb"], "--max-shard-gb needs a value"),
+    (["export", "src", "out", "--dtype", "fp8"], "export.dtype must be one of auto, bf16, fp32, got 'fp8'"),
+    (["export", "src", "out", "--peft.merge_on_export", "maybe"], "--peft.merge_on_export expects bool, got 'maybe'"),
+])
+def test_prepare_data_and_export_parse_as_train_does(argv, message, capsys):
+    """A misspelt flag names the nearest one, a flag without its value is named: one line, exit 2,
+    no usage block, as `mfsdp train` says it."""
+    assert cli_main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"mfsdp {argv[0]}: error: ") and message in err and len(err.splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("command", ["train", "plan", "prepare-data", "export"])
+def test_help_gives_every_description_whole(command, capsys):
+    """Every flag's description is whole, wrapped (none cut with " ..."), and each old spelling is
+    named as one, beside the dotted flag it sets."""
+    assert cli_main([command, "--help"]) == 0
+    out = capsys.readouterr().out
+    assert not [line for line in out.splitlines() if line.endswith(" ...")]  # no description cut
+    text = " ".join(out.split())
+    whole = {"train": "Plain stays the default until a GPU measurement shows fused pays.",  # a long docstring's end
+             "plan": "Plain stays the default until a GPU measurement shows fused pays.",
+             "prepare-data": "(training then cuts a sample longer than its window, and says so). Old spelling, kept "
+                             "for one release: --max-len.",
+             "export": "else bf16. Old spelling, kept for one release: --dtype."}
+    assert whole[command] in text
+    if command == "prepare-data":
+        assert "Old spelling, kept for one release: --train-on-prompt (no value)." in text
+
+
+def test_old_spellings_still_work(tmp_path, capsys):
+    """The dash spellings of before the dotted flags are aliases for one release; --train-on-prompt
+    stays a switch."""
+    from mfsdp.cli import COMMANDS
+    from mfsdp.train.args import parse_command
+
+    _, sections, aliases, positional = COMMANDS["prepare-data"]
+    old = ["in", "out", "--max-len", "8", "--format=messages", "--train-on-prompt", "--text-key", "body",
+           "--glob", "*.md", "--tokenizer", "tok"]
+    new = ["in", "out", "--data.max_len", "8", "--data.format=messages", "--data.train_on_prompt", "true",
+           "--data.text_key", "body", "--data.glob", "*.md", "--data.tokenizer", "tok"]
+    assert parse_command(old, sections, aliases, positional) == parse_command(new, sections, aliases, positional)
+    assert parse_command(old, sections, aliases, positional)[1]["data"].train_on_prompt
+    _, sections, aliases, positional = COMMANDS["export"]
+    assert parse_command(["s", "--dtype", "fp32", "o", "--max-shard-gb", "2"], sections, aliases, positional) == \
+        parse_command(["s", "o", "--export.dtype", "fp32", "--export.max_shard_gb=2"], sections, aliases, positional)
 
 
 def test_sampler_is_a_pure_function_of_seed_step_rank_and_world(tmp_path):

@@ -81,8 +81,8 @@ def test_bundled_llama_saved_by_two_ranks_exports_in_one_process(world, corpus, 
     assert json.loads((out / "hf" / "generation_config.json").read_text()) == {"eos_token_id": 256}  # bytes
     assert config["tie_word_embeddings"] is tied and config["rms_norm_eps"] == cfg.norm_eps
     # ... and the command, from the run directory, in fp32 and in shards of at most 40 kB.
-    assert cli_main(["export", str(out), str(tmp_path / "hf32"), "--dtype", "fp32",
-                     "--max-shard-gb", "0.00004"]) == 0
+    assert cli_main(["export", str(out), str(tmp_path / "hf32"), "--export.dtype", "fp32",
+                     "--export.max_shard_gb", "0.00004"]) == 0
     index = json.loads((tmp_path / "hf32" / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 2
     assert ("lm_head.weight" in index["weight_map"]) is not tied
@@ -166,8 +166,8 @@ def test_export_errors_are_one_line(tmp_path, capsys):
     assert cli_main(["export", str(tmp_path), str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert "mfsdp export: error:" in err and "neither a checkpoint" in err and len(err.splitlines()) == 1
-    with pytest.raises(SystemExit):
-        cli_main(["export", str(tmp_path), str(tmp_path / "out"), "--dtype", "fp8"])
+    assert cli_main(["export", str(tmp_path), str(tmp_path / "out"), "--dtype", "fp8"]) == 2
+    assert capsys.readouterr().err == "mfsdp export: error: export.dtype must be one of auto, bf16, fp32, got 'fp8'\n"
 
 
 def test_the_run_tokenizer_goes_out_with_the_weights(world, tmp_path):

@@ -169,10 +169,10 @@ TOKENS = torch.randint(0, 62, (3, 12), generator=torch.Generator().manual_seed(5
 
 def test_mfsdp_export_of_a_lora_checkpoint_is_a_peft_adapter_with_our_logits(trained, tmp_path, capsys):
     peft = pytest.importorskip("peft")
-    from mfsdp.cli import export
+    from mfsdp.cli import main as cli
 
     model, base, runs = trained
-    assert export([str(runs["false"]), str(tmp_path / "adapter")]) == 0
+    assert cli(["export", str(runs["false"]), str(tmp_path / "adapter")]) == 0
     assert "wrote a PEFT LoRA adapter" in capsys.readouterr().out
     config = json.loads((tmp_path / "adapter" / ADAPTER_CONFIG).read_text())
     assert {k: config[k] for k in ("base_model_name_or_path", "r", "lora_alpha", "target_modules", "peft_type",

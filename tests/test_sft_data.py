@@ -83,12 +83,12 @@ def test_train_on_prompt_counts_every_token_and_max_len_truncates(tmp_path, caps
         return {"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]}
 
     rows = [chat("hello", "x"), chat("p", "c")]
-    data = _prepare(tmp_path, rows, "--train-on-prompt")
+    data = _prepare(tmp_path, rows, "--data.train_on_prompt", "true")
     ids, mask = _sample(data, 0)
     assert ids == [*_b("<|user|>\nhello\n<|assistant|>\nx"), EOS] and mask == [0] + [1] * (len(ids) - 1)
     assert sum(_sample(data, 1)[1]) == int(data.sample_lengths[1]) - 1
     capsys.readouterr()
-    data = _prepare(tmp_path, rows, "--max-len", "30", name="cut.tokens")
+    data = _prepare(tmp_path, rows, "--data.max_len", "30", name="cut.tokens")
     assert data.sample_lengths.tolist() == [30, 27]  # 31 tokens cut to 30 (its end), 27 kept
     assert _sample(data, 0) == _expected([(_b("<|user|>\nhello\n<|assistant|>\n"), False), (_b("x"), True)])
     assert "1 samples truncated to 30 tokens (1 tokens cut)" in capsys.readouterr().out
@@ -156,7 +156,7 @@ def test_bytes_that_are_not_utf8_are_one_line_and_an_existing_output_stays(tmp_p
 
 def test_sample_flags_on_text_rows_are_refused(tmp_path, capsys):
     source = _rows(tmp_path / "rows.jsonl", [{"text": "t"}])
-    assert cli_main(["prepare-data", source, str(tmp_path / "o"), "--train-on-prompt"]) == 2
+    assert cli_main(["prepare-data", source, str(tmp_path / "o"), "--data.train_on_prompt", "true"]) == 2
     assert "apply to samples (prompt/completion, messages, ShareGPT or Alpaca rows)" in capsys.readouterr().err
 
 
@@ -210,7 +210,7 @@ def test_a_chat_template_gives_the_ids_of_the_whole_conversation_and_masks_its_a
     prompt = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "world"},
               {"role": "user", "content": "today?"}]
     rows = [{"prompt": prompt, "completion": [{"role": "assistant", "content": "forty two"}]}]
-    data = _prepare(tmp_path, rows, "--tokenizer", str(dirs["chatml"]), name="pc.tokens")
+    data = _prepare(tmp_path, rows, "--data.tokenizer", str(dirs["chatml"]), name="pc.tokens")
     whole = tok.apply_chat_template(prompt + rows[0]["completion"], tokenize=False)
     assert _sample(data, 0)[0] == tok(whole, add_special_tokens=False)["input_ids"]
     assert _counted_text(tok, data, 0) == (whole, "forty two<|im_end|>\n")
@@ -219,11 +219,11 @@ def test_a_chat_template_gives_the_ids_of_the_whole_conversation_and_masks_its_a
 def test_plain_strings_and_template_less_tokenizers_end_answers_with_eos(tmp_path, hf):
     dirs, tok = hf
     data = _prepare(tmp_path, [{"prompt": "the answer is", "completion": " forty two"}],
-                    "--tokenizer", str(dirs["plain"]))
+                    "--data.tokenizer", str(dirs["plain"]))
     assert _sample(data, 0)[0] == tok("the answer is forty two<|endoftext|>")["input_ids"]
     assert _counted_text(tok, data, 0)[1] == " forty two<|endoftext|>"
     chat = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "world"}]
-    data = _prepare(tmp_path, [{"messages": chat}], "--tokenizer", str(dirs["plain"]), name="c.tokens")
+    data = _prepare(tmp_path, [{"messages": chat}], "--data.tokenizer", str(dirs["plain"]), name="c.tokens")
     assert _counted_text(tok, data, 0) == (render_chat(chat, False, "<|endoftext|>"), "world<|endoftext|>")
 
 
@@ -231,12 +231,12 @@ def test_a_template_breaking_the_prefix_property_is_refused_in_one_line(tmp_path
     dirs, _ = hf
     source = _rows(tmp_path / "rows.jsonl", [CHAT])
     out = tmp_path / "out.tokens"
-    assert cli_main(["prepare-data", source, str(out), "--tokenizer", str(dirs["broken"])]) == 2
+    assert cli_main(["prepare-data", source, str(out), "--data.tokenizer", str(dirs["broken"])]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"mfsdp prepare-data: error: {source}:1: the chat template of ")
     assert "breaks the prefix property" in err and err.count("\n") == 1 and not out.exists()
-    assert cli_main(["prepare-data", source, str(out), "--tokenizer", str(dirs["broken"]),
-                     "--train-on-prompt"]) == 0  # needs no answer spans
+    assert cli_main(["prepare-data", source, str(out), "--data.tokenizer", str(dirs["broken"]),
+                     "--data.train_on_prompt", "true"]) == 0  # needs no answer spans
 
 
 # ------------------------------------------------------------------------ token file v2
@@ -451,12 +451,12 @@ def _trl_prompt_completion(tok, prompt, completion):
 def test_text_and_plain_prompt_completion_start_with_the_bos_the_tokenizer_adds(tmp_path, bos):
     dirs, tok = bos
     docs = ["hello world", "how are you today?"]
-    data = _prepare(tmp_path, [{"text": d} for d in docs], "--tokenizer", str(dirs["llama3"]))
+    data = _prepare(tmp_path, [{"text": d} for d in docs], "--data.tokenizer", str(dirs["llama3"]))
     assert data.tokens.tolist() == sum((tok(d + tok.eos_token)["input_ids"] for d in docs), [])  # TRL's rule
     assert data.tokens.tolist().count(tok.bos_token_id) == 2  # one per document
     rows = [{"prompt": "the answer is", "completion": " forty two"}, {"prompt": "", "completion": "hello"}]
     for name in ("llama3", "plain"):  # a template is no matter for plain strings
-        data = _prepare(tmp_path, rows, "--tokenizer", str(dirs[name]), name=f"{name}.tokens")
+        data = _prepare(tmp_path, rows, "--data.tokenizer", str(dirs[name]), name=f"{name}.tokens")
         for i, row in enumerate(rows):
             ids, mask = _trl_prompt_completion(tok, row["prompt"], row["completion"])
             assert _sample(data, i) == (ids, [0] + mask[1:]) and ids[0] == tok.bos_token_id
@@ -468,13 +468,13 @@ def test_a_chat_keeps_exactly_one_bos(tmp_path, bos):
             {"role": "user", "content": "again"}, {"role": "assistant", "content": "forty two"}]
     # The template writes the BOS and the tokenizer adds one too: apply_chat_template keeps one.
     data = _prepare(tmp_path, [{"messages": chat}, {"prompt": chat[:3], "completion": chat[3:]}],
-                    "--tokenizer", str(dirs["llama3"]))
+                    "--data.tokenizer", str(dirs["llama3"]))
     want = list(tok.apply_chat_template(chat)["input_ids"])
     assert _sample(data, 0)[0] == _sample(data, 1)[0] == want and want.count(tok.bos_token_id) == 1
     assert _counted_text(tok, data, 0)[1] == "the answer<|eot_id|>forty two<|eot_id|>"
     assert _counted_text(tok, data, 1)[1] == "forty two<|eot_id|>"
     # mfsdp's own template writes none: the sample starts as tok(text) starts it.
-    data = _prepare(tmp_path, [{"messages": chat}], "--tokenizer", str(dirs["plain"]), name="plain.tokens")
+    data = _prepare(tmp_path, [{"messages": chat}], "--data.tokenizer", str(dirs["plain"]), name="plain.tokens")
     assert _sample(data, 0)[0] == tok(render_chat(chat, False, tok.eos_token))["input_ids"]
     assert _sample(data, 0)[0].count(tok.bos_token_id) == 1
 
@@ -487,12 +487,12 @@ def test_sharegpt_and_alpaca_rows_are_the_chats_they_describe(tmp_path, bos):
                                   {"from": "gpt", "value": "forty two"}]}
     alpaca = {"instruction": "hello", "input": "world", "output": "forty two", "system": "be brief"}
     rows = [{"messages": chat}, sharegpt, alpaca, {"prompt": "p", "completion": "c"}]  # formats mixed
-    for flags in (["--tokenizer", str(dirs["llama3"])], []):
+    for flags in (["--data.tokenizer", str(dirs["llama3"])], []):
         data = _prepare(tmp_path, rows, *flags, name=f"{len(flags)}.tokens")
         assert _sample(data, 0) == _sample(data, 1) == _sample(data, 2)
     assert _sample(data, 0) == _expected([(_b("<|system|>\nbe brief\n<|user|>\nhello\nworld\n<|assistant|>\n"), False),
                                           (_b("forty two"), True), ([EOS], True)])
-    data = _prepare(tmp_path, rows[:3], "--tokenizer", str(dirs["llama3"]), name="hf.tokens")
+    data = _prepare(tmp_path, rows[:3], "--data.tokenizer", str(dirs["llama3"]), name="hf.tokens")
     assert _sample(data, 1)[0] == list(tok.apply_chat_template(chat)["input_ids"])
     assert _counted_text(tok, data, 2)[1] == "forty two<|eot_id|>"
     history = {"instruction": "again", "output": "two", "history": [["hello", "forty"]]}
@@ -516,7 +516,7 @@ def test_tool_calls_count_and_tool_results_do_not(tmp_path, bos):
                                   {"from": "function_call", "value": json.dumps(CALL)},
                                   {"from": "observation", "value": "42"}, {"from": "gpt", "value": "forty two"}],
                 "tools": json.dumps(TOOLS)}  # LLaMA-Factory gives the tools as a JSON string
-    data = _prepare(tmp_path, [{"messages": chat, "tools": TOOLS}, sharegpt], "--tokenizer", str(dirs["llama3"]))
+    data = _prepare(tmp_path, [{"messages": chat, "tools": TOOLS}, sharegpt], "--data.tokenizer", str(dirs["llama3"]))
     assert _sample(data, 0) == _sample(data, 1)
     whole = tok.apply_chat_template(chat, tools=TOOLS, tokenize=False)
     assert _sample(data, 0)[0] == list(tok.apply_chat_template(chat, tools=TOOLS)["input_ids"])
@@ -534,12 +534,12 @@ def test_training_says_how_many_samples_a_window_cuts(tmp_path):
     from mfsdp.data.packing import cut_counts, cut_note
 
     data = _synthetic(tmp_path, [3, 20, 16, 17])
-    assert cut_counts(data.sample_lengths, 16) == (2, 4 + 1)  # the rule prepare-data --max-len counts by
+    assert cut_counts(data.sample_lengths, 16) == (2, 4 + 1)  # the rule prepare-data --data.max_len counts by
     assert PackedSampler(data, 16, 1, 0, 1).truncated == 2
     assert cut_note(data, 16) == (
         f"mfsdp train: 2 of 4 samples in {data.path} are longer than --data.seq_len 16 and are cut to it, "
         "dropping 5 of 56 tokens (the longest sample has 20); raise --data.seq_len to keep them whole, or cut "
-        "them when preparing (`mfsdp prepare-data ... --max-len N`) to make it explicit")
+        "them when preparing (`mfsdp prepare-data ... --data.max_len N`) to make it explicit")
     assert cut_note(data, 20) is None  # nothing cut: nothing said
     stream = TokenFile(write_token_file(tmp_path / "t", torch.arange(100), 257, "bytes"))
     assert cut_note(stream, 16) is None  # a stream's windows are drawn across documents by design
@@ -571,12 +571,12 @@ def test_an_hf_model_refuses_a_token_file_of_another_tokenizer(tmp_path, bos, hf
     with pytest.raises(DataError, match=f"`mfsdp prepare-data stdlib data/stdlib.tokens --model.hf {model}` and "
                                         "pass --data.path data/stdlib.tokens"):
         check_tokenizer(TokenFile(byte_file), model, "stdlib")  # the demo corpus is bytes too
-    other = _prepare(tmp_path, [CHAT], "--tokenizer", str(hf[0]["chatml"]), name="other.tokens")
+    other = _prepare(tmp_path, [CHAT], "--data.tokenizer", str(hf[0]["chatml"]), name="other.tokens")
     with pytest.raises(DataError, match=f"was tokenized by the tokenizer {other.tokenizer} "):
         check(other.path)
     # The model's tokenizer, or the same one saved elsewhere: the fingerprint is its content.
     for tokenizer in (model, str(dirs["llama3"])):
-        ours = _prepare(tmp_path, [CHAT], "--tokenizer", tokenizer, name="ours.tokens")
+        ours = _prepare(tmp_path, [CHAT], "--data.tokenizer", tokenizer, name="ours.tokens")
         assert ours.fingerprint == HuggingFaceTokenizer(model).fingerprint != other.fingerprint
         assert check(ours.path).data.fingerprint == ours.fingerprint
     # Files written before files recorded a fingerprint: a byte-level one is refused, others pass.

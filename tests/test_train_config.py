@@ -116,7 +116,7 @@ def test_yaml_numbers_that_yaml_reads_as_strings(tmp_path):
         load_config(["--train.steps", "2.5"])
 
 
-def test_help_gives_every_key_its_default_and_one_line_of_its_docstring():
+def test_help_gives_every_key_its_default_and_its_whole_docstring():
     from mfsdp.train.args import SECTIONS, usage
 
     lines = usage().splitlines()
@@ -126,10 +126,11 @@ def test_help_gives_every_key_its_default_and_one_line_of_its_docstring():
             assert len(line.split(")", 1)[1].strip()) > 10, line  # a description beside the default
     seq_len = next(x for x in lines if x.startswith("  --data.seq_len "))
     assert seq_len.split() == ["--data.seq_len", "(128)", "Tokens", "per", "training", "sequence."]
-    path = next(x for x in lines if x.startswith("  --data.path "))  # a long first sentence, cut
-    assert path.split(None, 2)[2].startswith("A token file from `mfsdp prepare-data`, or \"stdlib\": build the demo")
-    assert path.endswith(" ...") and "(None)" in next(x for x in lines if x.startswith("  --data.val_path "))
-    assert "  --train.lr (the recipe's)" in usage() and max(map(len, lines)) < 160
+    at = next(i for i, x in enumerate(lines) if x.startswith("  --data.path "))  # a long docstring, wrapped whole
+    assert lines[at].split(None, 2)[2].startswith("A token file from `mfsdp prepare-data`, or \"stdlib\": build")
+    assert lines[at + 1].startswith(" " * 47 + "demo corpus") and lines[at + 2].endswith(" on first use.")
+    assert "(None)" in next(x for x in lines if x.startswith("  --data.val_path "))
+    assert "  --train.lr (the recipe's)" in usage() and max(map(len, lines)) <= 110
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -56,7 +56,7 @@ def answer_spans(tokenizer, sample: Conversation) -> tuple[str, list[tuple[int, 
                 f"{tokenizer.template_name} breaks the prefix property: the conversation "
                 f"rendered up to message {k} (an assistant turn) is not a prefix of the whole "
                 "conversation's text, so its answer tokens cannot be found; use a template "
-                "that renders earlier turns the same whatever follows, or pass --train-on-prompt")
+                "that renders earlier turns the same whatever follows, or pass --data.train_on_prompt true")
         spans.append((len(before), len(through)))
     return whole, spans
 

@@ -97,7 +97,7 @@ def cut_note(data: TokenFile, seq_len: int) -> str | None:
     return (f"mfsdp train: {samples:,} of {data.num_samples:,} samples in {data.path} are longer than "
             f"--data.seq_len {seq_len} and are cut to it, dropping {tokens:,} of {len(data):,} tokens "
             f"(the longest sample has {int(data.sample_lengths.max()):,}); raise --data.seq_len to keep them whole, "
-            "or cut them when preparing (`mfsdp prepare-data ... --max-len N`) to make it explicit")
+            "or cut them when preparing (`mfsdp prepare-data ... --data.max_len N`) to make it explicit")
 
 
 def counted_targets(mask: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor,

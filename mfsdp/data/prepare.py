@@ -1,8 +1,8 @@
 """Turn text into a token file: ``mfsdp prepare-data INPUT OUT``.
 
-INPUT is a text file (one document), a ``.jsonl`` file, or a directory (every file matching a
-glob, one document each). JSONL rows are plain documents (``{"text": ...}``), or fine-tuning
-samples, prompt/completion, chat messages, ShareGPT or Alpaca (``mfsdp.data.rows``): the first
+INPUT is a text file (one document), a ``.jsonl`` (or ``.json``) file of rows, one a line, or a
+directory (its data files, ``DATA_FILES``, or those matching a glob: each read as one of those).
+JSONL rows are plain documents (``{"text": ...}``), or fine-tuning samples, prompt/completion, chat messages, ShareGPT or Alpaca (``mfsdp.data.rows``): the first
 row says which, and each sample row's format is read from its keys unless forced. Documents are joined with the tokenizer's end-of-document id, so the
 model learns where one stops, into a version-1 token stream. Samples are written with their
 bounds and loss mask (``mfsdp.data.chat``) as a version-2 file. Every row is checked before
@@ -26,6 +26,10 @@ from mfsdp.data.token_file import DataError, write_token_file
 from mfsdp.data.tokenizer import load_tokenizer
 
 STDLIB = "stdlib"
+STDLIB_GLOB = "*.py"  # the demo corpus: the standard library's top-level modules
+DATA_FILES = ("*.jsonl", "*.json", "*.txt", "*.md")
+"""What a directory is read for without a pattern: its data files, not its code."""
+JSONL = (".jsonl", ".json")  # files of JSON rows, one a line (Hugging Face datasets' to_json writes .json)
 T = TypeVar("T")
 
 
@@ -34,7 +38,8 @@ class RowOptions:
     """How JSONL rows become samples (prompt/completion and messages rows only)."""
 
     format: str | None = None
-    """One of ``rows.FORMATS`` for every row; None reads each row's from its keys."""
+    """The format of every JSONL row: text, prompt_completion, messages, sharegpt or alpaca; None
+    reads each row's from its keys."""
     train_on_prompt: bool = False
     """Count every token of a sample in the loss, prompts and user turns too, instead of the
     answers alone (the default, as in torchtune, TRL and NeMo Automodel)."""
@@ -46,22 +51,22 @@ class RowOptions:
         if self.format is not None and self.format not in FORMATS:
             raise DataError(f"unknown format {self.format!r}; use one of {', '.join(FORMATS)}")
         if self.max_len is not None and self.max_len < 2:
-            raise DataError(f"--max-len {self.max_len} leaves no token to predict; use 2 or more")
+            raise DataError(f"--data.max_len {self.max_len} leaves no token to predict; use 2 or more")
 
 
-def iter_documents(source: str | Path, text_key: str = "text",
-                   glob: str = "*.py") -> Iterator[str]:
+def iter_documents(source: str | Path, text_key: str = "text", glob: str | None = None) -> Iterator[str]:
     source = Path(source)
     if source.is_dir():
-        files = sorted(p for p in source.glob(glob) if p.is_file())
+        patterns = DATA_FILES if glob is None else (glob,)
+        files = sorted({p for pattern in patterns for p in source.glob(pattern) if p.is_file()})
         if not files:
-            raise DataError(f"no files match {glob!r} in {source}; pass --glob PATTERN")
+            raise DataError(f"no files match {' '.join(patterns)} in {source}; pass --data.glob PATTERN")
         for path in files:
-            yield path.read_text(encoding="utf-8", errors="replace")
+            yield from iter_documents(path, text_key)
     elif not source.is_file():
         raise DataError(f"input {source} does not exist; pass a .txt or .jsonl file or a "
                         "directory")
-    elif source.suffix == ".jsonl":
+    elif source.suffix in JSONL:
         for line_no, row in _jsonl_rows(source):
             yield _at(source, line_no, read_text, row, text_key)
     else:
@@ -69,16 +74,16 @@ def iter_documents(source: str | Path, text_key: str = "text",
 
 
 def prepare(source: str | Path, out: str | Path, tokenizer: str | None = None,
-            text_key: str = "text", glob: str = "*.py", rows: RowOptions = RowOptions()) -> dict:
+            text_key: str = "text", glob: str | None = None, rows: RowOptions = RowOptions()) -> dict:
     """Tokenize every document or sample under ``source`` into the token file ``out``."""
     source = Path(source)
     fmt = rows.format or _first_row_format(source, text_key)
     if fmt != "text":
         return _prepare_samples(source, out, load_tokenizer(tokenizer), fmt, rows)
     if rows.train_on_prompt or rows.max_len is not None:
-        raise DataError(f"--train-on-prompt and --max-len apply to samples (prompt/completion, "
+        raise DataError(f"--data.train_on_prompt and --data.max_len apply to samples (prompt/completion, "
                         f"messages, ShareGPT or Alpaca rows), and {source} holds text (every token "
-                        "already counts); drop them, or pass --format")
+                        "already counts); drop them, or pass --data.format")
     tok = load_tokenizer(tokenizer)
     pieces, documents = [], 0
     for text in iter_documents(source, text_key, glob):
@@ -98,9 +103,9 @@ def prepare(source: str | Path, out: str | Path, tokenizer: str | None = None,
 def _prepare_samples(source: Path, out: str | Path, tok, fmt: str, rows: RowOptions) -> dict:
     if not source.is_file():
         raise DataError(f"input {source} does not exist; pass a .jsonl file of {fmt} rows")
-    if source.suffix != ".jsonl":
+    if source.suffix not in JSONL:
         raise DataError(f"{fmt} rows are read from a .jsonl file, and {source} is not one; "
-                        "pass a .jsonl file, or --format text")
+                        "pass a .jsonl file, or --data.format text")
     ids, masks, formats = [], [], {}
     for line_no, row in _jsonl_rows(source):
         row_fmt = rows.format or _at(source, line_no, _sample_format, row, fmt)
@@ -136,7 +141,7 @@ def _sample_format(row: dict, first: str) -> str:
 
 def _first_row_format(source: Path, text_key: str) -> str:
     """The format of the first row of a .jsonl file; ``text`` for any other input."""
-    if source.suffix != ".jsonl" or not source.is_file():
+    if source.suffix not in JSONL or not source.is_file():
         return "text"
     for line_no, row in _jsonl_rows(source):
         return _at(source, line_no, detect_format, row, text_key)
@@ -177,4 +182,4 @@ def stdlib_source() -> Path:
 
 def prepare_stdlib_corpus(out: str | Path) -> dict:
     """Byte-tokenize the standard library's top-level ``*.py`` files into ``out``."""
-    return prepare(stdlib_source(), out, tokenizer=None, glob="*.py")
+    return prepare(stdlib_source(), out, tokenizer=None, glob=STDLIB_GLOB)

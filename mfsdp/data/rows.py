@@ -28,7 +28,7 @@ from mfsdp.data.token_file import DataError
 
 FORMATS = ("text", "prompt_completion", "messages", "sharegpt", "alpaca")
 ROLES = ("system", "user", "assistant", "tool")
-ACCEPTED = ("a 'text' field (or --text-key FIELD), 'prompt' and 'completion', 'messages' (role and "
+ACCEPTED = ("a 'text' field (or --data.text_key FIELD), 'prompt' and 'completion', 'messages' (role and "
             "content), ShareGPT 'conversations' (from and value) or Alpaca 'instruction' and 'output'")
 """The formats a row may be in, as an error lists them."""
 _KEYS = {"prompt_completion": ("prompt", "completion"), "messages": ("messages",),
@@ -82,7 +82,7 @@ def read_text(row: dict, text_key: str = "text") -> str:
     text = row.get(text_key)
     if not isinstance(text, str):
         raise DataError(f"a text row needs a string {text_key!r} field; fix the row, or pass "
-                        "--text-key FIELD (or --format) if the file is in another format")
+                        "--data.text_key FIELD (or --data.format) if the file is in another format")
     return text
 
 
@@ -115,7 +115,7 @@ def _wrong_format(row: dict, fmt: str) -> str:
     keys = ", ".join(map(repr, row)) or "none"
     want = " and ".join(map(repr, _KEYS[fmt]))
     article = "an" if fmt[0] in "aeiou" else "a"
-    return (f"{article} {fmt} row needs {want} (its keys: {keys}); fix the row, or drop --format to read "
+    return (f"{article} {fmt} row needs {want} (its keys: {keys}); fix the row, or drop --data.format to read "
             "each row's format from its keys")
 
 

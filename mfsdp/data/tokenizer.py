@@ -73,7 +73,7 @@ class HuggingFaceTokenizer:
         try:
             from transformers import AutoTokenizer  # heavy and optional, so imported here
         except ImportError as err:
-            raise DataError("--tokenizer PATH needs the `transformers` package; install it "
+            raise DataError("--data.tokenizer PATH needs the `transformers` package; install it "
                             "with `pip install transformers`, or use the byte tokenizer") from err
         if not Path(path).is_dir():
             raise DataError(f"tokenizer directory {path} does not exist; pass a local directory "

@@ -1,5 +1,6 @@
 """The command line of ``mfsdp train`` and ``mfsdp plan``: ``--config FILE.yaml`` and
-``--SECTION.KEY VALUE`` flags into a ``RunConfig``, and the ``--help`` text.
+``--SECTION.KEY VALUE`` flags into a ``RunConfig``, and the ``--help`` text. ``mfsdp prepare-data``
+and ``mfsdp export`` parse their flags and render their help with the same functions (``parse_command``).
 
 Values come from three layers, later ones winning: the sections' defaults, an optional ``--config
 FILE.yaml`` with one mapping per section, and flags. A key that no section declares is an error that
@@ -32,6 +33,9 @@ LAUNCHER_FLAGS = {"--nproc-per-node": ("nproc_per_node", int), "--nnodes": ("nno
                   "--node-rank": ("node_rank", int), "--rdzv-endpoint": ("rdzv_endpoint", str),
                   "--rdzv-id": ("rdzv_id", str), "--max-restarts": ("max_restarts", int),
                   "--stop-timeout": ("stop_timeout_s", float)}
+TRAIN_FLAGS = {**{flag: f"the launcher flag {flag}" for flag in LAUNCHER_FLAGS},
+               **{flag: flag for flag in ("--config", "--resume", "--help")}}
+"""The flags of `mfsdp train` besides --SECTION.KEY, and how a did-you-mean names each."""
 
 USAGE = """usage: mfsdp train [LAUNCHER FLAGS] [--config FILE.yaml] [--resume [auto]] [--SECTION.KEY VALUE ...]
 
@@ -48,36 +52,39 @@ Launcher flags:
   --max-restarts N        restart the workers up to N times after a failure (default 0)
   --stop-timeout S        seconds the workers get to save and exit after Ctrl-C, SIGTERM or a
                           lost rank before they are killed (default 50)
-Sections and keys (defaults in parentheses):
 """
 
 
-def usage() -> str:
-    """The ``--help`` text: the launcher's flags, then every key with its default and the first
-    sentence of its docstring."""
-    lines = [USAGE]
-    for section, cls in SECTIONS.items():
+def usage(head: str = USAGE, sections: dict[str, type] = SECTIONS, aliases: dict[str, str] = {}) -> str:
+    """The ``--help`` text: ``head``, then every key of ``sections`` with its default and its whole
+    docstring, wrapped, and the old spellings in ``aliases`` that still set it."""
+    lines = [head + "Sections and keys (defaults in parentheses):\n"]
+    for section, cls in sections.items():
         docs = field_docs(cls)
         for f in dataclasses.fields(cls):
+            key = f"{section}.{f.name}"
             default = "the recipe's" if section == "train" and f.name in FROM_RECIPE else repr(f.default)
-            lines.append(f"  {f'--{section}.{f.name} ({default})':<44} {docs.get(f.name, '')}".rstrip())
+            old = [alias + " (no value)" * ("=" in target) for alias, target in aliases.items()
+                   if target.partition("=")[0] == key]
+            text = docs.get(f.name, "") + (f" Old spelling, kept for one release: {' or '.join(old)}." if old else "")
+            flag = f"  {f'--{key} ({default})':<44} "
+            lines.append(textwrap.fill(text, 110, initial_indent=flag, subsequent_indent=" " * 47,
+                                       break_on_hyphens=False, break_long_words=False) or flag.rstrip())
     return "\n".join(lines)
 
 
 def field_docs(cls: type) -> dict[str, str]:
-    """The first sentence of each field's docstring (the string that follows the field in the class
-    body), cut to 100 characters for the one line of ``--help``; empty where the source is not
-    available."""
-    try:
-        body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
-    except (OSError, TypeError):
-        return {}
+    """Each field's docstring (the string that follows the field in the class body, its base classes'
+    too), on one line; empty where the source is not available."""
     docs = {}
-    for node, after in zip(body, body[1:]):
-        if isinstance(node, ast.AnnAssign) and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant):
-            text = " ".join(str(after.value.value).replace("``", "").split())
-            end = re.search(r"[.!?](\s|$)", text)
-            docs[node.target.id] = textwrap.shorten(text[:end.end()] if end else text, 100, placeholder=" ...")
+    for klass in cls.__mro__[::-1]:
+        try:
+            body = ast.parse(textwrap.dedent(inspect.getsource(klass))).body[0].body
+        except (OSError, TypeError):
+            continue
+        for node, after in zip(body, body[1:]):
+            if isinstance(node, ast.AnnAssign) and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant):
+                docs[node.target.id] = " ".join(str(after.value.value).replace("``", "").split())
     return docs
 
 
@@ -113,58 +120,89 @@ def load_config(argv: list[str]) -> RunConfig:
         if arg.partition("=")[0] in LAUNCHER_FLAGS:
             raise ConfigError(f"{arg.partition('=')[0]} is a flag of the `mfsdp train` launcher; "
                               "under torchrun give the launcher's flags to torchrun, before -m")
-        key = arg.partition("=")[0][2:]
-        section, name = _split_key(key) if key != "config" else ("", "")
-        flag, value, i = flag_value(argv, i)
-        if key == "config":
-            _merge_yaml(values, Path(value))
+        if arg.partition("=")[0] == "--config":
+            _, path, i = flag_value(argv, i)
+            _merge_yaml(values, Path(path))
         else:
+            section, name, value, i = next_flag(argv, i)
             flags.append((section, name, value))
     for section, name, value in flags:
         values[section][name] = _parse_text(section, name, value)
-    sections = {}
-    for section, cls in SECTIONS.items():
-        try:
-            sections[section] = cls(**values[section])
-        except (ValueError, TypeError) as err:
-            raise ConfigError(str(err)) from None
-    return resolve(RunConfig(resume=resume, **sections))
+    return resolve(RunConfig(resume=resume, **_sections(values)))
 
 
-def _split_key(key: str) -> tuple[str, str]:
+def parse_command(argv: list[str], sections: dict[str, type], aliases: dict[str, str],
+                  positional: tuple[str, ...]) -> tuple[list[str], dict[str, object]]:
+    """The ``positional`` arguments and the ``sections`` (dataclasses, by flag prefix) of a command line,
+    read as `mfsdp train` reads its flags; ``aliases``: old spellings and the key each sets (``--max-len``:
+    ``data.max_len``), with its value where the old one was a switch (``data.train_on_prompt=true``)."""
+    known = {**{old: "--" + key.partition("=")[0] for old, key in aliases.items()}, "--help": "--help"}
+    args, values, i = [], {section: {} for section in sections}, 0
+    while i < len(argv):
+        if argv[i].startswith("--"):
+            section, name, text, i = next_flag(argv, i, sections, aliases, known)
+            values[section][name] = _parse_text(section, name, text, sections)
+        else:
+            args.append(argv[i])
+            i += 1
+    if len(args) != len(positional):
+        raise ConfigError(f"expects {' '.join(positional)}, got {' '.join(map(repr, args)) or 'none'}")
+    return args, _sections(values, sections)
+
+
+def next_flag(argv: list[str], i: int, sections: dict[str, type] = SECTIONS, aliases: dict[str, str] = {},
+              known: dict[str, str] = TRAIN_FLAGS) -> tuple[str, str, str, int]:
+    """The section, name and text of the flag at ``argv[i]`` (an alias read as the key it sets), and the
+    index after it; ``known``: the other flags a did-you-mean may name, and how."""
+    flag = argv[i].partition("=")[0]
+    key, _, switch = aliases.get(flag, flag[2:]).partition("=")
+    section, name = _split_key(key, sections, known)
+    if switch and "=" not in argv[i]:
+        return section, name, switch, i + 1
+    return (section, name, *flag_value(argv, i)[1:])
+
+
+def _sections(values: dict[str, dict[str, object]], sections: dict[str, type] = SECTIONS) -> dict[str, object]:
+    """Each section's dataclass of its ``values``; its ValueError or TypeError as a ConfigError."""
+    try:
+        return {section: cls(**values[section]) for section, cls in sections.items()}
+    except (ValueError, TypeError) as err:
+        raise ConfigError(str(err)) from None
+
+
+def _split_key(key: str, sections: dict[str, type] = SECTIONS, known: dict[str, str] = TRAIN_FLAGS) -> tuple[str, str]:
     """The section and name of the flag ``--KEY``; ConfigError with the nearest known flag."""
     section, dot, name = key.partition(".")
-    if not dot or section not in SECTIONS:
-        near = _nearest(key, with_flags=True)
-        launcher = f"--{near}" in LAUNCHER_FLAGS
+    if not dot or section not in sections:
+        near = _nearest(key, sections, known)
         raise ConfigError(f"unknown flag --{key}; " + (
-            f"did you mean {'the launcher flag ' if launcher else ''}--{near}?" if near else
-            f"flags look like --SECTION.KEY with SECTION one of {', '.join(SECTIONS)} (see --help)"))
-    _field_type(section, name, "--")
+            f"did you mean {known.get(f'--{near}', f'--{near}')}?" if near else
+            f"flags look like --SECTION.KEY with SECTION one of {', '.join(sections)} (see --help)"))
+    _field_type(section, name, "--", sections)
     return section, name
 
 
-def _field_type(section: str, name: str, spelling: str = "") -> object:
+def _field_type(section: str, name: str, spelling: str = "", sections: dict[str, type] = SECTIONS) -> object:
     """The type of ``section.name``; ConfigError naming the nearest key (as ``spelling`` + key:
     "--" for a flag) and the section's keys."""
-    hints = typing.get_type_hints(SECTIONS[section])
+    hints = typing.get_type_hints(sections[section])
     if name not in hints:
-        near = _nearest(f"{section}.{name}")
+        near = _nearest(f"{section}.{name}", sections)
         mean = f"did you mean {spelling}{near}? " if near else ""
         raise ConfigError(f"unknown config key {section}.{name}; {mean}known keys of {section}: {', '.join(hints)}")
     return hints[name]
 
 
-def _nearest(key: str, with_flags: bool = False) -> str | None:
-    """The known ``section.name`` (with ``with_flags``: or flag name, without its dashes) nearest to
-    ``key``: the same name in another section, else the closest spelling (``difflib``)."""
+def _nearest(key: str, sections: dict[str, type] = SECTIONS, known: dict[str, str] = {}) -> str | None:
+    """The known ``section.name`` (or flag of ``known``, without its dashes) nearest to ``key``: the
+    same name in another section, else the closest spelling (``difflib``)."""
     section, _, name = key.partition(".")
-    elsewhere = [f"{s}.{name}" for s, cls in SECTIONS.items() if name in {f.name for f in dataclasses.fields(cls)}]
+    elsewhere = [f"{s}.{name}" for s, cls in sections.items() if name in {f.name for f in dataclasses.fields(cls)}]
     if elsewhere:
         return elsewhere[0]
-    keys = [f"{s}.{f.name}" for s, cls in SECTIONS.items() for f in dataclasses.fields(cls)]
+    keys = [f"{s}.{f.name}" for s, cls in sections.items() for f in dataclasses.fields(cls)]
     own = [k for k in keys if k.startswith(section + ".")]
-    flags = [f.removeprefix("--") for f in LAUNCHER_FLAGS] + ["config", "resume", "help"] if with_flags else []
+    flags = [f.removeprefix("--") for f in known]
     near = difflib.get_close_matches(key, own, n=1) or difflib.get_close_matches(key, keys + flags, n=1, cutoff=0.75)
     return near[0] if near else None
 
@@ -209,9 +247,9 @@ def _number(value: object, kind: type) -> int | float | None:
     return value if isinstance(value, int) else int(value) if value.is_integer() else None
 
 
-def _parse_text(section: str, name: str, text: str) -> object:
+def _parse_text(section: str, name: str, text: str, sections: dict[str, type] = SECTIONS) -> object:
     """Convert a command-line string to the field's type."""
-    options = _type_options(section, name)
+    options = _type_options(section, name, sections)
     if type(None) in options and text.lower() in ("none", "null"):
         return None
     base = next(t for t in options if t is not type(None))
@@ -245,9 +283,9 @@ def _check_type(section: str, name: str, value: object) -> object:
     raise ConfigError(f"{section}.{name} expects {names}, got {value!r}")
 
 
-def _type_options(section: str, name: str) -> tuple:
+def _type_options(section: str, name: str, sections: dict[str, type] = SECTIONS) -> tuple:
     """The types a field accepts: the members of an Optional/Union, else the type alone."""
-    kind = _field_type(section, name)
+    kind = _field_type(section, name, sections=sections)
     if typing.get_origin(kind) in (typing.Union, types.UnionType):
         return typing.get_args(kind)
     return (kind,)

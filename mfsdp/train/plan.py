@@ -19,7 +19,7 @@ from mfsdp.memory.tensor_parallel import TensorParallel
 from mfsdp.train.build import transforms_for
 from mfsdp.train.adapters import adapter_params
 from mfsdp.train.checkpoint.meta import MAIN_WEIGHT_BYTES, checkpoint_bytes
-from mfsdp.train.args import load_config
+from mfsdp.train.args import load_config, usage
 from mfsdp.train.config import DTYPES, RunConfig
 from mfsdp.train.errors import ConfigError
 
@@ -54,7 +54,7 @@ def planned_run(cfg: RunConfig) -> plan.PlannedRun:
 
 def main(argv: list[str]) -> int:
     if argv and argv[0] in ("-h", "--help"):
-        print(USAGE)
+        print(usage(USAGE))
         return 0
     own = {"--nproc-per-node": "1", "--nnodes": "1", "--gpu-memory": None, "--out": None, "--tp": "1",
            "--sequence-parallel": "true", "--loss-parallel": "true"}
