@@ -82,13 +82,13 @@ class Trainer:
         sampler = make_sampler(cfg, self.data, held, self.rank, self.world)
         if note := cut_note(self.data, d.seq_len):
             self.log(note)
-        objective = self.objective
-        evaluator = make_evaluator(cfg, self.data, held, self.rank, self.world, self.device, self.log, objective)
-        objective.prepare(model, sampler, evaluator, self.log)
+        evaluator = make_evaluator(cfg, self.data, held, self.rank, self.world, self.device, self.log, self.objective)
+        self.objective.prepare(model, sampler, evaluator, self.log)
         logs = (MetricsLog(self.out_dir / "metrics.jsonl", enabled=self.rank == 0, keep_until_step=start_step),
                 TensorBoardLog(self.out_dir / "tensorboard", enabled=self.rank == 0 and cfg.metrics.tensorboard,
                                purge_step=start_step + 1 if start_step else None),
-                StepLines(cfg, start_step, objective, enabled=self.rank == 0 and not cfg.train.progress, log=self.note),
+                StepLines(cfg, start_step, self.objective, enabled=self.rank == 0 and not cfg.train.progress,
+                          log=self.note),
                 WandbLog(cfg, resumed is not None, enabled=self.rank == 0 and cfg.metrics.wandb))
         checkpointer = make_checkpointer(self.out_dir / "checkpoints", cfg, self.device.type, checkpointed_numel(model),
                                          self.note, model, optimizer)
@@ -98,7 +98,7 @@ class Trainer:
         last, stopped = self.train(model, optimizer, sampler, evaluator, logs, checkpointer, start_step, meta)
         for log in logs:
             log.close()
-        finish(cfg, model, self.data, last, stopped, self.device, self.log, objective)
+        finish(cfg, model, self.data, last, stopped, self.device, self.log, self.objective)
         return 0
 
     def _resume(self, model, optimizer) -> tuple[int, CheckpointMeta | None]:

@@ -10,9 +10,10 @@ from mfsdp.data import Batch
 class Objective:
     """The base of every objective: its names, and no first pass over the data."""
 
-    metrics: tuple[str, ...] = ("loss",)
-    """The names of the metric sums ``__call__`` returns, in order; the first is the headline."""
-    count_name: str = "loss_tokens"
+    metrics: tuple[str, ...]
+    """The names of the metric sums ``__call__`` returns, in order; the first is the headline (the
+    progress bar's, the plot's first panel)."""
+    count_name: str
     """What the count is, as the step record names it (and its rate, ``{count_name}_per_s``)."""
     line_names: dict[str, str] = {}
     """Shorter names of record keys in the log lines (by default the key itself)."""
@@ -27,8 +28,10 @@ class Objective:
         """A first pass over the data before training (say, storing reference values); none here."""
 
     def __call__(self, model, batch: Batch, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, dict]:
-        """(the fp32 loss summed over ``batch``, with gradients where enabled; ``batch``'s count;
-        ``{name: sum}`` for each of ``metrics``) after running the model on ``batch``."""
+        """(the fp32 loss summed over ``batch``, with gradients where enabled; ``batch``'s count; ``{name:
+        sum}`` for each of ``metrics``), 0-dim tensors on ``device``, after running the model on ``batch``.
+        A forward without gradients (a reference) goes before the one with them: the step reads a
+        mixture of experts' load-balancing loss off the latest forward."""
         raise NotImplementedError
 
     def summary(self, record: dict, digits: int) -> str:
