@@ -16,6 +16,7 @@ from mfsdp.data import PackedSampler, TokenFile, write_token_file
 from mfsdp.mesh import build_mesh
 from mfsdp.models.llama import Llama, LlamaConfig
 from mfsdp.models.parallelize import ParallelizeConfig, parallelize
+from mfsdp.train.objectives import CausalLM
 from mfsdp.train.step import train_step
 from test_eval_loss import run_trainer
 from test_train_e2e import in_process
@@ -47,10 +48,10 @@ def sgd_update(rank, world_size, data_path, local_batch, microbatches):
     optimizer = mfsdp.fully_shard_optimizer(model, torch.optim.SGD(model.parameters(), lr=1.0))
     sampler = PackedSampler(TokenFile(data_path), SEQ, local_batch, rank, world_size, seed=5,
                             microbatches=microbatches)
-    out = train_step(model, optimizer, lambda micro: sampler.batch(1, micro), microbatches, sampler.loss_tokens(1),
-                     1.0, 0.0, None, False, torch.device("cpu"))
+    out = train_step(model, optimizer, CausalLM(), lambda micro: sampler.batch(1, micro), microbatches,
+                     sampler.loss_tokens(1), 1.0, 0.0, None, False, torch.device("cpu"))
     weights = {name: q.full_tensor().detach() for name, q in model.named_parameters()}
-    return {"weights": weights, "loss_sum": float(out.loss), "loss_tokens": sampler.loss_tokens(1)}
+    return {"weights": weights, "loss_sum": float(out.metrics["loss"]), "loss_tokens": sampler.loss_tokens(1)}
 
 
 @pytest.mark.parametrize("world_size,local_batch,microbatches", [(1, 1, 4), (2, 1, 2), (1, 4, 1)])

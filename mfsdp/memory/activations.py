@@ -299,7 +299,7 @@ def _block_marks(tracker, i, window):
 
 # ------------------------------------------------------------------------------ model builders
 def labels_run(tokens: torch.Tensor) -> Callable[[nn.Module], torch.Tensor]:
-    """What ``mfsdp train`` runs on the bundled Llama (``mfsdp.train.step.summed_loss``): the labels
+    """What ``mfsdp train`` runs on the bundled Llama (``mfsdp.train.objectives.causal_lm``): the labels
     through the model's forward, whose head computes the loss sum with the model's ``loss_fn``
     (``Llama.set_head_loss``); nothing else stays referenced into backward."""
     return lambda model: model(tokens, labels=tokens)[0]

@@ -14,7 +14,8 @@ from mfsdp.train.errors import CheckpointError, agree
 from mfsdp.train.sample import generate_text
 
 
-def finish(cfg: RunConfig, model, data: TokenFile, last: int, stopped: bool, device: torch.device, log) -> None:
+def finish(cfg: RunConfig, model, data: TokenFile, last: int, stopped: bool, device: torch.device, log,
+           objective) -> None:
     """Plot, then (unless a signal stopped the run) export and sample; collective."""
     out_dir = Path(cfg.train.out_dir)
     checkpoint = out_dir / "checkpoints" / f"step_{last}"
@@ -22,7 +23,7 @@ def finish(cfg: RunConfig, model, data: TokenFile, last: int, stopped: bool, dev
         from mfsdp.train.plotting import needs_matplotlib, plot_loss  # matplotlib is slow to import
 
         metrics = out_dir / "metrics.jsonl"
-        plot = plot_loss(metrics, out_dir / "loss.png") or needs_matplotlib("the PNG")
+        plot = plot_loss(metrics, out_dir / "loss.png", objective) or needs_matplotlib("the PNG")
         log(f"metrics: {metrics}\nloss curve: {plot}\ncheckpoint: {checkpoint}")
     if stopped:
         log(f"stopped by signal after step {last}; continue with --resume")

@@ -1,4 +1,5 @@
-"""The validation loss of ``mfsdp train``: which tokens (or samples) are held out, and the loss on them.
+"""The validation pass of ``mfsdp train``: which tokens (or samples) are held out, and the objective's
+metrics on them.
 
 The split is part of a run's data state: the training windows depend on how many tokens (in a file
 of samples: how many samples) the held-out tail takes, so each checkpoint records it (``meta.json`` key ``held_out``) and a resumed run keeps
@@ -15,10 +16,10 @@ forward keeps the root for backward), so no backward state is left behind. The o
 already have gathered the root and the next ``prefetch_depth`` modules for the next forward
 (``CommunicationPolicy.prefetch_across_step``); the evaluation's first forward uses those gathers
 (the weights are final for the step) and its last forward reshards them, so the next training
-forward gathers afresh: correct, at the cost of that one step's early overlap. The loss is
-cross entropy only (no MoE load-balancing term) over the targets training counts (answers only, for
-samples), summed in fp32 per batch, accumulated in fp64 and all-reduced with their count: a
-token-weighted mean over the same windows at every world size and placement.
+forward gathers afresh: correct, at the cost of that one step's early overlap. The metrics are the
+objective's (no MoE load-balancing term) over what training counts (the targets of the answers only,
+for samples), summed in fp32 per batch, accumulated in fp64 and all-reduced with their count: a
+count-weighted mean over the same windows at every world size and placement.
 """
 
 from __future__ import annotations
@@ -27,9 +28,7 @@ import torch
 import torch.distributed as dist
 
 from mfsdp.data import EvalWindows, PackedEvalWindows, TokenFile, held_out_samples, held_out_tokens
-from mfsdp.models.llama import IGNORE_INDEX
 from mfsdp.train.checkpoint import CheckpointMeta
-from mfsdp.train.step import summed_loss
 
 
 def held_out_split(cfg, data: TokenFile, resumed_meta: CheckpointMeta | None) -> tuple[int, list[str]]:
@@ -68,7 +67,8 @@ def split_record(cfg, data: TokenFile, held: int) -> dict:
     return {split_unit(data): held, "val_path": cfg.data.val_path, "val_fraction": cfg.data.val_fraction}
 
 
-def make_evaluator(cfg, data: TokenFile, held: int, rank: int, world: int, device: torch.device, log) -> "Evaluator | None":
+def make_evaluator(cfg, data: TokenFile, held: int, rank: int, world: int, device: torch.device, log,
+                   objective) -> "Evaluator | None":
     """The run's evaluator over this rank's windows, from ``--data.val_path``, else the held-out tail;
     None (with a line saying why) when evaluation is off or nothing is held out."""
     d, t = cfg.data, cfg.train
@@ -88,27 +88,28 @@ def make_evaluator(cfg, data: TokenFile, held: int, rank: int, world: int, devic
              f"the last {held:,} {split_unit(data)} of {data.path}, never trained on")
     log(f"validation loss every {t.eval_every} steps and at the end: {t.eval_batches} batches of "
         f"{world * d.local_batch * d.microbatches} windows from {where}")
-    return Evaluator(windows, t.eval_batches, device)
+    return Evaluator(windows, t.eval_batches, device, objective)
 
 
 class Evaluator:
-    """The validation loss over ``batches`` eval batches: a collective, every rank calls it."""
+    """The objective's validation metrics over ``batches`` eval batches: a collective, every rank calls it."""
 
-    def __init__(self, windows: EvalWindows | PackedEvalWindows, batches: int, device: torch.device):
-        self.windows, self.batches, self.device = windows, batches, device
+    def __init__(self, windows: EvalWindows | PackedEvalWindows, batches: int, device: torch.device, objective):
+        self.windows, self.batches, self.device, self.objective = windows, batches, device, objective
 
     @torch.no_grad()
-    def __call__(self, model: torch.nn.Module) -> torch.Tensor:
-        """The token-weighted mean cross entropy over every rank's windows, a 0-dim fp32 tensor
-        on the device (read it without a sync where the caller can wait)."""
+    def __call__(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """``val_`` and each metric's name: its count-weighted mean over every rank's windows, a
+        0-dim fp32 tensor on the device (read it without a sync where the caller can wait)."""
         was_training = model.training
         model.eval()  # no dropout in Hugging Face models (and no draws from the generators)
-        totals = torch.zeros(2, dtype=torch.float64, device=self.device)
+        names = self.objective.metrics
+        totals = torch.zeros(len(names) + 1, dtype=torch.float64, device=self.device)
         try:
             for batch in self.windows.batches(self.batches):
-                totals[0] += summed_loss(model, batch, self.device).double()
-                totals[1] += int((batch.targets != IGNORE_INDEX).sum())
+                _, count, metrics = self.objective(model, batch, self.device)
+                totals += torch.stack([value.double() for value in (*map(metrics.get, names), count)])
         finally:
             model.train(was_training)
         dist.all_reduce(totals)
-        return (totals[0] / totals[1]).float()
+        return {f"val_{name}": (total / totals[-1]).float() for name, total in zip(names, totals)}

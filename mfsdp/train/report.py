@@ -35,9 +35,9 @@ class StepReport:
     metrics.jsonl, TensorBoard and the progress bar show; returns whether the ranks agreed to stop."""
 
     def __init__(self, model_cfg, data, world: int, device: torch.device, compiling: bool, moe: bool,
-                 logs, progress, note, checkpointer=None):
+                 objective, logs, progress, note, checkpointer=None):
         self.logs, self.progress, self.note, self.checkpointer = logs, progress, note, checkpointer
-        self.world, self.device, self.moe = world, device, moe
+        self.world, self.device, self.moe, self.objective = world, device, moe, objective
         self.tokens_per_step = world * data.microbatches * data.local_batch * data.seq_len
         self.flops_per_token = flops.flops_per_token(model_cfg, data.seq_len)
         self.peak_flops = flops.peak_flops(device)
@@ -48,39 +48,41 @@ class StepReport:
         if done is None:
             return False
         step, values, seconds, extra = done
-        out = StepOutput.unpack(values, self.world, extra["loss_tokens"])
+        names, counted = self.objective.metrics, self.objective.count_name
+        out = StepOutput.unpack(values, names, self.world, extra["count"])
         tokens_per_s = self.tokens_per_step / seconds
         per_gpu = tokens_per_s / self.world
         record = {
-            "step": step, "loss": out.loss, "lr": extra["lr"],
+            "step": step, **out.metrics, "lr": extra["lr"],
             "grad_norm": out.grad_norm, "step_time_s": seconds,
             "tokens_per_s": tokens_per_s, "tokens_per_s_per_gpu": per_gpu,
-            "loss_tokens": extra["loss_tokens"], "loss_tokens_per_s": extra["loss_tokens"] / seconds,
+            counted: extra["count"], f"{counted}_per_s": extra["count"] / seconds,
             "tflops_per_gpu": per_gpu * self.flops_per_token / 1e12,
             "mfu": per_gpu * self.flops_per_token / self.peak_flops if self.peak_flops else None,
             "peak_mem_gib": peak_memory_gib(self.device),
         }
-        if self.moe:  # the load-balancing loss, unweighted; "loss" stays the cross entropy
+        if self.moe:  # the load-balancing loss, unweighted; the objective's loss leaves it out
             record["aux_loss"] = out.aux_loss
         if extra.get("profiled"):
             record["profiled"] = True
-        if "val_loss" in extra:  # evaluated after this step (a device tensor until now)
-            record["val_loss"] = self.val_loss = float(extra["val_loss"])
+        # Evaluated after this step (device tensors until now).
+        record.update({name: float(value) for name, value in extra.get("val", {}).items()})
+        self.val_loss = record.get(f"val_{names[0]}", self.val_loss)
         for log in self.logs:
             log.write(record)
         if self.compiling:  # the first step's time is mostly torch.compile: say so, once
             self.compiling = False
             self.note(f"step {step}: {seconds:.1f} s, including torch.compile of the blocks")
         saving = self.checkpointer.writing if self.checkpointer is not None else None
-        self.progress.set_postfix_str(postfix(record, self.val_loss, saving), refresh=False)
+        self.progress.set_postfix_str(postfix(record, self.val_loss, saving, names[0]), refresh=False)
         self.progress.update(1)
         return out.stop_votes > 0
 
 
-def postfix(record: dict, val_loss: float | None = None, saving: str | None = None) -> str:
-    """The progress bar's text after the counter; ``saving`` names the checkpoint being written
-    in the background, if one is."""
-    parts = [f"loss {record['loss']:.3f}"]
+def postfix(record: dict, val_loss: float | None = None, saving: str | None = None, loss: str = "loss") -> str:
+    """The progress bar's text after the counter: ``record``'s metric ``loss`` (the objective's headline),
+    and ``saving``, the checkpoint being written in the background, if one is."""
+    parts = [f"{loss} {record[loss]:.3f}"]
     if val_loss is not None:
         parts.append(f"val {val_loss:.3f}")
     parts += [f"{record['tokens_per_s']:,.0f} tok/s",

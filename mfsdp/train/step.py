@@ -13,9 +13,6 @@ import torch.distributed as dist
 
 import mfsdp
 from mfsdp.data import Batch
-from mfsdp.models.llama import Llama
-from mfsdp.models.loss import cross_entropy_sum
-from mfsdp.models.outputs import logits_of
 from mfsdp.train.config import TrainSection
 
 
@@ -24,9 +21,9 @@ class StepOutput:
     """A step's scalars: 0-dim device tensors as ``train_step`` returns them, floats once read back
     one step late (``unpack``); ``pack`` and ``unpack`` agree on the order, here only."""
 
-    loss: object
-    """The cross entropy, the mean over the targets the global batch counts (the sum over them
-    and every rank until ``unpack``)."""
+    metrics: dict
+    """The objective's metrics by name: each the mean over the count of the global batch (the sum
+    over the global batch and every rank until ``unpack``)."""
     stop_votes: object
     """How many ranks asked to stop (Ctrl-C, SIGTERM) before this step."""
     aux_loss: object
@@ -35,12 +32,13 @@ class StepOutput:
     """The global gradient norm before clipping."""
 
     def pack(self) -> torch.Tensor:
-        return torch.stack([getattr(self, f.name).to(torch.float32).reshape(()) for f in dataclasses.fields(self)])
+        values = (*self.metrics.values(), self.stop_votes, self.aux_loss, self.grad_norm)
+        return torch.stack([v.to(torch.float32).reshape(()) for v in values])
 
     @classmethod
-    def unpack(cls, values: list[float], world: int, loss_tokens: int) -> "StepOutput":
-        loss, votes, aux, norm = values
-        return cls(loss / loss_tokens, votes, aux / world, norm)
+    def unpack(cls, values: list[float], names: tuple[str, ...], world: int, count: int) -> "StepOutput":
+        *sums, votes, aux, norm = values
+        return cls({name: value / count for name, value in zip(names, sums)}, votes, aux / world, norm)
 
 
 def lr_at(t: TrainSection, step: int) -> float:
@@ -56,21 +54,21 @@ def lr_at(t: TrainSection, step: int) -> float:
     return t.lr * (t.min_lr_ratio + (1 - t.min_lr_ratio) * left)
 
 
-def train_step(model, optimizer, batch: Callable[[int], Batch], microbatches: int, loss_tokens: int, lr: float,
+def train_step(model, optimizer, objective, batch: Callable[[int], Batch], microbatches: int, count: int, lr: float,
                grad_clip: float, aux_coef: float | None, stop_requested: bool, device: torch.device) -> StepOutput:
-    """Forward and backward over ``microbatches`` batches (``batch(i)``), clip, step; returns the
-    step's scalars, reduced over ranks in one all-reduce. ``loss_tokens``: the targets counted in
-    the whole global batch; ``aux_coef``: the weight of a mixture of experts' load-balancing loss
-    (None: the model has none).
+    """Forward and backward of ``objective`` over ``microbatches`` batches (``batch(i)``), clip, step;
+    returns the step's scalars, reduced over ranks in one all-reduce. ``count``: what the objective
+    counts in the whole global batch (``objective.global_count``); ``aux_coef``: the weight of a
+    mixture of experts' load-balancing loss (None: the model has none).
 
-    The loss is the mean over the global batch's counted targets, not a mean of per-microbatch
-    means: each microbatch's summed loss is scaled by ``world / loss_tokens`` (the gradient
-    reduction averages over ranks), so accumulation and data parallelism give the full batch's
-    gradient whatever share of its counted targets each window holds."""
+    The loss is the mean over the global batch's count, not a mean of per-microbatch means: each
+    microbatch's summed loss is scaled by ``world / count`` (the gradient reduction averages over
+    ranks), so accumulation and data parallelism give the full batch's gradient whatever share of
+    the count each window holds."""
     for group in optimizer.param_groups:
         group["lr"] = lr
-    scale = dist.get_world_size() / loss_tokens
-    loss_sum = torch.zeros((), device=device)
+    scale = dist.get_world_size() / count
+    sums = {name: torch.zeros((), device=device) for name in objective.metrics}
     aux_sum = torch.zeros((), device=device)
     for micro in range(microbatches):
         with torch.profiler.record_function("mfsdp.train.data"):
@@ -79,39 +77,23 @@ def train_step(model, optimizer, batch: Callable[[int], Batch], microbatches: in
         accumulate = (mfsdp.microbatch(model, is_last=micro == microbatches - 1) if microbatches > 1
                       else nullcontext())
         with accumulate, torch.profiler.record_function("mfsdp.train.forward_backward"):
-            loss = summed_loss(model, b, device)
-            objective = loss * scale
+            loss, _, metrics = objective(model, b, device)
+            total = loss * scale
             if aux_coef is not None:  # plus the weighted load-balancing loss, a per-microbatch mean
                 aux = model.aux_loss()
-                objective = objective + aux_coef * aux / microbatches
+                total = total + aux_coef * aux / microbatches
                 aux_sum += aux.detach() / microbatches
-            objective.backward()
-        loss_sum += loss.detach()
+            total.backward()
+        for name, value in metrics.items():
+            sums[name] += value.detach()
     with torch.profiler.record_function("mfsdp.train.optimizer_step"):
         grad_norm = _clip(model, grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-    # One collective carries the loss for logging and every rank's stop request.
-    shared = torch.stack([loss_sum, torch.full((), float(stop_requested), device=device), aux_sum])
+    # One collective carries the metrics for logging and every rank's stop request.
+    shared = torch.stack([*sums.values(), torch.full((), float(stop_requested), device=device), aux_sum])
     dist.all_reduce(shared)
-    return StepOutput(shared[0], shared[1], shared[2], grad_norm.to(device, torch.float32))
-
-
-def summed_loss(model, batch: Batch, device: torch.device) -> torch.Tensor:
-    """The fp32 sum of the cross entropy over ``batch``'s counted targets (-100: not counted).
-    The bundled model takes the positions and document ids of packed samples and computes the
-    loss in its head (``Llama.loss_fn``); other models return logits."""
-    bundled = isinstance(model, Llama)
-    packed = ("positions", "document_ids") if bundled else ()  # what only the bundled model takes
-    with torch.profiler.record_function("mfsdp.train.data"):
-        inputs, targets = to_device(batch.inputs, device), to_device(batch.targets, device)
-        extra = {name: to_device(value, device) for name in packed
-                 if (value := getattr(batch, name)) is not None}
-    if bundled:
-        return model(inputs, labels=targets, **extra)[0]
-    logits = logits_of(model(inputs))
-    with torch.profiler.record_function("mfsdp.train.loss"):
-        return cross_entropy_sum(logits, targets)[0]
+    return StepOutput(dict(zip(sums, shared[:-2])), shared[-2], shared[-1], grad_norm.to(device, torch.float32))
 
 
 def _clip(model, grad_clip: float) -> torch.Tensor:
@@ -124,11 +106,3 @@ def _clip(model, grad_clip: float) -> torch.Tensor:
     if grad_clip > 0:
         torch.nn.utils.clip_grads_with_norm_(params, grad_clip, grad_norm)
     return grad_norm
-
-
-def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Host-to-device copy of a batch: from pinned memory and non-blocking on CUDA, so it overlaps
-    the work already queued instead of waiting for it."""
-    if device.type != "cuda":
-        return tensor
-    return tensor.pin_memory().to(device, non_blocking=True)

@@ -1,6 +1,6 @@
 """Progress as plain lines for batch logs (``--train.progress false``, as under Slurm, where a
 progress bar's carriage returns make one unreadable line): every ``--metrics.log_every`` steps,
-and at the first and last, the step, loss, learning rate, tokens per second and time left."""
+and at the first and last, the step, the objective's metrics, learning rate, tokens per second and time left."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ class StepLines:
     """A log of ``Trainer``'s tuple (``write`` takes each step's metrics record) that prints a line
     every ``log_every`` steps; the ETA is the mean step time since the last line times the steps left."""
 
-    def __init__(self, cfg, start_step: int, enabled: bool, log):
-        self.enabled, self.log = enabled, log
+    def __init__(self, cfg, start_step: int, objective, enabled: bool, log):
+        self.enabled, self.log, self.objective = enabled, log, objective
         self.every, self.steps, self.first = cfg.metrics.log_every, cfg.train.steps, start_step + 1
         self._seconds = self._count = 0
 
@@ -24,8 +24,7 @@ class StepLines:
             return
         per_step = self._seconds / self._count if self._count else record["step_time_s"]
         self._seconds = self._count = 0
-        val = f", val {record['val_loss']:.4f}" if "val_loss" in record else ""
-        self.log(f"step {step}/{self.steps}: loss {record['loss']:.4f}{val}, lr {record['lr']:.3g}, "
+        self.log(f"step {step}/{self.steps}: {self.objective.summary(record, 4)}, lr {record['lr']:.3g}, "
                  f"{record['tokens_per_s']:,.0f} tok/s, ETA {duration(per_step * (self.steps - step))}")
 
     def close(self) -> None:

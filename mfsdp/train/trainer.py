@@ -20,6 +20,7 @@ from mfsdp.train.checkpoint.async_save import make_checkpointer
 from mfsdp.train.epilogue import finish
 from mfsdp.train.evaluate import held_out_split, make_evaluator, split_record
 from mfsdp.train.metrics import MetricsLog, StepReadout, TensorBoardLog
+from mfsdp.train.objectives import objective_for
 from mfsdp.train.preflight import ResolvedRun, model_fingerprint
 from mfsdp.train.profile import StepProfiler
 from mfsdp.train.report import NoProgress, StepReport, progress_bar
@@ -52,6 +53,7 @@ class Trainer:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.out_dir = Path(self.cfg.train.out_dir)
         self.model_cfg = self.cfg.llama_config()
+        self.objective = objective_for(self.cfg, self.data)
         self.progress = NoProgress()
 
     def log(self, message: str) -> None:
@@ -80,11 +82,13 @@ class Trainer:
         sampler = make_sampler(cfg, self.data, held, self.rank, self.world)
         if note := cut_note(self.data, d.seq_len):
             self.log(note)
-        evaluator = make_evaluator(cfg, self.data, held, self.rank, self.world, self.device, self.log)
+        evaluator = make_evaluator(cfg, self.data, held, self.rank, self.world, self.device, self.log, self.objective)
+        self.objective.prepare(model, sampler, evaluator, self.log)
         logs = (MetricsLog(self.out_dir / "metrics.jsonl", enabled=self.rank == 0, keep_until_step=start_step),
                 TensorBoardLog(self.out_dir / "tensorboard", enabled=self.rank == 0 and cfg.metrics.tensorboard,
                                purge_step=start_step + 1 if start_step else None),
-                StepLines(cfg, start_step, enabled=self.rank == 0 and not cfg.train.progress, log=self.note),
+                StepLines(cfg, start_step, self.objective, enabled=self.rank == 0 and not cfg.train.progress,
+                          log=self.note),
                 WandbLog(cfg, resumed is not None, enabled=self.rank == 0 and cfg.metrics.wandb))
         checkpointer = make_checkpointer(self.out_dir / "checkpoints", cfg, self.device.type, checkpointed_numel(model),
                                          self.note, model, optimizer)
@@ -94,7 +98,7 @@ class Trainer:
         last, stopped = self.train(model, optimizer, sampler, evaluator, logs, checkpointer, start_step, meta)
         for log in logs:
             log.close()
-        finish(cfg, model, self.data, last, stopped, self.device, self.log)
+        finish(cfg, model, self.data, last, stopped, self.device, self.log, self.objective)
         return 0
 
     def _resume(self, model, optimizer) -> tuple[int, CheckpointMeta | None]:
@@ -115,14 +119,14 @@ class Trainer:
     def train(self, model, optimizer, sampler, evaluator, logs, checkpointer, start_step: int,
               meta: CheckpointMeta) -> tuple[int, bool]:
         """Steps ``start_step + 1`` to the last; returns the last step run and whether a signal
-        stopped the run. Loss, stop votes and gradient norm reach the host one step late, through
+        stopped the run. The metrics, stop votes and gradient norm reach the host one step late, through
         pinned memory and an event (``StepReadout``), so the next step is queued meanwhile."""
-        t, d = self.cfg.train, self.cfg.data
+        t, d, objective = self.cfg.train, self.cfg.data, self.objective
         compiling = self.cfg.compiles(self.device.type)
         self.progress = progress_bar(t.steps, start_step, enabled=self.rank == 0 and t.progress)
         readout = StepReadout(self.device)
         report = StepReport(self.model_cfg, d, self.world, self.device, compiling, isinstance(model, MoELlama),
-                            logs, self.progress, self.note, checkpointer)
+                            objective, logs, self.progress, self.note, checkpointer)
         if compiling:
             self.progress.set_postfix_str("compiling the blocks (torch.compile, first step)")
         aux_coef = self.model_cfg.moe_aux_loss_coef if isinstance(model, MoELlama) else None
@@ -130,17 +134,18 @@ class Trainer:
         profiler = StepProfiler(self.out_dir, t.profile_step, self.rank, self.device, self.note)
         step, stop = start_step, False
         for step in range(start_step + 1, t.steps + 1):
-            lr, loss_tokens = lr_at(t, step), sampler.loss_tokens(step)
+            lr, count = lr_at(t, step), objective.global_count(sampler, step)
             evaluated = evaluator is not None and (step % t.eval_every == 0 or step == t.steps)
-            if loss_tokens:
+            if count:
                 with profiler.around(step):
-                    out = train_step(model, optimizer, lambda micro: sampler.batch(step, micro), d.microbatches,
-                                     loss_tokens, lr, t.grad_clip, aux_coef, stop_signal.requested, self.device)
-                end, extra = readout.mark(), {"lr": lr, "loss_tokens": loss_tokens}
+                    out = train_step(model, optimizer, objective, lambda micro: sampler.batch(step, micro),
+                                     d.microbatches, count, lr, t.grad_clip, aux_coef, stop_signal.requested,
+                                     self.device)
+                end, extra = readout.mark(), {"lr": lr, "count": count}
                 if step == profiler.step:  # its time includes the profiler's
                     extra["profiled"] = True
                 if evaluated:  # read with this step's record, one step late; see the note in evaluate.py
-                    extra["val_loss"] = evaluator(model)
+                    extra["val"] = evaluator(model)
                 stop = report(readout.push(step, out.pack(), extra, end)) or stop
             else:  # every rank sees the same global batch, so all skip it
                 self.note(f"step {step}: the global batch counts no target (only prompts or padding); skipped")
