@@ -12,7 +12,7 @@ The workers run ``python -m mfsdp.train`` (``main.main``) under
 stderr goes to ``OUT_DIR/logs/<run>/attempt_<n>/<local rank>/stderr.log``, so warnings and
 tracebacks do not bury the output. When a worker fails, the launcher prints a short summary:
 the rank that failed first (a rank killed by a signal is named as lost), its error, where
-the full traceback is, and how to continue. Ctrl-C or SIGTERM is passed on to every rank,
+the full traceback is, and how to continue. Workers die with their launcher (``die_with_launcher``). Ctrl-C or SIGTERM is passed on to every rank,
 which finishes its step and saves; the launcher then exits 0 and says to continue with
 ``--resume``. A rank that is lost or hangs gets the others stopped, and after
 ``--stop-timeout`` seconds killed, so the job never outlives its workers.
@@ -20,6 +20,7 @@ which finishes its step and saves; the launcher then exits 0 and says to continu
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import signal
@@ -161,7 +162,7 @@ def run(options: LaunchOptions, cfg: RunConfig, rest: list[str]) -> int:
         run_id = options.rdzv_id or os.environ.get("SLURM_JOB_ID") or "mfsdp"
         rdzv_configs = ({} if options.node_rank is None
                         else {"is_host": options.node_rank == 0})
-    os.environ[LAUNCHED_ENV] = "1"
+    os.environ[LAUNCHED_ENV] = str(os.getpid())  # see die_with_launcher
     # Several workers share the node's cores: one OpenMP thread each, as torchrun sets.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     _quiet_torch_elastic()
@@ -187,6 +188,20 @@ def run(options: LaunchOptions, cfg: RunConfig, rest: list[str]) -> int:
                           "reachable, and that every node uses the same --nnodes and --rdzv-id",
                           code=1)
         raise
+
+
+def die_with_launcher() -> None:
+    """In a worker of ``mfsdp train --nproc-per-node``: have Linux SIGKILL it when its launcher (the
+    elastic agent, its parent) dies. The agent starts each worker in a session of its own, so a kill
+    of the launcher's process group (a job script's ``kill -9``, the OOM killer) would leave it
+    training and writing into the run directory. SIGKILL, not SIGTERM: its console is gone, and a
+    save it had begun stays in its ``.tmp-`` directory, unpublished."""
+    launcher = int(os.environ.get(LAUNCHED_ENV) or 0)
+    if launcher <= 1 or not sys.platform.startswith("linux"):  # not launched by mfsdp (or by an old one)
+        return
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+    if os.getppid() != launcher and not Path(f"/proc/{launcher}").exists():  # it died before the call
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 class _LogsSpecs(DefaultLogsSpecs):

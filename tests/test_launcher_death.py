@@ -1,0 +1,74 @@
+"""A launcher killed with its process group alone (a job script's `kill -9`, the OOM killer): torch's
+agent starts each worker in a session of its own, so only the parent-death signal that each worker
+asks for takes the workers down, within seconds, and nothing they had begun is published."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from mfsdp.data import prepare
+from mfsdp.data.prepare import stdlib_source
+from mfsdp.train.checkpoint import complete_checkpoints, damage, find_latest
+
+from test_faults import alive, workers  # a process's state, a launcher's workers (Linux /proc)
+from test_multinode import REPO, SMALL
+
+pytestmark = [pytest.mark.timeout(120), pytest.mark.filterwarnings("ignore::UserWarning"),
+              pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("data") / "small.tokens"
+    prepare(stdlib_source(), out, glob="[a-c]*.py")
+    return out
+
+
+def listing(out: Path) -> tuple:
+    """What a run has published and logged: the checkpoint directories, `latest`, the metrics."""
+    root = out / "checkpoints"
+    latest = (root / "latest").read_text() if (root / "latest").is_file() else None
+    return sorted(p.name for p in root.iterdir()), latest, (out / "metrics.jsonl").read_text()
+
+
+def test_workers_die_within_seconds_of_their_launchers_process_group(corpus, tmp_path):
+    out = tmp_path / "run"
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
+    # A save after every step, so the kill lands during or between saves.
+    proc = subprocess.Popen([sys.executable, "-m", "mfsdp.cli", "train", "--nproc-per-node", "2", *SMALL,
+                             "--data.path", str(corpus), "--train.steps", "100000", "--train.checkpoint_every", "1",
+                             "--train.out_dir", str(out)], env=env, cwd=REPO, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    pids = {}
+    try:
+        deadline = time.time() + 90
+        while time.time() < deadline and proc.poll() is None and find_latest(out / "checkpoints") is None:
+            time.sleep(0.05)
+        pids = workers(proc.pid)
+        assert sorted(pids) == [0, 1] and proc.poll() is None
+        assert all(os.getsid(pid) != os.getpgid(proc.pid) for pid in pids.values())  # not in the killed group
+        os.killpg(proc.pid, signal.SIGKILL)
+        killed = time.time()
+        proc.wait(timeout=10)
+        while any(alive(pid) for pid in pids.values()) and time.time() - killed < 10:
+            time.sleep(0.05)
+        assert not any(alive(pid) for pid in pids.values()), f"workers alive {time.time() - killed:.1f} s after"
+        assert time.time() - killed < 5
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        for pid in pids.values():  # never leave a failed test's workers training
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    after = listing(out)
+    time.sleep(2)
+    assert listing(out) == after  # nothing writes any more
+    published = complete_checkpoints(out / "checkpoints")
+    assert published and all(damage(p) is None for p in published)
+    assert find_latest(out / "checkpoints") == out / "checkpoints" / after[1].strip()
