@@ -7,9 +7,10 @@ Layout under ``OUT_DIR/checkpoints``::
     latest             the name of the newest complete checkpoint ("step_300")
 
 Every rank writes its shards with ``torch.distributed.checkpoint`` into a hidden ``.tmp-step_N``
-directory. Only once all shards and the metadata are on disk does rank 0 write ``meta.json``
-(``meta.py``), rename the directory to ``step_N`` and rewrite ``latest`` (through a temp file and a
-rename). A crash before the rename leaves ``latest`` and the previous checkpoint untouched, so a
+directory. Only once all shards and the metadata are on disk, and rank 0 sees every rank's files
+whole (nodes that do not share the directory would leave them elsewhere), does rank 0 write
+``meta.json`` (``meta.py``), rename the directory to ``step_N`` and rewrite ``latest`` (through a
+temp file and a rename). A crash before the rename leaves ``latest`` and the previous checkpoint untouched, so a
 resume always finds a whole one; a checkpoint with a missing or truncated file is skipped, with a
 note, in favour of the newest whole one. Each rank's random generators are saved under a key of
 that rank and restored on resume, so dropout in Hugging Face models continues where it stopped.
