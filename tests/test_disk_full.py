@@ -6,7 +6,6 @@ the tests mount one (root, CAP_SYS_ADMIN)."""
 import os
 import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -15,8 +14,7 @@ import pytest
 from mfsdp.train.checkpoint import find_latest
 from mfsdp.train.checkpoint.storage import full_disk
 
-from test_launcher_death import corpus  # noqa: F401: the token file fixture
-from test_multinode import REPO, SMALL
+from test_multinode import corpus, launch  # noqa: F401: corpus, the token file fixture
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.filterwarnings("ignore::UserWarning")]
 
@@ -48,12 +46,8 @@ def fill(mount: Path, chunk: int = 65536) -> None:
 
 def test_a_save_on_a_full_disk_names_it(corpus, tmpfs):  # noqa: F811
     out = tmpfs / "run"
-    env = dict(os.environ, OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
-    proc = subprocess.Popen([sys.executable, "-m", "mfsdp.cli", "train", "--nproc-per-node", "1", *SMALL,
-                             "--data.path", str(corpus), "--train.steps", "100000", "--train.checkpoint_every", "2",
-                             "--train.out_dir", str(out)], env=env, cwd=REPO, start_new_session=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = launch("--nproc-per-node", "1", "--data.path", str(corpus), "--train.steps", "100000",
+                  "--train.checkpoint_every", "2", "--train.out_dir", str(out))
     try:
         deadline = time.time() + 90
         while time.time() < deadline and proc.poll() is None and find_latest(out / "checkpoints") is None:

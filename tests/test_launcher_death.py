@@ -11,22 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from mfsdp.data import prepare
-from mfsdp.data.prepare import stdlib_source
 from mfsdp.train.checkpoint import complete_checkpoints, damage, find_latest
 
 from test_faults import alive, workers  # a process's state, a launcher's workers (Linux /proc)
-from test_multinode import REPO, SMALL
+from test_multinode import corpus, launch  # noqa: F401: corpus, the token file fixture
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.filterwarnings("ignore::UserWarning"),
               pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")]
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("data") / "small.tokens"
-    prepare(stdlib_source(), out, glob="[a-c]*.py")
-    return out
 
 
 def listing(out: Path) -> tuple:
@@ -38,13 +29,9 @@ def listing(out: Path) -> tuple:
 
 def test_workers_die_within_seconds_of_their_launchers_process_group(corpus, tmp_path):
     out = tmp_path / "run"
-    env = dict(os.environ, OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
     # A save after every step, so the kill lands during or between saves.
-    proc = subprocess.Popen([sys.executable, "-m", "mfsdp.cli", "train", "--nproc-per-node", "2", *SMALL,
-                             "--data.path", str(corpus), "--train.steps", "100000", "--train.checkpoint_every", "1",
-                             "--train.out_dir", str(out)], env=env, cwd=REPO, start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = launch("--nproc-per-node", "2", "--data.path", str(corpus), "--train.steps", "100000",
+                  "--train.checkpoint_every", "1", "--train.out_dir", str(out), output=subprocess.DEVNULL)
     pids = {}
     try:
         deadline = time.time() + 90

@@ -42,15 +42,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def two_nodes(out_dirs, *args, cwd=REPO, timeout=120) -> list[subprocess.CompletedProcess]:
-    """One launcher per node, each with its own --train.out_dir; both waited for, killed at ``timeout``."""
+def launch(*args, cwd=REPO, output=subprocess.PIPE) -> subprocess.Popen:
+    """`mfsdp train` of the small model with ``args`` (launcher flags among them), in a process group
+    of its own."""
     env = dict(os.environ, OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
+    return subprocess.Popen([sys.executable, "-m", "mfsdp.cli", "train", *SMALL, *args], env=env, cwd=cwd,
+                            stdout=output, stderr=output, text=True, start_new_session=True)
+
+
+def two_nodes(out_dirs, *args, cwd=REPO, timeout=120) -> list[subprocess.CompletedProcess]:
+    """One launcher per node, each with its own --train.out_dir; both waited for, killed at ``timeout``."""
     port = _free_port()
-    procs = [subprocess.Popen([sys.executable, "-m", "mfsdp.cli", "train", "--nnodes", "2", "--node-rank", str(node),
-                               "--rdzv-endpoint", f"127.0.0.1:{port}", "--nproc-per-node", "1", *SMALL, *args,
-                               "--train.out_dir", str(out)], env=env, cwd=cwd, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, start_new_session=True)
+    procs = [launch("--nnodes", "2", "--node-rank", str(node), "--rdzv-endpoint", f"127.0.0.1:{port}",
+                    "--nproc-per-node", "1", *args, "--train.out_dir", str(out), cwd=cwd)
              for node, out in enumerate(out_dirs)]
     done = []
     try:

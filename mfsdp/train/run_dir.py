@@ -26,8 +26,6 @@ from mfsdp.train.errors import ConfigError, agree
 from mfsdp.train.step import lr_at
 
 RUN_FILE = "run.json"
-SHARED_CHECK = ".shared-check"
-"""The name of the file that ``check_shared`` writes (with a random suffix) and removes."""
 METRICS = "metrics.jsonl"
 OUTPUTS = ("checkpoints", METRICS, "tensorboard", "loss.png", "hf", "wandb-run-id", RUN_FILE)
 """What a run writes into its out_dir, removed by a fresh start there (logs/ and the demo corpus's
@@ -133,27 +131,24 @@ def finished_line(cfg, resume_from: Path | None) -> str | None:
 
 def check_shared(out_dir: Path) -> None:
     """Refuse, on every rank, a run over several nodes whose ``out_dir`` is not one directory for all
-    of them: rank 0 writes a file of a random name into it and every rank looks for it. Each rank writes its
-    checkpoint shards where it runs, so a checkpoint there would be split over the nodes' disks.
+    of them: rank 0 writes a file of a random name into it and every rank looks for it. Each rank writes
+    its checkpoint shards where it runs, so a checkpoint there would be split over the nodes' disks.
     Collective; a run on one node checks nothing."""
     if dist.get_world_size() == int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())):
         return
-    name = [f"{SHARED_CHECK}-{uuid.uuid4().hex}"]  # a name no node has looked up (and cached) before
+    name = [f".shared-check-{uuid.uuid4().hex}"]  # a name no node has looked up (and cached) before
     dist.broadcast_object_list(name)
-    marker, problem = out_dir / name[0], None
+    marker = out_dir / name[0]
     try:
         if dist.get_rank() == 0:
-            try:
-                out_dir.mkdir(parents=True, exist_ok=True)
-                marker.touch()
-            except OSError as err:
-                problem = f"--train.out_dir {out_dir} cannot be written ({err})"
-        agree(problem)  # collective: past it, the file is there
+            out_dir.mkdir(parents=True, exist_ok=True)
+            marker.touch()
+        dist.barrier()
         agree(None if marker.is_file() else
               f"--train.out_dir {out_dir} is not one file system for all nodes: node {socket.gethostname()} "
-              f"does not see the file {marker.name} that rank 0 wrote there, so each "
-              "checkpoint would be split over the nodes' disks; give every node the same --train.out_dir on "
-              "storage they all mount (NFS, Lustre, a cluster file system)")
+              f"does not see the file {marker.name} that rank 0 wrote there, so each checkpoint would be split "
+              "over the nodes' disks; give every node the same --train.out_dir on storage they all mount (NFS, "
+              "Lustre, a cluster file system)")
     finally:
         if dist.get_rank() == 0:
             marker.unlink(missing_ok=True)
@@ -168,8 +163,7 @@ def schedule_change_line(meta: CheckpointMeta, cfg) -> str | None:
     ``--train.steps`` on a finished run, say): the schedule is rebuilt for the new settings, the
     recipe's warm-up re-derived for the new length, and the lr jumps at the step after ``meta.step``.
     None where nothing changed or the checkpoint does not record its schedule."""
-    recorded = (meta.config or {}).get("train") or {}
-    now = cfg.train
+    recorded, now = (meta.config or {}).get("train") or {}, cfg.train
     if any(key not in recorded for key in SCHEDULE) or all(recorded[key] == getattr(now, key) for key in SCHEDULE):
         return None
     was = SimpleNamespace(**{key: recorded[key] for key in SCHEDULE})
