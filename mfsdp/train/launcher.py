@@ -12,10 +12,11 @@ The workers run ``python -m mfsdp.train`` (``main.main``) under
 stderr goes to ``OUT_DIR/logs/<run>/attempt_<n>/<local rank>/stderr.log``, so warnings and
 tracebacks do not bury the output. When a worker fails, the launcher prints a short summary:
 the rank that failed first (a rank killed by a signal is named as lost), its error, where
-the full traceback is, and how to continue. Workers die with their launcher (``die_with_launcher``). Ctrl-C or SIGTERM is passed on to every rank,
+the full traceback is, and how to continue. Ctrl-C or SIGTERM is passed on to every rank,
 which finishes its step and saves; the launcher then exits 0 and says to continue with
 ``--resume``. A rank that is lost or hangs gets the others stopped, and after
-``--stop-timeout`` seconds killed, so the job never outlives its workers.
+``--stop-timeout`` seconds killed, so the job never outlives its workers; and the workers die
+with their launcher (``die_with_launcher``), so they never outlive the job.
 """
 
 from __future__ import annotations
@@ -196,11 +197,11 @@ def die_with_launcher() -> None:
     of the launcher's process group (a job script's ``kill -9``, the OOM killer) would leave it
     training and writing into the run directory. SIGKILL, not SIGTERM: its console is gone, and a
     save it had begun stays in its ``.tmp-`` directory, unpublished."""
-    launcher = int(os.environ.get(LAUNCHED_ENV) or 0)
-    if launcher <= 1 or not sys.platform.startswith("linux"):  # not launched by mfsdp (or by an old one)
-        return
+    launcher = os.environ.get(LAUNCHED_ENV, "")
+    if not (launcher.isdigit() and int(launcher) > 1 and sys.platform.startswith("linux")):
+        return  # not a worker of the mfsdp launcher
     ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
-    if os.getppid() != launcher and not Path(f"/proc/{launcher}").exists():  # it died before the call
+    if os.getppid() != int(launcher) and not Path(f"/proc/{launcher}").exists():  # it died before the call
         os.kill(os.getpid(), signal.SIGKILL)
 
 
