@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 
 import pytest
 import torch
+from torch.distributed.checkpoint.metadata import Metadata
 
 from test_eval_loss import SMALL
 from mfsdp.data import prepare
@@ -191,7 +193,7 @@ def test_latest_never_names_a_deleted_checkpoint(tmp_path):
     def save(step, keep=2):
         temp = paths(root, step)[1]
         temp.mkdir(parents=True)
-        (temp / ".metadata").write_bytes(b"")
+        (temp / ".metadata").write_bytes(pickle.dumps(Metadata(state_dict_metadata={})))  # DCP's, of no tensor
         publish_when_written(root, step, meta, keep, None)
 
     for step in (200, 300):

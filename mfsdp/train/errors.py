@@ -7,8 +7,8 @@ import torch.distributed as dist
 
 from mfsdp.data import DataError
 
-# Set by `mfsdp train --nproc-per-node N` for its workers: each rank's stderr then goes to a log
-# file, so every rank prints its errors and the launcher shows one of them.
+# Set by `mfsdp train --nproc-per-node N` for its workers, to its pid: each rank's stderr then goes to a
+# log file, so every rank prints its errors and the launcher shows one of them.
 LAUNCHED_ENV = "MFSDP_LAUNCHED"
 
 

@@ -15,11 +15,13 @@ the rank that failed first (a rank killed by a signal is named as lost), its err
 the full traceback is, and how to continue. Ctrl-C or SIGTERM is passed on to every rank,
 which finishes its step and saves; the launcher then exits 0 and says to continue with
 ``--resume``. A rank that is lost or hangs gets the others stopped, and after
-``--stop-timeout`` seconds killed, so the job never outlives its workers.
+``--stop-timeout`` seconds killed, so the job never outlives its workers; and the workers die
+with their launcher (``die_with_launcher``), so they never outlive the job.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import signal
@@ -161,7 +163,7 @@ def run(options: LaunchOptions, cfg: RunConfig, rest: list[str]) -> int:
         run_id = options.rdzv_id or os.environ.get("SLURM_JOB_ID") or "mfsdp"
         rdzv_configs = ({} if options.node_rank is None
                         else {"is_host": options.node_rank == 0})
-    os.environ[LAUNCHED_ENV] = "1"
+    os.environ[LAUNCHED_ENV] = str(os.getpid())  # see die_with_launcher
     # Several workers share the node's cores: one OpenMP thread each, as torchrun sets.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     _quiet_torch_elastic()
@@ -187,6 +189,20 @@ def run(options: LaunchOptions, cfg: RunConfig, rest: list[str]) -> int:
                           "reachable, and that every node uses the same --nnodes and --rdzv-id",
                           code=1)
         raise
+
+
+def die_with_launcher() -> None:
+    """In a worker of ``mfsdp train --nproc-per-node``: have Linux SIGKILL it when its launcher (the
+    elastic agent, its parent) dies. The agent starts each worker in a session of its own, so a kill
+    of the launcher's process group (a job script's ``kill -9``, the OOM killer) would leave it
+    training and writing into the run directory. SIGKILL, not SIGTERM: its console is gone, and a
+    save it had begun stays in its ``.tmp-`` directory, unpublished."""
+    launcher = os.environ.get(LAUNCHED_ENV, "")
+    if not (launcher.isdigit() and int(launcher) > 1 and sys.platform.startswith("linux")):
+        return  # not a worker of the mfsdp launcher
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+    if os.getppid() != int(launcher) and not Path(f"/proc/{launcher}").exists():  # it died before the call
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 class _LogsSpecs(DefaultLogsSpecs):

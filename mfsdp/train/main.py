@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import sys
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -19,7 +20,9 @@ from mfsdp.train import determinism
 from mfsdp.train.args import load_config, usage
 from mfsdp.train.errors import (LAUNCHED_ENV, USER_ERRORS, CollectiveTimeout, ConfigError, RunFailed, is_timeout,
                                 timeout_hint)
+from mfsdp.train.launcher import die_with_launcher
 from mfsdp.train.preflight import cuda_problem, preflight
+from mfsdp.train.run_dir import check_shared
 from mfsdp.train.trainer import Trainer
 
 
@@ -29,6 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] in ("-h", "--help"):
         print(usage())
         return 0
+    die_with_launcher()
     rank = int(os.environ.get("RANK", "0"))
     try:
         cfg = load_config(argv)
@@ -40,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     _join_process_group(device, timeout_s)
     log = (lambda message: print(message, flush=True)) if rank == 0 else (lambda message: None)
     try:
+        check_shared(Path(cfg.train.out_dir))
         code = Trainer(preflight(cfg, device, log), device).run()
         # Tear down together: a rank that leaves while another still talks to it makes gloo
         # abort the latecomer at exit.

@@ -12,11 +12,18 @@ newest checkpoint's recorded config. Also here: what ``--resume`` does where the
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import socket
+import uuid
 from pathlib import Path
+from types import SimpleNamespace
+
+import torch.distributed as dist
 
 from mfsdp.train.checkpoint import CheckpointError, CheckpointMeta, complete_checkpoints
-from mfsdp.train.errors import ConfigError
+from mfsdp.train.errors import ConfigError, agree
+from mfsdp.train.step import lr_at
 
 RUN_FILE = "run.json"
 METRICS = "metrics.jsonl"
@@ -34,12 +41,18 @@ _PATHS = ("model.hf", "data.path", "data.val_path")
 def identity(config: dict) -> dict:
     """The identity of the run of ``config`` (``RunConfig.to_dict``, or a checkpoint's record), its
     paths absolute so that a run started from another directory compares equal."""
-    out = {}
-    for section, keys in IDENTITY.items():
-        values = config.get(section) or {}
-        for key in keys or sorted(values):
-            name, value = f"{section}.{key}", values.get(key)
-            out[name] = str(Path(value).resolve()) if name in _PATHS and value not in (None, "stdlib") else value
+    config = absolute_paths(config)
+    return {f"{section}.{key}": (config.get(section) or {}).get(key) for section, keys in IDENTITY.items()
+            for key in keys or sorted(config.get(section) or {})}
+
+
+def absolute_paths(config: dict) -> dict:
+    """``config`` (``RunConfig.to_dict``) with the base directory and data paths made absolute, as
+    checkpoints and ``run.json`` record them: an export or a resume run from elsewhere finds them."""
+    out = {section: dict(values) if isinstance(values, dict) else values for section, values in config.items()}
+    for section, _, key in (name.partition(".") for name in _PATHS):
+        if (value := (out.get(section) or {}).get(key)) not in (None, "stdlib"):
+            out[section][key] = str(Path(value).resolve())
     return out
 
 
@@ -114,3 +127,51 @@ def finished_line(cfg, resume_from: Path | None) -> str | None:
         return None
     return (f"{resume_from} is at step {step}, the last of --train.steps {cfg.train.steps}: nothing left to "
             "train (raise --train.steps to continue)")
+
+
+def check_shared(out_dir: Path) -> None:
+    """Refuse, on every rank, a run over several nodes whose ``out_dir`` is not one directory for all
+    of them: rank 0 writes a file of a random name into it and every rank looks for it. Each rank writes
+    its checkpoint shards where it runs, so a checkpoint there would be split over the nodes' disks.
+    Collective; a run on one node checks nothing."""
+    if dist.get_world_size() == int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())):
+        return
+    name = [f".shared-check-{uuid.uuid4().hex}"]  # a name no node has looked up (and cached) before
+    dist.broadcast_object_list(name)
+    marker = out_dir / name[0]
+    try:
+        if dist.get_rank() == 0:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            marker.touch()
+        dist.barrier()
+        agree(None if marker.is_file() else
+              f"--train.out_dir {out_dir} is not one file system for all nodes: node {socket.gethostname()} "
+              f"does not see the file {marker.name} that rank 0 wrote there, so each checkpoint would be split "
+              "over the nodes' disks; give every node the same --train.out_dir on storage they all mount (NFS, "
+              "Lustre, a cluster file system)")
+    finally:
+        if dist.get_rank() == 0:
+            marker.unlink(missing_ok=True)
+
+
+SCHEDULE = ("steps", "warmup_steps", "lr_schedule", "min_lr_ratio", "lr")
+"""The ``--train`` keys that shape the learning-rate schedule (``step.lr_at``)."""
+
+
+def schedule_change_line(meta: CheckpointMeta, cfg) -> str | None:
+    """What a resume says when its ``--train`` schedule differs from the checkpoint's run (raised
+    ``--train.steps`` on a finished run, say): the schedule is rebuilt for the new settings, the
+    recipe's warm-up re-derived for the new length, and the lr jumps at the step after ``meta.step``.
+    None where nothing changed or the checkpoint does not record its schedule."""
+    recorded, now = (meta.config or {}).get("train") or {}, cfg.train
+    if any(key not in recorded for key in SCHEDULE) or all(recorded[key] == getattr(now, key) for key in SCHEDULE):
+        return None
+    was = SimpleNamespace(**{key: recorded[key] for key in SCHEDULE})
+
+    def shape(t) -> str:
+        decay = "constant" if t.lr_schedule == "constant" else f"{t.lr_schedule} to {t.min_lr_ratio:g}x"
+        return f"warm-up {t.warmup_steps} steps then {decay} over steps {t.warmup_steps + 1}-{t.steps} (lr {t.lr:g})"
+
+    return (f"the learning-rate schedule is rebuilt for --train.steps {now.steps} (the checkpoint's run had "
+            f"{was.steps}): was {shape(was)}, now {shape(now)}; lr {lr_at(was, meta.step):.3g} at step "
+            f"{meta.step}, {lr_at(now, meta.step + 1):.3g} at step {meta.step + 1}")

@@ -24,7 +24,7 @@ from mfsdp.train.objectives import objective_for
 from mfsdp.train.preflight import ResolvedRun, model_fingerprint
 from mfsdp.train.profile import StepProfiler
 from mfsdp.train.report import NoProgress, StepReport, progress_bar
-from mfsdp.train.run_dir import claim, finished_line
+from mfsdp.train.run_dir import absolute_paths, claim, finished_line, schedule_change_line
 from mfsdp.train.step_lines import StepLines
 from mfsdp.train.wandb_log import WandbLog
 from mfsdp.train.step import lr_at, train_step
@@ -92,9 +92,9 @@ class Trainer:
                 WandbLog(cfg, resumed is not None, enabled=self.rank == 0 and cfg.metrics.wandb))
         checkpointer = make_checkpointer(self.out_dir / "checkpoints", cfg, self.device.type, checkpointed_numel(model),
                                          self.note, model, optimizer)
-        meta = CheckpointMeta(model=model_fingerprint(self.model_cfg), config=cfg.to_dict(), world_size=self.world,
-                              data_seed=d.seed, held_out=split_record(cfg, self.data, held), hf_config=cfg.hf_config,
-                              peft=adapter_record(cfg, model))
+        meta = CheckpointMeta(model=model_fingerprint(self.model_cfg), config=absolute_paths(cfg.to_dict()),
+                              world_size=self.world, data_seed=d.seed, held_out=split_record(cfg, self.data, held),
+                              hf_config=cfg.hf_config, peft=adapter_record(cfg, model))
         last, stopped = self.train(model, optimizer, sampler, evaluator, logs, checkpointer, start_step, meta)
         for log in logs:
             log.close()
@@ -114,6 +114,8 @@ class Trainer:
         self.log(f"resumed the weights from {self.resume_from}{fallback} at step {meta.step}; the optimizer state "
                  "starts fresh (the checkpoint holds the model only)" if meta.model_only else
                  f"resumed from {self.resume_from}{fallback} at step {meta.step}")
+        if line := schedule_change_line(meta, self.cfg):
+            self.log(line)
         return meta.step, meta
 
     def train(self, model, optimizer, sampler, evaluator, logs, checkpointer, start_step: int,

@@ -30,7 +30,8 @@ class CheckpointMeta:
     model: dict
     """The model's shape fingerprint (``build.model_fingerprint``): what a resume must match."""
     config: dict | None = None
-    """The run's whole config (``RunConfig.to_dict``): what ``mfsdp export`` rebuilds the model from."""
+    """The run's whole config (``RunConfig.to_dict``): what ``mfsdp export`` rebuilds the model from;
+    its base directory and data paths absolute (``run_dir.absolute_paths``; older ones: as typed)."""
     world_size: int = 1
     """The ranks that wrote it."""
     data_seed: int = 0

@@ -7,9 +7,10 @@ Layout under ``OUT_DIR/checkpoints``::
     latest             the name of the newest complete checkpoint ("step_300")
 
 Every rank writes its shards with ``torch.distributed.checkpoint`` into a hidden ``.tmp-step_N``
-directory. Only once all shards and the metadata are on disk does rank 0 write ``meta.json``
-(``meta.py``), rename the directory to ``step_N`` and rewrite ``latest`` (through a temp file and a
-rename). A crash before the rename leaves ``latest`` and the previous checkpoint untouched, so a
+directory. Only once all shards and the metadata are on disk, and rank 0 sees every rank's files
+whole (nodes that do not share the directory would leave them elsewhere), does rank 0 write
+``meta.json`` (``meta.py``), rename the directory to ``step_N`` and rewrite ``latest`` (through a
+temp file and a rename). A crash before the rename leaves ``latest`` and the previous checkpoint untouched, so a
 resume always finds a whole one; a checkpoint with a missing or truncated file is skipped, with a
 note, in favour of the newest whole one. Each rank's random generators are saved under a key of
 that rank and restored on resume, so dropout in Hugging Face models continues where it stopped.
@@ -24,6 +25,7 @@ A LoRA model's checkpoint holds its adapters and their optimizer state only (``m
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 from pathlib import Path
@@ -226,8 +228,10 @@ def publish_when_written(root: Path, step: int, meta: CheckpointMeta, keep: int,
     if _rank() == 0:
         try:
             files = {p.name: p.stat().st_size for p in sorted(temp.iterdir()) if p.is_file()}
-            meta.published(step, files, save_dtype).write(temp)  # last: it marks the save complete
-            _publish(temp, final)
+            problem = unseen_shard(temp, files)
+            if problem is None:
+                meta.published(step, files, save_dtype).write(temp)  # last: it marks the save complete
+                _publish(temp, final)
         except OSError as err:
             problem = describe(err)
     raise_if_any(problem, root, final, temp, group)
@@ -237,9 +241,21 @@ def publish_when_written(root: Path, step: int, meta: CheckpointMeta, keep: int,
         dist.barrier(group)
 
 
+def unseen_shard(temp: Path, files: dict[str, int]) -> str | None:
+    """Which file of another rank, of those DCP's ``.metadata`` names, rank 0 does not see whole
+    among ``files`` (name: bytes) in ``temp``: on nodes that do not share the directory, it is on
+    another node's disk, and publishing would make a checkpoint that cannot be loaded."""
+    for item in (dcp.FileSystemReader(temp).read_metadata().storage_data or {}).values():
+        if files.get(item.relative_path, -1) < item.offset + item.length:
+            return (f"rank 0 does not see all of {item.relative_path} in {temp}: every node must write "
+                    "into one --train.out_dir that all of them share")
+    return None
+
+
 def raise_if_any(problem: str | None, root: Path, final: Path, temp: Path, group=None) -> None:
-    """CheckpointError on every rank when any rank saw ``problem``; collective over ``group``."""
-    first = first_problem(problem, group)
+    """CheckpointError on every rank when any rank saw ``problem`` (headed by a full disk, where
+    its directory has next to nothing left); collective over ``group``."""
+    first = first_problem(problem and full_disk(root, problem) + problem, group)
     if first is None:
         return
     if _rank() == 0:
@@ -249,6 +265,21 @@ def raise_if_any(problem: str | None, root: Path, final: Path, temp: Path, group
             if previous else "there is no earlier checkpoint")
     raise CheckpointError(f"saving checkpoint {final.name} failed ({first[1]}); {kept}. Free disk "
                           f"space or fix {root}'s permissions, then continue with --resume")
+
+
+def full_disk(path: Path, problem: str) -> str:
+    """"the disk is full (N bytes free on MOUNT): " when the file system of ``path`` has under 1 MiB
+    free or ``problem`` says so (a full disk often surfaces as a short write, not as ENOSPC), else ""."""
+    try:
+        free = shutil.disk_usage(path).free
+    except OSError:
+        return ""
+    if free >= 2**20 and os.strerror(errno.ENOSPC) not in problem:
+        return ""
+    mount = Path(os.path.abspath(path))
+    while not os.path.ismount(mount):
+        mount = mount.parent
+    return f"the disk is full ({free} bytes free on {mount}): "
 
 
 def describe(err: BaseException) -> str:
