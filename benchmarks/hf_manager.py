@@ -152,7 +152,7 @@ def build_fsdp2(impl, args, ws, model, *, compute_dtype: torch.dtype) -> Built:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    from mfsdp.manager.core_options import _checkpoint_forward
+    from mfsdp.manager.core_options import checkpoint_forward
     from mfsdp.manager.tp_plans import apply_tp_plan, loss_context, select_tp_plan, validate_tp
 
     tp = impl_tp(impl, args)
@@ -165,7 +165,7 @@ def build_fsdp2(impl, args, ws, model, *, compute_dtype: torch.dtype) -> Built:
               if compute_dtype != torch.float32 else MixedPrecisionPolicy())
     for layer in model.model.layers:
         if args.ac:
-            _checkpoint_forward(layer)
+            checkpoint_forward(layer)
         fully_shard(layer, mesh=mesh["dp"], mp_policy=policy)
     fully_shard(model, mesh=mesh["dp"], mp_policy=policy)
     setup = (f"torch TP (the manager's plan) over tp={tp}, then fully_shard(decoder layer) x n + root over "

@@ -10,7 +10,7 @@ Public API::
     mfsdp.float8: enable_fp8_all_gather(model), precompute_fp8_scales(model)  (torchao float8 linears)
 """
 
-from mfsdp import float8
+from mfsdp.transforms import float8_linear as float8
 from mfsdp.api import fully_shard
 from mfsdp.communication import CommunicationPolicy
 from mfsdp.microbatch import microbatch

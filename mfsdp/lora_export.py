@@ -1,4 +1,4 @@
-"""What leaves a LoRA model (``mfsdp.lora``): PEFT adapter directories and merged weights.
+"""What leaves a LoRA model (``mfsdp.transforms.lora``): PEFT adapter directories and merged weights.
 
 ``save_peft_adapter`` writes ``adapter_model.safetensors`` and ``adapter_config.json`` as ``peft``
 does, so ``PeftModel.from_pretrained(base, DIR)`` (and the servers that read PEFT adapters) load
@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from mfsdp.lora import ADAPTERS, LoraTransform, candidate_linears, hf_module_name, is_adapter, lora_linears
+from mfsdp.transforms.lora import ADAPTERS, LoraTransform, candidate_linears, hf_module_name, is_adapter, lora_linears
 
 __all__ = ["ADAPTER_WEIGHTS", "ADAPTER_CONFIG", "adapter_state_dict", "merged_state_dict", "merge_weight", "peft_key",
            "hf_target_modules", "peft_adapter_config", "save_peft_adapter", "write_peft_adapter"]

@@ -1,4 +1,4 @@
-"""FP8 training (torchao float8 linears) under mfsdp, with FP8 all-gather (``mfsdp.float8``).
+"""FP8 training (torchao float8 linears) under mfsdp, with FP8 all-gather (``mfsdp.transforms.float8_linear``).
 
 torchao 0.17 trains float8 on CPU under torch 2.13 (``torch._scaled_mm`` has CPU kernels for
 e4m3/e5m2, tensorwise and rowwise scales), so parity runs here on gloo; the GPU cases rerun it on
@@ -23,7 +23,7 @@ from torch import nn
 pytest.importorskip("torchao.float8")
 
 import mfsdp  # noqa: E402
-import mfsdp.float8 as mf8  # noqa: E402
+import mfsdp.transforms.float8_linear as mf8  # noqa: E402
 from test_train_e2e import corpus  # noqa: E402,F401  (the token file fixture of the train tests)
 from torchao.float8 import Float8LinearConfig, convert_to_float8_training  # noqa: E402
 from torchao.float8.float8_utils import amax_to_scale, to_fp8_saturated  # noqa: E402
@@ -78,7 +78,7 @@ def make_net(recipe: str = "tensorwise", dtype=torch.float32, seed: int = 0) -> 
 
 def shard(net: Net, ws: int, fp8_gather: bool, policy=None, device="cpu", comm=None, mlp_units=False,
           kind="zero3") -> Net:
-    """The recipe of ``mfsdp.float8``: each block one unit (float8 weights and the norm in one group);
+    """The recipe of ``mfsdp.transforms.float8_linear``: each block one unit (float8 weights and the norm in one group);
     with ``mlp_units`` each MLP (float8 weights only) is a unit of its own inside its block. ``kind``:
     zero3 over all ranks, or hsdp / hfsdp over a (2, ws / 2) mesh."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -123,7 +123,7 @@ LLAMA = dict(dim=DIM, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=HIDDEN, vocab
 
 def make_llama(dtype=torch.float32):
     """A small ``mfsdp.models`` Llama and torchao's float8 conversion of a copy of it (every linear
-    but the head, as ``mfsdp.float8.float8_filter`` picks)."""
+    but the head, as ``mfsdp.transforms.float8_linear.float8_filter`` picks)."""
     from mfsdp.models.llama import Llama, LlamaConfig
 
     net = Llama(LlamaConfig(**LLAMA), dtype=dtype)
@@ -137,7 +137,7 @@ def make_llama(dtype=torch.float32):
 def parallelize_llama(net, ws, float8="tensorwise", policy=None, comm=None):
     """``mfsdp.models.parallelize`` with ``float8`` ("none" or a recipe, as ``Float8Transform``): one unit per
     block, as ``mfsdp train`` cuts it."""
-    from mfsdp.float8_transform import Float8Transform
+    from mfsdp.transforms.float8 import Float8Transform
     from mfsdp.mesh import build_mesh
     from mfsdp.models.parallelize import ParallelizeConfig, parallelize
 

@@ -1,6 +1,6 @@
 """``--model.float8_skip``: linears kept in the compute dtype under ``--model.float8``.
 
-The rule is ``mfsdp.float8.float8_linears``; ``Float8Transform`` (which parallelize applies and the
+The rule is ``mfsdp.transforms.float8_linear.float8_linears``; ``Float8Transform`` (which parallelize applies and the
 planner replays) and the config check call it.
 Float8 is emulated on CPU (torchao's casts and scaled matmuls run in plain torch)."""
 import copy
@@ -11,8 +11,8 @@ import torch
 
 pytest.importorskip("torchao")
 
-from mfsdp.float8 import float8_linears  # noqa: E402
-from mfsdp.float8_transform import Float8Transform  # noqa: E402
+from mfsdp.transforms.float8_linear import float8_linears  # noqa: E402
+from mfsdp.transforms.float8 import Float8Transform  # noqa: E402
 from mfsdp.models.parallelize import ParallelizeConfig  # noqa: E402
 from mfsdp.train.config import ConfigError  # noqa: E402
 from mfsdp.train.args import load_config  # noqa: E402

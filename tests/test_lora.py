@@ -1,4 +1,4 @@
-"""LoRA (mfsdp.lora): the config's errors, the targets by either naming, the forward and its
+"""LoRA (mfsdp.transforms.lora): the config's errors, the targets by either naming, the forward and its
 initialisation, compile and float8 bases, merging, and training under fully_shard on 2 gloo ranks
 against an unsharded reference (fp32): same adapter gradients and AdamW steps, base untouched."""
 
@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from mfsdp.lora import LoraTransform, hf_module_name, init_adapters, lora_linears
+from mfsdp.transforms.lora import LoraTransform, hf_module_name, init_adapters, lora_linears
 from mfsdp.lora_export import adapter_state_dict, hf_target_modules, merged_state_dict, peft_key
 from mfsdp.models import Llama, get_config, hf_weight_names
 from mfsdp.transforms import apply_transforms
@@ -63,6 +63,15 @@ def test_the_8b_line_on_the_meta_device():
     wq = model.layers[0].attention.wq
     assert wq.lora_A.shape == (16, 4096) and wq.lora_B.shape == (4096, 16) and wq.lora_scale == 2.0
     assert LoraTransform(use_rslora=True).scale == 32 / 4
+
+
+def test_lora_reads_its_names_off_the_one_table():
+    """LoRA's block names (linears and norms) are the Hugging Face name table's, not a second copy."""
+    from mfsdp.transforms.lora import HF_BLOCK_NAMES
+
+    derived = {(f"model.layers.0.{hf}.weight", f"layers.0.{ours}.weight") for ours, hf in HF_BLOCK_NAMES.items()}
+    assert derived == {pair for pair in hf_weight_names(get_config("tiny")) if pair[1].startswith("layers.0.")}
+    assert HF_BLOCK_NAMES["attention.wq"] == "self_attn.q_proj" and len(HF_BLOCK_NAMES) == 9
 
 
 def test_targets_by_either_naming_and_never_the_head():
@@ -137,7 +146,7 @@ def test_lora_wraps_a_float8_linear():
     pytest.importorskip("torchao")
     from torchao.float8.float8_linear import Float8Linear
 
-    from mfsdp.float8 import convert_to_float8
+    from mfsdp.transforms.float8_linear import convert_to_float8
 
     base = tiny()
     convert_to_float8(base, "tensorwise", fp8_all_gather=False)

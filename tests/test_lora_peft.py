@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mfsdp.lora import LoraTransform, lora_linears
+from mfsdp.transforms.lora import LoraTransform, lora_linears
 from mfsdp.lora_export import ADAPTER_CONFIG, ADAPTER_WEIGHTS, hf_target_modules, peft_key, save_peft_adapter
 from mfsdp.models import Llama, bundled_config_from_hf, load_hf_weights
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from mfsdp.lora import LoraTransform, init_adapters, is_adapter, lora_linears
+from mfsdp.transforms.lora import LoraTransform, init_adapters, is_adapter, lora_linears
 from mfsdp.lora_export import ADAPTER_CONFIG, ADAPTER_WEIGHTS, hf_target_modules, peft_adapter_config
 from mfsdp.train.checkpoint import CheckpointError, CheckpointMeta, load_checkpoint, save_checkpoint
 from test_lora import randomize_b, tiny

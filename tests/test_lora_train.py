@@ -10,8 +10,8 @@ import json
 import pytest
 import torch
 
-from mfsdp.float8_transform import Float8Transform
-from mfsdp.lora import LoraTransform, lora_linears
+from mfsdp.transforms.float8 import Float8Transform
+from mfsdp.transforms.lora import LoraTransform, lora_linears
 from mfsdp.train import launcher
 from mfsdp.train.args import load_config
 from mfsdp.train.build import transforms_for

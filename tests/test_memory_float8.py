@@ -13,7 +13,7 @@ from torch import nn
 
 pytest.importorskip("torchao.float8")
 
-from mfsdp.float8_transform import Float8Transform  # noqa: E402
+from mfsdp.transforms.float8 import Float8Transform  # noqa: E402
 from models import global_batch  # noqa: E402
 from test_memory_planner import (_compare_model_state, _live_model_state, _plan,  # noqa: E402
                                  _predicted_model_state, _two_microbatches_and_a_step)
@@ -32,7 +32,7 @@ def _record_staging():
     undo)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    import mfsdp.float8 as mf8
+    import mfsdp.transforms.float8_linear as mf8
 
     seen, original = [], mf8.Float8GatherCodec._cast_staged
 
@@ -81,7 +81,7 @@ def llama_case(rank, ws, policy, staging_numel):
     """``parallelize`` with ``Float8Transform("tensorwise")`` as ``mfsdp train`` builds it (ZeRO-3), a step of two
     microbatches; the planner's prediction from ``estimate``'s own meta model (``_resolve``)."""
     import mfsdp
-    import mfsdp.float8 as mf8
+    import mfsdp.transforms.float8_linear as mf8
     from mfsdp.memory import mesh_for
     from mfsdp.memory.api import _resolve
     from mfsdp.memory.model_state import Levels, describe_units, optimizer_state_bytes
@@ -150,7 +150,7 @@ class _Odd(nn.Module):
 
 
 def _float8_odd(device=None) -> _Odd:
-    import mfsdp.float8 as mf8
+    import mfsdp.transforms.float8_linear as mf8
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     with torch.device(device or "cpu"):
@@ -252,7 +252,7 @@ def test_estimate_float8_tensorwise_against_bf16():
         assert got["FP8 encode staging"] == 0
     # one pass over the block's float8 shard (linear / 8 elements, whole rows of ENCODE_ROW at this
     # shape): staged in bf16 (2 bytes), encoded in float8 (1 byte), one fp32 scale per row
-    from mfsdp.float8 import ENCODE_ROW
+    from mfsdp.transforms.float8_linear import ENCODE_ROW
     shard = linear // 8
     assert shard % ENCODE_ROW == 0
     assert {p.components["FP8 encode staging"] for p in encode} == {3 * shard + 4 * (shard // ENCODE_ROW)}

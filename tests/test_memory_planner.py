@@ -215,6 +215,30 @@ def _moe_predictions(kind, ws, expert_units):
     return out
 
 
+def test_the_planner_groups_units_by_the_runtimes_rule(monkeypatch):
+    """``describe_units`` takes each unit's parameters and groups through the runtime's ``unit_groups``
+    (what ``fully_shard`` groups by), not a copy of its rule: children first, the root last."""
+    from torch import nn
+
+    from mfsdp import MixedPrecisionPolicy, Placements
+    from mfsdp.memory import model_state
+    from mfsdp.runtime import module, ownership
+    from mfsdp.runtime.geometry import Levels
+
+    seen = []
+
+    def spy(unit, unit_cls, policy):
+        seen.append(unit)
+        return ownership.unit_groups(unit, unit_cls, policy)
+
+    monkeypatch.setattr(model_state, "unit_groups", spy)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4).requires_grad_(False))
+    levels = Levels.of(Placements.zero3("dp"), {"dp": 2})
+    units = model_state.describe_units(model, [model[0]], MixedPrecisionPolicy(), levels)
+    assert seen == [model[0], model] and module.unit_groups is ownership.unit_groups
+    assert [(u.name, [g.requires_grad for g in u.groups]) for u in units] == [("", [False]), ("0", [True])]
+
+
 def test_model_state_is_exact_to_the_byte_tensor_parallel(world):
     """The manager at tp=2 x dp=2 (4 gloo ranks; ZeRO-3, 2, 1): every group's buffers, sized from the
     TP-local shards of the manager's own plan, equal the live ones to the byte."""

@@ -73,8 +73,54 @@ def test_the_list_applies_in_order_and_runs_the_hooks_it_has():
     assert mt.hook_results((First(), Second()), "describe", model) == ["first applied", "second applied"]
 
 
+@dataclasses.dataclass(frozen=True)
+class Measured(Record):
+    """A transform the planner knows only by its hooks: compiled blocks save ``share`` of the eager ones."""
+
+    name: ClassVar[str] = "lora"  # a feature's name: the planner must not read it
+    bundled_only: ClassVar[bool] = True
+    share: float = 0.5
+
+    def compiled_block_saved(self, plain):
+        return self.share
+
+    def compiled_note(self):
+        return f"measured at {self.share}"
+
+
+def test_the_planner_asks_hooks_never_names():
+    """Compiled blocks are scaled by the one transform's ``compiled_block_saved`` with its
+    ``compiled_note``; a transform without the hook is planned eager, and several at once too (their
+    shares were measured one at a time); ``bundled_only`` keeps one off a Hugging Face model. No
+    module of mfsdp/memory imports a feature module."""
+    import ast
+    from pathlib import Path
+
+    from mfsdp.memory import estimate
+    from mfsdp.memory.api import COMPILED_NOTE, _resolve
+    from mfsdp.memory.tensor_parallel import TensorParallel
+
+    def saved(transforms, compiled=True):
+        e = estimate("tiny", world_size=1, seq_len=64, device="cpu", compiled=compiled, transforms=transforms)
+        return e.component_max("activations (saved)"), e.notes[-1] if e.notes else None
+
+    eager, _ = saved((First(),), compiled=False)
+    assert saved((Measured(0.5),))[1] == "measured at 0.5"
+    assert saved((Measured(0.5),))[0] < saved((Measured(0.9),))[0] < eager
+    assert saved((First(),)) == (eager, COMPILED_NOTE)
+    assert saved((Measured(0.5), Second())) == (eager, "measured at 0.5")
+    with pytest.raises(ValueError, match=r"transforms \(Measured\(share=0.5\)\) are planned on the bundled Llama"):
+        _resolve(nn.Linear(2, 2), torch.bfloat16, 64, False, TensorParallel(), None, (Measured(),))
+    memory = Path(mt.__file__).parent.parent / "memory"
+    imported = {a.name if isinstance(n, ast.Import) else f"{n.module}.{a.name}"
+                for path in memory.glob("*.py") for n in ast.walk(ast.parse(path.read_text()))
+                if isinstance(n, (ast.Import, ast.ImportFrom)) for a in n.names}
+    assert {i for i in imported if i.startswith("mfsdp.transforms.")} <= {"mfsdp.transforms.apply_transforms",
+                                                                            "mfsdp.transforms.hook_results"}
+
+
 torchao = pytest.importorskip("torchao.float8")
-from mfsdp.float8_transform import Float8Transform  # noqa: E402
+from mfsdp.transforms.float8 import Float8Transform  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,7 +18,7 @@ def _run(rank, ws, kind, dtype, keep, alias):
     the frozen groups issued)."""
     import torch.nn.functional as F
 
-    from mfsdp.lora import LoraTransform
+    from mfsdp.transforms.lora import LoraTransform
     from mfsdp.mesh import build_mesh
     from mfsdp.mixed_precision import MixedPrecisionPolicy
     from mfsdp.models.parallelize import ParallelizeConfig, parallelize
@@ -82,7 +82,7 @@ def test_a_one_way_frozen_group_computes_on_its_resting_buffer(world, ws, kind, 
 def test_the_planner_counts_no_gather_for_a_one_way_frozen_group():
     """8B LoRA on one GPU with every block kept: the frozen base has no unsharded bytes (it was a
     second 13 GiB copy), while the adapters' bf16 gathers still count; on 8 GPUs the base gathers."""
-    from mfsdp.lora import LoraTransform
+    from mfsdp.transforms.lora import LoraTransform
     from mfsdp.memory.model_state import describe_units
     from mfsdp.runtime.geometry import Levels
     from mfsdp.mixed_precision import MixedPrecisionPolicy

@@ -115,7 +115,7 @@ def resolve_unit_modules(model: nn.Module, specs=None) -> list[tuple[str, nn.Mod
     return units[::-1]  # reversed pre-order: every child comes before its parents
 
 
-def _checkpoint_forward(module: nn.Module) -> None:
+def checkpoint_forward(module: nn.Module) -> None:
     """Recompute ``module``'s forward in backward (non-reentrant), keeping the FSDP hooks outside."""
     inner = module.forward
 

@@ -33,7 +33,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from mfsdp import _compat
-from mfsdp.adapter_names import is_adapter
+from mfsdp.transforms.adapter_names import is_adapter
 from mfsdp.hf_io import SHARD_BYTES, Entry, HFWeightsError, WeightFiles, read_block, write_weights
 from mfsdp.runtime.parameter_group import local_tensor
 

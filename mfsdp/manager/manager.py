@@ -40,7 +40,7 @@ from mfsdp.hf_io import has_weights
 from mfsdp.manager import hf_checkpoint
 from mfsdp.manager.config import MegatronFSDPConfig, field_names
 from mfsdp.manager.context_parallel import CAUSAL_SDPA, DP_SHARD_CP, use_causal_sdpa
-from mfsdp.manager.core_options import (_checkpoint_forward, communication_policy, dp_placements,
+from mfsdp.manager.core_options import (checkpoint_forward, communication_policy, dp_placements,
                                         mesh_placements, precision_policy, resolve_unit_modules)
 from mfsdp.manager.mesh import check_config_against_mesh, mesh_sizes
 from mfsdp.manager.tp_plans import apply_tensor_parallel, loss_context, sequence_length_check
@@ -328,7 +328,7 @@ class MegatronFSDPManager:
         units = resolve_unit_modules(model, c.megatron_fsdp_unit_modules)
         if c.activation_checkpointing:
             for _, unit in units:
-                _checkpoint_forward(unit)
+                checkpoint_forward(unit)
             hf_config = getattr(model, "config", None)
             if getattr(hf_config, "use_cache", False):
                 logger.info("activation checkpointing: setting model.config.use_cache=False")

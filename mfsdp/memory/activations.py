@@ -416,7 +416,7 @@ def measure_hf(config, dtype: torch.dtype, batch: int, seq: int, checkpointing: 
     parallel, seq / tp tokens between sub-layers; the loss runs in ``loss_parallel()`` when asked."""
     import transformers
 
-    from mfsdp.manager.core_options import _checkpoint_forward, resolve_unit_modules
+    from mfsdp.manager.core_options import checkpoint_forward, resolve_unit_modules
     from mfsdp.manager.tp_plans import loss_context
     from mfsdp.memory.tensor_parallel import apply_tp
 
@@ -434,7 +434,7 @@ def measure_hf(config, dtype: torch.dtype, batch: int, seq: int, checkpointing: 
         units = [m for _, m in resolve_unit_modules(model, unit_names)][::-1]  # forward order
         if checkpointing:
             for unit in units:
-                _checkpoint_forward(unit)
+                checkpoint_forward(unit)
         tokens = torch.zeros(batch, seq, dtype=torch.long)
         with loss_context(tp_on and tp.loss_parallel), _unpacked_sequences():
             return measure(model, units, cross_entropy_run(tokens))

@@ -172,49 +172,23 @@ COMPILED_BLOCK_SAVED = 0.70
 share of the eager block's (measured on fake tensors): Inductor's partitioner recomputes cheap
 pointwise results in backward instead of saving them. Set just above the shares measured on one H200
 at 1b and 8B in bf16 and at 8B in FP8 tensorwise (``benchmarks/results/2026-12-01_compiled_block_saved.md``)."""
-COMPILED_TRANSFORMS = ("float8 tensorwise",)
-"""The model transforms (``str(transform)``) whose compiled blocks ``COMPILED_BLOCK_SAVED`` was
-measured with (besides none: bf16 at 1b and 8B; tensorwise at 8B); blocks under others are planned as
-eager ones, an upper bound."""
 COMPILED_NOTE = (f"compiled blocks (--parallel.compile auto/true): a bundled dense Llama's blocks without "
                  f"checkpointing, in bf16 or FP8 tensorwise, are predicted to save {COMPILED_BLOCK_SAVED:.2f}x "
                  "the eager activations (measured on one H200); other models and recipes as eager ones, an "
                  "upper bound")
 
 
-COMPILED_LORA_BLOCK_SAVED = 0.73
-"""What a compiled LoRA block of the bundled dense Llama (bf16 base frozen, adapters on all its
-linears, no dropout), without checkpointing, saves as a share of the eager block's: just above the
-shares measured block by block on one H200 (8B at r 16 and r 64, 1b at r 16;
-``benchmarks/results/2026-12-04_compiled_lora_block_saved.md``). It is higher than a full
-fine-tune's: the eager LoRA block already saves nothing for the frozen norms' weights, results the
-compiled full fine-tune recomputes; compiled, both save the same, plus the adapters' r-wide inputs."""
-COMPILED_LORA_NOTE = (f"compiled blocks (--parallel.compile auto/true): a bundled dense Llama's LoRA blocks (bf16 "
-                      f"base, all-linear, no dropout) without checkpointing are predicted to save "
-                      f"{COMPILED_LORA_BLOCK_SAVED:.2f}x the eager activations (measured on one H200); other LoRA "
-                      "recipes (a float8 base, some targets, dropout) as eager ones, an upper bound")
-
-
-BUNDLED_ONLY_TRANSFORMS = ("float8",)
-"""The transforms (``name``) that only the bundled Llama runs; LoRA's is replayed on either model."""
-
-
 def _compiled(acts: ActivationProfile, model: nn.Module, ac: bool, transforms: tuple, notes: list) -> ActivationProfile:
-    """``acts`` of compiled blocks, with ``COMPILED_NOTE`` (``COMPILED_LORA_NOTE`` under LoRA) in
-    ``notes``; scaled only where measured: the bundled dense Llama, no checkpointing (which saves the
-    block inputs either way), bf16 or FP8 tensorwise (``COMPILED_TRANSFORMS``), or LoRA on all the
-    linears of a bf16 base without dropout (``COMPILED_LORA_BLOCK_SAVED``)."""
-    lora = [t for t in transforms if t.name == "lora"]
-    notes.append(COMPILED_LORA_NOTE if lora else COMPILED_NOTE)
-    if lora:
-        from mfsdp.lora import ALL_LINEAR
-
-        measured = len(transforms) == 1 and lora[0].target_modules == (ALL_LINEAR,) and not lora[0].dropout
-        share = COMPILED_LORA_BLOCK_SAVED
-    else:
-        measured, share = all(str(t) in COMPILED_TRANSFORMS for t in transforms), COMPILED_BLOCK_SAVED
+    """``acts`` of compiled blocks, with the first transform's ``compiled_note`` (else ``COMPILED_NOTE``)
+    in ``notes``; scaled only where measured: the bundled dense Llama, no checkpointing (which saves the
+    block inputs either way), and no transform (``COMPILED_BLOCK_SAVED``) or one alone whose
+    ``compiled_block_saved`` gives a share (shares were measured one transform at a time)."""
+    notes.append((hook_results(transforms, "compiled_note") or [COMPILED_NOTE])[0])
+    share = None if transforms else COMPILED_BLOCK_SAVED
+    if len(transforms) == 1 and hasattr(transforms[0], "compiled_block_saved"):
+        share = transforms[0].compiled_block_saved(COMPILED_BLOCK_SAVED)
     cfg = getattr(model, "cfg", None)
-    if cfg is None or not hasattr(model, "layers") or cfg.num_experts or ac or not measured:
+    if cfg is None or not hasattr(model, "layers") or cfg.num_experts or ac or share is None:
         return acts
     return dataclasses.replace(acts, block_bytes=int(acts.block_bytes * share))
 
@@ -229,7 +203,7 @@ def _resolve(obj, dtype, seq_len, expert_units, tp: TensorParallel, tp_mesh, tra
         obj = get_config(obj)
     llama = isinstance(obj, LlamaConfig) or (isinstance(obj, nn.Module) and hasattr(obj, "cfg")
                                              and hasattr(obj, "layers"))
-    bundled_only = [str(t) for t in transforms if t.name in BUNDLED_ONLY_TRANSFORMS]
+    bundled_only = [str(t) for t in transforms if getattr(t, "bundled_only", False)]
     if bundled_only and not llama:
         raise ValueError(f"estimate: the model transforms ({', '.join(bundled_only)}) are planned on the "
                          "bundled Llama (as --model.float8 applies to it), not on a Hugging Face model")

@@ -5,10 +5,10 @@ Every byte of model state is one of a parameter group's flat buffers (see
 ``FlatLayout`` and its own choice of compute-weight buffer (``choose_model_buffer``), with the
 levels of sharding the runtime's own ``geometry.Levels`` (what ``ShardGeometry`` extends with a
 mesh), built from a mesh *shape* instead of a live mesh. Units (the modules ``fully_shard`` is applied to) own their
-parameters by the runtime's ownership rule (``collect_owned_parameters``), grouped by
-``group_parameters``. The gradient buffers mirror ``GradientReducer`` (main gradient at the
-optimizer level in the gradient dtype, HFSDP's accumulator at the gradient level); the CPU test
-holds the whole of it to the byte against live buffers. Tensor-parallel parameters (DTensors from
+parameters and group them by the runtime's own rule (``ownership.unit_groups``). The gradient
+buffers mirror ``GradientReducer`` (main gradient at the optimizer level in the gradient dtype,
+HFSDP's accumulator at the gradient level); the CPU test holds the whole of it to the byte against
+live buffers. Tensor-parallel parameters (DTensors from
 the manager's plan, see ``tensor_parallel``) are sized by their local shard, the tensor the runtime
 flattens (``local_tensor``).
 
@@ -34,7 +34,7 @@ from mfsdp.mixed_precision import MixedPrecisionPolicy, ResolvedDtypes
 from mfsdp.runtime import gather_codec
 from mfsdp.runtime.flat_buffer import FlatLayout
 from mfsdp.runtime.geometry import Levels
-from mfsdp.runtime.ownership import collect_owned_parameters, gathers_in_backward, group_parameters
+from mfsdp.runtime.ownership import gathers_in_backward, unit_groups
 from mfsdp.runtime.parameter_group import choose_model_buffer, local_tensor, unsharded_aliases_model
 from mfsdp.runtime.reducer import reduction_nbytes, usage_layout
 
@@ -173,15 +173,12 @@ def describe_units(model: nn.Module, units: list, policy: MixedPrecisionPolicy, 
     param_names = {p: n for n, p in model.named_parameters(remove_duplicate=False)}
     out, parent_of = {}, {}
     for unit in [*units, model]:
-        owned, children = collect_owned_parameters(unit, marker)
+        owned, children, grouped = unit_groups(unit, marker, policy)
         marker.ids.add(id(unit))
         parent_of.update((id(child), names.get(id(unit))) for child in children)  # the runtime's FSDP parent rule
-        groups = []
-        for params, _ in group_parameters(owned):
-            dtypes = policy.resolve(params[0].dtype, trainable=params[0].requires_grad)
-            label = f"{names.get(id(unit)) or 'root'}[{params[0].dtype}]"
-            groups.append(group_bytes(label, [local_tensor(p).shape for p in params], dtypes, levels,
-                                      params[0].requires_grad, rank_shard, params=list(params)))
+        groups = [group_bytes(f"{names.get(id(unit)) or 'root'}[{params[0].dtype}]",
+                              [local_tensor(p).shape for p in params], dtypes, levels, params[0].requires_grad,
+                              rank_shard, params=list(params)) for params, _, dtypes in grouped]
         out[id(unit)] = UnitBytes(names.get(id(unit), ""), tuple(groups), None,
                                   tuple(param_names.get(p, "?") for p in owned),
                                   tuple(local_tensor(p).numel() * p.element_size() if p.requires_grad else 0

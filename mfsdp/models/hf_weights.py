@@ -10,7 +10,7 @@ same rotate-half rotary layout as these models, so no weight is permuted.
 ``load_hf_weights(model, hf_dir)`` fills a model that was built on the meta device, sharded
 (``mfsdp.models.parallelize``, or any DTensor sharding on dim boundaries) and materialised with
 ``to_empty``, or a plain unsharded one. For each parameter it asks the DTensor which block of the
-global tensor this rank holds (``_local_block``, the same rule the shard-local init uses) and reads
+global tensor this rank holds (``local_block``, the same rule the shard-local init uses) and reads
 just that block from the safetensors file (``mfsdp.hf_io.read_block``), cast into the local
 shard. One tensor at a time, no collective: no rank ever holds the whole model, and
 every rank checks the same files, so a bad checkpoint fails alike everywhere, before any write.
@@ -24,9 +24,9 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from mfsdp import _compat
-from mfsdp.adapter_names import is_adapter
+from mfsdp.transforms.adapter_names import is_adapter
 from mfsdp.hf_io import HFWeightsError, WeightFiles, read_block
-from mfsdp.models.llama import Llama, LlamaConfig, _local_block
+from mfsdp.models.llama import Llama, LlamaConfig, local_block
 
 
 _LAYER = (("attention_norm.weight", "input_layernorm.weight"),
@@ -71,7 +71,7 @@ def hf_weight_names(cfg: LlamaConfig) -> list[tuple[str, str]]:
 def load_hf_weights(model: Llama, hf_dir: str | Path) -> None:
     """Copy a Hugging Face checkpoint's weights into ``model``'s parameters (their local shards when
     sharded) and rebuild the rotary tables (LoRA adapters, which a base checkpoint lacks, are left to
-    ``mfsdp.lora.init_adapters``); raises ``HFWeightsError`` naming every tensor that is
+    ``mfsdp.transforms.lora.init_adapters``); raises ``HFWeightsError`` naming every tensor that is
     missing, of another shape, or left over, before anything is written."""
     params = dict(model.named_parameters())  # a tied matrix once, as the embedding
     names = hf_weight_names(model.cfg)
@@ -107,7 +107,7 @@ def _copy_local_block(param: torch.Tensor, tensor_slice, name: str) -> None:
     if isinstance(param, DTensor) and any(_compat.is_strided_shard(p) for p in param.placements):
         raise NotImplementedError(f"{name} is sharded twice on one dim ({param.placements}); its local rows "
                                   "are not one block of the file's tensor, which this loader reads")
-    local, offset, shape = _local_block(param)
+    local, offset, shape = local_block(param)
     if local.is_meta:
         raise HFWeightsError(f"{name} is still on the meta device; materialise the model first "
                              "(model.to_empty(device=...)) and then load")

@@ -257,7 +257,7 @@ def normal_by_rows_(tensor: torch.Tensor, std: float, *, seed: int, key: str,
     initialisation does. A meta tensor is left alone.
     """
     chunk_numel = INIT_CHUNK_NUMEL if chunk_numel is None else chunk_numel
-    local, offset, local_shape = _local_block(tensor)
+    local, offset, local_shape = local_block(tensor)
     if local.is_meta or local.numel() == 0:
         return tensor
     shape = tuple(tensor.shape) or (1,)
@@ -280,7 +280,7 @@ def normal_by_rows_(tensor: torch.Tensor, std: float, *, seed: int, key: str,
     return tensor
 
 
-def _local_block(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]:
+def local_block(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]:
     """(this process's tensor, its global offset, its shape), 0-dim tensors read as shape (1,)."""
     if not isinstance(tensor, DTensor):
         shape = tuple(tensor.shape) or (1,)
@@ -566,7 +566,7 @@ class Llama(nn.Module):
                 normal(linear, residual_std)
             for linear in (block.attention.wq, block.attention.wk, block.attention.wv):
                 if linear.bias is not None:
-                    _local_block(linear.bias)[0].zero_()
+                    local_block(linear.bias)[0].zero_()
             block.attention_norm.reset_parameters()
             block.ffn_norm.reset_parameters()
         self.norm.reset_parameters()

@@ -14,7 +14,7 @@ while other ranks do, the hardest case of conditional computation for the runtim
 
 With ``compile`` each block is compiled after sharding (the hooks stay outside its graphs).
 
-``transforms`` (``mfsdp.transforms``: float8 training, ``mfsdp.float8_transform``) rewrite the
+``transforms`` (``mfsdp.transforms``: float8 training, ``mfsdp.transforms.float8``) rewrite the
 unsharded model before anything else, in list order; the memory planner replays the same list.
 """
 

@@ -42,8 +42,7 @@ from mfsdp.runtime.errors import ORDER_HELP
 from mfsdp.runtime.gather_slots import GatherSlots
 from mfsdp.runtime.geometry import ShardGeometry
 from mfsdp.runtime.hooks import hook_inputs, hook_outputs, register_hooks
-from mfsdp.runtime.ownership import (check_parameter_locations, collect_owned_parameters, gathers_in_backward,
-                                     group_parameters)
+from mfsdp.runtime.ownership import check_parameter_locations, gathers_in_backward, unit_groups
 from mfsdp.runtime.parameter_group import FsdpParameterGroup
 from mfsdp.runtime.registry import GROUP_OF_SHARDED, OWNER_OF_PARAMETER
 from mfsdp.runtime.schedule import Schedule, StepKind
@@ -314,13 +313,12 @@ def _take_ownership(module: FsdpModule, geometry: ShardGeometry,
                     mixed_precision_policy: MixedPrecisionPolicy) -> tuple[FsdpParameterGroup, ...]:
     """The parameter groups of the parameters under ``module`` that no FSDP descendant owns, each
     registered with its owner; the descendants learn their FSDP parent."""
-    owned, children = collect_owned_parameters(module, FsdpModule)
+    owned, children, grouped = unit_groups(module, FsdpModule, mixed_precision_policy)
     module.gathers_in_backward = gathers_in_backward(module, owned)
     for child in children:
         child._fsdp_parent = weakref.ref(module)
     groups = []
-    for params, aliases in group_parameters(owned):
-        dtypes = mixed_precision_policy.resolve(params[0].dtype, trainable=params[0].requires_grad)
+    for params, aliases, dtypes in grouped:
         label = f"{type(module).__name__}[{params[0].dtype}, requires_grad={params[0].requires_grad}]"
         groups.append(FsdpParameterGroup(params, aliases, geometry, dtypes, label, module._communication_policy))
     for group in groups:

@@ -70,6 +70,17 @@ def group_parameters(owned: dict) -> list[tuple[list[nn.Parameter], list[list[tu
     return list(groups.values())
 
 
+def unit_groups(unit: nn.Module, fsdp_cls: type, policy) -> tuple[dict, list, list]:
+    """The one rule that turns a unit into parameter groups, for ``fully_shard`` and the memory
+    planner alike: the parameters under ``unit`` no ``fsdp_cls`` descendant owns, those descendants,
+    and one ``(params, aliases, dtypes)`` per (dtype, requires_grad) group, its dtypes resolved by
+    ``policy`` (a ``MixedPrecisionPolicy``)."""
+    owned, children = collect_owned_parameters(unit, fsdp_cls)
+    groups = [(params, aliases, policy.resolve(params[0].dtype, trainable=params[0].requires_grad))
+              for params, aliases in group_parameters(owned)]
+    return owned, children, groups
+
+
 def check_parameter_locations(root: nn.Module, fsdp_cls: type) -> None:
     """A parameter may be used only inside the FSDP module that owns it (first-forward check)."""
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from mfsdp.lora import LoraTransform, lora_linears
+from mfsdp.transforms.lora import LoraTransform, lora_linears
 from mfsdp.lora_export import hf_target_modules, peft_adapter_config
 from mfsdp.models.llama import Llama
 from mfsdp.models.moe import MoELlama

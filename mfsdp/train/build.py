@@ -10,9 +10,9 @@ import torch
 
 import mfsdp
 from mfsdp import transforms
-from mfsdp.float8_transform import Float8Transform
+from mfsdp.transforms.float8 import Float8Transform
 from mfsdp.hf_io import HFWeightsError
-from mfsdp.lora import init_adapters
+from mfsdp.transforms.lora import init_adapters
 from mfsdp.mesh import DP_SHARD, TWO_AXIS, build_mesh, resolve_placements
 from mfsdp.models.hf_weights import load_hf_weights
 from mfsdp.models.llama import Llama

@@ -17,7 +17,7 @@ import torch
 from mfsdp.mesh import PLACEMENT_NAMES as PLACEMENTS, TWO_AXIS
 from mfsdp.models.hf_config import UnsupportedHFConfig, bundled_config_from_hf, supports_bundled
 from mfsdp.models.llama import HEAD_LOSSES, LlamaConfig, get_config
-from mfsdp.float8_transform import FLOAT8_CHOICES, float8_placement_problem
+from mfsdp.transforms.float8 import FLOAT8_CHOICES, float8_placement_problem
 from mfsdp.train.errors import ConfigError, require
 from mfsdp.train.recipes import RECIPES, SCHEDULES, Recipe, recipe_for
 
@@ -469,7 +469,7 @@ class MetricsSection:
 
 @dataclass(frozen=True)
 class PeftSection:
-    """Parameter-efficient fine-tuning (``mfsdp.lora``), with PEFT's names and meanings."""
+    """Parameter-efficient fine-tuning (``mfsdp.transforms.lora``), with PEFT's names and meanings."""
 
     method: str = "none"
     """"none" trains every weight; "lora" freezes the base (kept only in the compute dtype: no fp32

@@ -19,7 +19,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from mfsdp.hf_io import SHARD_BYTES, Entry, WeightFiles, has_weights, write_weights
-from mfsdp.lora import LoraTransform, hf_module_name, is_adapter
+from mfsdp.transforms.lora import LoraTransform, hf_module_name, is_adapter
 from mfsdp.lora_export import ADAPTER_WEIGHTS, merge_weight, write_peft_adapter
 from mfsdp.train.checkpoint import CheckpointMeta
 from mfsdp.train.export import (MODEL, Exported, ExportError, _dtype_name, _source_config, _write_tokenizer,

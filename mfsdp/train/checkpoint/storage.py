@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_model_state_dict, set_optimizer_state_dict)
 
 from mfsdp import _compat
-from mfsdp.lora import lora_linears
+from mfsdp.transforms.lora import lora_linears
 from mfsdp.train.checkpoint.meta import META, CheckpointMeta
 from mfsdp.train.errors import CheckpointError, first_problem
 

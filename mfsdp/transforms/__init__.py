@@ -11,10 +11,17 @@ Order matters (LoRA wraps whatever linear float8 left behind), so each transform
 transforms it must follow (``follows``) and ``validate_order`` refuses a list that breaks that,
 as torchtitan's model converters do. Hooks that live past ``apply`` (after the optimizer step,
 around checkpoints and exports) are optional methods; a transform without one is skipped. So are
-the planner's: ``placement_problem(placements)`` (why a placement name cannot run it, or None: the
-search skips such settings) and ``plan_note(model)`` (how the plan models it, on the transformed
-meta model). ``str(transform)`` names it with its settings in a few words ("float8 tensorwise"),
-for the plan's header.
+the planner's, which asks hooks and never names: ``placement_problem(placements)`` (why a placement
+name cannot run it, or None: the search skips such settings), ``plan_note(model)`` (how the plan
+models it, on the transformed meta model), ``compiled_block_saved(plain)`` (the share of its eager
+activations a compiled block saves under this transform alone, given ``plain``, the share without
+transforms; None: not measured, planned eager), ``compiled_note()`` (the plan's note on compiled
+blocks in its place) and a ``bundled_only`` class attribute (True: planned on the bundled Llama
+only). ``str(transform)`` names it with its settings in a few words ("float8 tensorwise"), for the
+plan's header.
+
+The features live beside the contract: ``float8`` (``float8_linear``: torchao's float8 linears and
+FP8 all-gather) and ``lora`` (``adapter_names``: the adapters' names, for the weight loaders).
 """
 
 from __future__ import annotations

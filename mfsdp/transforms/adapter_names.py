@@ -1,5 +1,5 @@
-"""The names of LoRA's adapter parameters, apart from ``mfsdp.lora`` so that the weight loaders (which
-``mfsdp.lora``'s imports reach) can tell an adapter, which no base checkpoint holds, from a missing
+"""The names of LoRA's adapter parameters, apart from ``lora`` so that the weight loaders (which
+``lora``'s imports reach) can tell an adapter, which no base checkpoint holds, from a missing
 weight."""
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ and optimizer state like any trainable parameter.
 
 Names: a target pattern is matched (``fnmatch``) against every dotted suffix of a linear's name and
 of its alias in the other naming (the bundled Llama's ``layers.0.attention.wq`` is Hugging Face's
-``model.layers.0.self_attn.q_proj``; ``HF_LINEAR_NAMES``). So ``q_proj``, ``wq``, ``*_proj``,
+``model.layers.0.self_attn.q_proj``; ``HF_BLOCK_NAMES``). So ``q_proj``, ``wq``, ``*_proj``,
 ``self_attn.*`` and ``layers.0.*`` work on either model. ``mfsdp.lora_export`` names the adapters
 as PEFT does, writes PEFT adapter directories and merges the adapters into the weights.
 """
@@ -36,48 +36,54 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mfsdp.adapter_names import ADAPTERS, is_adapter
-from mfsdp.models.llama import _local_block, init_chunk_seed
+from mfsdp.models.hf_weights import hf_weight_names
+from mfsdp.models.llama import get_config, init_chunk_seed, local_block
+from mfsdp.transforms.adapter_names import ADAPTERS, is_adapter
 
-__all__ = ["LoraTransform", "LoraLinear", "ALL_LINEAR", "ADAPTERS", "HF_LINEAR_NAMES", "lora_linears",
+__all__ = ["LoraTransform", "LoraLinear", "ALL_LINEAR", "ADAPTERS", "HF_BLOCK_NAMES", "lora_linears",
            "candidate_linears", "init_adapters", "hf_module_name", "is_adapter"]
 
 ALL_LINEAR = "all-linear"
 """The ``target_modules`` entry that selects every linear of the blocks (PEFT's shorthand)."""
 
-HF_LINEAR_NAMES = {"attention.wq": "self_attn.q_proj", "attention.wk": "self_attn.k_proj",
-                   "attention.wv": "self_attn.v_proj", "attention.wo": "self_attn.o_proj",
-                   "feed_forward.w1": "mlp.gate_proj", "feed_forward.w3": "mlp.up_proj",
-                   "feed_forward.w2": "mlp.down_proj"}
-"""A bundled block's linears by their name in the block -> the Hugging Face Llama/Qwen2/Mistral name."""
+HF_BLOCK_NAMES = {ours[len("layers.0."):-len(".weight")]: hf[len("model.layers.0."):-len(".weight")]
+                  for hf, ours in hf_weight_names(get_config("tiny")) if ours.startswith("layers.0.")}
+"""A dense bundled block's modules (its linears and norms) by their name in the block -> the Hugging
+Face Llama/Qwen2/Mistral name, read off the one name table (``hf_weight_names``)."""
 
-_BUNDLED_NAMES = {hf: ours for ours, hf in HF_LINEAR_NAMES.items()}
-_BUNDLED_LINEAR = re.compile(r"layers\.(\d+)\.(.+)")
-_HF_LINEAR = re.compile(r"model\.layers\.(\d+)\.(.+)")
+COMPILED_BLOCK_SAVED = 0.73
+"""What a compiled LoRA block of the bundled dense Llama (bf16 base frozen, adapters on all its
+linears, no dropout), without checkpointing, saves as a share of the eager block's: just above the
+shares measured block by block on one H200 (8B at r 16 and r 64, 1b at r 16;
+``benchmarks/results/2026-12-04_compiled_lora_block_saved.md``). It is higher than a full
+fine-tune's: the eager LoRA block already saves nothing for the frozen norms' weights, results the
+compiled full fine-tune recomputes; compiled, both save the same, plus the adapters' r-wide inputs."""
+COMPILED_NOTE = (f"compiled blocks (--parallel.compile auto/true): a bundled dense Llama's LoRA blocks (bf16 "
+                 f"base, all-linear, no dropout) without checkpointing are predicted to save "
+                 f"{COMPILED_BLOCK_SAVED:.2f}x the eager activations (measured on one H200); other LoRA "
+                 "recipes (a float8 base, some targets, dropout) as eager ones, an upper bound")
+
+_BUNDLED_NAMES = {hf: ours for ours, hf in HF_BLOCK_NAMES.items()}
 _BLOCK_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 _HEADS = ("output", "lm_head")  # the output projection: never adapted
 _ROUTERS = ("router",)  # the bundled mixture of experts' router: never adapted
 
 
+def _rename(name: str, blocks: str, renamed: str, table: dict) -> str:
+    """``name``, a module of block i under ``blocks`` (``layers.``), under ``renamed`` by ``table``."""
+    m = re.fullmatch(rf"{re.escape(blocks)}(\d+)\.(.+)", name)
+    return f"{renamed}{m.group(1)}.{table[m.group(2)]}" if m and m.group(2) in table else name
+
+
 def hf_module_name(name: str) -> str:
     """The Hugging Face name of the bundled model's module ``name`` (``layers.0.attention.wq`` ->
     ``model.layers.0.self_attn.q_proj``); any other name (a Hugging Face model's own) as it is."""
-    m = _BUNDLED_LINEAR.fullmatch(name)
-    if m and m.group(2) in HF_LINEAR_NAMES:
-        return f"model.layers.{m.group(1)}.{HF_LINEAR_NAMES[m.group(2)]}"
-    return name
-
-
-def _bundled_module_name(name: str) -> str:
-    m = _HF_LINEAR.fullmatch(name)
-    if m and m.group(2) in _BUNDLED_NAMES:
-        return f"layers.{m.group(1)}.{_BUNDLED_NAMES[m.group(2)]}"
-    return name
+    return _rename(name, "layers.", "model.layers.", HF_BLOCK_NAMES)
 
 
 def _matches(pattern: str, name: str) -> bool:
     """Whether ``pattern`` matches a dotted suffix of ``name`` or of its other-naming alias."""
-    for alias in {name, hf_module_name(name), _bundled_module_name(name)}:
+    for alias in {name, hf_module_name(name), _rename(name, "model.layers.", "layers.", _BUNDLED_NAMES)}:
         parts = alias.split(".")
         if any(fnmatch.fnmatchcase(".".join(parts[i:]), pattern) for i in range(len(parts))):
             return True
@@ -238,6 +244,13 @@ class LoraTransform:
                 "linear saves for its weight gradient), plus the r-wide x @ A.T for B's gradient; the frozen norms "
                 "save nothing for their weights")
 
+    def compiled_block_saved(self, plain: float) -> float | None:
+        """``COMPILED_BLOCK_SAVED`` for the recipe it was measured with (all-linear, no dropout), else None."""
+        return COMPILED_BLOCK_SAVED if self.target_modules == (ALL_LINEAR,) and not self.dropout else None
+
+    def compiled_note(self) -> str:
+        return COMPILED_NOTE
+
 
 def _refuse_grouped_experts(model: nn.Module, pattern: str) -> None:
     """ValueError where ``pattern`` names a mixture of experts' grouped weights (one 3-D parameter
@@ -263,13 +276,13 @@ def init_adapters(model: nn.Module, seed: int | None = None) -> None:
     if seed is None:
         seed = int(torch.randint(0, 2**62, (1,), device="cpu").item())  # under a meta device context too
     for name, linear in lora_linears(model):
-        a_local, offset, shape = _local_block(linear.lora_A)
+        a_local, offset, shape = local_block(linear.lora_A)
         if not a_local.is_meta and a_local.numel():
             whole = torch.empty(tuple(linear.lora_A.shape), dtype=torch.float32)
             generator = torch.Generator().manual_seed(init_chunk_seed(seed, f"{name}.lora_A", 0))
             nn.init.kaiming_uniform_(whole, a=math.sqrt(5), generator=generator)
             a_local.view(shape).copy_(whole[tuple(slice(o, o + n) for o, n in zip(offset, shape))])
-        b_local = _local_block(linear.lora_B)[0]
+        b_local = local_block(linear.lora_B)[0]
         if not b_local.is_meta:
             b_local.zero_()
 

@@ -1,6 +1,6 @@
 """``Float8Transform``: torchao float8 training of the linears as a model transform (``mfsdp.transforms``).
 
-``parallelize`` applies it before sharding (``mfsdp.float8.convert_to_float8``: tensorwise also tags
+``parallelize`` applies it before sharding (``float8_linear.convert_to_float8``: tensorwise also tags
 the weights for FP8 all-gather) and the memory planner replays it on its meta model, so the gathers'
 bytes it plans come from the same tags. Its rules live here: which recipes exist, which placements
 FP8 all-gather needs, what the run logs and what the plan notes.
@@ -13,8 +13,9 @@ from typing import ClassVar, Optional
 
 from torch import nn
 
-from mfsdp.float8 import RECIPES, check_recipe, convert_to_float8, float8_linears, precompute_fp8_scales_after
 from mfsdp.runtime.module import FsdpModule
+from mfsdp.transforms.float8_linear import (RECIPES, check_recipe, convert_to_float8, float8_linears,
+                                           precompute_fp8_scales_after)
 
 __all__ = ["Float8Transform", "FLOAT8_CHOICES", "float8_placement_problem"]
 
@@ -24,20 +25,21 @@ FLOAT8_CHOICES = ("none", *RECIPES)
 
 @dataclasses.dataclass(frozen=True)
 class Float8Transform:
-    """Train the linears ``mfsdp.float8.float8_filter`` takes (every block linear of the bundled Llama)
+    """Train the linears ``float8_linear.float8_filter`` takes (every block linear of the bundled Llama)
     in float8 with torchao, but for those the ``skip`` patterns name."""
 
     name: ClassVar[str] = "float8"
     follows: ClassVar[tuple[str, ...]] = ()
+    bundled_only: ClassVar[bool] = True  # float8_filter picks the bundled Llama's block linears
 
     recipe: str = "tensorwise"
-    """torchao's recipe (``mfsdp.float8.RECIPES``): "tensorwise" or "rowwise"."""
+    """torchao's recipe (``float8_linear.RECIPES``): "tensorwise" or "rowwise"."""
     skip: tuple = ()
     """The linears kept in the compute dtype, as ``fnmatch`` patterns of their names (``layers.0.*``,
-    ``*.feed_forward.w2``; ``mfsdp.float8.float8_linears``). A pattern that names no float8 linear,
+    ``*.feed_forward.w2``; ``float8_linear.float8_linears``). A pattern that names no float8 linear,
     or patterns that leave none, are an error at ``apply``: a typo would otherwise pass unseen."""
     all_gather: Optional[bool] = None
-    """Gather the float8 weights as float8 bytes (``mfsdp.float8.enable_fp8_all_gather``: half the
+    """Gather the float8 weights as float8 bytes (``float8_linear.enable_fp8_all_gather``: half the
     bf16 bytes; tensorwise only). None: with tensorwise, as ``mfsdp train`` runs it."""
 
     def __post_init__(self) -> None:
@@ -67,6 +69,11 @@ class Float8Transform:
 
     def placement_problem(self, placements: str) -> Optional[str]:
         return float8_placement_problem(self.recipe, placements) if self.all_gather else None
+
+    def compiled_block_saved(self, plain: float) -> Optional[float]:
+        """Compiled blocks in FP8 tensorwise with FP8 gathers were measured to save the share bf16 ones
+        do (``plain``); other settings were not measured (None)."""
+        return plain if self.recipe == "tensorwise" and self.all_gather else None
 
     def plan_note(self, model: nn.Module) -> str:
         count = len(float8_linears(model, self.skip))
