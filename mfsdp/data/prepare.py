@@ -111,7 +111,7 @@ def prepare(source: str | Path, out: str | Path, tokenizer: str | None = None,
 def _prepare_samples(source: Path, out: str | Path, tok, fmt: str, rows: RowOptions) -> dict:
     ids, masks, formats = [], [], {}
     for where, row, row_fmt in _sample_rows(source, fmt, rows.format):
-        sample = located(where, read_sample, row, row_fmt)
+        sample = located(where, read_sample, row, row_fmt, rows.format is not None)
         sample_ids, mask = located(where, encode_sample, tok, sample, rows.train_on_prompt)
         ids.append(sample_ids)
         masks.append(mask)

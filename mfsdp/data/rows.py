@@ -78,10 +78,10 @@ def read_text(row: dict, text_key: str = "text") -> str:
     return text
 
 
-def read_sample(row: dict, fmt: str) -> PromptCompletion | Conversation:
-    """A row of a sample format as the sample it describes."""
+def read_sample(row: dict, fmt: str, forced: bool = True) -> PromptCompletion | Conversation:
+    """A row of a sample format as the sample it describes; ``forced``: --data.format gave ``fmt``."""
     if not all(key in row for key in _KEYS[fmt]):
-        raise DataError(_wrong_format(row, fmt))
+        raise DataError(_wrong_format(row, fmt, forced))
     if fmt in ("messages", "sharegpt", "alpaca"):
         messages = (row["messages"] if fmt == "messages" else
                     sharegpt_messages(row) if fmt == "sharegpt" else alpaca_messages(row))
@@ -103,12 +103,12 @@ def read_sample(row: dict, fmt: str) -> PromptCompletion | Conversation:
                     f"messages, not {type(prompt).__name__} and {type(completion).__name__}")
 
 
-def _wrong_format(row: dict, fmt: str) -> str:
+def _wrong_format(row: dict, fmt: str, forced: bool) -> str:
     keys = ", ".join(map(repr, row)) or "none"
     want = " and ".join(map(repr, _KEYS[fmt]))
     article = "an" if fmt[0] in "aeiou" else "a"
-    return (f"{article} {fmt} row needs {want} (its keys: {keys}); fix the row, or drop --data.format to read "
-            "each row's format from its keys")
+    return (f"{article} {fmt} row needs {want} (its keys: {keys}); fix the row"
+            + (", or drop --data.format to read each row's format from its keys" if forced else ""))
 
 
 def read_messages(value, field: str) -> tuple[dict, ...]:
