@@ -111,7 +111,8 @@ def _common_prefix(ids: list[int], other: list[int]) -> int:
     return next((i for i, (a, b) in enumerate(zip(ids, other)) if a != b), min(len(ids), len(other)))
 
 
-def prepare_pairs(source: Path, rows: Iterable[tuple[str, dict]], out, tokenizer, max_len: int | None) -> dict:
+def prepare_pairs(source: Path, rows: Iterable[tuple[str, dict]], out: str | Path, tokenizer,
+                  max_len: int | None) -> dict:
     """Write the pairs of ``rows`` ((where, row) each) as a version-3 token file; what was written."""
     ids, segments, sizes = [], [], []
     same = dropped = truncated = cut = 0

@@ -43,10 +43,9 @@ def is_rows(path: Path) -> bool:
 def read_rows(path: Path) -> Iterator[tuple[str, dict]]:
     """(where, row) for every row of ``path``, in order."""
     suffix = path.suffix.lower()
-    if saved_dataset(path):
-        yield from _dataset_rows(path)
-    elif suffix in (".parquet", ".arrow"):
-        for n, row in enumerate(_table_rows(path, suffix), 1):
+    if saved_dataset(path) or suffix in (".parquet", ".arrow"):
+        rows = _dataset_rows(path) if saved_dataset(path) else _table_rows(path, suffix)
+        for n, row in enumerate(rows, 1):
             yield f"{path}, row {n}", {key: value for key, value in row.items() if value is not None}
     elif _opens_array(path):
         yield from _array_rows(path)
@@ -160,7 +159,7 @@ def _table_rows(path: Path, suffix: str) -> Iterator[dict]:
                         "or give it its format's suffix") from None
 
 
-def _dataset_rows(path: Path) -> Iterator[tuple[str, dict]]:
+def _dataset_rows(path: Path) -> Iterator[dict]:
     try:
         import datasets  # optional and heavy, so imported here
     except ImportError:
@@ -170,5 +169,4 @@ def _dataset_rows(path: Path) -> Iterator[tuple[str, dict]]:
     if isinstance(data, datasets.DatasetDict):
         raise DataError(f"{path} holds the splits {', '.join(data)}; pass one of them, such as "
                         f"{path / next(iter(data))}")
-    for n, row in enumerate(data, 1):
-        yield f"{path}, row {n}", {key: value for key, value in row.items() if value is not None}
+    yield from data
