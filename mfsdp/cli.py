@@ -16,7 +16,7 @@ def main(argv: list[str] | None = None) -> int:
               "  train         train a Llama-style model (see `mfsdp train --help`); start\n"
               "                several processes with `mfsdp train --nproc-per-node N ...`\n"
               "  plan          predict a train config's GPU memory and list the settings that fit\n"
-              "  prepare-data  tokenize a .txt/.jsonl file or a directory into a token file\n"
+              "  prepare-data  tokenize text, fine-tuning rows or preference pairs into a token file\n"
               "  export        write a checkpoint as a Hugging Face model directory (safetensors)")
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
@@ -43,14 +43,16 @@ def main(argv: list[str] | None = None) -> int:
     return 2
 
 
-PREPARE = """Tokenize text, or fine-tuning rows, into the token file that `mfsdp train --data.path` reads.
-JSONL rows are {"text": ...} documents (a token stream, as for pretraining) or samples, each row in any
-of the formats prompt/completion, messages (tools too), ShareGPT and Alpaca (README: Fine-tuning, Data).
-The loss counts the completion or every assistant turn (tool calls too) and the token closing it. Chats
-go through the tokenizer's chat template, or mfsdp's own when it has none. A bad row stops with
-FILE:LINE and writes nothing.
-  INPUT   a .txt file, a .jsonl or .json file (one row per line), a directory, or 'stdlib' for the
-          demo corpus (this Python's standard library, its *.py files)
+PREPARE = """Tokenize text, fine-tuning rows or preference pairs into the token file that
+`mfsdp train --data.path` reads. Rows are {"text": ...} documents (a token stream, as for pretraining),
+samples, each row in any of the formats prompt/completion, messages (tools too), ShareGPT and Alpaca
+(README: Fine-tuning, Data), or preference pairs: TRL's 'chosen' and 'rejected', with or without a
+'prompt', tokenized as trl's DPOTrainer does. The loss counts the completion or every assistant turn
+(tool calls too) and the token closing it. Chats go through the tokenizer's chat template, or mfsdp's
+own when it has none. A bad row stops with FILE:LINE and writes nothing.
+  INPUT   a UTF-8 text file; rows in JSONL or a JSON array (.jsonl, .json), Parquet (.parquet), Arrow
+          (.arrow) or a directory saved by datasets.save_to_disk; a directory of data files; or
+          'stdlib' for the demo corpus (this Python's standard library, its *.py files)
   OUT     the token file to write
 """
 EXPORT = """Write a training checkpoint as a Hugging Face model directory (config.json, safetensors, the run's
@@ -137,6 +139,8 @@ def prepare_data(source: str, out: str, data: PrepareSection, model: DataModel) 
     where = f"to {info['path']} (tokenizer {info['tokenizer']}, vocabulary {info['vocab_size']})"
     if info["format"] == "text":
         print(f"wrote {info['tokens']:,} tokens from {info['documents']:,} documents {where}")
+    elif info["format"] == "preference":
+        _print_pairs(info, where)
     else:
         limit = (f" to {info['max_len']:,} tokens ({info['cut_tokens']:,} tokens cut)"
                  if info["max_len"] else "")
@@ -144,6 +148,20 @@ def prepare_data(source: str, out: str, data: PrepareSection, model: DataModel) 
               f"{info['counted']:,} answer tokens counted in the loss, {info['truncated']:,} "
               f"samples truncated{limit} {where}")
     return 0
+
+
+def _print_pairs(info: dict, where: str) -> None:
+    """prepare-data's lines about a preference file: what it holds, what the cap cut, equal answers."""
+    prompt, chosen, rejected = info["parts"]
+    print(f"wrote {info['pairs']:,} preference pairs, {info['tokens']:,} tokens ({prompt:,} prompt, {chosen:,} "
+          f"chosen answer, {rejected:,} rejected answer) {where}")
+    if info["max_len"]:
+        print(f"--data.max_len {info['max_len']:,} (trl's max_length) cut {info['truncated']:,} of {info['pairs']:,} "
+              f"pairs to {info['max_len']:,} tokens per prompt and answer ({info['cut_tokens']:,} tokens) and "
+              f"dropped {info['dropped']:,} whose prompt alone fills it")
+    if info["same"]:
+        print(f"{info['same']:,} of {info['pairs']:,} pairs have the same chosen and rejected answer: kept, as trl "
+              "keeps them, though they carry no signal")
 
 
 def export(source: str, out: str, options: ExportSection, peft: ExportPeft) -> int:

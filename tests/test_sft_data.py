@@ -259,9 +259,9 @@ def test_version_2_round_trips_and_keeps_the_magic_and_version_where_old_readers
     raw = (tmp_path / "s.tokens").read_bytes()
     old_version = struct.unpack_from("<I", raw, 8)[0]  # what mfsdp before version 2 checks
     assert raw[:8] == MAGIC and old_version == 2 and old_version != 1
-    (tmp_path / "v3").write_bytes(raw[:8] + struct.pack("<I", 3) + raw[12:])
-    with pytest.raises(DataError, match="has token-file version 3, this mfsdp reads versions 1 and 2"):
-        TokenFile(tmp_path / "v3")
+    (tmp_path / "v4").write_bytes(raw[:8] + struct.pack("<I", 4) + raw[12:])
+    with pytest.raises(DataError, match="has token-file version 4, this mfsdp reads versions 1, 2 and 3"):
+        TokenFile(tmp_path / "v4")
 
 
 @pytest.mark.parametrize("damage, message", [

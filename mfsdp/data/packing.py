@@ -126,6 +126,9 @@ class PackedWindows:
             raise DataError(f"{data.path} is a plain token stream (version 1) without samples; "
                             "prepare prompt/completion or messages rows with `mfsdp prepare-data "
                             "ROWS.jsonl OUT`, or train it as a stream")
+        if data.is_pairs:
+            raise DataError(f"{data.path} holds preference pairs (token-file version 3), which fine-tuning's "
+                            "samples are not; pass a file prepared from prompt/completion or chat rows")
         samples = range(data.num_samples) if samples is None else samples
         if len(samples) == 0 or samples.start < 0 or samples[-1] >= data.num_samples:
             raise DataError(f"{data.path} holds samples 0 .. {data.num_samples - 1}, not the "

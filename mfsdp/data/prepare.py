@@ -1,13 +1,15 @@
 """Turn text into a token file: ``mfsdp prepare-data INPUT OUT``.
 
-INPUT is a text file (one document), a ``.jsonl`` (or ``.json``) file of rows, one a line, or a
-directory (its data files, ``DATA_FILES``, or those matching a glob: each read as one of those).
-JSONL rows are plain documents (``{"text": ...}``), or fine-tuning samples, prompt/completion, chat messages, ShareGPT or Alpaca (``mfsdp.data.rows``): the first
-row says which, and each sample row's format is read from its keys unless forced. Documents are joined with the tokenizer's end-of-document id, so the
-model learns where one stops, into a version-1 token stream. Samples are written with their
-bounds and loss mask (``mfsdp.data.chat``) as a version-2 file. Every row is checked before
-anything is written, so a bad row (invalid UTF-8 too) leaves no output file behind, and an
-existing one as it was.
+INPUT is a UTF-8 text file (one document), a file of rows (JSONL, a JSON array, Parquet, Arrow, or
+a directory saved by ``datasets``: ``mfsdp.data.readers``), or a directory (its data files,
+``DATA_FILES``, or those matching a glob: each read as one of those). Rows are plain documents
+(``{"text": ...}``), fine-tuning samples (prompt/completion, chat messages, ShareGPT or Alpaca:
+``mfsdp.data.rows``) or preference pairs (``mfsdp.data.pairs``): the first row says which, and each
+sample row's format is read from its keys unless forced. Documents are joined with the tokenizer's
+end-of-document id, so the model learns where one stops, into a version-1 token stream. Samples
+are written with their bounds and loss mask (``mfsdp.data.chat``) as a version-2 file, pairs as a
+version-3 file. Every row is checked before anything is written, so a bad row (invalid UTF-8 too)
+leaves no output file behind, and an existing one as it was.
 """
 
 from __future__ import annotations
@@ -15,13 +17,15 @@ from __future__ import annotations
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, TypeVar
+from typing import Iterator
 
 import torch
 
 from mfsdp.data.chat import encode_sample
 from mfsdp.data.packing import cut_counts
-from mfsdp.data.rows import FORMATS, detect_format, parse_line, read_sample, read_text
+from mfsdp.data.pairs import prepare_pairs
+from mfsdp.data.readers import ACCEPTED_FILES, is_rows, located, read_rows, read_text_file, saved_dataset
+from mfsdp.data.rows import FORMATS, detect_format, read_sample, read_text
 from mfsdp.data.token_file import DataError, write_token_file
 from mfsdp.data.tokenizer import load_tokenizer
 
@@ -29,23 +33,22 @@ STDLIB = "stdlib"
 STDLIB_GLOB = "*.py"  # the demo corpus: the standard library's top-level modules
 DATA_FILES = ("*.jsonl", "*.json", "*.txt", "*.md")
 """What a directory is read for without a pattern: its data files, not its code."""
-JSONL = (".jsonl", ".json")  # files of JSON rows, one a line (Hugging Face datasets' to_json writes .json)
-T = TypeVar("T")
 
 
 @dataclass(frozen=True)
 class RowOptions:
-    """How JSONL rows become samples (prompt/completion and messages rows only)."""
+    """How rows become samples or preference pairs (not documents)."""
 
     format: str | None = None
-    """The format of every JSONL row: text, prompt_completion, messages, sharegpt or alpaca; None
-    reads each row's from its keys."""
+    """The format of every row: text, prompt_completion, messages, sharegpt, alpaca or preference;
+    None reads each row's from its keys."""
     train_on_prompt: bool = False
     """Count every token of a sample in the loss, prompts and user turns too, instead of the
     answers alone (the default, as in torchtune, TRL and NeMo Automodel)."""
     max_len: int | None = None
-    """Keep at most this many tokens of each sample (its start) and count the samples and tokens
-    cut; None keeps them whole (training then cuts a sample longer than its window, and says so)."""
+    """Keep at most this many tokens of each sample (its start), or of each prompt + answer of a
+    preference pair (trl's max_length), and count what is cut; None keeps them whole (training then
+    cuts a sample longer than its window, and says so)."""
 
     def __post_init__(self):
         if self.format is not None and self.format not in FORMATS:
@@ -56,21 +59,20 @@ class RowOptions:
 
 def iter_documents(source: str | Path, text_key: str = "text", glob: str | None = None) -> Iterator[str]:
     source = Path(source)
-    if source.is_dir():
+    if source.is_dir() and not saved_dataset(source):
         patterns = DATA_FILES if glob is None else (glob,)
         files = sorted({p for pattern in patterns for p in source.glob(pattern) if p.is_file()})
         if not files:
             raise DataError(f"no files match {' '.join(patterns)} in {source}; pass --data.glob PATTERN")
         for path in files:
             yield from iter_documents(path, text_key)
-    elif not source.is_file():
-        raise DataError(f"input {source} does not exist; pass a .txt or .jsonl file or a "
-                        "directory")
-    elif source.suffix in JSONL:
-        for line_no, row in _jsonl_rows(source):
-            yield _at(source, line_no, read_text, row, text_key)
+    elif not source.exists():
+        raise DataError(f"input {source} does not exist; pass a text file, {ACCEPTED_FILES}, or a directory")
+    elif is_rows(source):
+        for where, row in read_rows(source):
+            yield located(where, read_text, row, text_key)
     else:
-        yield source.read_text(encoding="utf-8", errors="replace")
+        yield read_text_file(source)
 
 
 def prepare(source: str | Path, out: str | Path, tokenizer: str | None = None,
@@ -78,6 +80,12 @@ def prepare(source: str | Path, out: str | Path, tokenizer: str | None = None,
     """Tokenize every document or sample under ``source`` into the token file ``out``."""
     source = Path(source)
     fmt = rows.format or _first_row_format(source, text_key)
+    if fmt == "preference":
+        if rows.train_on_prompt:
+            raise DataError("--data.train_on_prompt applies to fine-tuning samples, and a preference pair's "
+                            "answers are what counts (as in trl); drop it")
+        pairs = ((where, row) for where, row, _ in _sample_rows(source, fmt, rows.format))
+        return prepare_pairs(source, pairs, out, load_tokenizer(tokenizer), rows.max_len)
     if fmt != "text":
         return _prepare_samples(source, out, load_tokenizer(tokenizer), fmt, rows)
     if rows.train_on_prompt or rows.max_len is not None:
@@ -101,16 +109,10 @@ def prepare(source: str | Path, out: str | Path, tokenizer: str | None = None,
 
 
 def _prepare_samples(source: Path, out: str | Path, tok, fmt: str, rows: RowOptions) -> dict:
-    if not source.is_file():
-        raise DataError(f"input {source} does not exist; pass a .jsonl file of {fmt} rows")
-    if source.suffix not in JSONL:
-        raise DataError(f"{fmt} rows are read from a .jsonl file, and {source} is not one; "
-                        "pass a .jsonl file, or --data.format text")
     ids, masks, formats = [], [], {}
-    for line_no, row in _jsonl_rows(source):
-        row_fmt = rows.format or _at(source, line_no, _sample_format, row, fmt)
-        sample = _at(source, line_no, read_sample, row, row_fmt)
-        sample_ids, mask = _at(source, line_no, encode_sample, tok, sample, rows.train_on_prompt)
+    for where, row, row_fmt in _sample_rows(source, fmt, rows.format):
+        sample = located(where, read_sample, row, row_fmt, rows.format is not None)
+        sample_ids, mask = located(where, encode_sample, tok, sample, rows.train_on_prompt)
         ids.append(sample_ids)
         masks.append(mask)
         formats[row_fmt] = formats.get(row_fmt, 0) + 1
@@ -130,48 +132,33 @@ def _prepare_samples(source: Path, out: str | Path, tok, fmt: str, rows: RowOpti
             "vocab_size": tok.vocab_size, "tokenizer": tok.name, "path": str(out)}
 
 
-def _sample_format(row: dict, first: str) -> str:
-    """A sample row's format; a text row among samples is refused (a file is one or the other)."""
+def _sample_rows(source: Path, first: str, forced: str | None) -> Iterator[tuple[str, dict, str]]:
+    """(where, row, format) of each row of a file of samples or of pairs, as the first row's kind."""
+    if not source.exists():
+        raise DataError(f"input {source} does not exist; pass a file of {first} rows")
+    if not is_rows(source):
+        raise DataError(f"{first} rows are read from {ACCEPTED_FILES}, and {source} is none of those; "
+                        "pass one, or --data.format text")
+    for where, row in read_rows(source):
+        yield where, row, forced or located(where, _row_format, row, first)
+
+
+def _row_format(row: dict, first: str) -> str:
+    """A row's format in a file whose first row is ``first``: a file holds one kind of row."""
     fmt = detect_format(row)
-    if fmt == "text":
-        raise DataError(f"a text row in a file of samples (the first row is {first}); a file holds "
-                        "documents or samples, not both: give this row a sample format, or split the file")
+    if fmt == "text" or (fmt == "preference") != (first == "preference"):
+        kind = "preference pairs" if first == "preference" else "samples"
+        raise DataError(f"a {fmt} row in a file of {kind} (the first row is {first}); a file holds documents, "
+                        "samples or preference pairs, one kind only: give this row the first row's kind, "
+                        "or split the file")
     return fmt
 
 
 def _first_row_format(source: Path, text_key: str) -> str:
-    """The format of the first row of a .jsonl file; ``text`` for any other input."""
-    if source.suffix not in JSONL or not source.is_file():
-        return "text"
-    for line_no, row in _jsonl_rows(source):
-        return _at(source, line_no, detect_format, row, text_key)
+    """The format of the first row of a file of rows; ``text`` for any other input."""
+    for where, row in read_rows(source) if is_rows(source) else ():
+        return located(where, detect_format, row, text_key)
     return "text"  # no rows: the text path says the file holds nothing
-
-
-def _jsonl_rows(source: Path) -> Iterator[tuple[int, dict]]:
-    """(line number, JSON object) for every non-blank line."""
-    with open(source, "rb") as f:
-        for line_no, raw in enumerate(f, 1):
-            line = _at(source, line_no, _decode, raw, line_no == 1)
-            if line.strip():
-                yield line_no, _at(source, line_no, parse_line, line)
-
-
-def _decode(raw: bytes, first: bool) -> str:
-    """A line's bytes as text: UTF-8 (JSONL's encoding), a BOM allowed on the first line."""
-    try:
-        return raw.decode("utf-8-sig" if first else "utf-8")
-    except UnicodeDecodeError as err:
-        raise DataError(f"byte {raw[err.start]:#04x} at column {err.start + 1} is not UTF-8 text; "
-                        "re-save the file as UTF-8, or fix or drop the line") from None
-
-
-def _at(source: Path, line_no: int, fn: Callable[..., T], *args) -> T:
-    """``fn(*args)``, a DataError it raises prefixed with ``FILE:LINE:``."""
-    try:
-        return fn(*args)
-    except DataError as err:
-        raise DataError(f"{source}:{line_no}: {err}") from None
 
 
 def stdlib_source() -> Path:

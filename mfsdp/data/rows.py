@@ -1,4 +1,4 @@
-"""What a JSONL row of fine-tuning data says: its format, checked, as a sample to encode.
+"""What a row of fine-tuning data says: its format, checked, as a sample to encode.
 
 The formats, read from each row's keys unless forced:
 
@@ -6,11 +6,13 @@ The formats, read from each row's keys unless forced:
 - ``prompt_completion``: ``{"prompt": ..., "completion": ...}``, both strings, or both lists
   of messages (TRL's conversational prompt/completion);
 - ``messages``: ``{"messages": [{"role": ..., "content": ...}, ...]}`` (OpenAI/HF chat);
-- ``sharegpt`` and ``alpaca``, as Axolotl and LLaMA-Factory read them (``mfsdp.data.row_formats``).
+- ``sharegpt`` and ``alpaca``, as Axolotl and LLaMA-Factory read them (``mfsdp.data.row_formats``);
+- ``preference``: ``{"chosen": ..., "rejected": ...}``, with or without a ``prompt``, TRL's
+  preference pairs (``mfsdp.data.pairs``).
 
-A file holds documents or samples: the first row decides which, and every row of a file of
-samples may be in any sample format. Roles are ``system``, ``user``, ``assistant`` and ``tool``;
-an assistant message may carry ``tool_calls`` and a row a ``tools`` list of function schemas,
+A file holds documents, samples or preference pairs: the first row decides which, and every row
+of a file of samples may be in any sample format. Roles are ``system``, ``user``, ``assistant``
+and ``tool``; an assistant message may carry ``tool_calls`` and a row a ``tools`` list of function schemas,
 which go to the chat template as ``apply_chat_template(tools=...)`` takes them. The loss counts
 assistant turns, tool calls too; tool results are prompts. Other roles (``function``,
 ``ipython``) are refused, because every chat template names them differently. A row whose answer
@@ -26,10 +28,11 @@ from dataclasses import dataclass
 from mfsdp.data.row_formats import alpaca_messages, sharegpt_messages
 from mfsdp.data.token_file import DataError
 
-FORMATS = ("text", "prompt_completion", "messages", "sharegpt", "alpaca")
+FORMATS = ("text", "prompt_completion", "messages", "sharegpt", "alpaca", "preference")
 ROLES = ("system", "user", "assistant", "tool")
 ACCEPTED = ("a 'text' field (or --data.text_key FIELD), 'prompt' and 'completion', 'messages' (role and "
-            "content), ShareGPT 'conversations' (from and value) or Alpaca 'instruction' and 'output'")
+            "content), ShareGPT 'conversations' (from and value), Alpaca 'instruction' and 'output', or "
+            "'chosen' and 'rejected' (a preference pair)")
 """The formats a row may be in, as an error lists them."""
 _KEYS = {"prompt_completion": ("prompt", "completion"), "messages": ("messages",),
          "sharegpt": ("conversations",), "alpaca": ("instruction", "output")}
@@ -57,21 +60,10 @@ class Conversation:
     """The function schemas the conversation may call, for the chat template; None for none."""
 
 
-def parse_line(line: str) -> dict:
-    """One JSONL line as a JSON object, or a DataError saying what is wrong with it."""
-    try:
-        row = json.loads(line)
-    except json.JSONDecodeError as err:
-        raise DataError(f"invalid JSON ({err}); fix the line") from None
-    if not isinstance(row, dict):
-        raise DataError(f"a row must be a JSON object, not {type(row).__name__}; fix the line")
-    return row
-
-
 def detect_format(row: dict, text_key: str = "text") -> str:
     """The format a row is in, from its keys."""
-    for key, fmt in (("messages", "messages"), ("conversations", "sharegpt"), ("instruction", "alpaca"),
-                     ("prompt", "prompt_completion"), ("completion", "prompt_completion"), (text_key, "text")):
+    for key, fmt in (("chosen", "preference"), ("rejected", "preference"), ("messages", "messages"),
+                     ("conversations", "sharegpt"), ("instruction", "alpaca"), ("prompt", "prompt_completion"), ("completion", "prompt_completion"), (text_key, "text")):
         if key in row:
             return fmt
     keys = ", ".join(map(repr, row)) or "none"
@@ -86,40 +78,40 @@ def read_text(row: dict, text_key: str = "text") -> str:
     return text
 
 
-def read_sample(row: dict, fmt: str) -> PromptCompletion | Conversation:
-    """A row of a sample format as the sample it describes."""
+def read_sample(row: dict, fmt: str, forced: bool = True) -> PromptCompletion | Conversation:
+    """A row of a sample format as the sample it describes; ``forced``: --data.format gave ``fmt``."""
     if not all(key in row for key in _KEYS[fmt]):
-        raise DataError(_wrong_format(row, fmt))
+        raise DataError(_wrong_format(row, fmt, forced))
     if fmt in ("messages", "sharegpt", "alpaca"):
         messages = (row["messages"] if fmt == "messages" else
                     sharegpt_messages(row) if fmt == "sharegpt" else alpaca_messages(row))
-        messages = _messages(messages, "messages" if fmt != "sharegpt" else "conversations")
-        _require_answer(messages, 0, "the conversation has no assistant turn with content; "
-                                     "add the answer, or drop the row")
-        return Conversation(messages, tools=_tools(row))
+        messages = read_messages(messages, "messages" if fmt != "sharegpt" else "conversations")
+        require_answer(messages, 0, "the conversation has no assistant turn with content; "
+                                    "add the answer, or drop the row")
+        return Conversation(messages, tools=read_tools(row))
     prompt, completion = row["prompt"], row["completion"]
     if isinstance(prompt, str) and isinstance(completion, str):
         if not completion.strip():
             raise DataError("the completion is empty; give the answer, or drop the row")
         return PromptCompletion(prompt, completion)
     if isinstance(prompt, list) and isinstance(completion, list):
-        turns = _messages(prompt, "prompt") + _messages(completion, "completion")
-        _require_answer(turns, len(prompt), "the completion has no assistant turn with "
-                                            "content; give the answer, or drop the row")
-        return Conversation(turns, answers_from=len(prompt), tools=_tools(row))
+        turns = read_messages(prompt, "prompt") + read_messages(completion, "completion")
+        require_answer(turns, len(prompt), "the completion has no assistant turn with "
+                                           "content; give the answer, or drop the row")
+        return Conversation(turns, answers_from=len(prompt), tools=read_tools(row))
     raise DataError("'prompt' and 'completion' must both be strings or both be lists of "
                     f"messages, not {type(prompt).__name__} and {type(completion).__name__}")
 
 
-def _wrong_format(row: dict, fmt: str) -> str:
+def _wrong_format(row: dict, fmt: str, forced: bool) -> str:
     keys = ", ".join(map(repr, row)) or "none"
     want = " and ".join(map(repr, _KEYS[fmt]))
     article = "an" if fmt[0] in "aeiou" else "a"
-    return (f"{article} {fmt} row needs {want} (its keys: {keys}); fix the row, or drop --data.format to read "
-            "each row's format from its keys")
+    return (f"{article} {fmt} row needs {want} (its keys: {keys}); fix the row"
+            + (", or drop --data.format to read each row's format from its keys" if forced else ""))
 
 
-def _messages(value, field: str) -> tuple[dict, ...]:
+def read_messages(value, field: str) -> tuple[dict, ...]:
     if not isinstance(value, list) or not value:
         raise DataError(f"{field!r} must be a non-empty list of messages; fix the row")
     return tuple(_message(message, field, i) for i, message in enumerate(value))
@@ -149,7 +141,7 @@ def _message(message, field: str, i: int) -> dict:
     return out
 
 
-def _tools(row: dict) -> tuple[dict, ...] | None:
+def read_tools(row: dict) -> tuple[dict, ...] | None:
     """The row's ``tools`` list (LLaMA-Factory's ShareGPT rows give it as a JSON string)."""
     tools = row.get("tools")
     if isinstance(tools, str):
@@ -164,7 +156,7 @@ def _tools(row: dict) -> tuple[dict, ...] | None:
     return tuple(tools)
 
 
-def _require_answer(messages: tuple[dict, ...], first: int, problem: str) -> None:
+def require_answer(messages: tuple[dict, ...], first: int, problem: str) -> None:
     if not any(m["role"] == "assistant" and (m["content"].strip() or m.get("tool_calls"))
                for m in messages[first:]):
         raise DataError(problem)

@@ -1,32 +1,40 @@
 """The on-disk token file: a small self-describing header, then raw token ids, and for
-prompt/answer and chat data the sample boundaries and the per-token loss mask.
+prompt/answer and chat data the sample boundaries and the per-token loss mask; for preference
+pairs the pair boundaries and each token's segment.
 
 Layout (little endian)::
 
     offset 0    8 bytes   magic b"MFSDPTOK"
-    offset 8    uint32    format version: 1 (a token stream) or 2 (samples with a loss mask)
+    offset 8    uint32    format version: 1 (a token stream), 2 (samples with a loss mask) or
+                          3 (preference pairs, laid out as version 2)
     offset 12   uint32    bytes per token (2 for uint16, 4 for uint32)
     offset 16   uint64    number of tokens
     offset 24   uint64    vocabulary size of the tokenizer that wrote it
     offset 32   uint32    length of the tokenizer name
     version 1:  offset 36 the tokenizer name in UTF-8
-    version 2:  offset 36 uint64 number of samples N
+    version 2-3: offset 36 uint64 number of samples N
                 offset 44 uint64 byte offset of the sample bounds
-                offset 52 uint64 byte offset of the loss mask
+                offset 52 uint64 byte offset of the loss mask (version 3: the segments)
                 offset 60 the tokenizer name in UTF-8
     after the name        optionally b"TKID" and 16 bytes: the tokenizer's fingerprint
     offset 256            the token ids
-    version 2, from the next multiple of 8 after the ids:
+    version 2-3, from the next multiple of 8 after the ids:
                           N + 1 int64 sample bounds: sample i is tokens [bounds[i], bounds[i+1])
-                          one uint8 per token: 1 where the token is a target the loss counts
+                          one uint8 per token: version 2, 1 where the token is a target the loss
+                          counts; version 3, its segment (below)
+
+A version-3 file holds one preference pair per sample, its tokens contiguous as
+``[prompt | chosen answer | rejected answer]``, each part at least one token, and the byte of
+each token is its segment: 0 prompt, 1 chosen answer, 2 rejected answer. The prompt is stored
+once: each answer follows it as if alone (the ids are trl's, ``mfsdp.data.pairs``).
 
 The header exists so that a missing, truncated or foreign file fails with one sentence
 saying what is wrong, instead of a model training on garbage. The fingerprint (a hash of the
 tokenizer's vocabulary and special tokens, ``mfsdp.data.tokenizer``) lets a run refuse a file
 another tokenizer made; files written before it have zeros there and read with none. Everything is memory-mapped,
 so every rank can open a corpus larger than memory and only touches the pages it samples.
-The magic and version keep their offsets in both versions, so an mfsdp that reads only
-version 1 refuses a version-2 file with its version sentence. The mask takes a byte per
+The magic and version keep their offsets in every version, so an mfsdp that reads only
+versions 1 and 2 refuses a version-3 file with its version sentence. The mask takes a byte per
 token rather than a bit: it slices and indexes like the ids with no unpacking, for a third
 to a half more disk, which fine-tuning sets (small next to pretraining corpora) can afford.
 """
@@ -46,13 +54,17 @@ VERSION = 1
 """A plain token stream (pretraining text)."""
 SAMPLES_VERSION = 2
 """Samples with a loss mask (prompt/answer and chat data)."""
+PAIRS_VERSION = 3
+"""Preference pairs: version 2's layout, a segment per token instead of the loss mask."""
+PROMPT, CHOSEN, REJECTED = 0, 1, 2
+"""The segments of a pair's tokens (version 3)."""
 HEADER_BYTES = 256
 _FIXED = struct.Struct("<8sIIQQI")
 _SAMPLES = struct.Struct("<QQQ")  # version 2: samples, bounds offset, mask offset
 _DTYPES = {2: torch.uint16, 4: torch.uint32}
 _ID_TAG = b"TKID"
 _ID_BYTES = 16
-INPUT_SUFFIXES = (".jsonl", ".json", ".txt", ".csv", ".parquet", ".md", ".py")
+INPUT_SUFFIXES = (".jsonl", ".json", ".txt", ".csv", ".parquet", ".arrow", ".md", ".py")
 """Suffixes of files ``prepare-data`` reads: a hint never suggests writing a token file over one."""
 
 
@@ -87,7 +99,8 @@ def _create_hint(path: Path, model_hf: str | None) -> str:
 
 
 def _sections(count: int, itemsize: int, samples: int) -> tuple[int, int, int]:
-    """Byte offsets of the sample bounds and the loss mask, and the file size, of version 2."""
+    """Byte offsets of the sample bounds and the loss mask (or segments), and the file size, of
+    versions 2 and 3."""
     bounds = -(-(HEADER_BYTES + count * itemsize) // 8) * 8  # int64s want 8-byte alignment
     mask = bounds + 8 * (samples + 1)
     return bounds, mask, mask + count
@@ -100,13 +113,15 @@ def _raw(tensor: torch.Tensor) -> bytes:
 
 def write_token_file(path: str | os.PathLike, tokens: torch.Tensor, vocab_size: int,
                      tokenizer: str, loss_mask: torch.Tensor | None = None,
-                     sample_starts: torch.Tensor | None = None, fingerprint: str | None = None) -> Path:
+                     sample_starts: torch.Tensor | None = None, fingerprint: str | None = None,
+                     segments: torch.Tensor | None = None) -> Path:
     """Write ``tokens`` (a 1-D integer tensor) atomically: a temp file, then a rename.
 
-    Without ``loss_mask`` and ``sample_starts`` this is a version-1 stream. With both (one
-    mask value per token, nonzero where the loss counts it; each sample's first token
-    offset, starting at 0 and increasing) it is version 2. ``fingerprint`` (32 hex digits)
-    identifies the tokenizer.
+    Without ``loss_mask``, ``segments`` and ``sample_starts`` this is a version-1 stream. With
+    ``sample_starts`` (each sample's first token offset, starting at 0 and increasing) and
+    ``loss_mask`` (one value per token, nonzero where the loss counts it) it is version 2; with
+    ``segments`` instead (one per token, ``PROMPT``, ``CHOSEN`` or ``REJECTED``) version 3.
+    ``fingerprint`` (32 hex digits) identifies the tokenizer.
     """
     path = Path(path)
     itemsize = 2 if vocab_size <= 2**16 else 4
@@ -114,28 +129,32 @@ def write_token_file(path: str | os.PathLike, tokens: torch.Tensor, vocab_size: 
     identity = _ID_TAG + bytes.fromhex(fingerprint) if fingerprint else b""
     if fingerprint and len(identity) != len(_ID_TAG) + _ID_BYTES:
         raise ValueError(f"a fingerprint is {2 * _ID_BYTES} hex digits, not {fingerprint!r}")
-    if (loss_mask is None) != (sample_starts is None):
-        raise ValueError("pass both loss_mask and sample_starts (version 2), or neither")
-    version = VERSION if loss_mask is None else SAMPLES_VERSION
-    fixed = _FIXED.size + (_SAMPLES.size if version == SAMPLES_VERSION else 0)
+    if loss_mask is not None and segments is not None:
+        raise ValueError("pass loss_mask (version 2) or segments (version 3), not both")
+    per_token = (loss_mask != 0) if segments is None and loss_mask is not None else segments
+    if (per_token is None) != (sample_starts is None):
+        raise ValueError("pass sample_starts with loss_mask or segments, or none of them")
+    version = VERSION if per_token is None else SAMPLES_VERSION if segments is None else PAIRS_VERSION
+    fixed = _FIXED.size + (_SAMPLES.size if version != VERSION else 0)
     if fixed + len(name) + len(identity) > HEADER_BYTES:
         raise DataError(f"tokenizer name is too long for the header: {tokenizer!r}")
     if tokens.numel() and int(tokens.max()) >= vocab_size:
         raise DataError(f"token id {int(tokens.max())} does not fit vocabulary size {vocab_size}")
     header = _FIXED.pack(MAGIC, version, itemsize, tokens.numel(), vocab_size, len(name))
     sections = []
-    if version == SAMPLES_VERSION:
+    if version != VERSION:
         count = tokens.numel()
         starts = sample_starts.to(torch.int64).flatten()
         bounds = torch.cat([starts, torch.tensor([count])])
-        if loss_mask.numel() != count:
-            raise ValueError(f"loss_mask has {loss_mask.numel()} values for {count} tokens")
+        if per_token.numel() != count:
+            raise ValueError(f"{'loss_mask' if segments is None else 'segments'} has {per_token.numel()} "
+                             f"values for {count} tokens")
         if count and (int(starts[0]) != 0 or bool((bounds.diff() <= 0).any())):
             raise ValueError("sample_starts must start at 0 and increase, each below the token count")
         bounds_at, mask_at, _ = _sections(count, itemsize, starts.numel())
         header += _SAMPLES.pack(starts.numel(), bounds_at, mask_at)
         sections = [(bounds_at, bounds.contiguous()),
-                    (mask_at, (loss_mask.flatten() != 0).to(torch.uint8).contiguous())]
+                    (mask_at, per_token.flatten().to(torch.uint8).contiguous())]
     header = (header + name + identity).ljust(HEADER_BYTES, b"\0")
     ids = tokens.to(torch.int64).to(_DTYPES[itemsize]).contiguous()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -155,7 +174,9 @@ class TokenFile:
 
     ``tokens`` holds the ids. A version-2 file also has ``sample_starts`` (int64, each
     sample's first token), ``sample_lengths`` and ``loss_mask`` (uint8, one per token, 1 where
-    the loss counts the token as a target); they are None for a version-1 stream.
+    the loss counts the token as a target); they are None for a version-1 stream. A version-3
+    file (``is_pairs``) has the sample bounds of its pairs and ``segments`` (uint8, one per token:
+    ``PROMPT``, ``CHOSEN``, ``REJECTED``) instead of ``loss_mask``; ``pair(i)`` splits pair i.
     ``tokenizer`` names the tokenizer that wrote it and ``fingerprint`` identifies it (None in a
     file written before files recorded one).
     """
@@ -174,7 +195,7 @@ class TokenFile:
         # ACCESS_COPY gives a writable (copy-on-write) mapping, which torch.frombuffer
         # wants; nothing ever writes to it, so no page is ever copied.
         self.tokens = self._view(HEADER_BYTES, count, _DTYPES[itemsize])
-        self.sample_starts = self.sample_lengths = self.loss_mask = None
+        self.sample_starts = self.sample_lengths = self.loss_mask = self.segments = None
         if samples is not None:
             bounds = self._view(sections[0], samples + 1, torch.int64)
             lengths = bounds.diff()
@@ -182,7 +203,8 @@ class TokenFile:
                 raise DataError(f"{self.path} is corrupt: its sample bounds do not split its "
                                 f"{count} tokens into {samples} samples; {self._hint()}")
             self.sample_starts, self.sample_lengths = bounds[:-1], lengths
-            self.loss_mask = self._view(sections[1], count, torch.uint8)
+            per_token = self._view(sections[1], count, torch.uint8)
+            self.loss_mask, self.segments = (per_token, None) if version == SAMPLES_VERSION else (None, per_token)
 
     def _header(self, head: bytes, size: int) -> tuple[int, int, int, int | None, tuple[int, int]]:
         """Check the header against the file's ``size``; set the version, tokenizer name,
@@ -193,12 +215,12 @@ class TokenFile:
                             f"rows or text, tokenize it with {prepare_command(self.path, out, self._model_hf)} "
                             f"and pass --data.path {out}")
         _, version, itemsize, count, vocab_size, name_len = _FIXED.unpack_from(head)
-        if version not in (VERSION, SAMPLES_VERSION):
+        if version not in (VERSION, SAMPLES_VERSION, PAIRS_VERSION):
             raise DataError(f"{self.path} has token-file version {version}, this mfsdp reads versions "
-                            f"{VERSION} and {SAMPLES_VERSION}; {self._hint()}")
+                            f"{VERSION}, {SAMPLES_VERSION} and {PAIRS_VERSION}; {self._hint()}")
         name_at, samples, sections = _FIXED.size, None, (0, 0)
         expected = HEADER_BYTES + count * itemsize
-        if version == SAMPLES_VERSION:
+        if version != VERSION:
             samples, *sections = _SAMPLES.unpack_from(head, _FIXED.size)
             name_at += _SAMPLES.size
         if itemsize not in _DTYPES or name_at + name_len > HEADER_BYTES or (
@@ -236,8 +258,25 @@ class TokenFile:
 
     @property
     def num_samples(self) -> int | None:
-        """How many samples a version-2 file holds; None for a version-1 stream."""
+        """How many samples (or pairs) a version-2 (or 3) file holds; None for a version-1 stream."""
         return None if self.sample_starts is None else self.sample_starts.numel()
+
+    @property
+    def is_pairs(self) -> bool:
+        """Whether the file holds preference pairs (version 3)."""
+        return self.version == PAIRS_VERSION
+
+    def pair(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Pair ``i`` of a version-3 file: its prompt, chosen and rejected ids (int64), checked."""
+        if not self.is_pairs:
+            raise DataError(f"{self.path} holds no preference pairs (token-file version {self.version})")
+        start, length = int(self.sample_starts[i]), int(self.sample_lengths[i])
+        segments = self.segments[start:start + length].to(torch.int64)
+        sizes = torch.bincount(segments, minlength=3)
+        if sizes.numel() != 3 or bool((sizes == 0).any()) or bool((segments.diff() < 0).any()):
+            raise DataError(f"{self.path} is corrupt: pair {i} is not a prompt, a chosen and a rejected "
+                            f"answer in that order; {self._hint()}")
+        return tuple(self.window(start, length).split(sizes.tolist()))
 
     def window(self, start: int, length: int) -> torch.Tensor:
         """``length`` ids starting at ``start``, as int64.
