@@ -107,8 +107,9 @@ def test_padded_pairs_on_a_hf_llama_give_each_answer_its_log_probs_after_its_pro
     windows = PairWindows(_file(pairs), seq_len=20, packed=False)
     assert len(windows) == len(pairs)
     batch = windows.batch([3, None, 0, 4])
-    assert batch.inputs.shape == (8, 20) and batch.positions is None and batch.branch_ids is None
     order = batch.pair_ids.tolist()
+    longest = max(len(pairs[i][PROMPT]) + max(len(pairs[i][CHOSEN]), len(pairs[i][REJECTED])) for i in order)
+    assert batch.inputs.shape == (8, longest) and batch.positions is None and batch.branch_ids is None
     assert order == windows.samples_of(3).tolist() + windows.samples_of(0).tolist() + windows.samples_of(4).tolist()
     with torch.no_grad():  # right padding under a causal mask changes no real token: no attention mask
         got = answer_logps(model(batch.inputs).logits, batch.answers, len(order))

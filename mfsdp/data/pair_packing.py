@@ -10,8 +10,9 @@ its per-token byte the segment: 0 prompt, 1 chosen, 2 rejected (``PROMPT``, ``CH
   segments) let ``document_mask`` hide the chosen answer from them: each answer is computed as
   if it followed the prompt alone, and the prompt once.
 * padded (``packed=False``, the manager route, which has no document attention): one pair to a
-  window, as two right-padded rows [prompt | chosen] and [prompt | rejected], the batch's chosen
-  rows first, then its rejected rows, as trl stacks them; plain causal attention.
+  window, as two rows [prompt | chosen] and [prompt | rejected] right-padded to the batch's
+  longest row, the batch's chosen rows first, then its rejected rows, as trl stacks them; plain
+  causal attention.
 
 Either way ``Batch.answers`` says which output predicts each answer token: in the packed layout
 the first rejected token is predicted by the last prompt token, not by the token before it.
@@ -140,7 +141,8 @@ class PairWindows:
         positions, documents and branches."""
         prompt, chosen = lengths[pair_of, PROMPT], lengths[pair_of, CHOSEN]
         segment = (within >= prompt).to(torch.int64) + (within >= prompt + chosen).to(torch.int64)
-        shape = (rows_count, self.seq_len)
+        width = self.seq_len if self.packed else int(cols.max()) + 1 if cols.numel() else 1
+        shape = (rows_count, width)
         inputs = torch.full(shape, PAD_ID, dtype=torch.int64)
         tokens = self.data.take(self.data.sample_starts[ids][pair_of] + within)
         inputs[rows, cols] = tokens
@@ -148,7 +150,7 @@ class PairWindows:
         if self.packed:  # the first rejected token follows the prompt's last token
             predictor = predictor - chosen * (within == prompt + chosen)
         counted = (segment > PROMPT) & (predictor >= row_starts)
-        answers = torch.stack([rows * self.seq_len + predictor, tokens,
+        answers = torch.stack([rows * width + predictor, tokens,
                                2 * pair_of + (segment == REJECTED)])[:, counted]
         batch = dict(inputs=inputs, targets=torch.full(shape, IGNORE, dtype=torch.int64),
                      answers=answers, pair_ids=ids)

@@ -35,7 +35,7 @@ class Batch:
     seq_len) int8, 0 for the prompt, 1 chosen, 2 rejected (``document_mask``'s branches)."""
     answers: torch.Tensor | None = None
     """Preference pairs: (3, answer tokens) int64, per answer token the flat position (row *
-    seq_len + column) of the output that predicts it, its id, and its sequence (pair * 2, + 1
+    row width + column) of the output that predicts it, its id, and its sequence (pair * 2, + 1
     for the rejected answer), pairs numbered in ``pair_ids`` order (``answer_logps``)."""
     pair_ids: torch.Tensor | None = None
     """Preference pairs: (pairs,) int64, each pair's sample index in the token file."""

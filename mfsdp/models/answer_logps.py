@@ -1,8 +1,8 @@
 """Log-prob extraction for preference pairs: model output -> summed log-probs of each answer.
 
 The pair layouts (``mfsdp.data.pair_packing``) describe every answer token by three numbers
-(``Batch.answers``): the flat position (row * seq_len + column) of the output that predicts it,
-its id, and its sequence, pair * 2 + 0 for the chosen answer or + 1 for the rejected one. In
+(``Batch.answers``): the flat position (row * row width + column) of the output that predicts
+it, its id, and its sequence, pair * 2 + 0 for the chosen answer or + 1 for the rejected one. In
 the packed shared-prompt layout the first rejected token is predicted by the last prompt token,
 not by the token before it in the window, so a shifted-label cross entropy cannot serve; only
 those positions are gathered, and the log-softmax runs over them alone, in fp32.
