@@ -155,7 +155,8 @@ class PairWindows:
         batch = dict(inputs=inputs, targets=torch.full(shape, IGNORE, dtype=torch.int64),
                      answers=answers, pair_ids=ids)
         if self.packed:
-            index_in_row = torch.arange(ids.numel()) - torch.searchsorted(rows[within == 0], rows[within == 0])
+            pair_rows = rows[within == 0]  # each pair's row, in pair order (non-decreasing)
+            index_in_row = torch.arange(ids.numel()) - torch.searchsorted(pair_rows, pair_rows)
             positions = torch.zeros(shape, dtype=torch.int64)
             positions[rows, cols] = within - chosen * (segment == REJECTED)
             documents = torch.full(shape, PAD_DOCUMENT, dtype=torch.int32)
