@@ -196,15 +196,17 @@ class PackedSampler:
 
     ``samples`` restricts training to a range of sample indices (``held_out_samples`` keeps
     the tail for the validation loss). Steps start at 1: step 1 is the first batch of epoch 0.
+    ``windows``: other fixed windows in place of ``PackedWindows(data, seq_len, samples,
+    packing)`` (``PairWindows``: preference pairs, whose loss counts pairs).
     """
 
     def __init__(self, data: TokenFile, seq_len: int, local_batch: int, rank: int,
                  world_size: int, seed: int = 0, microbatches: int = 1,
-                 samples: range | None = None, packing: bool = True):
+                 samples: range | None = None, packing: bool = True, windows=None):
         if min(local_batch, world_size, microbatches) < 1 or not 0 <= rank < world_size:
             raise ValueError(f"need local_batch, world_size and microbatches >= 1 and 0 <= rank < "
                              f"world_size, not {local_batch}, {world_size}, {microbatches}, {rank}")
-        self.windows = PackedWindows(data, seq_len, samples, packing)
+        self.windows = PackedWindows(data, seq_len, samples, packing) if windows is None else windows
         self.data, self.seq_len, self.seed = data, seq_len, seed
         self.local_batch, self.rank, self.world_size = local_batch, rank, world_size
         self.microbatches = microbatches

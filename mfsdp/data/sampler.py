@@ -30,6 +30,15 @@ class Batch:
     """(local_batch, seq_len) int32: the index of each position's sample within its row, -1
     for padding, so attention can stay within a sample (document-causal); None for plain
     causal attention over the whole row."""
+    branch_ids: torch.Tensor | None = None
+    """Preference pairs packed with a shared prompt (``mfsdp.data.pair_packing``): (local_batch,
+    seq_len) int8, 0 for the prompt, 1 chosen, 2 rejected (``document_mask``'s branches)."""
+    answers: torch.Tensor | None = None
+    """Preference pairs: (3, answer tokens) int64, per answer token the flat position (row *
+    row width + column) of the output that predicts it, its id, and its sequence (pair * 2, + 1
+    for the rejected answer), pairs numbered in ``pair_ids`` order (``answer_logps``)."""
+    pair_ids: torch.Tensor | None = None
+    """Preference pairs: (pairs,) int64, each pair's sample index in the token file."""
 
 
 class WindowSampler:

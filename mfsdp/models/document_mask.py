@@ -51,14 +51,17 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     return backend
 
 
-def document_mask(document_ids: torch.Tensor, backend: str = "auto") -> DocumentMask:
+def document_mask(document_ids: torch.Tensor, backend: str = "auto",
+                  branch_ids: torch.Tensor | None = None) -> DocumentMask:
     """The mask letting token i see token j of the same row when j <= i and both carry the same id.
 
     ``document_ids``: (batch, seq) integers; any values, equal within a document (a padding tail
-    may be one more document).
+    may be one more document). ``branch_ids``, optional, (batch, seq): see ``branch_mask``.
     """
     if document_ids.ndim != 2:
         raise ValueError(f"document_ids must be (batch, seq), got shape {tuple(document_ids.shape)}")
+    if branch_ids is not None:
+        return branch_mask(document_ids, branch_ids, backend)
     batch, seq = document_ids.shape
     if resolve_backend(backend, document_ids.device) == "sdpa":
         same = document_ids[:, :, None] == document_ids[:, None, :]
@@ -71,6 +74,31 @@ def document_mask(document_ids: torch.Tensor, backend: str = "auto") -> Document
     build = (_compiled_fn("create_block_mask", create_block_mask) if document_ids.is_cuda
              else create_block_mask)
     return build(same_document_causal, batch, None, seq, seq, device=document_ids.device)
+
+
+def branch_mask(document_ids: torch.Tensor, branch_ids: torch.Tensor, backend: str = "auto") -> DocumentMask:
+    """``document_mask`` with branches: token i sees token j when j <= i, both are of one
+    document, and j is shared (branch 0) or of i's own branch. A preference pair packed as
+    [prompt | chosen | rejected] (branches 0, 1, 2) so computes its prompt once, and its
+    rejected answer never sees the chosen one (``mfsdp.data.pair_packing``)."""
+    if branch_ids.shape != document_ids.shape:
+        raise ValueError(f"branch_ids must have the document ids' shape {tuple(document_ids.shape)}, "
+                         f"got {tuple(branch_ids.shape)}")
+    batch, seq = document_ids.shape
+    if resolve_backend(backend, document_ids.device) == "sdpa":
+        same = document_ids[:, :, None] == document_ids[:, None, :]
+        seen = (branch_ids[:, None, :] == 0) | (branch_ids[:, :, None] == branch_ids[:, None, :])
+        causal = torch.ones(seq, seq, dtype=torch.bool, device=document_ids.device).tril()
+        return (same & seen & causal)[:, None]
+
+    def same_document_branch_causal(b, h, q_idx, kv_idx):
+        key = branch_ids[b, kv_idx]
+        return ((q_idx >= kv_idx) & (document_ids[b, q_idx] == document_ids[b, kv_idx])
+                & ((key == 0) | (key == branch_ids[b, q_idx])))
+
+    build = (_compiled_fn("create_block_mask", create_block_mask) if document_ids.is_cuda
+             else create_block_mask)
+    return build(same_document_branch_causal, batch, None, seq, seq, device=document_ids.device)
 
 
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: DocumentMask,

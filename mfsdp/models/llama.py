@@ -583,20 +583,23 @@ class Llama(nn.Module):
             scaling=self.cfg.rope_scaling)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
-                document_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None):
+                document_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
+                branch_ids: torch.Tensor | None = None):
         """Logits of shape (batch, seq, vocab) for token ids of shape (batch, seq).
 
         ``positions`` (batch, seq) int64 index the rotary tables (default 0, 1, ...; packed
         samples restart at 0, and each must stay below ``max_seq_len``, which is not checked on
         the device). ``document_ids`` (batch, seq) ints restrict attention to earlier tokens of
-        the same id; the mask is built here once for all blocks. With ``labels`` (batch, seq)
+        the same id; the mask is built here once for all blocks (``branch_ids``, (batch, seq),
+        add a packed preference pair's branches: ``document_mask``). With ``labels`` (batch, seq)
         int64, -100 where a token is not counted, the result is ``self.loss_fn``'s
         ``(fp32 loss sum, int64 count)`` instead of the logits.
         """
         batch, seq = tokens.shape
         if seq > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {seq} exceeds max_seq_len {self.cfg.max_seq_len}")
-        for name, extra in (("positions", positions), ("document_ids", document_ids), ("labels", labels)):
+        for name, extra in (("positions", positions), ("document_ids", document_ids), ("labels", labels),
+                            ("branch_ids", branch_ids)):
             if extra is not None and tuple(extra.shape) != (batch, seq):
                 raise ValueError(f"{name} must have the tokens' shape {(batch, seq)}, got "
                                  f"{tuple(extra.shape)}")
@@ -606,7 +609,7 @@ class Llama(nn.Module):
             cos, sin = self.rope_cos[:seq].to(h.dtype), self.rope_sin[:seq].to(h.dtype)
         else:
             cos, sin = self.rope_cos[positions].to(h.dtype), self.rope_sin[positions].to(h.dtype)
-        mask = None if document_ids is None else document_mask(document_ids, self.document_mask_backend)
+        mask = None if document_ids is None else document_mask(document_ids, self.document_mask_backend, branch_ids)
         for block in self.layers:
             h = block(h, cos, sin) if mask is None else block(h, cos, sin, mask)
         if labels is None:
