@@ -114,19 +114,20 @@ def export(argv: list[str]) -> int:
                                        "(its newest whole checkpoint)")
     parser.add_argument("out", help="the directory to write")
     parser.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto",
-                        help="dtype of the weights written (default auto: a model-only checkpoint's, else "
-                             "the run's --train.save_dtype where it named one, else bf16)")
+                        help="dtype of the weights written (default auto: the end-of-run export's, "
+                             "--train.save_dtype, else the run's compute dtype)")
     parser.add_argument("--max-shard-gb", type=float, default=5.0,
                         help="largest safetensors file, in GB (default: 5)")
     parser.add_argument("--peft.merge_on_export", dest="merge", choices=("true", "false"), default=None,
                         help="a LoRA run: write the merged model (true) or the PEFT adapter (false); "
                              "default: the run's --peft.merge_on_export")
     args = parser.parse_args(argv)
+    from mfsdp.hf.export import exported_line
     from mfsdp.train.checkpoint import CheckpointError
-    from mfsdp.train.export import DTYPES, ExportError, exported_line
-    from mfsdp.train.export_lora import export_checkpoint
+    from mfsdp.train.config import DTYPES
+    from mfsdp.train.export import ExportError, export_hf
     try:
-        done = export_checkpoint(args.source, args.out, dtype=DTYPES.get(args.dtype),
+        done = export_hf(args.source, args.out, dtype=DTYPES.get(args.dtype),
                          max_shard_bytes=max(1, int(args.max_shard_gb * 1e9)),
                          merge=None if args.merge is None else args.merge == "true")
     except (ExportError, CheckpointError) as err:

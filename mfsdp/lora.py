@@ -17,7 +17,7 @@ and optimizer state like any trainable parameter.
 
 Names: a target pattern is matched (``fnmatch``) against every dotted suffix of a linear's name and
 of its alias in the other naming (the bundled Llama's ``layers.0.attention.wq`` is Hugging Face's
-``model.layers.0.self_attn.q_proj``; ``HF_LINEAR_NAMES``). So ``q_proj``, ``wq``, ``*_proj``,
+``model.layers.0.self_attn.q_proj``; ``mfsdp.hf.names.LINEARS``). So ``q_proj``, ``wq``, ``*_proj``,
 ``self_attn.*`` and ``layers.0.*`` work on either model. ``mfsdp.lora_export`` names the adapters
 as PEFT does, writes PEFT adapter directories and merges the adapters into the weights.
 """
@@ -37,47 +37,23 @@ import torch.nn.functional as F
 from torch import nn
 
 from mfsdp.adapter_names import ADAPTERS, is_adapter
+from mfsdp.hf.names import bundled_module_name, hf_module_name
 from mfsdp.models.llama import _local_block, init_chunk_seed
 
-__all__ = ["LoraTransform", "LoraLinear", "ALL_LINEAR", "ADAPTERS", "HF_LINEAR_NAMES", "lora_linears",
-           "candidate_linears", "init_adapters", "hf_module_name", "is_adapter"]
+__all__ = ["LoraTransform", "LoraLinear", "ALL_LINEAR", "ADAPTERS", "lora_linears", "candidate_linears",
+           "init_adapters", "is_adapter"]
 
 ALL_LINEAR = "all-linear"
 """The ``target_modules`` entry that selects every linear of the blocks (PEFT's shorthand)."""
 
-HF_LINEAR_NAMES = {"attention.wq": "self_attn.q_proj", "attention.wk": "self_attn.k_proj",
-                   "attention.wv": "self_attn.v_proj", "attention.wo": "self_attn.o_proj",
-                   "feed_forward.w1": "mlp.gate_proj", "feed_forward.w3": "mlp.up_proj",
-                   "feed_forward.w2": "mlp.down_proj"}
-"""A bundled block's linears by their name in the block -> the Hugging Face Llama/Qwen2/Mistral name."""
-
-_BUNDLED_NAMES = {hf: ours for ours, hf in HF_LINEAR_NAMES.items()}
-_BUNDLED_LINEAR = re.compile(r"layers\.(\d+)\.(.+)")
-_HF_LINEAR = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _BLOCK_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 _HEADS = ("output", "lm_head")  # the output projection: never adapted
 _ROUTERS = ("router",)  # the bundled mixture of experts' router: never adapted
 
 
-def hf_module_name(name: str) -> str:
-    """The Hugging Face name of the bundled model's module ``name`` (``layers.0.attention.wq`` ->
-    ``model.layers.0.self_attn.q_proj``); any other name (a Hugging Face model's own) as it is."""
-    m = _BUNDLED_LINEAR.fullmatch(name)
-    if m and m.group(2) in HF_LINEAR_NAMES:
-        return f"model.layers.{m.group(1)}.{HF_LINEAR_NAMES[m.group(2)]}"
-    return name
-
-
-def _bundled_module_name(name: str) -> str:
-    m = _HF_LINEAR.fullmatch(name)
-    if m and m.group(2) in _BUNDLED_NAMES:
-        return f"layers.{m.group(1)}.{_BUNDLED_NAMES[m.group(2)]}"
-    return name
-
-
 def _matches(pattern: str, name: str) -> bool:
     """Whether ``pattern`` matches a dotted suffix of ``name`` or of its other-naming alias."""
-    for alias in {name, hf_module_name(name), _bundled_module_name(name)}:
+    for alias in {name, hf_module_name(name), bundled_module_name(name)}:
         parts = alias.split(".")
         if any(fnmatch.fnmatchcase(".".join(parts[i:]), pattern) for i in range(len(parts))):
             return True

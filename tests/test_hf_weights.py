@@ -11,7 +11,10 @@ import shutil
 import pytest
 import torch
 
-from mfsdp.models import HFWeightsError, Llama, bundled_config_from_hf, hf_weight_names, load_hf_weights
+from mfsdp.hf.config import bundled_config_from_hf
+from mfsdp.hf.files import HFWeightsError
+from mfsdp.hf.names import hf_weight_names, load_hf_weights
+from mfsdp.models import Llama
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")

@@ -10,9 +10,10 @@ import math
 import pytest
 import torch
 
-from mfsdp.lora import LoraTransform, hf_module_name, init_adapters, lora_linears
+from mfsdp.lora import LoraTransform, init_adapters, lora_linears
 from mfsdp.lora_export import adapter_state_dict, hf_target_modules, merged_state_dict, peft_key
-from mfsdp.models import Llama, get_config, hf_weight_names
+from mfsdp.hf.names import hf_module_name, hf_weight_names
+from mfsdp.models import Llama, get_config
 from mfsdp.transforms import apply_transforms
 
 TINY = dict(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48, vocab_size=64, max_seq_len=32)
