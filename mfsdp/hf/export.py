@@ -21,8 +21,7 @@ from typing import Callable, Mapping, Sequence
 
 import torch
 
-from mfsdp.hf.files import (SHARD_BYTES, Entry, HFWeightsError, WeightFiles, copy_file, write_file, write_text,
-                            write_weights)
+from mfsdp.hf.files import SHARD_BYTES, Entry, HFWeightsError, WeightFiles, write_bytes, write_file, write_weights
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -90,7 +89,7 @@ def export_adapter(out: Path, tensors: Mapping[str, torch.Tensor], adapter_confi
     out.mkdir(parents=True, exist_ok=True)
     entries = [Entry(name, tuple(t.shape), dtype or t.dtype) for name, t in tensors.items()]
     write_file(out / ADAPTER_WEIGHTS, entries, lambda entry: tensors[entry.name])
-    write_text(out / ADAPTER_CONFIG, json.dumps(adapter_config, indent=2) + "\n")
+    write_bytes(out / ADAPTER_CONFIG, (json.dumps(adapter_config, indent=2) + "\n").encode())
     origin = finish(out, None, dtype, source, tokenizer)
     return Exported(out, "PEFT LoRA adapter", len(entries), 1, (out / ADAPTER_WEIGHTS).stat().st_size, origin,
                     base=adapter_config.get("base_model_name_or_path") or "BASE")
@@ -105,16 +104,16 @@ def finish(out: Path, config: dict | None, dtype: torch.dtype | None, source: st
         config.update(dtype=str(dtype).removeprefix("torch."), torch_dtype=str(dtype).removeprefix("torch."))
     files = tokenizer_files(source)
     for file in files:
-        copy_file(file, out / file.name)
+        write_bytes(out / file.name, file.read_bytes())
     if not files and tokenizer is not None:
         with tempfile.TemporaryDirectory() as saved:
             tokenizer.save(Path(saved))
             for file in sorted(Path(saved).iterdir()):
-                copy_file(file, out / file.name)
+                write_bytes(out / file.name, file.read_bytes())
         if config is not None:
             config.update(tokenizer.special_ids())
     if config is not None:
-        write_text(out / "config.json", json.dumps(config, indent=2) + "\n")
+        write_bytes(out / "config.json", (json.dumps(config, indent=2) + "\n").encode())
         _write_generation_config(config, source, out)
     return source if files else tokenizer.name if tokenizer is not None else None
 
@@ -130,12 +129,12 @@ def _write_generation_config(config: dict, source: str | None, out: Path) -> Non
     tokenizer written into ``out``."""
     theirs = Path(source) / GENERATION_CONFIG if source else None
     if theirs is not None and theirs.is_file():
-        copy_file(theirs, out / GENERATION_CONFIG)
+        write_bytes(out / GENERATION_CONFIG, theirs.read_bytes())
         return
     ids = {key: config[key] for key in SPECIAL_IDS if config.get(key) is not None}
     if "pad_token_id" not in ids and (pad := tokenizer_pad_id(out)) is not None:
         ids["pad_token_id"] = pad
-    write_text(out / GENERATION_CONFIG, json.dumps(ids, indent=2) + "\n")
+    write_bytes(out / GENERATION_CONFIG, (json.dumps(ids, indent=2) + "\n").encode())
 
 
 def tokenizer_pad_id(directory: Path) -> int | None:

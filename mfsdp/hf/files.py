@@ -25,7 +25,6 @@ import contextlib
 import json
 import math
 import os
-import shutil
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -143,7 +142,8 @@ def local_indices(param: torch.Tensor) -> Optional[list[torch.Tensor]]:
         return None
     mesh, placements = param.device_mesh, param.placements
     coord = mesh.get_coordinate()
-    shards = [(a, pl) for a, pl in enumerate(placements) if _is_shard(pl)]
+    shards = [(a, pl) for a, pl in enumerate(placements)
+              if hasattr(pl, "dim") and (pl.is_shard() or _compat.is_strided_shard(pl))]
     for axis, pl in sorted(shards, key=lambda shard: _compat.is_strided_shard(shard[1])):  # plain ones first
         pieces = full[pl.dim].chunk(mesh.size(axis))
         full[pl.dim] = pieces[coord[axis]] if coord[axis] < len(pieces) else full[pl.dim][:0]
@@ -152,10 +152,6 @@ def local_indices(param: torch.Tensor) -> Optional[list[torch.Tensor]]:
             f"cannot map the local shard of a parameter of shape {shape} with placements {placements} to global "
             f"indices (computed {tuple(len(i) for i in full)}, local shape {local_shape})")
     return full
-
-
-def _is_shard(placement) -> bool:
-    return hasattr(placement, "dim") and (placement.is_shard() or _compat.is_strided_shard(placement))
 
 
 @torch.no_grad()
@@ -236,16 +232,10 @@ def atomic(path: str | os.PathLike) -> Iterator:
         temp.unlink(missing_ok=True)
 
 
-def write_text(path: str | os.PathLike, text: str) -> None:
-    """``text`` into ``path``, atomically."""
+def write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """``data`` into ``path``, atomically (a text's ``encode()``, a small file's ``read_bytes()``)."""
     with atomic(path) as f:
-        f.write(text.encode())
-
-
-def copy_file(source: str | os.PathLike, path: str | os.PathLike) -> None:
-    """A copy of file ``source`` at ``path``, atomically."""
-    with atomic(path) as f, open(source, "rb") as s:
-        shutil.copyfileobj(s, f)
+        f.write(data)
 
 
 def write_file(path: Path, entries: Sequence[Entry], read: Callable[[Entry], torch.Tensor]) -> None:
@@ -286,6 +276,6 @@ def write_weights(out: str | os.PathLike, entries: Sequence[Entry], read: Callab
         write_file(out / name, file_entries, read)
     if len(files) > 1:
         weight_map = {e.name: name for name, fe in zip(names, files) for e in fe}
-        write_text(out / INDEX, json.dumps({"metadata": {"total_size": sum(e.nbytes for e in entries)},
-                                            "weight_map": weight_map}, indent=2))
+        write_bytes(out / INDEX, json.dumps({"metadata": {"total_size": sum(e.nbytes for e in entries)},
+                                             "weight_map": weight_map}, indent=2).encode())
     return len(files)

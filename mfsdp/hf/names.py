@@ -42,25 +42,22 @@ _DENSE_FFN = (("feed_forward.w1.weight", "mlp.gate_proj.weight"),
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # a buffer some older checkpoints saved; rebuilt here
 LINEARS = {m.removesuffix(".weight"): t.removesuffix(".weight") for m, t in _LAYER + _DENSE_FFN if "norm" not in m}
 """A bundled block's linears by their name in the block -> the Hugging Face Llama/Qwen2/Mistral name."""
-_BUNDLED_LINEARS = {t: m for m, t in LINEARS.items()}
-_BLOCK = re.compile(r"(model\.)?layers\.(\d+)\.(.+)")
 
 
 def hf_module_name(name: str) -> str:
     """The Hugging Face name of the bundled model's module ``name`` (``layers.0.attention.wq`` ->
     ``model.layers.0.self_attn.q_proj``); any other name (a Hugging Face model's own) as it is."""
-    m = _BLOCK.fullmatch(name)
-    if m and not m.group(1) and m.group(3) in LINEARS:
-        return f"model.layers.{m.group(2)}.{LINEARS[m.group(3)]}"
-    return name
+    return _renamed(name, "", "model.", LINEARS)
 
 
 def bundled_module_name(name: str) -> str:
     """The bundled name of the Hugging Face module ``name``, the inverse of ``hf_module_name``."""
-    m = _BLOCK.fullmatch(name)
-    if m and m.group(1) and m.group(3) in _BUNDLED_LINEARS:
-        return f"layers.{m.group(2)}.{_BUNDLED_LINEARS[m.group(3)]}"
-    return name
+    return _renamed(name, "model.", "", {t: m for m, t in LINEARS.items()})
+
+
+def _renamed(name: str, prefix: str, to: str, table: dict[str, str]) -> str:
+    m = re.fullmatch(re.escape(prefix) + r"layers\.(\d+)\.(.+)", name)
+    return f"{to}layers.{m[1]}.{table[m[2]]}" if m and m[2] in table else name
 
 
 def hf_weight_names(cfg: LlamaConfig) -> list[tuple[str, str]]:

@@ -44,7 +44,7 @@ import torch.distributed.checkpoint as dcp
 from mfsdp.adapter_names import is_adapter
 from mfsdp.hf.config import ARCHITECTURES, bundled_config_from_hf, hf_config_of
 from mfsdp.hf.export import Exported, export_adapter, export_merged, export_model, tokenizer_files
-from mfsdp.hf.files import SHARD_BYTES, Entry, HFWeightsError, has_weights, write_text
+from mfsdp.hf.files import SHARD_BYTES, Entry, HFWeightsError, has_weights, write_bytes
 from mfsdp.hf.names import hf_weight_names
 from mfsdp.lora_export import lora_of, merge_updates, peft_state_dict
 from mfsdp.train.checkpoint import META, CheckpointMeta, find_latest, is_complete
@@ -88,7 +88,7 @@ def export_hf(source: str | Path, out_dir: str | Path, dtype: torch.dtype | None
     if _section(run).uses_manager:
         config, plan, covered = _hf_plan(run, meta, saved, dtype, out)
     else:
-        config, plan = _bundled_hf_plan(run, meta) if hf else _bundled_plan(run)
+        config, plan = _bundled_plan(run, meta)
         covered = {key for _, key in plan} | {MODEL + "output.weight"}  # a tied head: the embedding
     _refuse_unplaced(saved, plan, covered, config["architectures"][0], checkpoint)
     if not hf and tokenizer is None:
@@ -158,24 +158,14 @@ def model_config_of(run: dict, hf_config: dict | None = None):
         raise ExportError(f"the checkpoint's recorded model config does not build a model ({err})") from None
 
 
-def _bundled_plan(run: dict) -> tuple[dict, list[tuple[str, str]]]:
-    c = model_config_of(run)
-    return hf_config_of(c), _bundled_names(c)
-
-
-def _bundled_hf_plan(run: dict, meta: CheckpointMeta) -> tuple[dict, list[tuple[str, str]]]:
-    """A --model.hf run trained as the bundled Llama: its source's config.json, and the bundled
-    names under the Hugging Face ones."""
-    raw = _source_config(run, meta)
+def _bundled_plan(run: dict, meta: CheckpointMeta) -> tuple[dict, list[tuple[str, str]]]:
+    """The config.json of a run of the bundled model (a --model.hf run's: its source's), and (Hugging
+    Face name, checkpoint key) of every tensor."""
+    raw = _source_config(run, meta) if run["model"].get("hf") else None
     c = model_config_of(run, raw)
-    config = {**raw, "dtype": None, "torch_dtype": None}  # stamped by the export, here in the key order
-    config.setdefault("architectures", [ARCHITECTURES[raw["model_type"]]])
-    return config, _bundled_names(c)
-
-
-def _bundled_names(c) -> list[tuple[str, str]]:
-    """(Hugging Face name, checkpoint key) of every tensor of the bundled model of ``c``."""
-    return [(name, MODEL + key) for name, key in hf_weight_names(c)]
+    config = hf_config_of(c) if raw is None else {**raw, "dtype": None, "torch_dtype": None}  # in key order
+    config.setdefault("architectures", [ARCHITECTURES.get(config["model_type"])])
+    return config, [(name, MODEL + key) for name, key in hf_weight_names(c)]
 
 
 def _refuse_unplaced(saved: dict, plan: list[tuple[str, str]], covered: set[str], architecture: str,
@@ -203,7 +193,7 @@ def _hf_plan(run: dict, meta: CheckpointMeta, saved: dict, dtype: torch.dtype, o
                           "pip install transformers") from None
     from mfsdp.hf.sharded import candidate_keys, meta_model_from_config, model_tensors
 
-    write_text(out / "config.json", json.dumps(_source_config(run, meta)))
+    write_bytes(out / "config.json", json.dumps(_source_config(run, meta)).encode())
     config = transformers.AutoConfig.from_pretrained(out, local_files_only=True)
     model = meta_model_from_config(config)
     prefix = getattr(model, "base_model_prefix", "") or ""
