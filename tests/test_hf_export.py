@@ -124,4 +124,5 @@ def test_a_misshapen_tensor_is_one_error_line_on_either_route(route, tmp_path, c
     lines = [line for line in err.splitlines() if "error" in line.lower()]
     assert code == 2 and "Traceback" not in err and len(lines) == 1, err
     assert lines[0].startswith(f"mfsdp train: error: --model.hf {source}: ")
-    assert "model.layers.1.mlp.up_proj.weight has shape (8, 16)" in lines[0] and "config.json" in lines[0]
+    assert "model.layers.1.mlp.up_proj.weight in model.safetensors has shape (8, 16)" in lines[0]  # tensor, file
+    assert lines[0].endswith("does config.json describe these weights?")  # the fix

@@ -130,7 +130,7 @@ def test_a_bad_checkpoint_is_refused_naming_the_tensor(hf_dirs, tmp_path):
         load_hf_weights(Llama(cfg), tmp_path / "extra")
     config = json.loads((root / "llama" / "config.json").read_text())
     wider = bundled_config_from_hf({**config, "intermediate_size": 128}, SEQ)
-    with pytest.raises(HFWeightsError, match=r"model\.layers\.0\.mlp\.gate_proj\.weight has shape \(96, 64\), "
+    with pytest.raises(HFWeightsError, match=r"model\.layers\.0\.mlp\.gate_proj\.weight in model\.safetensors has shape \(96, 64\), "
                        r"the bundled layers\.0\.feed_forward\.w1\.weight \(128, 64\)") as err:
         load_hf_weights(Llama(wider), root / "llama")
     assert "\n" not in str(err.value)

@@ -57,7 +57,7 @@ class HFWeightsError(ValueError, KeyError):
     @classmethod
     def of(cls, directory, *, missing: Sequence[str] = (), mismatched: Sequence[str] = (),
            extra: Sequence[str] = (), model: str = "the model") -> HFWeightsError:
-        """``missing``: tensors no file holds; ``mismatched``: "NAME has shape S, the model's T";
+        """``missing``: tensors no file holds; ``mismatched``: "NAME in FILE has shape S, the model's T";
         ``extra``: file tensors ``model`` has no place for (a trained weight would be dropped)."""
         parts = [f"no tensor {_few(missing)} in its safetensors files" if missing else "",
                  f"shape mismatch: {_few(mismatched, '; ')}" if mismatched else "",

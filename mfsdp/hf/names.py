@@ -108,7 +108,7 @@ def load_hf_weights(model: Llama, hf_dir: str | Path) -> None:
             tensor_slice = files.get_slice(key)
             shape, expected = tuple(tensor_slice.get_shape()), tuple(params[name].shape)
             if shape != expected:
-                mismatched.append(f"{key} has shape {shape}, the bundled {name} {expected}")
+                mismatched.append(f"{key} in {files.files[key].name} has shape {shape}, the bundled {name} {expected}")
             plan.append((name, tensor_slice))
         extra = sorted(k for k in files.files if k not in used and not k.endswith(_IGNORED_SUFFIXES))
         if missing or mismatched or extra:  # a left-over tensor would be a trained weight dropped

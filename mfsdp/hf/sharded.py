@@ -88,8 +88,8 @@ def load_hf_weights(model: nn.Module, path: str, *, strict: bool = True) -> list
             used.add(key)
             sl = files.get_slice(key)
             if tuple(sl.get_shape()) != tuple(tensor.shape):
-                mismatched.append(f"{key} has shape {tuple(sl.get_shape())}, the model's {names[0]} "
-                                  f"{tuple(tensor.shape)}")
+                mismatched.append(f"{key} in {files.files[key].name} has shape {tuple(sl.get_shape())}, the model's "
+                                  f"{names[0]} {tuple(tensor.shape)}")
                 continue
             read_local(tensor, sl, names[0])
         unused = sorted(set(files.files) - used)
