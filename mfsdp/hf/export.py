@@ -68,16 +68,13 @@ def export_merged(out: Path, base: str, updates: Mapping[str, Callable[..., torc
         if missing:
             raise HFWeightsError(f"the base directory {base} has no {missing[:4]}, which the adapters were trained "
                                  "on; was it replaced by another model? Restore the run's base directory")
-        entries = []
-        for name in files.files:
-            view = files.get_slice(name)
-            floating = view.get_dtype().startswith(("F", "BF"))
-            entries.append(Entry(name, tuple(view.get_shape()), dtype if floating else view[:].dtype))
+        views = {name: files.get_slice(name) for name in files.files}
+        entries = [Entry(name, tuple(v.get_shape()), dtype if v.get_dtype().startswith(("F", "BF")) else v[:].dtype)
+                   for name, v in views.items()]  # floating point in ``dtype``, any other in its own
 
         def read(entry: Entry) -> torch.Tensor:
             weight = files.get_slice(entry.name)[:]
-            update = updates.get(entry.name)
-            return weight if update is None else update(weight, dtype=entry.dtype)
+            return updates[entry.name](weight, dtype=entry.dtype) if entry.name in updates else weight
 
         return export_model(out, entries, read, config, dtype, source, tokenizer, max_shard_bytes)
 

@@ -60,10 +60,9 @@ class CheckpointMeta:
     export writes this as ``adapter_config.json``. None: every parameter is in the checkpoint."""
 
     def __post_init__(self) -> None:
-        if self.contents not in CONTENTS or self.weights_dtype not in DTYPES or self.export_dtype not in (None, *DTYPES):
-            raise ValueError(f"contents {self.contents!r} (one of {', '.join(CONTENTS)}), weights_dtype "
-                             f"{self.weights_dtype!r} or export_dtype {self.export_dtype!r} (one of "
-                             f"{', '.join(DTYPES)}) is unknown")
+        for key, known in (("contents", CONTENTS), ("weights_dtype", DTYPES), ("export_dtype", (None, *DTYPES))):
+            if getattr(self, key) not in known:
+                raise ValueError(f"{key} {getattr(self, key)!r} (one of {', '.join(map(str, known))}) is unknown")
 
     @property
     def model_only(self) -> bool:
