@@ -115,6 +115,26 @@ class WeightFiles:
             self._open[path] = safe_open(path, framework="pt", device="cpu")
         return self._open[path].get_slice(name)
 
+    def match(self, wanted, whose: str) -> tuple[list, list[str], list[str], set[str]]:
+        """Each ``(candidate keys, tensor, name, label)`` of ``wanted`` found under its first key the
+        files hold, its shape checked against the tensor's: ``(tensor, slice, name)`` to read, the
+        labels of those not found (a None label: the tensor may be absent), the mismatches (``whose``
+        names the tensor's owner) and the keys used; nothing is read yet."""
+        plan, missing, mismatched, used = [], [], [], set()
+        for keys, tensor, name, label in wanted:
+            key = next((k for k in keys if k in self), None)
+            if key is None:
+                missing += [label] if label else []
+                continue
+            used.add(key)
+            found, shape = self.get_slice(key), tuple(tensor.shape)
+            if tuple(found.get_shape()) != shape:
+                mismatched.append(f"{key} in {self.files[key].name} has shape {tuple(found.get_shape())}, {whose} "
+                                  f"{name} {shape}")
+            else:
+                plan.append((tensor, found, name))
+        return plan, missing, mismatched, used
+
     def close(self) -> None:
         self._open.clear()
 

@@ -96,24 +96,14 @@ def load_hf_weights(model: Llama, hf_dir: str | Path) -> None:
     if unfilled:
         raise HFWeightsError(f"the bundled model's {unfilled[0]} has no Hugging Face name (a model "
                              f"{type(model).__name__} these weights cannot fill)")
-    with WeightFiles(hf_dir) as files:
-        plan, missing, mismatched = [], [], []
-        used = {"lm_head.weight"} if model.cfg.tie_embeddings else set()  # some tied checkpoints keep a copy
-        for hf_name, name in names:  # check everything before writing anything
-            key = hf_name if hf_name in files else hf_name.removeprefix("model.")
-            if key not in files:
-                missing.append(f"{hf_name} (for {name})")
-                continue
-            used.add(key)
-            tensor_slice = files.get_slice(key)
-            shape, expected = tuple(tensor_slice.get_shape()), tuple(params[name].shape)
-            if shape != expected:
-                mismatched.append(f"{key} in {files.files[key].name} has shape {shape}, the bundled {name} {expected}")
-            plan.append((name, tensor_slice))
+    with WeightFiles(hf_dir) as files:  # check everything before writing anything
+        wanted = [((hf, hf.removeprefix("model.")), params[name], name, f"{hf} (for {name})") for hf, name in names]
+        plan, missing, mismatched, used = files.match(wanted, "the bundled")
+        used |= {"lm_head.weight"} if model.cfg.tie_embeddings else set()  # some tied checkpoints keep a copy
         extra = sorted(k for k in files.files if k not in used and not k.endswith(_IGNORED_SUFFIXES))
         if missing or mismatched or extra:  # a left-over tensor would be a trained weight dropped
             raise HFWeightsError.of(hf_dir, missing=missing, mismatched=mismatched, extra=extra,
                                     model="the bundled model")
-        for name, tensor_slice in plan:
-            read_local(params[name], tensor_slice, name)
+        for tensor, found, name in plan:
+            read_local(tensor, found, name)
     model.reset_rotary_tables()

@@ -72,29 +72,22 @@ def load_hf_weights(model: nn.Module, path: str, *, strict: bool = True) -> list
     any of their names. Checkpoint keys may carry or lack the model's ``base_model_prefix``.
     The compute weights are refreshed afterwards. Returns the checkpoint keys nobody used.
     Raises :class:`mfsdp.hf.files.HFWeightsError` (a ``KeyError``; ``strict``) when a parameter has no
-    tensor or a different shape, naming them. No collective is issued.
+    tensor or a different shape, naming them, before anything is written. No collective is issued.
     """
     prefix = getattr(model, "base_model_prefix", "") or ""
     param_ids = {id(p) for p in model.parameters()}
-    missing, mismatched, used = [], [], set()
+    # A persistent buffer may be absent (HF omits many), and LoRA adapters are not in a base checkpoint
+    # (init_adapters draws them): neither is missing.
+    wanted = [(candidate_keys(names, prefix), tensor, names[0],
+               names[0] if id(tensor) in param_ids and not is_adapter(names[0]) else None)
+              for names, tensor in model_tensors(model)]
     with WeightFiles(path) as files:
-        for names, tensor in model_tensors(model):
-            key = next((k for k in candidate_keys(names, prefix) if k in files), None)
-            if key is None:
-                if id(tensor) in param_ids and not is_adapter(names[0]):  # a persistent buffer may be absent
-                    # (HF omits many); LoRA adapters are not in a base checkpoint (init_adapters draws them)
-                    missing.append(names[0])
-                continue
-            used.add(key)
-            sl = files.get_slice(key)
-            if tuple(sl.get_shape()) != tuple(tensor.shape):
-                mismatched.append(f"{key} in {files.files[key].name} has shape {tuple(sl.get_shape())}, the model's "
-                                  f"{names[0]} {tuple(tensor.shape)}")
-                continue
-            read_local(tensor, sl, names[0])
+        plan, missing, mismatched, used = files.match(wanted, "the model's")
+        if strict and (missing or mismatched):
+            raise HFWeightsError.of(path, missing=missing, mismatched=mismatched)
+        for tensor, found, name in plan:
+            read_local(tensor, found, name)
         unused = sorted(set(files.files) - used)
-    if strict and (missing or mismatched):
-        raise HFWeightsError.of(path, missing=missing, mismatched=mismatched)
     refresh_compute_weights(model)
     if unused:
         logger.info("load_hf_weights: %d checkpoint tensors not used: %s", len(unused), unused[:8])
