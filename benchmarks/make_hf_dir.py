@@ -3,7 +3,7 @@ chat rows: what a fine-tuning run needs, built here because nothing may be downl
 
     python benchmarks/make_hf_dir.py OUT_DIR --shape llama3-8b [--rows ROWS.jsonl --n-rows 2000]
 
-The directory comes from ``mfsdp.random_hf`` (``--shape`` is one of its ``SHAPES``); the rows are
+The directory comes from ``mfsdp.hf.random_model`` (``--shape`` is one of its ``SHAPES``); the rows are
 sums of small numbers, each answer repeated a random number of times.
 """
 
@@ -14,7 +14,7 @@ import json
 import random
 from pathlib import Path
 
-from mfsdp.random_hf import SHAPES, make_model, make_tokenizer, model_config
+from mfsdp.hf.random_model import SHAPES, make_model, make_tokenizer, model_config
 
 
 def make_rows(path: Path, n: int, seed: int = 0) -> None:

@@ -65,7 +65,7 @@ def build_hf(name, placements, ac, world, grad_fp32, device, tp=1):
     import transformers
 
     from mfsdp.manager import MegatronFSDPConfig, MegatronFSDPManager, build_device_mesh
-    from mfsdp.manager.hf_checkpoint import meta_model_from_config
+    from mfsdp.hf.sharded import meta_model_from_config
 
     strategy = {"zero3": 3, "zero2": 2, "zero1": 1}[placements]
     config = MegatronFSDPConfig(zero_dp_strategy=strategy, grad_reduce_in_fp32=grad_fp32,

@@ -1,7 +1,7 @@
 """The transformers + PEFT LoRA row: how fast the usual LoRA fine-tune runs on one GPU, the figure
 ``mfsdp train --peft.method lora`` is compared with.
 
-A Hugging Face causal LM in bf16 (random weights from ``mfsdp.random_hf.SHAPES[--shape]``, built on
+A Hugging Face causal LM in bf16 (random weights from ``mfsdp.hf.random_model.SHAPES[--shape]``, built on
 the device, or ``--hf DIR`` loaded with ``from_pretrained``), SDPA attention,
 ``peft.get_peft_model`` with LoRA r 16, alpha 32, dropout 0 on every linear but the head, fused
 AdamW (lr 2e-4, weight decay 0) on the adapters, no autocast, adapters in PEFT's default dtype
@@ -33,7 +33,7 @@ import peft  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
-from mfsdp.random_hf import SHAPES, model_config  # noqa: E402
+from mfsdp.hf.random_model import SHAPES, model_config  # noqa: E402
 
 
 def build(args, device: torch.device):

@@ -83,8 +83,8 @@ class DataModel:
 @dataclass(frozen=True)
 class ExportSection:
     dtype: str = "auto"
-    """The weights' dtype: auto, bf16 or fp32; auto: a model-only checkpoint's, else the run's
-    --train.save_dtype where it named one, else bf16."""
+    """The weights' dtype: auto, bf16 or fp32; auto: the end-of-run export's (--train.save_dtype, else
+    the run's compute dtype), as the checkpoint records it."""
     max_shard_gb: float = 5.0
     """The largest safetensors file, in GB."""
 
@@ -165,11 +165,12 @@ def _print_pairs(info: dict, where: str) -> None:
 
 
 def export(source: str, out: str, options: ExportSection, peft: ExportPeft) -> int:
+    from mfsdp.hf.export import exported_line
     from mfsdp.train.checkpoint import CheckpointError
-    from mfsdp.train.export import DTYPES, ExportError, exported_line
-    from mfsdp.train.export_lora import export_checkpoint
+    from mfsdp.train.config import DTYPES
+    from mfsdp.train.export import ExportError, export_hf
     try:
-        done = export_checkpoint(source, out, dtype=DTYPES.get(options.dtype),
+        done = export_hf(source, out, dtype=DTYPES.get(options.dtype),
                          max_shard_bytes=max(1, int(options.max_shard_gb * 1e9)), merge=peft.merge_on_export)
     except (ExportError, CheckpointError) as err:
         return _error("export", err)

@@ -1,6 +1,6 @@
 """``make finetune-demo``: fine-tune a Hugging Face directory on CPU, then chat with the export.
 
-Builds a tiny random Llama directory with a ChatML tokenizer (``mfsdp.random_hf``) and chat rows of
+Builds a tiny random Llama directory with a ChatML tokenizer (``mfsdp.hf.random_model``) and chat rows of
 a few fixed questions and answers, then runs the three steps of the README's first screen:
 ``mfsdp prepare-data``, ``mfsdp train --nproc-per-node 2 ... --train.export_hf true``, and
 ``transformers`` on the export, which answers a question from the rows by greedy decoding. Exits 1
@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dir", type=Path, default=Path("runs/finetune-demo"),
                         help="the demo's directory, replaced on each run (default: runs/finetune-demo)")
     args, extra = parser.parse_known_args(argv)
-    from mfsdp.random_hf import make_model, make_tokenizer
+    from mfsdp.hf.random_model import make_model, make_tokenizer
 
     start, work = time.monotonic(), fresh_dir(args.dir)
     model_dir, rows, tokens, out = work / "model", work / "chats.jsonl", work / "chats.tokens", work / "run"

@@ -1,9 +1,10 @@
-"""What leaves a LoRA model (``mfsdp.transforms.lora``): PEFT adapter directories and merged weights.
+"""The LoRA math of what leaves a LoRA model (``mfsdp.transforms.lora``): PEFT's names and adapter config, and
+the adapters merged into the weights. ``mfsdp.hf.export`` writes the files.
 
-``save_peft_adapter`` writes ``adapter_model.safetensors`` and ``adapter_config.json`` as ``peft``
-does, so ``PeftModel.from_pretrained(base, DIR)`` (and the servers that read PEFT adapters) load
-them; it needs ``safetensors``, not ``peft``. ``merged_state_dict`` folds the adapters into the
-weights, for a plain Hugging Face directory of the fine-tuned model.
+``save_peft_adapter`` writes a PEFT adapter directory (``mfsdp.hf.export.export_adapter``), so
+``PeftModel.from_pretrained(base, DIR)`` (and the servers that read PEFT adapters) load it; it
+needs ``safetensors``, not ``peft``. ``merged_state_dict`` folds the adapters into the weights, and
+``merge_updates`` does so tensor by tensor for ``mfsdp.hf.export.export_merged``.
 
 The keys are PEFT's (``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``), in the
 Hugging Face layout of the base model: the bundled Llama uses the same rotate-half rotary layout as
@@ -12,19 +13,20 @@ Hugging Face's Llama, Qwen2 and Mistral, so no adapter row is permuted.
 
 from __future__ import annotations
 
-import json
+import functools
 from pathlib import Path
+from typing import Callable
 
 import torch
 from torch import nn
 
-from mfsdp.transforms.lora import ADAPTERS, LoraTransform, candidate_linears, hf_module_name, is_adapter, lora_linears
+from mfsdp.transforms.adapter_names import ADAPTERS, is_adapter
+from mfsdp.hf.export import export_adapter
+from mfsdp.hf.names import hf_module_name
+from mfsdp.transforms.lora import LoraTransform, candidate_linears, lora_linears
 
-__all__ = ["ADAPTER_WEIGHTS", "ADAPTER_CONFIG", "adapter_state_dict", "merged_state_dict", "merge_weight", "peft_key",
-           "hf_target_modules", "peft_adapter_config", "save_peft_adapter", "write_peft_adapter"]
-
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
-ADAPTER_CONFIG = "adapter_config.json"
+__all__ = ["adapter_state_dict", "merged_state_dict", "merge_weight", "merge_updates", "peft_key", "peft_state_dict",
+           "hf_target_modules", "peft_adapter_config", "lora_of", "save_peft_adapter"]
 
 
 def _whole(t: torch.Tensor) -> torch.Tensor:
@@ -62,6 +64,15 @@ def merge_weight(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tenso
     return (weight.float() + scale * delta).to(dtype or weight.dtype)
 
 
+def merge_updates(adapters: dict[str, torch.Tensor], lora: LoraTransform) -> dict[str, Callable[..., torch.Tensor]]:
+    """Per adapted weight's Hugging Face name (``model.layers.0.self_attn.q_proj.weight``), the
+    ``merge_weight`` of its adapters (``adapters``: whole, under the model's names) with ``lora``'s scale."""
+    modules = {name.rpartition(".")[0] for name in adapters}
+    return {f"{hf_module_name(m)}.weight": functools.partial(
+        merge_weight, lora_A=adapters[f"{m}.lora_A"], lora_B=adapters[f"{m}.lora_B"], scale=lora.scale)
+        for m in modules}
+
+
 def peft_key(name: str) -> str:
     """PEFT's state-dict key of the adapter ``name`` (``layers.0.attention.wq.lora_A`` ->
     ``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``), on either model."""
@@ -93,6 +104,16 @@ def peft_adapter_config(lora: LoraTransform, target_modules: list[str],
             "revision": None}
 
 
+def lora_of(config: dict) -> LoraTransform:
+    """The LoraTransform a PEFT adapter config (``peft_adapter_config``) records, as its scale needs."""
+    return LoraTransform(r=config["r"], alpha=config["lora_alpha"], use_rslora=config["use_rslora"])
+
+
+def peft_state_dict(adapters: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``adapters`` (whole, under the model's names: ``layers.0.attention.wq.lora_A``) under PEFT's keys."""
+    return {peft_key(name): t for name, t in adapters.items()}
+
+
 def save_peft_adapter(model: nn.Module, lora: LoraTransform, out_dir: str | Path,
                       base_model_name_or_path: str | None = None, dtype: torch.dtype | None = None) -> Path:
     """Write ``model``'s adapters (made by ``lora``) as a PEFT adapter directory ``out_dir`` and
@@ -103,19 +124,4 @@ def save_peft_adapter(model: nn.Module, lora: LoraTransform, out_dir: str | Path
     if not adapters:
         raise ValueError(f"{type(model).__name__} has no LoRA adapters to save; apply LoraTransform first")
     config = peft_adapter_config(lora, hf_target_modules(model), base_model_name_or_path)
-    return write_peft_adapter(adapters, config, out_dir, dtype)
-
-
-def write_peft_adapter(adapters: dict[str, torch.Tensor], config: dict, out_dir: str | Path,
-                       dtype: torch.dtype | None = None) -> Path:
-    """Write ``adapters`` (whole, under the model's names: ``layers.0.attention.wq.lora_A``) under
-    PEFT's keys, in ``dtype`` (None: their own), and ``config`` (``peft_adapter_config``) as the PEFT
-    adapter directory ``out_dir``; the one writer of both the live and the offline export."""
-    from safetensors.torch import save_file
-
-    tensors = {peft_key(name): t.to(dtype or t.dtype).cpu().contiguous() for name, t in adapters.items()}
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out / ADAPTER_WEIGHTS), metadata={"format": "pt"})
-    (out / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
-    return out
+    return export_adapter(Path(out_dir), peft_state_dict(adapters), config, dtype).path

@@ -120,7 +120,7 @@ def _hf_dir(family: str, path):
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "mixtral"])
 def test_model_hf_runs_export_their_own_architecture(world, corpus, tmp_path, family):
-    from mfsdp.manager.hf_checkpoint import meta_model_from_config
+    from mfsdp.hf.sharded import meta_model_from_config
     from mfsdp.train.export import export_hf
 
     source = _hf_dir(family, tmp_path / "source")
@@ -148,14 +148,14 @@ def safetensors_dtypes(path) -> set:
 
 
 def test_the_generation_config_is_the_source_directory_s(tmp_path):
-    from mfsdp.train.generation_config import write_generation_config
+    from mfsdp.hf.export import finish
 
     source, out = tmp_path / "source", tmp_path / "out"
     source.mkdir()
     out.mkdir()
     transformers.GenerationConfig(bos_token_id=1, eos_token_id=[2, 7], temperature=0.6, do_sample=True
                                   ).save_pretrained(source)
-    write_generation_config({"bos_token_id": 1, "eos_token_id": 2}, str(source), out)
+    finish(out, {"bos_token_id": 1, "eos_token_id": 2}, torch.float32, str(source))
     assert (out / "generation_config.json").read_text() == (source / "generation_config.json").read_text()
     assert transformers.GenerationConfig.from_pretrained(out).eos_token_id == [2, 7]
 

@@ -256,7 +256,8 @@ def test_bundled_route_trains_resumes_and_exports(world, dirs, corpus, tmp_path,
     from test_export_hf import trained_state
 
     from mfsdp.cli import main as cli_main
-    from mfsdp.models import Llama, bundled_config_from_hf
+    from mfsdp.hf.config import bundled_config_from_hf
+    from mfsdp.models import Llama
 
     root, models = dirs
     source, out = root / family, tmp_path / "run"

@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mfsdp.models import (Llama, Llama3RopeScaling, UnsupportedHFConfig, bundled_config_from_hf,
-                          hf_weight_names, param_counts, supports_bundled)
+from mfsdp.hf.config import UnsupportedHFConfig, bundled_config_from_hf, supports_bundled
+from mfsdp.hf.names import hf_weight_names
+from mfsdp.models import Llama, Llama3RopeScaling, param_counts
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -1,4 +1,4 @@
-"""mfsdp.hf_io, the one owner of Hugging Face weight files: a streamed write cut into several files
+"""mfsdp.hf.files, the one owner of Hugging Face weight files: a streamed write cut into several files
 reads back through its index exactly (mixed dtypes, a 0-element tensor); the slice reader gives
 the full read's block for ranges and for scattered rows; the error names each tensor and the
 directory."""
@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from mfsdp.hf_io import (INDEX, SHARD_BYTES, WEIGHTS, Entry, HFWeightsError, NoWeightsError, WeightFiles,
+from mfsdp.hf.files import (INDEX, SHARD_BYTES, WEIGHTS, Entry, HFWeightsError, NoWeightsError, WeightFiles,
                          has_weights, read_block, weight_files, write_weights)
 
 pytest.importorskip("safetensors")

@@ -11,7 +11,10 @@ import shutil
 import pytest
 import torch
 
-from mfsdp.models import HFWeightsError, Llama, bundled_config_from_hf, hf_weight_names, load_hf_weights
+from mfsdp.hf.config import bundled_config_from_hf
+from mfsdp.hf.files import HFWeightsError
+from mfsdp.hf.names import hf_weight_names, load_hf_weights
+from mfsdp.models import Llama
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
@@ -127,7 +130,7 @@ def test_a_bad_checkpoint_is_refused_naming_the_tensor(hf_dirs, tmp_path):
         load_hf_weights(Llama(cfg), tmp_path / "extra")
     config = json.loads((root / "llama" / "config.json").read_text())
     wider = bundled_config_from_hf({**config, "intermediate_size": 128}, SEQ)
-    with pytest.raises(HFWeightsError, match=r"model\.layers\.0\.mlp\.gate_proj\.weight has shape \(96, 64\), "
+    with pytest.raises(HFWeightsError, match=r"model\.layers\.0\.mlp\.gate_proj\.weight in model\.safetensors has shape \(96, 64\), "
                        r"the bundled layers\.0\.feed_forward\.w1\.weight \(128, 64\)") as err:
         load_hf_weights(Llama(wider), root / "llama")
     assert "\n" not in str(err.value)

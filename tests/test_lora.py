@@ -10,9 +10,10 @@ import math
 import pytest
 import torch
 
-from mfsdp.transforms.lora import LoraTransform, hf_module_name, init_adapters, lora_linears
+from mfsdp.transforms.lora import LoraTransform, init_adapters, lora_linears
 from mfsdp.lora_export import adapter_state_dict, hf_target_modules, merged_state_dict, peft_key
-from mfsdp.models import Llama, get_config, hf_weight_names
+from mfsdp.hf.names import hf_module_name, hf_weight_names
+from mfsdp.models import Llama, get_config
 from mfsdp.transforms import apply_transforms
 
 TINY = dict(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48, vocab_size=64, max_seq_len=32)
@@ -66,12 +67,15 @@ def test_the_8b_line_on_the_meta_device():
 
 
 def test_lora_reads_its_names_off_the_one_table():
-    """LoRA's block names (linears and norms) are the Hugging Face name table's, not a second copy."""
-    from mfsdp.transforms.lora import HF_BLOCK_NAMES
+    """LoRA's linear names are the Hugging Face name table's (``mfsdp.hf.names``), not a second copy,
+    and its two renamings are each other's inverse."""
+    from mfsdp.hf.names import LINEARS, bundled_module_name
 
-    derived = {(f"model.layers.0.{hf}.weight", f"layers.0.{ours}.weight") for ours, hf in HF_BLOCK_NAMES.items()}
-    assert derived == {pair for pair in hf_weight_names(get_config("tiny")) if pair[1].startswith("layers.0.")}
-    assert HF_BLOCK_NAMES["attention.wq"] == "self_attn.q_proj" and len(HF_BLOCK_NAMES) == 9
+    derived = {(f"model.layers.0.{hf}.weight", f"layers.0.{ours}.weight") for ours, hf in LINEARS.items()}
+    assert derived <= set(hf_weight_names(get_config("tiny"))) and len(LINEARS) == 7
+    assert LINEARS["attention.wq"] == "self_attn.q_proj"
+    assert all(bundled_module_name(hf_module_name(f"layers.3.{ours}")) == f"layers.3.{ours}" for ours in LINEARS)
+    assert not hasattr(__import__("mfsdp.transforms.lora", fromlist=["x"]), "HF_BLOCK_NAMES")
 
 
 def test_targets_by_either_naming_and_never_the_head():

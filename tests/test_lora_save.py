@@ -13,7 +13,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from mfsdp.transforms.lora import LoraTransform, init_adapters, is_adapter, lora_linears
-from mfsdp.lora_export import ADAPTER_CONFIG, ADAPTER_WEIGHTS, hf_target_modules, peft_adapter_config
+from mfsdp.hf.export import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from mfsdp.lora_export import hf_target_modules, peft_adapter_config
 from mfsdp.train.checkpoint import CheckpointError, CheckpointMeta, load_checkpoint, save_checkpoint
 from test_lora import randomize_b, tiny
 
@@ -134,7 +135,9 @@ def trained(tmp_path_factory):
     chat template), the bundled model it came from, and the base directory."""
     from test_manager_models import make_hf
 
-    from mfsdp.models import Llama, bundled_config_from_hf, load_hf_weights
+    from mfsdp.hf.config import bundled_config_from_hf
+    from mfsdp.hf.names import load_hf_weights
+    from mfsdp.models import Llama
     from mfsdp.train.adapters import adapter_record
     from mfsdp.train.args import load_config
 
@@ -207,17 +210,15 @@ def test_merge_on_export_writes_the_merged_model_with_the_base_tokenizer(trained
     peft = pytest.importorskip("peft")
     from safetensors.torch import load_file
 
-    from mfsdp.train.export import ExportError, export_hf, exported_line
-    from mfsdp.train.export_lora import export_checkpoint
+    from mfsdp.hf.export import exported_line
+    from mfsdp.train.export import export_hf
 
     model, base, runs = trained
-    with pytest.raises(ExportError, match="holds LoRA adapters only; export it with `mfsdp export`"):
-        export_hf(runs["true"], tmp_path / "plain")
-    done = export_checkpoint(runs["true"], tmp_path / "merged")
+    done = export_hf(runs["true"], tmp_path / "merged")  # the run's --peft.merge_on_export true
     assert "AutoModelForCausalLM.from_pretrained" in exported_line(done) and done.tokenizer == str(base)
     for name in ("chat_template.jinja", "tokenizer_config.json", "generation_config.json", "config.json"):
         assert (tmp_path / "merged" / name).is_file(), name
-    export_checkpoint(runs["false"], tmp_path / "adapter")
+    export_hf(runs["false"], tmp_path / "adapter")
     adapted = peft.PeftModel.from_pretrained(_hf(base), tmp_path / "adapter").eval()
     with torch.no_grad():
         assert float((_hf(tmp_path / "merged")(TOKENS).logits - adapted(TOKENS).logits).abs().max()) < 1e-5

@@ -11,8 +11,8 @@ import torch.distributed as dist
 from models import full_params as full, max_rel_error
 from test_manager_models import batch, make_hf
 from mfsdp.manager import MegatronFSDPConfig, MegatronFSDPManager, build_device_mesh, fully_shard_optimizer
-from mfsdp.manager.hf_checkpoint import (init_weights_shard_local, load_hf_weights, local_indices,
-                                         meta_model_from_config, save_hf_checkpoint)
+from mfsdp.hf.files import local_indices
+from mfsdp.hf.sharded import init_weights_shard_local, load_hf_weights, meta_model_from_config, save_hf_checkpoint
 
 pytest.importorskip("transformers")
 pytest.importorskip("safetensors")

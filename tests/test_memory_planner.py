@@ -158,7 +158,7 @@ def _tp_predictions(strategy, dp):
     """Per optimizer shard: the planner's model state of the manager's tp=2 model (fake tp group)."""
     from mfsdp.manager.core_options import dp_placements, precision_policy, resolve_unit_modules
     from mfsdp.manager import MegatronFSDPConfig
-    from mfsdp.manager.hf_checkpoint import meta_model_from_config
+    from mfsdp.hf.sharded import meta_model_from_config
     from mfsdp.manager.mesh import MeshSizes
     from mfsdp.memory import TensorParallel
     from mfsdp.memory.model_state import Levels, describe_units, optimizer_state_bytes

@@ -226,7 +226,8 @@ def hf_dir(tmp_path_factory):
 def test_a_model_hf_runs_export_carries_its_tokenizer_files_and_chat_template(world, hf_dir, tmp_path):
     import transformers
 
-    from mfsdp.train.export import TOKENIZER_FILES, export_hf
+    from mfsdp.hf.export import TOKENIZER_FILES
+    from mfsdp.train.export import export_hf
 
     base = [a for flag, value in zip(RUN[::2], RUN[1::2]) if not flag.startswith("--model.") for a in (flag, value)]
     out, tokens = tmp_path / "run", tmp_path / "hf.tokens"

@@ -35,13 +35,13 @@ CHATS = [{"prompt": [_turn("system", "be brief"), _turn(USER, "how many apples?"
 
 @pytest.fixture(scope="module")
 def hf(tmp_path_factory):
-    """The tiny model directory of ``mfsdp.random_hf`` ("chatml"), its tokenizer with a BOS added to
+    """The tiny model directory of ``mfsdp.hf.random_model`` ("chatml"), its tokenizer with a BOS added to
     every text ("bos"), and that one without a chat template ("plain")."""
     pytest.importorskip("trl")
     from tokenizers import processors
     from transformers import AutoTokenizer
 
-    from mfsdp.random_hf import make_model, make_tokenizer
+    from mfsdp.hf.random_model import make_model, make_tokenizer
     dirs = {name: tmp_path_factory.mktemp(name) for name in ("chatml", "bos", "plain")}
     make_model(dirs["chatml"], "tiny")
     make_tokenizer(dirs["chatml"])

@@ -7,15 +7,6 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "mfsdp"
 
-HF_HELPER_PENDING = {
-    # Issue 51's Hugging Face boundary moves these modules into mfsdp/hf/ and drops these imports;
-    # the merge empties this list.
-    ("mfsdp.train.export", "mfsdp.manager.hf_checkpoint._candidate_keys"),
-    ("mfsdp.train.export", "mfsdp.manager.hf_checkpoint._model_tensors"),
-    ("mfsdp.train.export_lora", "mfsdp.train.export._dtype_name"),
-    ("mfsdp.train.export_lora", "mfsdp.train.export._source_config"),
-    ("mfsdp.train.export_lora", "mfsdp.train.export._write_tokenizer"),
-}
 
 
 def _private(dotted: str) -> bool:
@@ -56,4 +47,4 @@ def test_no_module_imports_another_modules_private_name():
         name = ".".join(parts[:-1] if is_package else parts)
         if name != "mfsdp._compat":
             found |= {(name, imported) for imported in private_imports(name, path.read_text(), is_package)}
-    assert found - HF_HELPER_PENDING == set(), sorted(found - HF_HELPER_PENDING)
+    assert not found, sorted(found)

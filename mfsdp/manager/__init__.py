@@ -13,8 +13,8 @@ import logging
 from mfsdp.manager.config import MegatronFSDPConfig
 from mfsdp.manager.context_parallel import attention_context, shard_sequence, shift_labels, use_causal_sdpa
 from mfsdp.manager.core_options import communication_policy, dp_placements, precision_policy, resolve_unit_modules
-from mfsdp.manager.hf_checkpoint import (init_weights_shard_local, load_hf_weights, materialize_meta_buffers,
-                                         meta_model_from_config, save_hf_checkpoint)
+from mfsdp.hf.sharded import (init_weights_shard_local, load_hf_weights, materialize_meta_buffers,
+                              meta_model_from_config, save_hf_checkpoint)
 from mfsdp.manager.manager import (MegatronFSDPManager, MegatronFSDPModel, NonFiniteGradientError,
                                    fully_shard_optimizer, maybe_shard_optimizer)
 from mfsdp.manager.mesh import MESH_DIM_NAMES, build_device_mesh, build_device_mesh_from_config

@@ -74,10 +74,10 @@ class MegatronFSDPConfig:
 
     init_fsdp_with_meta_device: bool = False
     """Default False. True: ``parallelize`` accepts a model built on the meta device (e.g.
-    :func:`~mfsdp.manager.hf_checkpoint.meta_model_from_config`); ``fully_shard`` allocates only this
+    :func:`~mfsdp.hf.sharded.meta_model_from_config`); ``fully_shard`` allocates only this
     rank's shards, meta buffers (RoPE ``inv_freq``) are recomputed, and the shards are either loaded
     from ``parallelize(..., hf_path=DIR)`` (each rank reads only its slices of the safetensors) or
-    initialised shard-locally (:func:`~mfsdp.manager.hf_checkpoint.init_weights_shard_local`). The
+    initialised shard-locally (:func:`~mfsdp.hf.sharded.init_weights_shard_local`). The
     full model never exists on one rank. False: a meta-device model is an error."""
 
     grad_reduce_in_fp32: bool = True

@@ -36,8 +36,8 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 import mfsdp
 from mfsdp import FsdpModule, _compat
-from mfsdp.hf_io import has_weights
-from mfsdp.manager import hf_checkpoint
+from mfsdp.hf.files import has_weights
+from mfsdp.hf import sharded as hf_sharded
 from mfsdp.manager.config import MegatronFSDPConfig, field_names
 from mfsdp.manager.context_parallel import CAUSAL_SDPA, DP_SHARD_CP, use_causal_sdpa
 from mfsdp.manager.core_options import (checkpoint_forward, communication_policy, dp_placements,
@@ -310,7 +310,7 @@ class MegatronFSDPManager:
         A model built on the meta device (``init_fsdp_with_meta_device=True``) gets storage for this
         rank's shards only; then ``hf_path`` (a local HF safetensors directory) is loaded into the
         shards, each rank reading only its slices, or, without ``hf_path``, every shard is
-        initialised locally (:func:`~mfsdp.manager.hf_checkpoint.init_weights_shard_local`, seeded
+        initialised locally (:func:`~mfsdp.hf.sharded.init_weights_shard_local`, seeded
         by ``init_seed``). ``hf_path`` also loads into a materialised model.
         """
         compute_dtype, on_meta = self._check_model(model, optimizer, hf_path)
@@ -343,11 +343,11 @@ class MegatronFSDPManager:
                         CAUSAL_SDPA)
             use_causal_sdpa(model)
         if on_meta:
-            hf_checkpoint.materialize_meta_buffers(model)
+            hf_sharded.materialize_meta_buffers(model)
         if hf_path is not None:
-            hf_checkpoint.load_hf_weights(model, hf_path)
+            hf_sharded.load_hf_weights(model, hf_path)
         elif on_meta:
-            hf_checkpoint.init_weights_shard_local(model, seed=init_seed)
+            hf_sharded.init_weights_shard_local(model, seed=init_seed)
 
         _dress_root(model, _ManagerState(c, compute_dtype, _gradient_groups(model), _slots(model)))
         if optimizer is not None:
@@ -382,12 +382,12 @@ class MegatronFSDPManager:
 
     def load_pretrained(self, model: nn.Module, path: str) -> nn.Module:
         """Load a local HF safetensors directory into a model this manager parallelized (slices only)."""
-        hf_checkpoint.load_hf_weights(model, path)
+        hf_sharded.load_hf_weights(model, path)
         return model
 
     def save_pretrained(self, model: nn.Module, path: str, **kwargs) -> None:
         """Export consolidated HF safetensors + config.json (a collective; rank 0 writes)."""
-        hf_checkpoint.save_hf_checkpoint(model, path, **kwargs)
+        hf_sharded.save_hf_checkpoint(model, path, **kwargs)
 
 
 def _gradient_groups(model: nn.Module) -> list:

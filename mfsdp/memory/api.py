@@ -308,7 +308,7 @@ def _hf(obj, dtype, tp: TensorParallel, tp_mesh, transforms: tuple = ()):
     import transformers
 
     from mfsdp.manager.core_options import resolve_unit_modules
-    from mfsdp.manager.hf_checkpoint import meta_model_from_config
+    from mfsdp.hf.sharded import meta_model_from_config
 
     given = isinstance(obj, nn.Module)
     model = obj if given else meta_model_from_config(obj, dtype=dtype)

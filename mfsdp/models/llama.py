@@ -175,7 +175,7 @@ class LlamaConfig:
         Lenient on purpose: it reads the shape of any Llama-like decoder (Mixtral's experts too),
         including ones the bundled model cannot run, because the manager trains those. The config
         of a bundled model built from Hugging Face weights comes from
-        ``mfsdp.models.hf_config.bundled_config_from_hf``, which honours or refuses every key that
+        ``mfsdp.hf.config.bundled_config_from_hf``, which honours or refuses every key that
         changes the forward. Raises KeyError or ValueError when the dict is not a Llama-like
         decoder config.
         """

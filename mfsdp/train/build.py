@@ -11,10 +11,10 @@ import torch
 import mfsdp
 from mfsdp import transforms
 from mfsdp.transforms.float8 import Float8Transform
-from mfsdp.hf_io import HFWeightsError
+from mfsdp.hf.files import HFWeightsError
+from mfsdp.hf.names import load_hf_weights
 from mfsdp.transforms.lora import init_adapters
 from mfsdp.mesh import DP_SHARD, TWO_AXIS, build_mesh, resolve_placements
-from mfsdp.models.hf_weights import load_hf_weights
 from mfsdp.models.llama import Llama
 from mfsdp.models.moe import build_model
 from mfsdp.models.parallelize import ParallelizeConfig, compile_modules, parallelize
@@ -32,8 +32,11 @@ def build(cfg: RunConfig, device: torch.device, world: int, log: Callable[[str],
     compute = cfg.compute_dtype(device.type)
     pretrained = cfg.loads_weights() and (not resuming or cfg.peft.lora)
     model_transforms = transforms_for(cfg)
-    model = build_hf(cfg, device, compute, world, log, pretrained, model_transforms) if cfg.model.uses_manager \
-        else build_bundled(cfg, device, compute, world, log, pretrained, model_transforms)
+    try:  # alike on every rank: each checks every tensor
+        model = build_hf(cfg, device, compute, world, log, pretrained, model_transforms) if cfg.model.uses_manager \
+            else build_bundled(cfg, device, compute, world, log, pretrained, model_transforms)
+    except HFWeightsError as err:
+        raise ConfigError(f"--model.hf {cfg.model.hf}: {err}") from None
     optimizer = mfsdp.fully_shard_optimizer(model, adamw(model, cfg.train), offload=offload_policy(cfg.parallel),
                                             flat_adamw=cfg.train.flat_adamw(device.type))
     describe_offload(optimizer, cfg, log)
@@ -77,10 +80,7 @@ def build_bundled(cfg: RunConfig, device: torch.device, compute: torch.dtype, wo
     log(f"model built and initialised shard by shard: {shard_numel(model) / 1e6:,.1f}M parameters on this "
         f"rank, peak memory {peak_memory_gib(device):.2f} GiB")
     if pretrained:
-        try:
-            load_hf_weights(model, cfg.model.hf)
-        except HFWeightsError as err:  # alike on every rank: each checks every tensor before writing
-            raise ConfigError(f"--model.hf {cfg.model.hf}: {err}") from None
+        load_hf_weights(model, cfg.model.hf)
         log(f"loaded the weights of {cfg.model.hf} into the bundled Llama, each rank its own slices")
     init_adapters(model, cfg.train.seed)  # neither init_weights nor the loader touches them
     return model
@@ -161,7 +161,7 @@ def build_hf(cfg, device: torch.device, compute_dtype: torch.dtype, world: int, 
     """
     from mfsdp.manager import MegatronFSDPConfig, MegatronFSDPManager, build_device_mesh
     from mfsdp.manager.core_options import resolve_unit_modules
-    from mfsdp.manager.hf_checkpoint import meta_model_from_config, refresh_compute_weights
+    from mfsdp.hf.sharded import meta_model_from_config, refresh_compute_weights
 
     p, path = cfg.parallel, cfg.model.hf
     config = MegatronFSDPConfig(

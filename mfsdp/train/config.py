@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from mfsdp.mesh import PLACEMENT_NAMES as PLACEMENTS, TWO_AXIS
-from mfsdp.models.hf_config import UnsupportedHFConfig, bundled_config_from_hf, supports_bundled
+from mfsdp.hf.config import UnsupportedHFConfig, bundled_config_from_hf, supports_bundled
 from mfsdp.models.llama import HEAD_LOSSES, LlamaConfig, get_config
 from mfsdp.transforms.float8 import FLOAT8_CHOICES, float8_placement_problem
 from mfsdp.train.errors import ConfigError, require
@@ -86,7 +86,7 @@ class ModelSection:
     hf_impl: str = "auto"
     """How a --model.hf model is built: "bundled" runs it as the bundled Llama (compiled blocks, FP8,
     planned as the preset of its shape; the Llama, Qwen2 and Mistral configs that
-    mfsdp.models.hf_config accepts), "manager" runs Hugging Face's own modeling code through
+    mfsdp.hf.config accepts), "manager" runs Hugging Face's own modeling code through
     mfsdp.manager (any causal LM, slower), "auto" the bundled route where the config allows it,
     else the manager's (the run says why). A run records the route it took, and resumes on it."""
     random_init: bool = False

@@ -54,14 +54,15 @@ def checkpointed_params(cfg: RunConfig) -> int:
     return adapter_params(cfg) if cfg.peft.lora else flops.param_counts(cfg.llama_config())["total"]
 
 
-def export_bytes(cfg: RunConfig) -> int:
+def export_bytes(cfg: RunConfig, device_type: str = "cuda") -> int:
     """Bytes of the model export the run writes besides its checkpoints: with ``--train.export_hf``,
-    every parameter once in bf16 (``export.export_hf``'s default dtype; a LoRA run's adapters only,
-    unless it merges them on export), else 0."""
+    every parameter once in ``RunConfig.weights_dtype`` (the export's dtype; a LoRA run's adapters
+    only, unless it merges them on export), else 0."""
     if not cfg.train.export_hf:
         return 0
     adapters = cfg.peft.lora and not cfg.peft.merge_on_export
-    return 2 * (adapter_params(cfg) if adapters else flops.param_counts(cfg.llama_config())["total"])
+    params = adapter_params(cfg) if adapters else flops.param_counts(cfg.llama_config())["total"]
+    return params * cfg.weights_dtype(device_type).itemsize
 
 
 def free_space(path: str | Path) -> tuple[Path, int]:
@@ -85,7 +86,7 @@ def check_disk(cfg: RunConfig, share: float = 1.0, device_type: str = "cuda") ->
     root = Path(t.out_dir) / "checkpoints"
     where, free = free_space(root)
     count = new_checkpoints_at_once(t, len(complete_checkpoints(root)) if root.is_dir() else 0)
-    export = export_bytes(cfg)
+    export = export_bytes(cfg, device_type)
     smaller = _model_only_fix(cfg, params, share, device_type, free - export)
     what = "this node's share of one checkpoint" if share < 1 else "one checkpoint"
     if one > free:

@@ -40,8 +40,8 @@ def export_hf(checkpoint: Path, out: Path, log, dtype: torch.dtype) -> None:
     others wait; a failure stops them all."""
     problem = None
     if dist.get_rank() == 0:
-        from mfsdp.train.export import ExportError, exported_line
-        from mfsdp.train.export_lora import export_checkpoint as export
+        from mfsdp.hf.export import exported_line
+        from mfsdp.train.export import ExportError, export_hf as export
 
         try:
             log(exported_line(export(checkpoint, out, dtype)))

@@ -1,19 +1,24 @@
-"""``mfsdp export``: a training checkpoint out as a Hugging Face model directory.
+"""``mfsdp export``: a training checkpoint out as a Hugging Face model directory, read here and
+written by ``mfsdp.hf.export``.
 
-``export_hf(CHECKPOINT_OR_RUN_DIR, OUT_DIR)`` writes ``config.json``, ``generation_config.json``
-(``generation_config.py``), the weights as safetensors (``model.safetensors``, or numbered files of at
-most ``max_shard_bytes`` plus ``model.safetensors.index.json``; in ``checkpoint_dtype`` unless told) and
-a tokenizer: a ``--model.hf`` run's directory's tokenizer files and chat template as they are, where that
+``export_hf(CHECKPOINT_OR_RUN_DIR, OUT_DIR)`` writes ``config.json``, ``generation_config.json``, the
+weights as safetensors (``model.safetensors``, or numbered files of at most ``max_shard_bytes`` plus
+``model.safetensors.index.json``; in ``checkpoint_dtype`` unless told) and a tokenizer: a
+``--model.hf`` run's directory's tokenizer files and chat template as they are, where that
 directory still has them, else the tokenizer the run's token file was made with (if any);
-``transformers.AutoModelForCausalLM.from_pretrained(OUT_DIR)`` then loads the trained model. A model-only checkpoint (``--train.save_only_model``, bf16 or fp32)
-exports as a full one does.
+``transformers.AutoModelForCausalLM.from_pretrained(OUT_DIR)`` then loads the trained model. A
+model-only checkpoint (``--train.save_only_model``, bf16 or fp32) exports as a full one does. A LoRA
+run's checkpoint (``meta.json`` has ``peft``) goes out as a PEFT adapter directory, its
+``adapter_config.json`` the PEFT config the run recorded, or with ``merge`` (default: the run's
+``--peft.merge_on_export``) as the base directory's model with ``scale * B @ A`` added to each
+target (``mfsdp.lora_export``).
 
 * ``--model.hf`` runs go back out as the architecture they came in as, with the config.json they
   came in with (recorded in the checkpoint). Through the manager the parameter names are the
-  model's own, matched to the checkpoint by the manager's rules (``mfsdp.manager.hf_checkpoint``:
+  model's own, matched to the checkpoint by the manager's rules (``mfsdp.hf.sharded.candidate_keys``:
   tied weights written once under their first name, the base-model prefix added or removed); on
   the bundled route the bundled names go out under the Hugging Face ones
-  (``mfsdp.models.hf_weights.hf_weight_names``, the table the weights came in by).
+  (``mfsdp.hf.names.hf_weight_names``, the table the weights came in by).
 * The bundled Llama goes out as ``LlamaForCausalLM``: the same rotate-half RoPE (no q/k
   permutation is needed, unlike Meta's interleaved checkpoints), ``rope_theta``, ``rms_norm_eps``
   and tied embeddings carried over. The mixtures of experts go out as ``MixtralForCausalLM``, whose
@@ -29,40 +34,27 @@ process whatever world size saved it.
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import shutil
 import warnings
 from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
 
-from mfsdp.hf_io import SHARD_BYTES, Entry, write_weights
-from mfsdp.models.hf_config import ARCHITECTURES, bundled_config_from_hf, hf_config_of
-from mfsdp.models.hf_weights import hf_weight_names
+from mfsdp.transforms.adapter_names import is_adapter
+from mfsdp.hf.config import ARCHITECTURES, bundled_config_from_hf, hf_config_of
+from mfsdp.hf.export import Exported, export_adapter, export_merged, export_model, tokenizer_files
+from mfsdp.hf.files import SHARD_BYTES, Entry, HFWeightsError, has_weights, write_bytes
+from mfsdp.hf.names import hf_weight_names
+from mfsdp.lora_export import lora_of, merge_updates, peft_state_dict
 from mfsdp.train.checkpoint import META, CheckpointMeta, find_latest, is_complete
-from mfsdp.train.generation_config import write_generation_config
+from mfsdp.train.config import DTYPES
 
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 MODEL = "model."  # the checkpoint's prefix of the model state (mfsdp.train.checkpoint)
 
 
 class ExportError(Exception):
     """An export problem the user can fix; the message names the fix."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Exported:
-    path: Path
-    architecture: str
-    tensors: int
-    files: int
-    nbytes: int
-    tokenizer: str | None
-    """The directory whose tokenizer was copied, or None (the byte tokenizer, or a token file gone)."""
-    base: str | None = None
-    """A PEFT adapter directory's base model directory; None: a whole model."""
 
 
 def resolve_checkpoint(source: str | Path) -> Path:
@@ -79,27 +71,28 @@ def resolve_checkpoint(source: str | Path) -> Path:
 
 
 def export_hf(source: str | Path, out_dir: str | Path, dtype: torch.dtype | None = None,
-              max_shard_bytes: int = SHARD_BYTES) -> Exported:
+              max_shard_bytes: int = SHARD_BYTES, merge: bool | None = None) -> Exported:
     """Write checkpoint ``source`` (or a run directory's newest) to ``out_dir`` as a Hugging Face
-    model directory, in ``dtype`` (None: ``checkpoint_dtype``); no process group, one tensor in
-    memory at a time."""
+    model directory, in ``dtype`` (None: ``checkpoint_dtype``); a LoRA run's as a PEFT adapter or,
+    with ``merge`` (None: the run's ``--peft.merge_on_export``), merged. No process group, one
+    tensor in memory at a time."""
     checkpoint = resolve_checkpoint(source)
     meta = CheckpointMeta.read(checkpoint)
     run = recorded_run(checkpoint, meta)
-    if meta.peft is not None:
-        raise ExportError(f"checkpoint {checkpoint} holds LoRA adapters only; export it with `mfsdp export` "
-                          "(mfsdp.train.export_lora.export_checkpoint), which writes a PEFT adapter or merges it")
-    dtype = dtype or checkpoint_dtype(meta)
-    saved = dcp.FileSystemReader(checkpoint).read_metadata().state_dict_metadata
-    out = Path(out_dir)
+    dtype, out, hf = dtype or checkpoint_dtype(meta), Path(out_dir), run["model"].get("hf")
     out.mkdir(parents=True, exist_ok=True)
+    tokenizer = None if tokenizer_files(hf) else _tokenizer(run)
+    if meta.peft is not None:
+        return _export_lora(checkpoint, run, meta, out, dtype, max_shard_bytes, merge, tokenizer)
+    saved = dcp.FileSystemReader(checkpoint).read_metadata().state_dict_metadata
     if _section(run).uses_manager:
         config, plan, covered = _hf_plan(run, meta, saved, dtype, out)
     else:
-        config, plan = _bundled_hf_plan(run, meta, dtype) if run["model"].get("hf") else _bundled_plan(run, dtype)
+        config, plan = _bundled_plan(run, meta)
         covered = {key for _, key in plan} | {MODEL + "output.weight"}  # a tied head: the embedding
     _refuse_unplaced(saved, plan, covered, config["architectures"][0], checkpoint)
-    tokenizer = _write_tokenizer(run, config, out)
+    if not hf and tokenizer is None:
+        config["eos_token_id"] = 256  # the byte tokenizer's end of document
     entries = [Entry(name, tuple(saved[key].size), dtype if saved[key].properties.dtype.is_floating_point
                      else saved[key].properties.dtype) for name, key in plan]
     keys, reader = dict(plan), dcp.FileSystemReader(checkpoint)
@@ -107,11 +100,7 @@ def export_hf(source: str | Path, out_dir: str | Path, dtype: torch.dtype | None
     def read(entry: Entry) -> torch.Tensor:
         return read_tensors(reader, saved, [keys[entry.name]])[keys[entry.name]]
 
-    files = write_weights(out, entries, read, max_shard_bytes)
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    write_generation_config(config, run["model"].get("hf"), out)
-    return Exported(out, config["architectures"][0], len(entries), files,
-                    sum(e.nbytes for e in entries), tokenizer)
+    return export_model(out, entries, read, config, dtype, hf, tokenizer, max_shard_bytes)
 
 
 def recorded_run(checkpoint: Path, meta: CheckpointMeta) -> dict:
@@ -134,8 +123,11 @@ def read_tensors(reader: dcp.FileSystemReader, saved: dict, keys: list[str]) -> 
 
 
 def checkpoint_dtype(meta: CheckpointMeta) -> torch.dtype:
-    """The dtype an export of a checkpoint defaults to: a model-only one's weights', else the run's
-    --train.save_dtype where it named one, else bf16."""
+    """The dtype an export of a checkpoint defaults to: the end-of-run export's, which the checkpoint
+    records (``RunConfig.weights_dtype``); for a checkpoint from before that record, a model-only
+    one's weights', else the run's --train.save_dtype where it named one, else bf16."""
+    if meta.export_dtype is not None:
+        return DTYPES[meta.export_dtype]
     if meta.model_only:
         return DTYPES[meta.weights_dtype]
     return DTYPES.get(((meta.config or {}).get("train") or {}).get("save_dtype"), torch.bfloat16)
@@ -166,28 +158,14 @@ def model_config_of(run: dict, hf_config: dict | None = None):
         raise ExportError(f"the checkpoint's recorded model config does not build a model ({err})") from None
 
 
-def _bundled_plan(run: dict, dtype: torch.dtype) -> tuple[dict, list[tuple[str, str]]]:
-    c = model_config_of(run)
-    return hf_config_of(c, _dtype_name(dtype)), _bundled_names(c)
-
-
-def _bundled_hf_plan(run: dict, meta: CheckpointMeta, dtype: torch.dtype) -> tuple[dict, list[tuple[str, str]]]:
-    """A --model.hf run trained as the bundled Llama: its source's config.json, with the export's
-    dtype, and the bundled names under the Hugging Face ones."""
-    raw = _source_config(run, meta)
+def _bundled_plan(run: dict, meta: CheckpointMeta) -> tuple[dict, list[tuple[str, str]]]:
+    """The config.json of a run of the bundled model (a --model.hf run's: its source's), and (Hugging
+    Face name, checkpoint key) of every tensor."""
+    raw = _source_config(run, meta) if run["model"].get("hf") else None
     c = model_config_of(run, raw)
-    config = {**raw, "dtype": _dtype_name(dtype), "torch_dtype": _dtype_name(dtype)}
-    config.setdefault("architectures", [ARCHITECTURES[raw["model_type"]]])
-    return config, _bundled_names(c)
-
-
-def _bundled_names(c) -> list[tuple[str, str]]:
-    """(Hugging Face name, checkpoint key) of every tensor of the bundled model of ``c``."""
-    return [(name, MODEL + key) for name, key in hf_weight_names(c)]
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+    config = hf_config_of(c) if raw is None else {**raw, "dtype": None, "torch_dtype": None}  # in key order
+    config.setdefault("architectures", [ARCHITECTURES.get(config["model_type"])])
+    return config, [(name, MODEL + key) for name, key in hf_weight_names(c)]
 
 
 def _refuse_unplaced(saved: dict, plan: list[tuple[str, str]], covered: set[str], architecture: str,
@@ -213,15 +191,15 @@ def _hf_plan(run: dict, meta: CheckpointMeta, saved: dict, dtype: torch.dtype, o
     except ImportError:
         raise ExportError("exporting a --model.hf run needs the transformers package; "
                           "pip install transformers") from None
-    from mfsdp.manager.hf_checkpoint import _candidate_keys, _model_tensors, meta_model_from_config
+    from mfsdp.hf.sharded import candidate_keys, meta_model_from_config, model_tensors
 
-    (out / "config.json").write_text(json.dumps(_source_config(run, meta)))
+    write_bytes(out / "config.json", json.dumps(_source_config(run, meta)).encode())
     config = transformers.AutoConfig.from_pretrained(out, local_files_only=True)
     model = meta_model_from_config(config)
     prefix = getattr(model, "base_model_prefix", "") or ""
     plan, missing, covered = [], [], set()
-    for names, tensor in _model_tensors(model):
-        candidates = [MODEL + k for k in _candidate_keys(names, prefix)]
+    for names, tensor in model_tensors(model):
+        candidates = [MODEL + k for k in candidate_keys(names, prefix)]
         covered.update(candidates)
         key = next((k for k in candidates if k in saved), None)
         if key is None:
@@ -235,7 +213,6 @@ def _hf_plan(run: dict, meta: CheckpointMeta, saved: dict, dtype: torch.dtype, o
     config.dtype = dtype
     exported = config.to_dict()
     exported["architectures"] = [type(model).__name__]
-    exported["dtype"] = exported["torch_dtype"] = _dtype_name(dtype)
     return exported, plan, covered
 
 
@@ -251,32 +228,38 @@ def _source_config(run: dict, meta: CheckpointMeta) -> dict:
     return json.loads((source / "config.json").read_text())
 
 
+# --------------------------------------------------------------------------------- LoRA runs
+def _export_lora(checkpoint: Path, run: dict, meta: CheckpointMeta, out: Path, dtype: torch.dtype,
+                 max_shard_bytes: int, merge: bool | None, tokenizer) -> Exported:
+    """A LoRA checkpoint as a PEFT adapter directory, or with ``merge`` merged into its base."""
+    adapters, hf = read_adapters(checkpoint), run["model"].get("hf")
+    if not ((run.get("peft") or {}).get("merge_on_export") if merge is None else merge):
+        return export_adapter(out, peft_state_dict(adapters), meta.peft, dtype, hf, tokenizer)
+    base = meta.peft.get("base_model_name_or_path")
+    if not base or not has_weights(base):
+        raise ExportError(f"merging the LoRA adapters needs the base model's weights, but the run's base "
+                          f"directory {base!r} has none now; restore it, or export the adapter alone with "
+                          "--peft.merge_on_export false")
+    try:
+        return export_merged(out, base, merge_updates(adapters, lora_of(meta.peft)), dict(_source_config(run, meta)),
+                             dtype, hf, tokenizer, max_shard_bytes)
+    except HFWeightsError as err:
+        raise ExportError(str(err)) from None
+
+
+def read_adapters(checkpoint: Path) -> dict[str, torch.Tensor]:
+    """Every adapter matrix of a LoRA checkpoint, whole, under the model's names
+    (``layers.0.attention.wq.lora_A``), read without a process group."""
+    reader = dcp.FileSystemReader(checkpoint)
+    saved = reader.read_metadata().state_dict_metadata
+    keys = [key for key in saved if key.startswith(MODEL) and is_adapter(key)]
+    if not keys:
+        raise ExportError(f"checkpoint {checkpoint} is recorded as a LoRA checkpoint but holds no adapter "
+                          "(lora_A, lora_B); export another checkpoint of the run")
+    return {key[len(MODEL):]: tensor for key, tensor in read_tensors(reader, saved, keys).items()}
+
+
 # ------------------------------------------------------------------------------ tokenizer
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-                   "chat_template.jinja", "chat_template.json", "vocab.json", "merges.txt", "vocab.txt",
-                   "tokenizer.model", "spiece.model", "sentencepiece.bpe.model")
-"""Hugging Face's file names of a tokenizer and its chat template, as ``save_pretrained`` writes them."""
-
-
-def _write_tokenizer(run: dict, config: dict, out: Path) -> str | None:
-    """The run's tokenizer into ``out``: a ``--model.hf`` directory's tokenizer files as they are,
-    where it still has any (its config.json has the special ids), else the token file's tokenizer,
-    its special ids into ``config``. Returns the directory it came from, or None."""
-    hf = run["model"].get("hf")
-    files = [Path(hf) / name for name in TOKENIZER_FILES if hf and (Path(hf) / name).is_file()]
-    for file in files:
-        shutil.copyfile(file, out / file.name)
-    if files:
-        return hf
-    tokenizer = _tokenizer(run)
-    if tokenizer is not None:
-        config.update(tokenizer.special_ids())
-        tokenizer.save(out)
-    elif not hf:
-        config["eos_token_id"] = 256  # the byte tokenizer's end of document
-    return tokenizer.name if tokenizer else None
-
-
 def _tokenizer(run: dict):
     """The Hugging Face tokenizer the run's token file was made with, or None (bytes, or no file)."""
     from mfsdp.data import STDLIB, DataError, TokenFile
@@ -288,15 +271,3 @@ def _tokenizer(run: dict):
     except (DataError, TypeError, OSError):
         return None
     return HuggingFaceTokenizer(name) if name and Path(name).is_dir() else None
-
-
-def exported_line(done: Exported) -> str:
-    """What ``mfsdp export`` and ``--train.export_hf`` print."""
-    tokenizer = f", tokenizer from {done.tokenizer}" if done.tokenizer else ""
-    if done.base is not None:
-        return (f"wrote a PEFT LoRA adapter to {done.path}: {done.tensors} tensors, {done.nbytes / 1e6:,.1f} MB"
-                f"{tokenizer}; load it with peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM."
-                f"from_pretrained({done.base!r}), {str(done.path)!r})")
-    return (f"wrote {done.architecture} to {done.path}: {done.tensors} tensors, "
-            f"{done.nbytes / 1e6:,.1f} MB in {done.files} safetensors file(s){tokenizer}; load it with "
-            f"transformers.AutoModelForCausalLM.from_pretrained({str(done.path)!r})")

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import torch
 
-from mfsdp.models.hf_config import supports_bundled
+from mfsdp.hf.config import supports_bundled
 from mfsdp.models.parallelize import kept_blocks
-from mfsdp.hf_io import has_weights
+from mfsdp.hf.files import has_weights
 from mfsdp.train import determinism
 from mfsdp.train.config import FROM_RECIPE, RunConfig, bundled_refusal
 from mfsdp.train.errors import ConfigError, require
@@ -97,7 +97,7 @@ def check_transforms(cfg: RunConfig) -> None:
     if not (model_transforms := transforms_for(cfg)):
         return
     if cfg.model.uses_manager:
-        from mfsdp.manager.hf_checkpoint import meta_model_from_config
+        from mfsdp.hf.sharded import meta_model_from_config
 
         model = meta_model_from_config(cfg.model.hf)
     else:

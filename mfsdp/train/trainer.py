@@ -17,6 +17,7 @@ from mfsdp.train.adapters import adapter_record, checkpointed_numel
 from mfsdp.train.build import build
 from mfsdp.train.checkpoint import CheckpointMeta, load_checkpoint
 from mfsdp.train.checkpoint.async_save import make_checkpointer
+from mfsdp.train.config import dtype_name
 from mfsdp.train.epilogue import finish
 from mfsdp.train.evaluate import held_out_split, make_evaluator, split_record
 from mfsdp.train.metrics import MetricsLog, StepReadout, TensorBoardLog
@@ -94,7 +95,8 @@ class Trainer:
                                          self.note, model, optimizer)
         meta = CheckpointMeta(model=model_fingerprint(self.model_cfg), config=absolute_paths(cfg.to_dict()),
                               world_size=self.world, data_seed=d.seed, held_out=split_record(cfg, self.data, held),
-                              hf_config=cfg.hf_config, peft=adapter_record(cfg, model))
+                              hf_config=cfg.hf_config, peft=adapter_record(cfg, model),
+                              export_dtype=dtype_name(cfg.weights_dtype(self.device.type)))  # the export's
         last, stopped = self.train(model, optimizer, sampler, evaluator, logs, checkpointer, start_step, meta)
         for log in logs:
             log.close()

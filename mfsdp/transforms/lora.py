@@ -17,7 +17,7 @@ and optimizer state like any trainable parameter.
 
 Names: a target pattern is matched (``fnmatch``) against every dotted suffix of a linear's name and
 of its alias in the other naming (the bundled Llama's ``layers.0.attention.wq`` is Hugging Face's
-``model.layers.0.self_attn.q_proj``; ``HF_BLOCK_NAMES``). So ``q_proj``, ``wq``, ``*_proj``,
+``model.layers.0.self_attn.q_proj``; ``mfsdp.hf.names.LINEARS``). So ``q_proj``, ``wq``, ``*_proj``,
 ``self_attn.*`` and ``layers.0.*`` work on either model. ``mfsdp.lora_export`` names the adapters
 as PEFT does, writes PEFT adapter directories and merges the adapters into the weights.
 """
@@ -36,20 +36,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mfsdp.models.hf_weights import hf_weight_names
-from mfsdp.models.llama import get_config, init_chunk_seed, local_block
+from mfsdp.hf.names import bundled_module_name, hf_module_name
+from mfsdp.models.llama import init_chunk_seed, local_block
 from mfsdp.transforms.adapter_names import ADAPTERS, is_adapter
 
-__all__ = ["LoraTransform", "LoraLinear", "ALL_LINEAR", "ADAPTERS", "HF_BLOCK_NAMES", "lora_linears",
-           "candidate_linears", "init_adapters", "hf_module_name", "is_adapter"]
+__all__ = ["LoraTransform", "LoraLinear", "ALL_LINEAR", "ADAPTERS", "lora_linears", "candidate_linears",
+           "init_adapters", "is_adapter"]
 
 ALL_LINEAR = "all-linear"
 """The ``target_modules`` entry that selects every linear of the blocks (PEFT's shorthand)."""
-
-HF_BLOCK_NAMES = {ours[len("layers.0."):-len(".weight")]: hf[len("model.layers.0."):-len(".weight")]
-                  for hf, ours in hf_weight_names(get_config("tiny")) if ours.startswith("layers.0.")}
-"""A dense bundled block's modules (its linears and norms) by their name in the block -> the Hugging
-Face Llama/Qwen2/Mistral name, read off the one name table (``hf_weight_names``)."""
 
 COMPILED_BLOCK_SAVED = 0.73
 """What a compiled LoRA block of the bundled dense Llama (bf16 base frozen, adapters on all its
@@ -63,27 +58,14 @@ COMPILED_NOTE = (f"compiled blocks (--parallel.compile auto/true): a bundled den
                  f"{COMPILED_BLOCK_SAVED:.2f}x the eager activations (measured on one H200); other LoRA "
                  "recipes (a float8 base, some targets, dropout) as eager ones, an upper bound")
 
-_BUNDLED_NAMES = {hf: ours for ours, hf in HF_BLOCK_NAMES.items()}
 _BLOCK_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 _HEADS = ("output", "lm_head")  # the output projection: never adapted
 _ROUTERS = ("router",)  # the bundled mixture of experts' router: never adapted
 
 
-def _rename(name: str, blocks: str, renamed: str, table: dict) -> str:
-    """``name``, a module of block i under ``blocks`` (``layers.``), under ``renamed`` by ``table``."""
-    m = re.fullmatch(rf"{re.escape(blocks)}(\d+)\.(.+)", name)
-    return f"{renamed}{m.group(1)}.{table[m.group(2)]}" if m and m.group(2) in table else name
-
-
-def hf_module_name(name: str) -> str:
-    """The Hugging Face name of the bundled model's module ``name`` (``layers.0.attention.wq`` ->
-    ``model.layers.0.self_attn.q_proj``); any other name (a Hugging Face model's own) as it is."""
-    return _rename(name, "layers.", "model.layers.", HF_BLOCK_NAMES)
-
-
 def _matches(pattern: str, name: str) -> bool:
     """Whether ``pattern`` matches a dotted suffix of ``name`` or of its other-naming alias."""
-    for alias in {name, hf_module_name(name), _rename(name, "model.layers.", "layers.", _BUNDLED_NAMES)}:
+    for alias in {name, hf_module_name(name), bundled_module_name(name)}:
         parts = alias.split(".")
         if any(fnmatch.fnmatchcase(".".join(parts[i:]), pattern) for i in range(len(parts))):
             return True

@@ -4,7 +4,8 @@ It is written last and lists every file of the checkpoint with its size, so its 
 checkpoint complete and the list lets a resume find a truncated one. ``format`` versions the
 record: a checkpoint written before the field existed reads as format 0, and its missing entries
 (the file list, the held-out split) are None, the one place where old layouts are told apart.
-Formats 0 and 1 predate ``--train.save_only_model`` and read as the full state in fp32.
+Formats 0 and 1 predate ``--train.save_only_model`` and read as the full state in fp32; a record
+without ``export_dtype`` exports by the rule of its time (``mfsdp.train.export.checkpoint_dtype``).
 """
 
 from __future__ import annotations
@@ -51,15 +52,18 @@ class CheckpointMeta:
     (``--train.save_only_model``), so a resume starts the optimizer afresh."""
     weights_dtype: str = "fp32"
     """The weights' dtype on disk, a key of ``config.DTYPES``."""
+    export_dtype: str | None = None
+    """The dtype its Hugging Face export writes the weights in (``RunConfig.weights_dtype``, the
+    end-of-run export's), a key of ``config.DTYPES``; None: recorded before the field existed."""
     peft: dict | None = None
     """A LoRA run's PEFT adapter config (``adapters.adapter_record``): the checkpoint holds only the
     adapters (and their optimizer state), the frozen base being ``base_model_name_or_path``'s; an
     export writes this as ``adapter_config.json``. None: every parameter is in the checkpoint."""
 
     def __post_init__(self) -> None:
-        if self.contents not in CONTENTS or self.weights_dtype not in DTYPES:
-            raise ValueError(f"contents {self.contents!r} (one of {', '.join(CONTENTS)}) or weights_dtype "
-                             f"{self.weights_dtype!r} (one of {', '.join(DTYPES)}) is unknown")
+        for key, known in (("contents", CONTENTS), ("weights_dtype", DTYPES), ("export_dtype", (None, *DTYPES))):
+            if getattr(self, key) not in known:
+                raise ValueError(f"{key} {getattr(self, key)!r} (one of {', '.join(map(str, known))}) is unknown")
 
     @property
     def model_only(self) -> bool:

@@ -1,32 +1,31 @@
-"""Hugging Face weights for the bundled Llama: one table of names, and a loader that reads only each
-rank's own rows.
+"""Hugging Face weights for the bundled Llama: the one table of names, and a loader that reads only
+each rank's own rows.
 
 ``hf_weight_names(cfg)`` is the one mapping between the bundled parameter names and those of
 ``LlamaForCausalLM``, ``Qwen2ForCausalLM`` (its query/key/value biases) and ``MistralForCausalLM``,
 and ``MixtralForCausalLM`` for the mixtures of experts, in both directions: the loader reads it, and
-an exporter writes it. A tied head appears once, as the embedding. The bundled attention uses the
-same rotate-half rotary layout as these models, so no weight is permuted.
+an exporter writes it, and LoRA names a block's linears by its pairs (``hf_module_name``,
+``bundled_module_name``). A tied head appears once, as the embedding. The bundled attention uses
+the same rotate-half rotary layout as these models, so no weight is permuted.
 
 ``load_hf_weights(model, hf_dir)`` fills a model that was built on the meta device, sharded
 (``mfsdp.models.parallelize``, or any DTensor sharding on dim boundaries) and materialised with
-``to_empty``, or a plain unsharded one. For each parameter it asks the DTensor which block of the
-global tensor this rank holds (``local_block``, the same rule the shard-local init uses) and reads
-just that block from the safetensors file (``mfsdp.hf_io.read_block``), cast into the local
-shard. One tensor at a time, no collective: no rank ever holds the whole model, and
+``to_empty``, or a plain unsharded one. For each parameter it reads just the block of the global
+tensor this rank holds from the safetensors file (``mfsdp.hf.files.read_local``), cast into the
+local shard. One tensor at a time, no collective: no rank ever holds the whole model, and
 every rank checks the same files, so a bad checkpoint fails alike everywhere, before any write.
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import torch
-from torch.distributed.tensor import DTensor
 
-from mfsdp import _compat
 from mfsdp.transforms.adapter_names import is_adapter
-from mfsdp.hf_io import HFWeightsError, WeightFiles, read_block
-from mfsdp.models.llama import Llama, LlamaConfig, local_block
+from mfsdp.hf.files import HFWeightsError, WeightFiles, read_local
+from mfsdp.models.llama import Llama, LlamaConfig
 
 
 _LAYER = (("attention_norm.weight", "input_layernorm.weight"),
@@ -41,6 +40,24 @@ _DENSE_FFN = (("feed_forward.w1.weight", "mlp.gate_proj.weight"),
               ("feed_forward.w3.weight", "mlp.up_proj.weight"),
               ("feed_forward.w2.weight", "mlp.down_proj.weight"))
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # a buffer some older checkpoints saved; rebuilt here
+LINEARS = {m.removesuffix(".weight"): t.removesuffix(".weight") for m, t in _LAYER + _DENSE_FFN if "norm" not in m}
+"""A bundled block's linears by their name in the block -> the Hugging Face Llama/Qwen2/Mistral name."""
+
+
+def hf_module_name(name: str) -> str:
+    """The Hugging Face name of the bundled model's module ``name`` (``layers.0.attention.wq`` ->
+    ``model.layers.0.self_attn.q_proj``); any other name (a Hugging Face model's own) as it is."""
+    return _renamed(name, "", "model.", LINEARS)
+
+
+def bundled_module_name(name: str) -> str:
+    """The bundled name of the Hugging Face module ``name``, the inverse of ``hf_module_name``."""
+    return _renamed(name, "model.", "", {t: m for m, t in LINEARS.items()})
+
+
+def _renamed(name: str, prefix: str, to: str, table: dict[str, str]) -> str:
+    m = re.fullmatch(re.escape(prefix) + r"layers\.(\d+)\.(.+)", name)
+    return f"{to}layers.{m[1]}.{table[m[2]]}" if m and m[2] in table else name
 
 
 def hf_weight_names(cfg: LlamaConfig) -> list[tuple[str, str]]:
@@ -71,7 +88,7 @@ def hf_weight_names(cfg: LlamaConfig) -> list[tuple[str, str]]:
 def load_hf_weights(model: Llama, hf_dir: str | Path) -> None:
     """Copy a Hugging Face checkpoint's weights into ``model``'s parameters (their local shards when
     sharded) and rebuild the rotary tables (LoRA adapters, which a base checkpoint lacks, are left to
-    ``mfsdp.transforms.lora.init_adapters``); raises ``HFWeightsError`` naming every tensor that is
+    LoRA's ``init_adapters``); raises ``HFWeightsError`` naming every tensor that is
     missing, of another shape, or left over, before anything is written."""
     params = dict(model.named_parameters())  # a tied matrix once, as the embedding
     names = hf_weight_names(model.cfg)
@@ -79,38 +96,14 @@ def load_hf_weights(model: Llama, hf_dir: str | Path) -> None:
     if unfilled:
         raise HFWeightsError(f"the bundled model's {unfilled[0]} has no Hugging Face name (a model "
                              f"{type(model).__name__} these weights cannot fill)")
-    with WeightFiles(hf_dir) as files:
-        plan, missing, mismatched = [], [], []
-        used = {"lm_head.weight"} if model.cfg.tie_embeddings else set()  # some tied checkpoints keep a copy
-        for hf_name, name in names:  # check everything before writing anything
-            key = hf_name if hf_name in files else hf_name.removeprefix("model.")
-            if key not in files:
-                missing.append(f"{hf_name} (for {name})")
-                continue
-            used.add(key)
-            tensor_slice = files.get_slice(key)
-            shape, expected = tuple(tensor_slice.get_shape()), tuple(params[name].shape)
-            if shape != expected:
-                mismatched.append(f"{key} has shape {shape}, the bundled {name} {expected}")
-            plan.append((name, tensor_slice))
+    with WeightFiles(hf_dir) as files:  # check everything before writing anything
+        wanted = [((hf, hf.removeprefix("model.")), params[name], name, f"{hf} (for {name})") for hf, name in names]
+        plan, missing, mismatched, used = files.match(wanted, "the bundled")
+        used |= {"lm_head.weight"} if model.cfg.tie_embeddings else set()  # some tied checkpoints keep a copy
         extra = sorted(k for k in files.files if k not in used and not k.endswith(_IGNORED_SUFFIXES))
         if missing or mismatched or extra:  # a left-over tensor would be a trained weight dropped
             raise HFWeightsError.of(hf_dir, missing=missing, mismatched=mismatched, extra=extra,
                                     model="the bundled model")
-        for name, tensor_slice in plan:
-            _copy_local_block(params[name], tensor_slice, name)
+        for tensor, found, name in plan:
+            read_local(tensor, found, name)
     model.reset_rotary_tables()
-
-
-def _copy_local_block(param: torch.Tensor, tensor_slice, name: str) -> None:
-    """Read this rank's block of ``param`` from the file and copy it, cast, into the local tensor."""
-    if isinstance(param, DTensor) and any(_compat.is_strided_shard(p) for p in param.placements):
-        raise NotImplementedError(f"{name} is sharded twice on one dim ({param.placements}); its local rows "
-                                  "are not one block of the file's tensor, which this loader reads")
-    local, offset, shape = local_block(param)
-    if local.is_meta:
-        raise HFWeightsError(f"{name} is still on the meta device; materialise the model first "
-                             "(model.to_empty(device=...)) and then load")
-    if local.numel() == 0:
-        return
-    local.view(shape).copy_(read_block(tensor_slice, [slice(o, o + n) for o, n in zip(offset, shape)]))

@@ -1,23 +1,22 @@
-"""Hugging Face checkpoints for sharded models: load slice by slice, export consolidated.
+"""Hugging Face (transformers) models, sharded by mfsdp: load slice by slice, save consolidated.
 
 * :func:`load_hf_weights` fills an mfsdp-sharded model (typically built on the meta device) from a
   local safetensors directory. Every rank opens the files itself and reads only the rows and
-  columns of each tensor that its shards hold (``mfsdp.hf_io.read_block``): no rank-0 broadcast,
+  columns of each tensor that its shards hold (``mfsdp.hf.files.read_local``): no rank-0 broadcast,
   and no rank ever holds a whole model.
 * :func:`save_hf_checkpoint` gathers one parameter at a time (``DTensor.full_tensor()``, a
   collective on every rank) and rank 0 streams it into consolidated safetensors
-  (``mfsdp.hf_io.write_weights``) plus ``config.json``, which ``transformers`` ``from_pretrained``
+  (``mfsdp.hf.files.write_weights``) plus ``config.json``, which ``transformers`` ``from_pretrained``
   loads.
 * :func:`init_weights_shard_local` initialises a meta-built sharded model without a checkpoint,
   shard by shard, with values that do not depend on the mesh (see its docstring).
 * :func:`materialize_meta_buffers` re-creates buffers left on the meta device (RoPE ``inv_freq``).
 
-Which global indices a rank owns is derived from each parameter's DTensor placements and this
-rank's mesh coordinate, one index vector per sharded dimension (cheap: one integer per row or
-column): FSDP over dp, TP colwise/rowwise, and TP then FSDP on the same dim (strided shards) are
-handled alike, and the result is checked against ``to_local()``. The files themselves are
-``mfsdp.hf_io``'s; this module holds the manager's rules for matching a model's names to a
-checkpoint's (tied aliases, the base-model prefix).
+Which global indices a rank owns is ``mfsdp.hf.files.local_indices``'s rule: FSDP over dp, TP
+colwise/rowwise, and TP then FSDP on the same dim (strided shards) alike. The files themselves are
+``mfsdp.hf.files``'s; this module holds the manager's rules for matching a model's names to a
+checkpoint's (``candidate_keys``: tied aliases, the base-model prefix), which ``mfsdp export``
+follows too.
 """
 
 from __future__ import annotations
@@ -32,49 +31,15 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from mfsdp import _compat
 from mfsdp.transforms.adapter_names import is_adapter
-from mfsdp.hf_io import SHARD_BYTES, Entry, HFWeightsError, WeightFiles, read_block, write_weights
+from mfsdp.hf.files import SHARD_BYTES, Entry, HFWeightsError, WeightFiles, local_indices, read_local, write_weights
 from mfsdp.runtime.parameter_group import local_tensor
 
 logger = logging.getLogger("mfsdp.manager")
 
 
-# ------------------------------------------------------------------------------ ownership
-def _is_shard(placement) -> bool:
-    return hasattr(placement, "dim") and (placement.is_shard() or _compat.is_strided_shard(placement))
-
-
-def local_indices(param: torch.Tensor) -> Optional[list[torch.Tensor]]:
-    """Per dimension, the global indices of ``param``'s local block (None: this rank holds nothing).
-
-    A plain tensor owns everything. For a DTensor, each sharded dim's ``arange`` is cut with
-    ``torch.chunk`` semantics (DTensor's), mesh dim by mesh dim: first the plain ``Shard``
-    placements, then the strided ones, which by definition split what the others left (tensor
-    parallel first, then FSDP on the same dim). The result is checked against ``to_local()``.
-    """
-    shape = tuple(param.shape)
-    full = [torch.arange(n) for n in shape]
-    if not isinstance(param, DTensor):
-        return full
-    local_shape = tuple(param.to_local().shape)
-    if 0 in local_shape:
-        return None
-    mesh, placements = param.device_mesh, param.placements
-    coord = mesh.get_coordinate()
-    shards = [(a, pl) for a, pl in enumerate(placements) if _is_shard(pl)]
-    for axis, pl in sorted(shards, key=lambda shard: _compat.is_strided_shard(shard[1])):  # plain ones first
-        pieces = full[pl.dim].chunk(mesh.size(axis))
-        full[pl.dim] = pieces[coord[axis]] if coord[axis] < len(pieces) else full[pl.dim][:0]
-    if tuple(len(i) for i in full) != local_shape:
-        raise NotImplementedError(
-            f"cannot map the local shard of a parameter of shape {shape} with placements {placements} to global "
-            f"indices (computed {tuple(len(i) for i in full)}, local shape {local_shape})")
-    return full
-
-
 # ----------------------------------------------------------------------------------- load
-def _candidate_keys(names: list[str], prefix: str) -> list[str]:
+def candidate_keys(names: list[str], prefix: str) -> list[str]:
     """Checkpoint keys that may hold a model tensor: its own names (tied aliases included), then the
     same with the base-model prefix added or removed (a base model saved, a head model loaded)."""
     out = list(names)
@@ -84,7 +49,7 @@ def _candidate_keys(names: list[str], prefix: str) -> list[str]:
     return list(dict.fromkeys(out))
 
 
-def _model_tensors(model: nn.Module) -> list[tuple[list[str], torch.Tensor]]:
+def model_tensors(model: nn.Module) -> list[tuple[list[str], torch.Tensor]]:
     """Every parameter once (with all its names) and every persistent buffer."""
     by_id: dict[int, tuple[list[str], torch.Tensor]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
@@ -106,37 +71,23 @@ def load_hf_weights(model: nn.Module, path: str, *, strict: bool = True) -> list
     without tensor parallelism) and for a plain unsharded model. Tied weights are read once, under
     any of their names. Checkpoint keys may carry or lack the model's ``base_model_prefix``.
     The compute weights are refreshed afterwards. Returns the checkpoint keys nobody used.
-    Raises :class:`mfsdp.hf_io.HFWeightsError` (a ``KeyError``; ``strict``) when a parameter has no
-    tensor or a different shape, naming them. No collective is issued.
+    Raises :class:`mfsdp.hf.files.HFWeightsError` (a ``KeyError``; ``strict``) when a parameter has no
+    tensor or a different shape, naming them, before anything is written. No collective is issued.
     """
     prefix = getattr(model, "base_model_prefix", "") or ""
     param_ids = {id(p) for p in model.parameters()}
-    missing, mismatched, used = [], [], set()
+    # A persistent buffer may be absent (HF omits many), and LoRA adapters are not in a base checkpoint
+    # (init_adapters draws them): neither is missing.
+    wanted = [(candidate_keys(names, prefix), tensor, names[0],
+               names[0] if id(tensor) in param_ids and not is_adapter(names[0]) else None)
+              for names, tensor in model_tensors(model)]
     with WeightFiles(path) as files:
-        for names, tensor in _model_tensors(model):
-            key = next((k for k in _candidate_keys(names, prefix) if k in files), None)
-            if key is None:
-                if id(tensor) in param_ids and not is_adapter(names[0]):  # a persistent buffer may be absent
-                    # (HF omits many); LoRA adapters are not in a base checkpoint (init_adapters draws them)
-                    missing.append(names[0])
-                continue
-            used.add(key)
-            sl = files.get_slice(key)
-            if tuple(sl.get_shape()) != tuple(tensor.shape):
-                mismatched.append(f"{key} has shape {tuple(sl.get_shape())}, the model's {names[0]} "
-                                  f"{tuple(tensor.shape)}")
-                continue
-            indices = local_indices(tensor)
-            if indices is None:
-                continue
-            dst = local_tensor(tensor)
-            if dst.is_meta:
-                raise RuntimeError(f"{names[0]} is still on the meta device; shard the model (fully_shard or the "
-                                   "manager) or materialize its buffers before loading")
-            dst.copy_(read_block(sl, indices))
+        plan, missing, mismatched, used = files.match(wanted, "the model's")
+        if strict and (missing or mismatched):
+            raise HFWeightsError.of(path, missing=missing, mismatched=mismatched)
+        for tensor, found, name in plan:
+            read_local(tensor, found, name)
         unused = sorted(set(files.files) - used)
-    if strict and (missing or mismatched):
-        raise HFWeightsError.of(path, missing=missing, mismatched=mismatched)
     refresh_compute_weights(model)
     if unused:
         logger.info("load_hf_weights: %d checkpoint tensors not used: %s", len(unused), unused[:8])
@@ -165,7 +116,7 @@ def save_hf_checkpoint(model: nn.Module, path: str, *, dtype: Optional[torch.dty
     """
     rank = dist.get_rank() if dist.is_initialized() else 0
     dtype = dtype or getattr(model, "dtype", None)
-    tensors = {names[0]: tensor for names, tensor in _model_tensors(model)}
+    tensors = {names[0]: tensor for names, tensor in model_tensors(model)}
     entries = [Entry(name, tuple(t.shape), dtype if dtype is not None and t.is_floating_point() else t.dtype)
                for name, t in tensors.items()]
 

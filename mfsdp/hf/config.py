@@ -3,7 +3,7 @@ forward is honoured or refused, never ignored.
 
 The bundled ``Llama`` (compiled blocks, FP8, document masks, a memory plan that predicts it) runs
 ``LlamaForCausalLM``, ``Qwen2ForCausalLM`` and ``MistralForCausalLM`` checkpoints once their weights
-are loaded into it (``mfsdp.models.hf_weights``). ``bundled_config_from_hf`` translates the config;
+are loaded into it (``mfsdp.hf.names``). ``bundled_config_from_hf`` translates the config;
 whatever the bundled model cannot represent raises ``UnsupportedHFConfig``, one line naming the key
 and its value. ``supports_bundled`` gives the same verdict as a value, for a caller that picks
 between this route and the manager (which runs the Hugging Face modeling code itself).
@@ -216,10 +216,10 @@ def _refuse_short_window(c: dict, model_type: str, get, max_seq_len: int) -> Non
                                   f"tokens or {_MANAGER}")
 
 
-def hf_config_of(cfg: LlamaConfig, dtype: str) -> dict:
-    """The Hugging Face ``config.json`` of the bundled model of ``cfg`` with weights in ``dtype``
-    ("bfloat16", "float32"): ``LlamaForCausalLM`` (``Qwen2ForCausalLM`` with the query/key/value
-    biases, ``MixtralForCausalLM`` with experts), the inverse of ``bundled_config_from_hf``."""
+def hf_config_of(cfg: LlamaConfig) -> dict:
+    """The Hugging Face ``config.json`` of the bundled model of ``cfg``: ``LlamaForCausalLM``
+    (``Qwen2ForCausalLM`` with the query/key/value biases, ``MixtralForCausalLM`` with experts), the
+    inverse of ``bundled_config_from_hf``; its ``dtype`` keys are the export's to stamp."""
     model_type = "mixtral" if cfg.num_experts else "qwen2" if cfg.qkv_bias else "llama"
     rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
     if cfg.rope_scaling is not None:
@@ -232,7 +232,7 @@ def hf_config_of(cfg: LlamaConfig, dtype: str) -> dict:
         "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta,
         "rope_scaling": rope if cfg.rope_scaling is not None else None, "rope_parameters": rope,
         "attention_dropout": 0.0, "tie_word_embeddings": cfg.tie_embeddings, "initializer_range": cfg.init_std,
-        "use_cache": True, "bos_token_id": None, "eos_token_id": None, "dtype": dtype, "torch_dtype": dtype,
+        "use_cache": True, "bos_token_id": None, "eos_token_id": None, "dtype": None, "torch_dtype": None,
     }
     if model_type == "llama":
         config.update(attention_bias=False, mlp_bias=False)

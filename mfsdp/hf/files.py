@@ -1,33 +1,39 @@
 """Hugging Face weight files: the one reader and writer of a model directory's safetensors, for
-both ``--model.hf`` routes (the bundled Llama's ``mfsdp.models.hf_weights`` and the manager's
-``mfsdp.manager.hf_checkpoint``), which keep only their tables of names.
+both ``--model.hf`` routes (the bundled Llama's ``mfsdp.hf.names`` and the manager's
+``mfsdp.hf.sharded``), which keep only their tables of names, and for every export.
 
 * The index: ``model.safetensors``, or numbered files and ``model.safetensors.index.json``
   (``weight_files``, ``has_weights``).
-* The rank's slice: ``WeightFiles`` opens each file once, lazily, and ``read_block`` reads only the
-  rows and columns a rank holds from ``safe_open(...).get_slice(name)``, never the whole tensor.
-* The streamed writer: ``write_weights`` writes each file's header first (every name, dtype and
-  shape is known in advance), then each tensor's bytes as it arrives, so one tensor is held at a
-  time; files of at most ``SHARD_BYTES``, as ``save_pretrained(max_shard_size="5GB")`` cuts them.
+* The rank's slice: ``WeightFiles`` opens each file once, lazily; ``local_indices`` says which
+  rows and columns of a (DTensor) parameter a rank holds, and ``read_block`` reads only those from
+  ``safe_open(...).get_slice(name)``, never the whole tensor.
+* The writers: ``atomic`` writes any file as a temporary file renamed into place (so a reader never
+  sees half a file; mode 0644 under the usual umask); ``write_weights`` writes each file's header
+  first (every name, dtype and shape is known in advance), then each tensor's bytes as it arrives,
+  so one tensor is held at a time; files of at most ``SHARD_BYTES``, as
+  ``save_pretrained(max_shard_size="5GB")`` cuts them.
 * ``HFWeightsError``: a tensor missing, of another shape, or with no place in the model, named.
 
 The file layout is the format's own (https://huggingface.co/docs/safetensors): an 8-byte
 little-endian header length, a JSON header (padded with spaces to a multiple of 8 bytes) mapping
-each name to its dtype, shape and byte range, then the raw little-endian data. Imports only torch,
-safetensors and the standard library, so every layer of mfsdp may use it.
+each name to its dtype, shape and byte range, then the raw little-endian data.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import torch
+from torch.distributed.tensor import DTensor
+
+from mfsdp import _compat
 
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -51,7 +57,7 @@ class HFWeightsError(ValueError, KeyError):
     @classmethod
     def of(cls, directory, *, missing: Sequence[str] = (), mismatched: Sequence[str] = (),
            extra: Sequence[str] = (), model: str = "the model") -> HFWeightsError:
-        """``missing``: tensors no file holds; ``mismatched``: "NAME has shape S, the model's T";
+        """``missing``: tensors no file holds; ``mismatched``: "NAME in FILE has shape S, the model's T";
         ``extra``: file tensors ``model`` has no place for (a trained weight would be dropped)."""
         parts = [f"no tensor {_few(missing)} in its safetensors files" if missing else "",
                  f"shape mismatch: {_few(mismatched, '; ')}" if mismatched else "",
@@ -109,6 +115,26 @@ class WeightFiles:
             self._open[path] = safe_open(path, framework="pt", device="cpu")
         return self._open[path].get_slice(name)
 
+    def match(self, wanted, whose: str) -> tuple[list, list[str], list[str], set[str]]:
+        """Each ``(candidate keys, tensor, name, label)`` of ``wanted`` found under its first key the
+        files hold, its shape checked against the tensor's: ``(tensor, slice, name)`` to read, the
+        labels of those not found (a None label: the tensor may be absent), the mismatches (``whose``
+        names the tensor's owner) and the keys used; nothing is read yet."""
+        plan, missing, mismatched, used = [], [], [], set()
+        for keys, tensor, name, label in wanted:
+            key = next((k for k in keys if k in self), None)
+            if key is None:
+                missing += [label] if label else []
+                continue
+            used.add(key)
+            found, shape = self.get_slice(key), tuple(tensor.shape)
+            if tuple(found.get_shape()) != shape:
+                mismatched.append(f"{key} in {self.files[key].name} has shape {tuple(found.get_shape())}, {whose} "
+                                  f"{name} {shape}")
+            else:
+                plan.append((tensor, found, name))
+        return plan, missing, mismatched, used
+
     def close(self) -> None:
         self._open.clear()
 
@@ -117,6 +143,50 @@ class WeightFiles:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def local_indices(param: torch.Tensor) -> Optional[list[torch.Tensor]]:
+    """Per dimension, the global indices of ``param``'s local block (None: this rank holds nothing).
+
+    A plain tensor owns everything. For a DTensor, each sharded dim's ``arange`` is cut with
+    ``torch.chunk`` semantics (DTensor's), mesh dim by mesh dim: first the plain ``Shard``
+    placements, then the strided ones, which by definition split what the others left (tensor
+    parallel first, then FSDP on the same dim). The result is checked against ``to_local()``.
+    """
+    shape = tuple(param.shape)
+    full = [torch.arange(n) for n in shape]
+    if not isinstance(param, DTensor):
+        return full
+    local_shape = tuple(param.to_local().shape)
+    if 0 in local_shape:
+        return None
+    mesh, placements = param.device_mesh, param.placements
+    coord = mesh.get_coordinate()
+    shards = [(a, pl) for a, pl in enumerate(placements)
+              if hasattr(pl, "dim") and (pl.is_shard() or _compat.is_strided_shard(pl))]
+    for axis, pl in sorted(shards, key=lambda shard: _compat.is_strided_shard(shard[1])):  # plain ones first
+        pieces = full[pl.dim].chunk(mesh.size(axis))
+        full[pl.dim] = pieces[coord[axis]] if coord[axis] < len(pieces) else full[pl.dim][:0]
+    if tuple(len(i) for i in full) != local_shape:
+        raise NotImplementedError(
+            f"cannot map the local shard of a parameter of shape {shape} with placements {placements} to global "
+            f"indices (computed {tuple(len(i) for i in full)}, local shape {local_shape})")
+    return full
+
+
+@torch.no_grad()
+def read_local(tensor: torch.Tensor, tensor_slice, name: str) -> None:
+    """Copy this rank's block of the file's tensor (``tensor_slice``) into ``tensor``'s local
+    shard, cast: the one copy of both loaders."""
+    indices = local_indices(tensor)
+    if indices is None:
+        return
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    if local.is_meta:
+        raise HFWeightsError(f"{name} is still on the meta device; materialise the model first "
+                             "(model.to_empty(device=...), or shard it with fully_shard or the manager) "
+                             "and then load")
+    local.copy_(read_block(tensor_slice, indices))
 
 
 def read_block(tensor_slice, index: Sequence[slice | torch.Tensor]) -> torch.Tensor:
@@ -168,6 +238,26 @@ def plan_files(entries: Sequence[Entry], max_file_bytes: int) -> list[list[Entry
     return files
 
 
+@contextlib.contextmanager
+def atomic(path: str | os.PathLike) -> Iterator:
+    """A binary file open for writing at ``path``'s temporary name, renamed onto ``path`` when the
+    block ends (removed if it raises): the one way an export writes a file."""
+    path = Path(path)
+    temp = path.with_name(path.name + ".tmp")
+    try:
+        with open(temp, "wb") as f:
+            yield f
+        os.replace(temp, path)
+    finally:
+        temp.unlink(missing_ok=True)
+
+
+def write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """``data`` into ``path``, atomically (a text's ``encode()``, a small file's ``read_bytes()``)."""
+    with atomic(path) as f:
+        f.write(data)
+
+
 def write_file(path: Path, entries: Sequence[Entry], read: Callable[[Entry], torch.Tensor]) -> None:
     """Write ``entries`` to ``path`` (through a temp file and a rename); ``read(entry)`` gives each
     tensor when its turn comes, in any dtype (cast here) and of the entry's shape."""
@@ -179,8 +269,7 @@ def write_file(path: Path, entries: Sequence[Entry], read: Callable[[Entry], tor
         offset += e.nbytes
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
-    temp = path.with_name(path.name + ".tmp")
-    with open(temp, "wb") as f:
+    with atomic(path) as f:
         f.write(struct.pack("<Q", len(text)) + text)
         for e in entries:
             tensor = read(e)
@@ -190,7 +279,6 @@ def write_file(path: Path, entries: Sequence[Entry], read: Callable[[Entry], tor
             if tensor.numel():
                 f.write(tensor.reshape(-1).view(torch.uint8).numpy())  # the tensor's own bytes, no copy
             del tensor  # one tensor alive at a time
-    os.replace(temp, path)
 
 
 def write_weights(out: str | os.PathLike, entries: Sequence[Entry], read: Callable[[Entry], torch.Tensor],
@@ -208,6 +296,6 @@ def write_weights(out: str | os.PathLike, entries: Sequence[Entry], read: Callab
         write_file(out / name, file_entries, read)
     if len(files) > 1:
         weight_map = {e.name: name for name, fe in zip(names, files) for e in fe}
-        (out / INDEX).write_text(json.dumps({"metadata": {"total_size": sum(e.nbytes for e in entries)},
-                                             "weight_map": weight_map}, indent=2))
+        write_bytes(out / INDEX, json.dumps({"metadata": {"total_size": sum(e.nbytes for e in entries)},
+                                             "weight_map": weight_map}, indent=2).encode())
     return len(files)
