@@ -21,7 +21,6 @@ from pathlib import Path
 
 from mfsdp.train.config import FROM_RECIPE, RunConfig
 from mfsdp.train.errors import ConfigError
-from mfsdp.train.resolve import resolve
 
 # The sections of a config (ModelSection...), by the name its flags and YAML mappings use.
 SECTIONS = {f.name: f.default_factory for f in dataclasses.fields(RunConfig) if callable(f.default_factory)}
@@ -96,9 +95,9 @@ def flag_value(argv: list[str], i: int) -> tuple[str, str, int]:
     return flag, argv[i + 1], i + 2
 
 
-def load_config(argv: list[str]) -> RunConfig:
-    """Parse ``argv`` (without the program name) into a validated RunConfig, then resolve it
-    (``mfsdp.train.resolve``: what the values name is looked up there, not in the config)."""
+def parse_config(argv: list[str]) -> RunConfig:
+    """Parse ``argv`` (without the program name) into a validated RunConfig, as given: what the values
+    name (a --model.hf directory) is looked up by ``mfsdp.train.resolve``, not here."""
     values: dict[str, dict[str, object]] = {name: {} for name in SECTIONS}
     resume, flags = False, []  # flags: (section, name, text), applied after every --config file
     i = 0
@@ -128,7 +127,7 @@ def load_config(argv: list[str]) -> RunConfig:
             sections[section] = cls(**values[section])
         except (ValueError, TypeError) as err:
             raise ConfigError(str(err)) from None
-    return resolve(RunConfig(resume=resume, **sections))
+    return RunConfig(resume=resume, **sections)
 
 
 def _split_key(key: str) -> tuple[str, str]:

@@ -63,7 +63,7 @@ def check_run(cfg: RunConfig, world: int, device_type: str, open_data: Callable[
     problem = mesh_shape_error(world, p.placements, p.replicate) or _float8_compile_problem(cfg, device_type)
     if problem:
         raise ConfigError(problem)
-    model_cfg = cfg.llama_config()
+    model_cfg = cfg.resolved.shape
     data = open_data() if open_data is not None else None
     if data is not None:
         check_tokenizer(data, cfg.model.hf, cfg.data.path)
@@ -208,7 +208,7 @@ def resolve_kept_blocks(cfg: RunConfig, world: int, device: torch.device, log) -
     p = cfg.parallel
     if p.keep_gathered_blocks != "auto":
         return cfg
-    kept, blocks = 0, cfg.llama_config().n_layers if not cfg.model.uses_manager else 0
+    kept, blocks = 0, cfg.resolved.shape.n_layers if not cfg.model.uses_manager else 0
     if device.type == "cuda" and world == 1 and blocks:
         from mfsdp.memory.plan import kept_blocks_that_fit
         from mfsdp.train.plan import planned_run

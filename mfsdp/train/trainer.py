@@ -51,7 +51,7 @@ class Trainer:
         self.resume_from, self.resume_notes = run.resume_from, run.notes
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.out_dir = Path(self.cfg.train.out_dir)
-        self.model_cfg = self.cfg.llama_config()
+        self.model_cfg = self.cfg.resolved.shape
         self.progress = NoProgress()
 
     def log(self, message: str) -> None:
@@ -89,7 +89,7 @@ class Trainer:
         checkpointer = make_checkpointer(self.out_dir / "checkpoints", cfg, self.device.type, checkpointed_numel(model),
                                          self.note, model, optimizer)
         meta = CheckpointMeta(model=model_fingerprint(self.model_cfg), config=cfg.to_dict(), world_size=self.world,
-                              data_seed=d.seed, held_out=split_record(cfg, self.data, held), hf_config=cfg.hf_config,
+                              data_seed=d.seed, held_out=split_record(cfg, self.data, held), hf_config=cfg.resolved.hf_config,
                               peft=adapter_record(cfg, model))
         last, stopped = self.train(model, optimizer, sampler, evaluator, logs, checkpointer, start_step, meta)
         for log in logs:
