@@ -10,13 +10,14 @@ values: they read no file and print nothing.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from mfsdp.mesh import PLACEMENT_NAMES as PLACEMENTS, TWO_AXIS
-from mfsdp.models.hf_config import UnsupportedHFConfig, bundled_config_from_hf, supports_bundled
+from mfsdp.models.hf_config import supports_bundled
 from mfsdp.models.llama import HEAD_LOSSES, LlamaConfig, get_config
 from mfsdp.float8_transform import FLOAT8_CHOICES, float8_placement_problem
 from mfsdp.train.errors import ConfigError, require
@@ -160,37 +161,13 @@ class ModelSection:
         not on the bundled route (``mfsdp.train.resolve`` resolves "auto" to one of the two)."""
         return self.hf is not None and self.hf_impl != "bundled"
 
-    def llama_config(self, max_seq_len: int, hf_config: dict | None = None) -> LlamaConfig:
-        """The model's shape: the preset's with the overrides, or that of ``hf_config``, the --model.hf
-        directory's config.json (read by ``mfsdp.train.resolve``)."""
-        if self.hf is not None:
-            require(hf_config is not None, f"--model.hf {self.hf}: config.json not read (mfsdp.train.resolve)")
-            return _hf_shape(self, hf_config, max_seq_len)
+    def llama_config(self, max_seq_len: int) -> LlamaConfig:
+        """A preset model's shape: the preset's with the overrides (a --model.hf model's is its
+        config.json's, ``mfsdp.train.resolve``)."""
         try:
             return get_config(self.preset, max_seq_len=max_seq_len, **self.shape_overrides())
         except ValueError as err:
             raise ConfigError(f"{err}; set --model.preset or the --model.* fields") from None
-
-
-def _hf_shape(model: ModelSection, c: dict, max_seq_len: int) -> LlamaConfig:
-    """A HF model's config.json ``c`` as a LlamaConfig: on the bundled route the exact config of the
-    bundled Llama that runs it; through the manager its shape (for FLOP counts and checkpoint checks)."""
-    if model.hf_impl == "bundled":
-        try:
-            return bundled_config_from_hf(c, max_seq_len)
-        except UnsupportedHFConfig as err:
-            raise ConfigError(bundled_refusal(model, err)) from None
-    try:
-        return LlamaConfig.from_hf(c, max_seq_len)
-    except (KeyError, ValueError) as err:
-        raise ConfigError(f"--model.hf {model.hf}: config.json is not a decoder config mfsdp "
-                          f"can train ({err})") from None
-
-
-def bundled_refusal(model: ModelSection, why) -> str:
-    """The error of --model.hf_impl bundled for a config the bundled Llama cannot run, and why."""
-    return (f"--model.hf_impl bundled: {model.hf} cannot run as the bundled Llama: {why} (--model.hf_impl "
-            "manager or auto)")
 
 
 @dataclass(frozen=True)
@@ -528,9 +505,14 @@ class ResolvedModel:
     it); None: a preset."""
     hf_weights: bool = False
     """Whether that directory holds safetensors weights."""
-    transformers_config: object = None
-    """``hf_config`` as a transformers config, built once for the model the manager route builds (the
-    meta model, the planner's, the trained one); None on the bundled route."""
+
+    @functools.cached_property
+    def transformers_config(self):
+        """``hf_config`` as a transformers config, built from the parsed dict on first use, then shared by
+        what the manager route builds from it (the planner's meta model, the trained model)."""
+        import transformers
+
+        return transformers.AutoConfig.for_model(**{"model_type": None, **self.hf_config})  # None: its error
 
 
 @dataclass(frozen=True)

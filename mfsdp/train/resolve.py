@@ -18,13 +18,13 @@ from pathlib import Path
 import torch
 
 from mfsdp.models import flops
-from mfsdp.models.hf_config import supports_bundled
+from mfsdp.models.hf_config import UnsupportedHFConfig, bundled_config_from_hf
 from mfsdp.models.llama import LlamaConfig
 from mfsdp.models.parallelize import kept_blocks
 from mfsdp.hf_io import has_weights
 from mfsdp.train import determinism
 from mfsdp.train.args import parse_config
-from mfsdp.train.config import FROM_RECIPE, ModelSection, ResolvedModel, RunConfig, bundled_refusal
+from mfsdp.train.config import FROM_RECIPE, ModelSection, ResolvedModel, RunConfig
 from mfsdp.train.errors import ConfigError, require
 
 
@@ -38,18 +38,20 @@ def resolve(cfg: RunConfig) -> RunConfig:
     against the environment and the model; raises ConfigError naming the fix."""
     if cfg.parallel.deterministic and (problem := determinism.environment_problem()):
         raise ConfigError(problem)
-    require(not cfg.metrics.tensorboard or importlib.util.find_spec("tensorboard") is not None,
-            "--metrics.tensorboard true needs the tensorboard package; pip install tensorboard (or mfsdp[train])")
-    require(not cfg.metrics.wandb or importlib.util.find_spec("wandb") is not None,
-            "--metrics.wandb true needs the wandb package; pip install wandb (or mfsdp[wandb])")
-    hf_config = None
-    if cfg.model.hf is not None:
-        path = Path(cfg.model.hf) / "config.json"
-        require(path.is_file(), f"--model.hf {cfg.model.hf}: no config.json there (a local Hugging Face model "
-                "directory is needed)")
+    for package, extra in (("tensorboard", "train"), ("wandb", "wandb")):
+        require(not getattr(cfg.metrics, package) or importlib.util.find_spec(package) is not None,
+                f"--metrics.{package} true needs the {package} package; pip install {package} (or mfsdp[{extra}])")
+    m, hf_config = cfg.model, None
+    if m.hf is None:
+        shape = m.llama_config(cfg.data.seq_len)
+    else:
+        path = Path(m.hf) / "config.json"
+        require(path.is_file(), f"--model.hf {m.hf}: no config.json there (a local Hugging Face model directory "
+                "is needed)")
         hf_config = json.loads(path.read_text())
-        cfg = dataclasses.replace(cfg, model=_route(cfg.model, hf_config, cfg.data.seq_len))
-    cfg = dataclasses.replace(cfg, resolved=_resolve_model(cfg, hf_config))
+        m, shape = _hf_model(m, hf_config, cfg.data.seq_len)
+    cfg = dataclasses.replace(cfg, model=m)
+    cfg = dataclasses.replace(cfg, resolved=_resolve_model(cfg, shape, hf_config))
     if cfg.train.out_dir is None:
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, out_dir=cfg.model.default_out_dir()))
     return _fill_recipe(cfg)
@@ -71,69 +73,65 @@ def _fill_recipe(cfg: RunConfig) -> RunConfig:
                                from_recipe=unset)
 
 
-def _route(m: ModelSection, hf_config: dict, seq_len: int) -> ModelSection:
-    """The --model.hf model's section with its route checked against its config.json and "auto"
-    resolved to the bundled route or the manager's, once: the checkpoint records it and a resume
-    keeps it."""
-    if m.hf_impl == "manager":
-        return m
-    why = supports_bundled(hf_config, seq_len)
-    require(why is None or m.hf_impl == "auto", bundled_refusal(m, why))
-    require(why is None or m.float8 == "none", f"--model.float8 needs the bundled Llama, which cannot run "
-            f"{m.hf} ({why}); use --model.float8 none")
-    if m.hf_impl != "auto":
-        return m
-    return m.on_manager() if why else dataclasses.replace(m, hf_impl="bundled")
+def _hf_model(m: ModelSection, c: dict, seq_len: int) -> tuple[ModelSection, LlamaConfig]:
+    """The --model.hf model's section, its route checked against its config.json ``c`` and "auto"
+    resolved to the bundled route or the manager's, once (the checkpoint records it and a resume keeps
+    it), and its shape: on the bundled route the exact config of the bundled Llama that runs it;
+    through the manager its shape (for FLOP counts and checkpoint checks)."""
+    if m.hf_impl != "manager":
+        try:
+            return dataclasses.replace(m, hf_impl="bundled"), bundled_config_from_hf(c, seq_len)
+        except UnsupportedHFConfig as err:
+            why = str(err)
+        require(m.hf_impl == "auto", f"--model.hf_impl bundled: {m.hf} cannot run as the bundled Llama: {why} "
+                "(--model.hf_impl manager or auto)")
+        require(m.float8 == "none", f"--model.float8 needs the bundled Llama, which cannot run {m.hf} ({why}); "
+                "use --model.float8 none")
+        m = m.on_manager()
+    try:
+        return m, LlamaConfig.from_hf(c, seq_len)
+    except (KeyError, ValueError) as err:
+        raise ConfigError(f"--model.hf {m.hf}: config.json is not a decoder config mfsdp can train ({err})") from None
 
 
-def _resolve_model(cfg: RunConfig, hf_config: dict | None) -> ResolvedModel:
-    """The model's shape, parameter counts and (on the manager route) transformers config, each found
-    once, with the checks they allow."""
-    shape = cfg.model.llama_config(cfg.data.seq_len, hf_config)
+def _resolve_model(cfg: RunConfig, shape: LlamaConfig, hf_config: dict | None) -> ResolvedModel:
+    """What the run needs to know of its model (``ResolvedModel``), each count found once, with the
+    checks that its ``shape`` allows."""
     require(not cfg.parallel.expert_units or (cfg.model.hf is None and shape.num_experts > 0),
             "--parallel.expert_units true needs a built-in mixture-of-experts model "
             "(--model.preset moe-tiny or moe-1b, or --model.num_experts N); unset it otherwise")
-    _check_kept_blocks(cfg, shape)
-    hf = None
-    if cfg.model.uses_manager:  # the one transformers config of the model every later step builds
-        import transformers
-
-        hf = transformers.AutoConfig.for_model(**hf_config)
-    return ResolvedModel(shape, flops.param_counts(shape)["total"], _adapter_params(cfg, shape, hf), hf_config,
-                         cfg.model.hf is not None and has_weights(cfg.model.hf), hf)
-
-
-def _check_kept_blocks(cfg: RunConfig, shape: LlamaConfig) -> None:
-    if not (kept := cfg.parallel.kept_blocks()):
-        return
-    require(not cfg.model.uses_manager, f"--parallel.keep_gathered_blocks applies to the bundled Llama; "
-            f"{cfg.model.hf} trains through the manager here. Use --parallel.keep_gathered_blocks 0")
-    try:
-        kept_blocks(range(shape.n_layers), kept)
-    except ValueError as err:  # the rule's own words, for the flag
-        raise ConfigError(f"--parallel.{err}") from None
+    if kept := cfg.parallel.kept_blocks():
+        require(not cfg.model.uses_manager, f"--parallel.keep_gathered_blocks applies to the bundled Llama; "
+                f"{cfg.model.hf} trains through the manager here. Use --parallel.keep_gathered_blocks 0")
+        try:
+            kept_blocks(range(shape.n_layers), kept)
+        except ValueError as err:  # the rule's own words, for the flag
+            raise ConfigError(f"--parallel.{err}") from None
+    found = ResolvedModel(shape, flops.param_counts(shape)["total"], 0, hf_config,
+                          cfg.model.hf is not None and has_weights(cfg.model.hf))
+    return dataclasses.replace(found, adapter_params=_adapter_params(cfg, found))
 
 
-def _adapter_params(cfg: RunConfig, shape: LlamaConfig, hf) -> int:
+def _adapter_params(cfg: RunConfig, found: ResolvedModel) -> int:
     """LoRA's adapter parameters (0 without), counted on the one meta model of the run: the model
     transforms of ``cfg`` (``build.transforms_for``: --model.float8, --peft) are applied, by their own
-    rules, to the model that trains built on the meta device (the bundled Llama of ``shape``, or the
-    Hugging Face model of the transformers config ``hf`` on the manager route), and a ValueError
+    rules, to the model that trains built on the meta device (the bundled Llama of its shape, or the
+    Hugging Face model of its config.json on the manager route), and a ValueError
     becomes the ConfigError of the flags."""
     from mfsdp.train.build import transforms_for
     from mfsdp.transforms import apply_transforms
 
     if not (model_transforms := transforms_for(cfg)):
         return 0
-    if hf is not None:
+    if cfg.model.uses_manager:
         from mfsdp.manager.hf_checkpoint import meta_model_from_config
 
-        model = meta_model_from_config(hf)
+        model = meta_model_from_config(found.transformers_config)
     else:
         from mfsdp.models import build_model
 
         with torch.device("meta"):
-            model = build_model(shape)
+            model = build_model(found.shape)
     try:
         apply_transforms(model, model_transforms)
     except ValueError as err:  # float8's words lack the flag; LoRA's name theirs
