@@ -74,7 +74,7 @@ def run_trainer(rank, world_size, argv, stdout=False):
     import io
     from pathlib import Path
 
-    from mfsdp.train.args import load_config
+    from mfsdp.train.resolve import load_config
     from mfsdp.train.preflight import preflight
     from mfsdp.train.trainer import Trainer
 
@@ -155,7 +155,7 @@ def test_a_checkpoint_without_a_split_resumes_with_its_training_windows(world, c
 
 def test_val_path_and_config_errors(world, corpus, tmp_path):
     from mfsdp.train.config import ConfigError
-    from mfsdp.train.args import load_config
+    from mfsdp.train.resolve import load_config
 
     with pytest.raises(ConfigError, match="val_fraction must lie in"):
         load_config(["--data.val_fraction", "1.5"])

@@ -13,7 +13,7 @@ import torch
 
 from test_eval_loss import run_trainer
 from mfsdp.train.config import ConfigError
-from mfsdp.train.args import load_config
+from mfsdp.train.resolve import load_config
 from mfsdp.train.errors import CheckpointError
 from mfsdp.train.recipes import FINE_TUNING, RECIPES
 from mfsdp.train.step import lr_at
@@ -177,8 +177,8 @@ def test_auto_takes_the_bundled_route_where_it_can(dirs):
     for family in ("llama", "qwen2"):
         cfg = load_config(["--model.hf", str(root / family)])
         assert cfg.model.hf_impl == "bundled" and not cfg.model.uses_manager and cfg.route_note() is None
-        assert cfg.llama_config().qkv_bias == (family == "qwen2")
-        assert cfg.llama_config().rope_theta == (1e6 if family == "qwen2" else 10000.0)
+        assert cfg.resolved.shape.qkv_bias == (family == "qwen2")
+        assert cfg.resolved.shape.rope_theta == (1e6 if family == "qwen2" else 10000.0)
     biased = load_config(["--model.hf", str(root / "biased")])
     assert biased.model.hf_impl == "manager" and biased.model.uses_manager
     note = biased.route_note()

@@ -15,7 +15,7 @@ from mfsdp.transforms.float8_linear import float8_linears  # noqa: E402
 from mfsdp.transforms.float8 import Float8Transform  # noqa: E402
 from mfsdp.models.parallelize import ParallelizeConfig  # noqa: E402
 from mfsdp.train.config import ConfigError  # noqa: E402
-from mfsdp.train.args import load_config  # noqa: E402
+from mfsdp.train.resolve import load_config  # noqa: E402
 from test_float8 import LLAMA, codecs, train_and_compare  # noqa: E402
 
 SKIP = ("layers.0.*", "*.w2")

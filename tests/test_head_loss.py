@@ -13,7 +13,7 @@ import torch
 
 from mfsdp.data import write_token_file
 from mfsdp.train.config import ConfigError, ModelSection
-from mfsdp.train.args import load_config
+from mfsdp.train.resolve import load_config
 from test_eval_loss import SMALL, run_trainer
 from test_model_only_checkpoint import tensors
 

@@ -14,7 +14,7 @@ import torch
 
 from mfsdp.hf import files
 from mfsdp.hf.export import ADAPTER_WEIGHTS
-from mfsdp.train.args import load_config
+from mfsdp.train.resolve import load_config
 from mfsdp.train.checkpoint import CheckpointMeta, save_checkpoint
 from test_eval_loss import SMALL
 from test_lora_save import trained  # noqa: F401 (a fixture: a LoRA run's checkpoints and base directory)
@@ -29,7 +29,7 @@ def _full_checkpoint(root, export_dtype: str | None):
     from mfsdp.models.moe import build_model
 
     cfg = load_config(SMALL)
-    model = build_model(cfg.llama_config())
+    model = build_model(cfg.resolved.shape)
     meta = CheckpointMeta(model={}, config=cfg.to_dict(), export_dtype=export_dtype)
     return save_checkpoint(root, 1, model, torch.optim.AdamW(model.parameters()), meta)
 
@@ -79,7 +79,7 @@ def test_the_disk_check_sizes_the_export_in_its_dtype():
     from mfsdp.train.disk import export_bytes
 
     cfg = load_config([*SMALL, "--train.export_hf", "true"])
-    params = param_counts(cfg.llama_config())["total"]
+    params = param_counts(cfg.resolved.shape)["total"]
     assert (export_bytes(cfg, "cpu"), export_bytes(cfg, "cuda")) == (4 * params, 2 * params)  # the compute dtype
     assert export_bytes(load_config([*SMALL, "--train.export_hf", "true", "--train.save_dtype", "bf16"]),
                         "cpu") == 2 * params

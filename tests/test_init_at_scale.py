@@ -38,7 +38,7 @@ CHUNK = 200
 
 
 def _run_config(shape, placements, replicate, compute, extra=()):
-    from mfsdp.train.args import load_config
+    from mfsdp.train.resolve import load_config
 
     return load_config([*shape, "--train.device", "cpu", "--train.seed", str(SEED),
                         "--parallel.placements", placements, "--parallel.replicate", str(replicate),
@@ -65,13 +65,13 @@ def trainer_build(rank, ws, shape, placements, replicate, compute, extra=()):
     full = {name: p.full_tensor().detach().clone() for name, p in model.named_parameters()}
     local = sum(p.to_local().numel() for p in model.parameters())
     with torch.no_grad():
-        logits = model(_tokens(cfg.llama_config().vocab_size)).float()
+        logits = model(_tokens(cfg.resolved.shape.vocab_size)).float()
     return (full, logits, local) if rank == 0 else local
 
 
 def _reference(shape, extra=()):
     """The unsharded model, initialised with the same seed and chunk."""
-    cfg = _run_config(shape, "zero3", 1, "fp32", extra).llama_config()
+    cfg = _run_config(shape, "zero3", 1, "fp32", extra).resolved.shape
     llama_module.INIT_CHUNK_NUMEL = CHUNK
     try:
         ref = build_model(cfg)
@@ -184,7 +184,7 @@ def test_no_rank_holds_the_whole_model_while_building(world):
     shape = ["--model.preset", "tiny", "--model.dim", "1024", "--model.n_layers", "16",
              "--model.n_heads", "8", "--model.n_kv_heads", "4", "--model.ffn_dim", "2816",
              "--model.vocab_size", "8192", "--data.seq_len", "64"]
-    cfg = _run_config(shape, "zero3", 1, "bf16").llama_config()
+    cfg = _run_config(shape, "zero3", 1, "bf16").resolved.shape
     total = flops.param_counts(cfg)["total"]
     # A world of its own whose glibc maps every allocation over 128 KiB separately and unmaps it
     # when freed (a fixed threshold turns off glibc's adaptive one), so the peak RSS follows the
@@ -230,9 +230,9 @@ def test_70b_preset_is_the_llama3_70b_shape_and_builds_on_meta_for_free():
 
 
 def test_70b_preset_reaches_the_trainer_config():
-    from mfsdp.train.args import load_config
+    from mfsdp.train.resolve import load_config
 
-    cfg = load_config(["--model.preset", "70b", "--data.seq_len", "8192"]).llama_config()
+    cfg = load_config(["--model.preset", "70b", "--data.seq_len", "8192"]).resolved.shape
     assert cfg == get_config("70b", max_seq_len=8192)
     assert "70b" in PRESETS
 

@@ -168,7 +168,7 @@ def test_mfsdp_train_keeps_gathers_with_the_same_losses(world, tmp_path):
     from mfsdp.data import prepare
     from mfsdp.data.prepare import stdlib_source
     from mfsdp.train.config import ConfigError
-    from mfsdp.train.args import load_config
+    from mfsdp.train.resolve import load_config
     from test_eval_loss import SMALL, run_trainer
 
     corpus = tmp_path / "small.tokens"
@@ -200,7 +200,7 @@ def test_auto_keeps_what_fits_on_one_gpu_and_nothing_elsewhere(monkeypatch):
     from mfsdp.memory.plan import estimate_run
     from mfsdp.train import preflight
     from mfsdp.train.config import ConfigError
-    from mfsdp.train.args import load_config
+    from mfsdp.train.resolve import load_config
     from mfsdp.train.plan import planned_run
 
     args = ["--model.preset", "8b", "--data.seq_len", "4096", "--data.local_batch", "1", "--data.microbatches", "4"]

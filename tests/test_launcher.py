@@ -105,7 +105,7 @@ def test_data_problems_are_found_before_the_workers_start(tmp_path, capsys):
 
 def test_launcher_flags_given_to_a_torchrun_worker_are_named():
     from mfsdp.train.config import ConfigError
-    from mfsdp.train.args import load_config
+    from mfsdp.train.resolve import load_config
     with pytest.raises(ConfigError, match="--nproc-per-node is a flag of the `mfsdp train` "
                                           "launcher"):
         load_config(["--nproc-per-node", "2"])
@@ -215,7 +215,7 @@ def test_the_summary_names_the_cause_before_the_ranks_that_lost_their_peer(tmp_p
     import signal
     from types import SimpleNamespace
 
-    from mfsdp.train.args import load_config
+    from mfsdp.train.resolve import load_config
     from mfsdp.train.launcher import _summarize
 
     def failure(local_rank, exitcode, message):

@@ -106,7 +106,7 @@ def test_a_lora_checkpoint_and_a_full_model_refuse_each_other(tmp_path):
 
 def test_the_disk_check_sizes_the_adapters_and_their_adamw_state(monkeypatch, tmp_path):
     from mfsdp.train import disk
-    from mfsdp.train.args import load_config
+    from mfsdp.train.resolve import load_config
 
     def cfg(*flags):
         return load_config(["--model.preset", "8b", "--train.out_dir", str(tmp_path), *flags])
@@ -139,7 +139,7 @@ def trained(tmp_path_factory):
     from mfsdp.hf.names import load_hf_weights
     from mfsdp.models import Llama
     from mfsdp.train.adapters import adapter_record
-    from mfsdp.train.args import load_config
+    from mfsdp.train.resolve import load_config
 
     root = tmp_path_factory.mktemp("lora_export")
     base = root / "base"

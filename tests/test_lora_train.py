@@ -13,7 +13,7 @@ import torch
 from mfsdp.transforms.float8 import Float8Transform
 from mfsdp.transforms.lora import LoraTransform, lora_linears
 from mfsdp.train import launcher
-from mfsdp.train.args import load_config
+from mfsdp.train.resolve import load_config
 from mfsdp.train.build import transforms_for
 from mfsdp.train.errors import ConfigError
 from mfsdp.train.recipes import FINE_TUNING, LORA
@@ -42,7 +42,7 @@ def test_the_list_is_float8_then_lora_and_applies_on_the_meta_model():
     from mfsdp.transforms import apply_transforms
 
     with torch.device("meta"):
-        model = apply_transforms(build_model(cfg.llama_config()), transforms_for(cfg))
+        model = apply_transforms(build_model(cfg.resolved.shape), transforms_for(cfg))
     adapted = {n: type(m).__name__ for n, m in lora_linears(model)}
     assert adapted and set(adapted.values()) == {"LoraFloat8Linear"}  # the frozen base computes in float8
     assert {n.rpartition(".")[2] for n in adapted} == {"wq", "w2"}
@@ -93,7 +93,7 @@ def test_the_planned_model_state_of_a_lora_8b():
     from mfsdp.train.plan import planned_run
 
     cfg = load_config(["--model.preset", "8b", "--peft.method", "lora", "--parallel.main_grads_dtype", "fp32"])
-    c = cfg.llama_config()
+    c = cfg.resolved.shape
     kv = c.n_kv_heads * c.head_dim
     per_block = 16 * (2 * (c.dim + c.dim) + 2 * (c.dim + kv) + 3 * (c.dim + c.ffn_dim))
     adapters, total = c.n_layers * per_block, flops.param_counts(c)["total"]
@@ -189,12 +189,11 @@ def test_lora_block_activations_by_hand():
 def test_the_plan_stages_a_lora_checkpoint_of_the_adapters_alone(capsys, tmp_path):
     """`mfsdp plan`'s host-RAM line sizes a LoRA run's checkpoint staging from its adapters (fp32 main
     weights and two AdamW moments: 12 bytes each), not from the frozen base."""
-    from mfsdp.train.adapters import adapter_params
-    from mfsdp.train.args import load_config
+    from mfsdp.train.resolve import load_config
     from mfsdp.train.plan import main as plan_main
 
     flags = ["--model.preset", "1b", "--peft.method", "lora", "--train.async_checkpoint", "true"]
     assert plan_main([*flags, "--nproc-per-node", "1", "--out", str(tmp_path / "p.png")]) == 0
-    expected = adapter_params(load_config(flags)) * 12 / 2**30
+    expected = load_config(flags).resolved.adapter_params * 12 / 2**30
     line = next(l for l in capsys.readouterr().out.splitlines() if l.startswith("host RAM"))
     assert expected > 0.05 and line.endswith(f"checkpoint staging {expected:.2f})"), (line, expected)

@@ -10,7 +10,7 @@ import pytest
 from test_manager_models import make_hf
 from test_eval_loss import run_trainer
 from mfsdp.train.config import ConfigError
-from mfsdp.train.args import load_config
+from mfsdp.train.resolve import load_config
 
 pytest.importorskip("transformers")
 pytestmark = [pytest.mark.timeout(240), pytest.mark.filterwarnings("ignore::UserWarning")]
@@ -49,9 +49,9 @@ def test_train_hf_two_processes(world, hf_dir, tmp_path):
 
 def test_hf_config_errors(hf_dir, tmp_path):
     cfg = load_config(["--model.hf", str(hf_dir)])
-    shape = cfg.llama_config()
+    shape = cfg.resolved.shape
     assert (shape.dim, shape.n_layers, shape.vocab_size) == (16, 2, 260)
     with pytest.raises(ConfigError, match="unset --model.dim"):
-        load_config(["--model.hf", str(hf_dir), "--model.dim", "8"]).llama_config()
+        load_config(["--model.hf", str(hf_dir), "--model.dim", "8"]).resolved.shape
     with pytest.raises(ConfigError, match="no config.json"):
-        load_config(["--model.hf", str(tmp_path)]).llama_config()
+        load_config(["--model.hf", str(tmp_path)]).resolved.shape

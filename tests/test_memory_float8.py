@@ -270,7 +270,7 @@ def test_plan_and_train_check_read_model_float8(tmp_path):
     estimate (``estimate_run`` of the train config) is the float8 one."""
     from mfsdp.memory import estimate
     from mfsdp.memory.plan import estimate_run
-    from mfsdp.train.args import load_config
+    from mfsdp.train.resolve import load_config
     from mfsdp.train.plan import planned_run
 
     args = ["--model.preset", "1b", "--data.seq_len", "2048", "--data.local_batch", "2", "--nproc-per-node", "8",
@@ -284,7 +284,7 @@ def test_plan_and_train_check_read_model_float8(tmp_path):
     planned = estimate_run(planned_run(cfg), 8)
     assert planned.settings.transforms == ("float8 tensorwise",)
     assert planned.component_max("unsharded (forward)") == estimate(
-        cfg.llama_config(), world_size=8, placements="zero3", local_batch=2, seq_len=2048, transforms=TENSORWISE,
+        cfg.resolved.shape, world_size=8, placements="zero3", local_batch=2, seq_len=2048, transforms=TENSORWISE,
         mixed_precision_policy=_train_policy()).component_max("unsharded (forward)")
     with pytest.raises(NotImplementedError, match="FP8 all-gather"):
         estimate("tiny", world_size=2, placements="zero2", transforms=TENSORWISE)
@@ -304,7 +304,7 @@ def test_compiled_float8_blocks_are_predicted_from_the_measured_share():
     from mfsdp.memory.api import COMPILED_BLOCK_SAVED, COMPILED_NOTE
     from mfsdp.memory.estimate import GIB
     from mfsdp.memory.plan import estimate_run
-    from mfsdp.train.args import load_config
+    from mfsdp.train.resolve import load_config
     from mfsdp.train.plan import planned_run
 
     shape = ["--model.preset", "8b", "--data.local_batch", "1", "--data.seq_len", "4096",

@@ -496,7 +496,7 @@ def test_plan_reports_a_bad_flag(tmp_path):
 # ------------------------------------------------------------------------- mfsdp train refusal
 def _check_memory(args, device="cuda"):
     from mfsdp.train import preflight
-    from mfsdp.train.args import load_config
+    from mfsdp.train.resolve import load_config
 
     preflight.check_memory(load_config(args), 8, torch.device(device), print)
 

@@ -19,7 +19,7 @@ from mfsdp.train.checkpoint import (CheckpointError, Checkpointer, CheckpointMet
                                     save_checkpoint, staging_bytes)
 from mfsdp.train.checkpoint.storage import state_of
 from mfsdp.train.config import ConfigError
-from mfsdp.train.args import load_config
+from mfsdp.train.resolve import load_config
 from test_eval_loss import SMALL, run_trainer
 from test_prelaunch_checks import launch  # noqa: F401  (the disk check's fixture)
 from test_train_checkpoint import META, make
@@ -74,7 +74,7 @@ def on_disk(checkpoint) -> int:
 
 
 def test_a_model_only_checkpoint_holds_the_weights_alone_in_its_dtype(runs):
-    params = param_counts(load_config(RUN).llama_config())["total"]
+    params = param_counts(load_config(RUN).resolved.shape)["total"]
     for name, size in (("fp32", 4), ("bf16", 2)):
         checkpoint = runs / name / "checkpoints" / "step_4"
         meta = CheckpointMeta.read(checkpoint)

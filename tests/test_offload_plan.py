@@ -15,7 +15,7 @@ from mfsdp.memory import plan
 from mfsdp.memory.api import OffloadedEstimate
 from mfsdp.memory.estimate import GIB
 from mfsdp.train import plan as train_plan
-from mfsdp.train.args import load_config
+from mfsdp.train.resolve import load_config
 
 EIGHT_B = ["--model.preset", "8b", "--data.seq_len", "4096", "--data.local_batch", "1", "--data.microbatches", "4",
            "--parallel.activation_checkpointing", "true"]

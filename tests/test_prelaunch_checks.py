@@ -17,7 +17,7 @@ from mfsdp.memory.plan import estimate_run as _estimate_run, memory_check as _me
 from mfsdp.train.plan import planned_run
 from mfsdp.models import get_config, param_counts
 from mfsdp.train import launcher, preflight
-from mfsdp.train.args import load_config
+from mfsdp.train.resolve import load_config
 from mfsdp.train.disk import new_checkpoints_at_once
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.filterwarnings("ignore::UserWarning")]

@@ -4,7 +4,7 @@ and the absolute paths that checkpoints record, so a run is found again from any
 
 import os
 
-from mfsdp.train.args import load_config
+from mfsdp.train.resolve import load_config
 from mfsdp.train.checkpoint import CheckpointMeta
 from mfsdp.train.run_dir import absolute_paths, identity, schedule_change_line
 

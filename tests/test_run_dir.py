@@ -18,7 +18,7 @@ from mfsdp.data import prepare
 from mfsdp.data.prepare import stdlib_source
 from mfsdp.train.checkpoint import CheckpointMeta, find_latest
 from mfsdp.train.checkpoint.storage import paths, publish_when_written
-from mfsdp.train.args import load_config
+from mfsdp.train.resolve import load_config
 from mfsdp.train.errors import ConfigError
 from mfsdp.train.preflight import check_run
 from mfsdp.train.run_dir import RUN_FILE, claim

@@ -13,7 +13,7 @@ from test_eval_loss import run_trainer
 from test_train_e2e import SMALL, corpus  # noqa: F401  (the token file fixture)
 from mfsdp.train.preflight import check_run
 from mfsdp.train.config import ConfigError
-from mfsdp.train.args import load_config
+from mfsdp.train.resolve import load_config
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.filterwarnings("ignore::UserWarning")]
 COMPILE_NOTE = "including torch.compile of the blocks"

@@ -6,7 +6,7 @@ import re
 import pytest
 
 from mfsdp.train.config import ConfigError
-from mfsdp.train.args import load_config
+from mfsdp.train.resolve import load_config
 from mfsdp.train.main import main
 from mfsdp.train.step import lr_at
 
@@ -16,7 +16,7 @@ pytestmark = pytest.mark.timeout(60)
 def test_defaults_train_the_tiny_model_on_the_stdlib_corpus():
     cfg = load_config([])
     assert cfg.model.preset == "tiny" and cfg.data.path == "stdlib" and not cfg.resume
-    assert cfg.llama_config().max_seq_len == cfg.data.seq_len
+    assert cfg.resolved.shape.max_seq_len == cfg.data.seq_len
 
 
 def test_yaml_then_flags_later_wins(tmp_path):
@@ -30,7 +30,7 @@ def test_yaml_then_flags_later_wins(tmp_path):
 
 def test_the_shipped_configs_load():
     for name in ("tiny", "llama-1b", "llama-8b"):
-        load_config(["--config", f"configs/{name}.yaml"]).llama_config()
+        load_config(["--config", f"configs/{name}.yaml"]).resolved.shape
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -48,7 +48,7 @@ def test_the_shipped_configs_load():
 ])
 def test_bad_flags_name_the_problem(argv, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
-        load_config(argv).llama_config()
+        load_config(argv).resolved.shape
 
 
 def test_offload_flags_become_the_cores_policy():

@@ -7,7 +7,8 @@ import pytest
 
 from mfsdp.models.llama import PRESETS
 from mfsdp.train.config import ConfigError, TrainSection
-from mfsdp.train.args import load_config, usage
+from mfsdp.train.args import usage
+from mfsdp.train.resolve import load_config
 from mfsdp.train.step import lr_at
 from mfsdp.train.recipes import RECIPES, WARMUP_FRACTION
 

@@ -199,7 +199,7 @@ def worker_run(rank, world_size, argv):
     import torch
 
     from mfsdp.train import determinism
-    from mfsdp.train.args import load_config
+    from mfsdp.train.resolve import load_config
     from mfsdp.train.preflight import preflight
     from mfsdp.train.trainer import Trainer
 
@@ -238,7 +238,7 @@ def test_deterministic_bf16_resume_matches_the_uninterrupted_run_bit_for_bit(
 ])
 def test_the_deterministic_flag_is_checked_against_the_environment(env, message, monkeypatch):
     from mfsdp.train.config import ConfigError
-    from mfsdp.train.args import load_config
+    from mfsdp.train.resolve import load_config
 
     for name in ("CUBLAS_WORKSPACE_CONFIG", "NCCL_NVLS_ENABLE"):
         monkeypatch.delenv(name, raising=False)

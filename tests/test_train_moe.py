@@ -14,7 +14,7 @@ import pytest
 from test_eval_loss import run_trainer
 from test_train_e2e import REPO, _one_error_line, corpus, in_process  # noqa: F401
 from mfsdp.train.config import ConfigError
-from mfsdp.train.args import load_config
+from mfsdp.train.resolve import load_config
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.filterwarnings("ignore::UserWarning")]
 
@@ -52,19 +52,19 @@ def test_moe_tiny_with_each_expert_its_own_shard_unit(world, corpus, tmp_path):
 
 def test_moe_config_keys_and_errors():
     cfg = load_config(["--config", str(REPO / "configs" / "moe-tiny.yaml")])
-    shape = cfg.llama_config()
+    shape = cfg.resolved.shape
     assert (cfg.model.preset, shape.num_experts, shape.top_k, shape.moe_aux_loss_coef) == (
         "moe-tiny", 4, 2, 0.01)
     shape = load_config(["--model.preset", "moe-tiny", "--model.num_experts", "8",
-                         "--model.top_k", "1", "--model.moe_aux_loss_coef", "0"]).llama_config()
+                         "--model.top_k", "1", "--model.moe_aux_loss_coef", "0"]).resolved.shape
     assert (shape.num_experts, shape.top_k, shape.moe_aux_loss_coef) == (8, 1, 0.0)
     with pytest.raises(ConfigError, match=r"top_k \(3\) must lie in \[1, num_experts=2\]"):
         load_config(["--model.preset", "moe-tiny", "--model.num_experts", "2",
-                     "--model.top_k", "3"]).llama_config()
+                     "--model.top_k", "3"]).resolved.shape
     with pytest.raises(ConfigError, match="expert_units true needs a built-in mixture-of-experts"):
-        load_config(["--parallel.expert_units", "true"]).llama_config()
+        load_config(["--parallel.expert_units", "true"]).resolved.shape
     with pytest.raises(ConfigError, match="mixtures of experts: moe-1b, moe-tiny"):
-        load_config(["--model.preset", "moe-2b"]).llama_config()
+        load_config(["--model.preset", "moe-2b"]).resolved.shape
 
 
 def test_expert_units_on_a_dense_model_is_one_error_line(tmp_path, capsys):

@@ -75,7 +75,8 @@ class PlannedRun:
     """What the planner needs to know of a training run besides the ``Setting`` it searches over."""
 
     model: object
-    """The bundled model's ``LlamaConfig``, or a Hugging Face model directory (the manager's)."""
+    """The bundled model's ``LlamaConfig``, or a Hugging Face model (the manager's): its transformers
+    config or its directory."""
     setting: Setting
     """The setting the run is configured with."""
     seq_len: int
@@ -114,7 +115,7 @@ class PlannedRun:
 
     @property
     def hf(self) -> bool:
-        return isinstance(self.model, (str, Path))
+        return isinstance(self.model, (str, Path)) or hasattr(self.model, "to_json_string")
 
 
 OFFLOAD_FRACTIONS = (0.25, 0.5, 0.75, 1.0)

@@ -8,8 +8,6 @@ import torch
 
 from mfsdp.transforms.lora import LoraTransform, lora_linears
 from mfsdp.lora_export import hf_target_modules, peft_adapter_config
-from mfsdp.models.llama import Llama
-from mfsdp.models.moe import MoELlama
 from mfsdp.train.config import PeftSection, RunConfig
 
 
@@ -38,13 +36,3 @@ def adapter_record(cfg: RunConfig, model: torch.nn.Module) -> dict | None:
     if not has_adapters(model):
         return None
     return peft_adapter_config(lora_transform(cfg.peft), hf_target_modules(model), cfg.model.hf)
-
-
-def adapter_params(cfg: RunConfig) -> int:
-    """The adapters' parameters of the LoRA run ``cfg``: what it trains and checkpoints (counted on
-    a meta model of the run's shape)."""
-    c = cfg.llama_config()
-    with torch.device("meta"):
-        model = (MoELlama if c.num_experts else Llama)(c)
-    lora_transform(cfg.peft).apply(model)
-    return sum(p.numel() for p in model.parameters() if p.requires_grad)

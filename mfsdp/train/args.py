@@ -22,7 +22,6 @@ from pathlib import Path
 
 from mfsdp.train.config import FROM_RECIPE, RunConfig
 from mfsdp.train.errors import ConfigError
-from mfsdp.train.resolve import resolve
 
 # The sections of a config (ModelSection...), by the name its flags and YAML mappings use.
 SECTIONS = {f.name: f.default_factory for f in dataclasses.fields(RunConfig) if callable(f.default_factory)}
@@ -103,9 +102,9 @@ def flag_value(argv: list[str], i: int) -> tuple[str, str, int]:
     return flag, argv[i + 1], i + 2
 
 
-def load_config(argv: list[str]) -> RunConfig:
-    """Parse ``argv`` (without the program name) into a validated RunConfig, then resolve it
-    (``mfsdp.train.resolve``: what the values name is looked up there, not in the config)."""
+def parse_config(argv: list[str]) -> RunConfig:
+    """Parse ``argv`` (without the program name) into a validated RunConfig, as given: what the values
+    name (a --model.hf directory) is looked up by ``mfsdp.train.resolve``, not here."""
     values: dict[str, dict[str, object]] = {name: {} for name in SECTIONS}
     resume, flags = False, []  # flags: (section, name, text), applied after every --config file
     i = 0
@@ -128,7 +127,7 @@ def load_config(argv: list[str]) -> RunConfig:
             flags.append((section, name, value))
     for section, name, value in flags:
         values[section][name] = _parse_text(section, name, value)
-    return resolve(RunConfig(resume=resume, **_sections(values)))
+    return RunConfig(resume=resume, **_sections(values))
 
 
 def parse_command(argv: list[str], sections: dict[str, type], aliases: dict[str, str],

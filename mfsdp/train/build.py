@@ -4,6 +4,7 @@ Hugging Face model through the manager), sharded, and its optimizer."""
 
 from __future__ import annotations
 
+import copy
 from typing import Callable
 
 import torch
@@ -66,7 +67,7 @@ def build_bundled(cfg: RunConfig, device: torch.device, compute: torch.dtype, wo
     policy = mfsdp.MixedPrecisionPolicy(main_params_dtype=torch.float32, main_grads_dtype=cfg.main_grads_dtype(),
                                         grad_comm_dtype=cfg.grad_comm_dtype())
     with torch.device("meta"):
-        model = build_model(cfg.llama_config(), dtype=compute)
+        model = build_model(cfg.resolved.shape, dtype=compute)
     model.set_head_loss(cfg.model.head_loss, compiled=cfg.compiles(device.type))
     mesh = build_mesh(device.type, world, replicate=p.replicate if p.placements in TWO_AXIS else None)
     parallelize(model, mesh, ParallelizeConfig(
@@ -152,7 +153,7 @@ def build_hf(cfg, device: torch.device, compute_dtype: torch.dtype, world: int, 
              model_transforms: tuple = ()):
     """``--model.hf DIR``: the Hugging Face model sharded by the manager.
 
-    Built on the meta device from ``DIR/config.json`` in the compute dtype, parallelized by the
+    Built on the meta device from ``DIR/config.json`` (as resolved) in the compute dtype, parallelized by the
     manager (``--parallel.placements`` as a ``Placements`` over the manager's dp_shard, hsdp/hfsdp
     over (dp_replicate, dp_shard) with ``--parallel.replicate`` replicas), then loaded slice by
     slice from ``DIR``'s safetensors when ``pretrained``, else initialised shard-locally with
@@ -170,7 +171,8 @@ def build_hf(cfg, device: torch.device, compute_dtype: torch.dtype, world: int, 
         activation_checkpointing=p.activation_checkpointing,
         init_fsdp_with_meta_device=True)
     mesh = build_device_mesh(device.type, dp_replicate_size=p.replicate, world_size=world)
-    model = meta_model_from_config(path, dtype=compute_dtype)
+    # A copy of the resolved config: the model shares its config, which is changed here.
+    model = meta_model_from_config(copy.deepcopy(cfg.resolved.transformers_config), dtype=compute_dtype)
     model.config.use_cache = False
     transforms.apply_transforms(model, model_transforms)
     for transform in model_transforms:

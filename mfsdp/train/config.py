@@ -2,24 +2,26 @@
 
 The defaults below train the tiny model on the standard-library corpus. ``mfsdp.train.args`` reads
 YAML and flags into these sections; ``mfsdp.train.resolve`` then reads what the values name (a
---model.hf directory's config.json) and fills in what they leave open (the route, the recipe), so
-that these objects only hold values: they read no file and print nothing.
+--model.hf directory's config.json), fills in what they leave open (the route, the recipe) and
+derives the model's shape and counts once (``ResolvedModel``), so that these objects only hold
+values: they read no file and print nothing.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from mfsdp.mesh import PLACEMENT_NAMES as PLACEMENTS, TWO_AXIS
-from mfsdp.hf.config import UnsupportedHFConfig, bundled_config_from_hf, supports_bundled
+from mfsdp.hf.config import supports_bundled
 from mfsdp.models.llama import HEAD_LOSSES, LlamaConfig, get_config
 from mfsdp.transforms.float8 import FLOAT8_CHOICES, float8_placement_problem
 from mfsdp.train.errors import ConfigError, require
-from mfsdp.train.recipes import RECIPES, SCHEDULES, Recipe, recipe_for
+from mfsdp.train.recipes import SCHEDULES, Recipe, recipe_for
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 """The dtype flags' values ("auto" is each flag's own default, resolved by ``RunConfig``)."""
@@ -159,37 +161,13 @@ class ModelSection:
         not on the bundled route (``mfsdp.train.resolve`` resolves "auto" to one of the two)."""
         return self.hf is not None and self.hf_impl != "bundled"
 
-    def llama_config(self, max_seq_len: int, hf_config: dict | None = None) -> LlamaConfig:
-        """The model's shape: the preset's with the overrides, or that of ``hf_config``, the --model.hf
-        directory's config.json (read by ``mfsdp.train.resolve``)."""
-        if self.hf is not None:
-            require(hf_config is not None, f"--model.hf {self.hf}: config.json not read (mfsdp.train.resolve)")
-            return _hf_shape(self, hf_config, max_seq_len)
+    def llama_config(self, max_seq_len: int) -> LlamaConfig:
+        """A preset model's shape: the preset's with the overrides (a --model.hf model's is its
+        config.json's, ``mfsdp.train.resolve``)."""
         try:
             return get_config(self.preset, max_seq_len=max_seq_len, **self.shape_overrides())
         except ValueError as err:
             raise ConfigError(f"{err}; set --model.preset or the --model.* fields") from None
-
-
-def _hf_shape(model: ModelSection, c: dict, max_seq_len: int) -> LlamaConfig:
-    """A HF model's config.json ``c`` as a LlamaConfig: on the bundled route the exact config of the
-    bundled Llama that runs it; through the manager its shape (for FLOP counts and checkpoint checks)."""
-    if model.hf_impl == "bundled":
-        try:
-            return bundled_config_from_hf(c, max_seq_len)
-        except UnsupportedHFConfig as err:
-            raise ConfigError(bundled_refusal(model, err)) from None
-    try:
-        return LlamaConfig.from_hf(c, max_seq_len)
-    except (KeyError, ValueError) as err:
-        raise ConfigError(f"--model.hf {model.hf}: config.json is not a decoder config mfsdp "
-                          f"can train ({err})") from None
-
-
-def bundled_refusal(model: ModelSection, why) -> str:
-    """The error of --model.hf_impl bundled for a config the bundled Llama cannot run, and why."""
-    return (f"--model.hf_impl bundled: {model.hf} cannot run as the bundled Llama: {why} (--model.hf_impl "
-            "manager or auto)")
 
 
 @dataclass(frozen=True)
@@ -510,6 +488,34 @@ class PeftSection:
 
 
 @dataclass(frozen=True)
+class ResolvedModel:
+    """What ``mfsdp.train.resolve`` found and derived about the model, once: nothing reads the
+    --model.hf directory, builds a meta model or counts the parameters again."""
+
+    shape: LlamaConfig
+    """The model's shape: the bundled Llama's config; through the manager, the Hugging Face model's
+    (for FLOP counts and checkpoint checks)."""
+    params: int
+    """Every parameter of the model."""
+    adapter_params: int = 0
+    """LoRA's adapters' parameters (counted on the transformed meta model): what a LoRA run trains and
+    checkpoints; 0 without LoRA."""
+    hf_config: dict | None = None
+    """The --model.hf directory's config.json (checkpoints record it: `mfsdp export` needs no access to
+    it); None: a preset."""
+    hf_weights: bool = False
+    """Whether that directory holds safetensors weights."""
+
+    @functools.cached_property
+    def transformers_config(self):
+        """``hf_config`` as a transformers config, built from the parsed dict on first use, then shared by
+        what the manager route builds from it (the planner's meta model, the trained model)."""
+        import transformers
+
+        return transformers.AutoConfig.for_model(**{"model_type": None, **self.hf_config})  # None: its error
+
+
+@dataclass(frozen=True)
 class RunConfig:
     model: ModelSection = field(default_factory=ModelSection)
     """The model to train: a preset with optional shape overrides, or a Hugging Face directory."""
@@ -526,11 +532,8 @@ class RunConfig:
     resume: bool | str = False
     """Continue from the newest complete checkpoint in OUT_DIR/checkpoints (--resume: an error where
     there is none); "auto" (--resume auto, for job scripts that requeue) starts afresh where there is none."""
-    # What mfsdp.train.resolve found, held so that nothing reads the --model.hf directory again:
-    hf_config: dict | None = None
-    """Its config.json (checkpoints record it: `mfsdp export` needs no access to it); None: a preset."""
-    hf_weights: bool = False
-    """Whether it holds safetensors weights."""
+    resolved: ResolvedModel | None = None
+    """What ``mfsdp.train.resolve`` found and derived about the model, once; None until resolved."""
     from_recipe: tuple[str, ...] = ()
     """The ``FROM_RECIPE`` fields of ``train`` that no flag set, filled in from the recipe."""
 
@@ -542,16 +545,14 @@ class RunConfig:
     def loads_weights(self) -> bool:
         """Whether the run starts from pretrained weights: --model.hf DIR with safetensors there, and
         not --model.random_init true."""
-        return self.model.hf is not None and not self.model.random_init and self.hf_weights
+        return self.model.hf is not None and not self.model.random_init and self.resolved.hf_weights
 
     def recipe(self) -> tuple[str, Recipe]:
         """The name and values of the run's recipe (``mfsdp.train.recipes``): fine-tuning (LoRA's with
         --peft.method lora) for pretrained weights, else the preset's or, for ``--model.hf``, that of the preset nearest in
         size."""
-        hf = self.model.hf is not None
-        shape = self.model.llama_config(self.data.seq_len, self.hf_config) \
-            if hf or self.model.preset not in RECIPES else None
-        return recipe_for(self.model.preset, shape, by_size=hf, pretrained=self.loads_weights(), lora=self.peft.lora)
+        return recipe_for(self.model.preset, self.resolved.shape, by_size=self.model.hf is not None,
+                          pretrained=self.loads_weights(), lora=self.peft.lora)
 
     def recipe_values(self) -> dict:
         """The recipe's value of each ``FROM_RECIPE`` field of ``--train``, for this run's length."""
@@ -574,7 +575,7 @@ class RunConfig:
         architecture and its directory."""
         if self.model.hf is None:
             return f"{self.model.preset} model"
-        c = self.hf_config
+        c = self.resolved.hf_config
         name = (c.get("architectures") or [c.get("model_type") or "Hugging Face model"])[0]
         return f"{name} from {self.model.hf}" + ("" if self.loads_weights() else " (random init)")
 
@@ -591,16 +592,9 @@ class RunConfig:
         one line; None where it is on the bundled route (or the manager was asked for a config
         the bundled Llama could run)."""
         m = self.model
-        why = supports_bundled(self.hf_config, self.data.seq_len) if m.uses_manager else None
+        why = supports_bundled(self.resolved.hf_config, self.data.seq_len) if m.uses_manager else None
         return None if why is None else (f"--model.hf {m.hf}: trained through the manager (Hugging Face's "
                                          f"modeling code), not as the bundled Llama: {why}")
-
-    def llama_config(self) -> LlamaConfig:
-        shape = self.model.llama_config(self.data.seq_len, self.hf_config)
-        require(not self.parallel.expert_units or (self.model.hf is None and shape.num_experts > 0),
-                 "--parallel.expert_units true needs a built-in mixture-of-experts model "
-                 "(--model.preset moe-tiny or moe-1b, or --model.num_experts N); unset it otherwise")
-        return shape
 
     def compute_dtype(self, device_type: str) -> torch.dtype:
         """``--parallel.compute_dtype``: "auto" is bf16 on CUDA and fp32 on CPU."""
@@ -641,5 +635,5 @@ class RunConfig:
 
     def to_dict(self) -> dict:
         """The sections and ``resume``, as checkpoints record them (not what resolve read or filled)."""
-        return {k: v for k, v in dataclasses.asdict(self).items() if k not in ("hf_config", "hf_weights",
-                                                                                 "from_recipe")}
+        return {k: v if k == "resume" else dataclasses.asdict(v) for k, v in vars(self).items()
+                if k not in ("resolved", "from_recipe")}

@@ -21,8 +21,6 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from mfsdp.models import flops
-from mfsdp.train.adapters import adapter_params
 from mfsdp.train.checkpoint import checkpoint_bytes, complete_checkpoints
 from mfsdp.train.config import RunConfig, TrainSection, dtype_name
 from mfsdp.train.errors import ConfigError
@@ -51,7 +49,7 @@ def new_checkpoints_at_once(t: TrainSection, existing: int) -> int:
 
 def checkpointed_params(cfg: RunConfig) -> int:
     """The parameters a checkpoint of ``cfg`` holds: a LoRA run's adapters, else every parameter."""
-    return adapter_params(cfg) if cfg.peft.lora else flops.param_counts(cfg.llama_config())["total"]
+    return cfg.resolved.adapter_params if cfg.peft.lora else cfg.resolved.params
 
 
 def export_bytes(cfg: RunConfig, device_type: str = "cuda") -> int:
@@ -61,8 +59,7 @@ def export_bytes(cfg: RunConfig, device_type: str = "cuda") -> int:
     if not cfg.train.export_hf:
         return 0
     adapters = cfg.peft.lora and not cfg.peft.merge_on_export
-    params = adapter_params(cfg) if adapters else flops.param_counts(cfg.llama_config())["total"]
-    return params * cfg.weights_dtype(device_type).itemsize
+    return (cfg.resolved.adapter_params if adapters else cfg.resolved.params) * cfg.weights_dtype(device_type).itemsize
 
 
 def free_space(path: str | Path) -> tuple[Path, int]:

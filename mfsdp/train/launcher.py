@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 
 from mfsdp import _compat
-from mfsdp.train.args import LAUNCHER_FLAGS, RunConfig, flag_value, load_config, usage
+from mfsdp.train.args import LAUNCHER_FLAGS, RunConfig, flag_value, usage
 from mfsdp.train.errors import LAUNCHED_ENV, USER_ERRORS, ConfigError, is_timeout, require, timeout_hint
 
 if TYPE_CHECKING:
@@ -133,6 +133,7 @@ def check(options: LaunchOptions, rest: list[str]) -> ResolvedRun:
 
     from mfsdp.data import STDLIB, TokenFile
     from mfsdp.train.preflight import check_run, cuda_problem
+    from mfsdp.train.resolve import load_config
 
     cfg = load_config(rest)
     cuda = cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available())

@@ -17,12 +17,13 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from mfsdp.train import determinism
-from mfsdp.train.args import load_config, usage
+from mfsdp.train.args import usage
 from mfsdp.train.errors import (LAUNCHED_ENV, USER_ERRORS, CollectiveTimeout, ConfigError, RunFailed, is_timeout,
                                 timeout_hint)
 from mfsdp.train.launcher import die_with_launcher
 from mfsdp.train.preflight import cuda_problem, preflight
 from mfsdp.train.run_dir import check_shared
+from mfsdp.train.resolve import load_config
 from mfsdp.train.trainer import Trainer
 
 

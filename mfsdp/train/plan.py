@@ -17,10 +17,10 @@ import torch
 from mfsdp.memory import plan
 from mfsdp.memory.tensor_parallel import TensorParallel
 from mfsdp.train.build import transforms_for
-from mfsdp.train.adapters import adapter_params
 from mfsdp.train.checkpoint.meta import MAIN_WEIGHT_BYTES, checkpoint_bytes
-from mfsdp.train.args import load_config, usage
+from mfsdp.train.args import parse_config, usage
 from mfsdp.train.config import DTYPES, RunConfig
+from mfsdp.train.resolve import resolve
 from mfsdp.train.errors import ConfigError
 
 USAGE = """usage: mfsdp plan [--config FILE.yaml] [--nproc-per-node N] [--nnodes N] [--gpu-memory 141GiB]
@@ -45,7 +45,7 @@ def planned_run(cfg: RunConfig) -> plan.PlannedRun:
                            d.local_batch * d.microbatches * d.seq_len)
     grads = {name: cfg.main_grads_dtype(name) for name in ("auto", *DTYPES)}
     return plan.PlannedRun(
-        cfg.model.hf if cfg.model.uses_manager else cfg.llama_config(), setting, d.seq_len, grads,
+        cfg.resolved.transformers_config if cfg.model.uses_manager else cfg.resolved.shape, setting, d.seq_len, grads,
         cfg.main_grads_name("cuda"), p.replicate, cfg.compute_dtype("cuda"), cfg.grad_comm_dtype(),
         p.expert_units, transforms_for(cfg), not cfg.train.fused_adamw("cuda"), cfg.compiles("cuda"),
         cfg.train.async_checkpoint_on("cuda"), cfg.model.head_loss, flat_adamw=cfg.train.flat_adamw("cuda"),
@@ -68,10 +68,10 @@ def main(argv: list[str]) -> int:
         if own[key] is None:
             return _error(f"{key} needs a value")
     try:
-        cfg = load_config(rest)
-        tp = _tensor_parallel(own)
+        cfg, tp = parse_config(rest), _tensor_parallel(own)
         if tp.enabled and cfg.model.hf is not None:  # tensor parallel is the manager's
             cfg = dataclasses.replace(cfg, model=cfg.model.on_manager())
+        cfg = resolve(cfg)
         run = planned_run(cfg)
         world = int(own["--nproc-per-node"]) * int(own["--nnodes"])
         if own["--gpu-memory"]:
@@ -84,7 +84,7 @@ def main(argv: list[str]) -> int:
     except (ConfigError, ValueError, NotImplementedError) as err:
         return _error(str(err))
     # A LoRA checkpoint holds the adapters alone: all of them, an upper bound of a rank's shard.
-    params = adapter_params(cfg) if cfg.peft.lora else e.breakdown.get("main weights", 0) // MAIN_WEIGHT_BYTES
+    params = cfg.resolved.adapter_params if cfg.peft.lora else e.breakdown.get("main weights", 0) // MAIN_WEIGHT_BYTES
     staging = checkpoint_bytes(params, cfg.save_dtype("cuda")) if run.async_checkpoint else 0
     model = cfg.model.preset if cfg.model.hf is None else \
         cfg.model.hf + ("" if cfg.model.uses_manager else " (the bundled Llama)")

@@ -63,7 +63,7 @@ def check_run(cfg: RunConfig, world: int, device_type: str, open_data: Callable[
     problem = mesh_shape_error(world, p.placements, p.replicate) or _float8_compile_problem(cfg, device_type)
     if problem:
         raise ConfigError(problem)
-    model_cfg = cfg.llama_config()
+    model_cfg = cfg.resolved.shape
     data = open_data() if open_data is not None else None
     if data is not None:
         check_tokenizer(data, cfg.model.hf, cfg.data.path)
@@ -185,13 +185,9 @@ def resolve_offload(cfg: RunConfig, world: int, device: torch.device, log) -> Ru
     fraction = None
     if device.type == "cuda":
         from mfsdp.memory.plan import offload_fraction_that_fits
-        from mfsdp.train.plan import planned_run
 
-        try:
-            fraction = offload_fraction_that_fits(planned_run(cfg), world, device_memory(device))
-        except NotImplementedError as err:  # a model the planner cannot measure
-            log(f"(--parallel.offload auto: no plan, {err}; no offload)")
-            fraction = 0.0
+        fraction = _ask_planner(offload_fraction_that_fits, cfg, world, device, log,
+                                "(--parallel.offload auto: no plan, {}; no offload)", 0.0)
         if fraction is None:
             fraction = 1.0  # the memory check says what else would fit
     chosen = (dataclasses.replace(p, offload="optimizer", offload_fraction=fraction) if fraction
@@ -208,15 +204,12 @@ def resolve_kept_blocks(cfg: RunConfig, world: int, device: torch.device, log) -
     p = cfg.parallel
     if p.keep_gathered_blocks != "auto":
         return cfg
-    kept, blocks = 0, cfg.llama_config().n_layers if not cfg.model.uses_manager else 0
+    kept, blocks = 0, cfg.resolved.shape.n_layers if not cfg.model.uses_manager else 0
     if device.type == "cuda" and world == 1 and blocks:
         from mfsdp.memory.plan import kept_blocks_that_fit
-        from mfsdp.train.plan import planned_run
 
-        try:
-            kept = kept_blocks_that_fit(planned_run(cfg), world, device_memory(device), blocks)
-        except NotImplementedError as err:  # a model the planner cannot measure
-            log(f"(--parallel.keep_gathered_blocks auto: no plan, {err}; none kept)")
+        kept = _ask_planner(kept_blocks_that_fit, cfg, world, device, log,
+                            "(--parallel.keep_gathered_blocks auto: no plan, {}; none kept)", 0, blocks)
         log(f"--parallel.keep_gathered_blocks auto: the last {kept} of {blocks} blocks keep their gathers "
             "through the step (one GPU: as many as fit)")
     return dataclasses.replace(cfg, parallel=dataclasses.replace(p, keep_gathered_blocks=str(kept)))
@@ -229,17 +222,24 @@ def check_memory(cfg: RunConfig, world: int, device: torch.device, log) -> None:
     if device.type != "cuda" or cfg.train.skip_memory_check:
         return
     from mfsdp.memory.plan import memory_check
-    from mfsdp.train.plan import planned_run
 
-    try:
-        verdict = memory_check(planned_run(cfg), world, device_memory(device))
-    except NotImplementedError as err:  # a model the planner cannot measure: train anyway
-        log(f"(memory check skipped: {err})")
-        return
+    verdict = _ask_planner(memory_check, cfg, world, device, log, "(memory check skipped: {})", None)
     if verdict and verdict[0] == "refuse":
         raise RunFailed(verdict[1])
     if verdict:
         log(f"mfsdp train: warning: {verdict[1]}")
+
+
+def _ask_planner(ask, cfg: RunConfig, world: int, device: torch.device, log, skipped: str, otherwise, *args):
+    """``ask(planned run, world, this GPU's bytes, *args)`` of the planner; for a model the planner
+    cannot measure, the line ``skipped`` (its error in the braces) and ``otherwise``: train anyway."""
+    from mfsdp.train.plan import planned_run
+
+    try:
+        return ask(planned_run(cfg), world, device_memory(device), *args)
+    except NotImplementedError as err:
+        log(skipped.format(err))
+        return otherwise
 
 
 def device_memory(device: torch.device) -> int:

@@ -15,9 +15,8 @@ from mfsdp.train.step import StepOutput
 def run_line(cfg, world: int, device: torch.device, data) -> str:
     """The first line of a run: the model, its size, the method (LoRA), the schedule, the processes and
     the data."""
-    n_params = flops.param_counts(cfg.llama_config())["total"]
     method = f", {cfg.method_line()}" if cfg.peft.lora else ""
-    return (f"mfsdp train: {cfg.model_line()}, {n_params / 1e6:.1f}M parameters{method}, {cfg.schedule_line()}, "
+    return (f"mfsdp train: {cfg.model_line()}, {cfg.resolved.params / 1e6:.1f}M parameters{method}, {cfg.schedule_line()}, "
             f"{world} process(es) on {flops.device_name(device)}, {cfg.parallel.placements} placements, "
             f"{data_words(cfg, data)}")
 

@@ -1,9 +1,11 @@
-"""From what the user said to what the run is: the part of preflight that the config's values need.
+"""From what the user said to what the run is, in one place and once.
 
-``resolve`` takes a ``RunConfig`` as parsed (``mfsdp.train.args``) and returns it with everything
-looked up: the --model.hf directory's config.json and weights, the route ("auto" to bundled or
-manager), the recipe's values of the unset ``--train`` fields. It also checks what needs more than
-the values: the environment, the model's blocks and linears. The config objects only hold results.
+``resolve`` takes a ``RunConfig`` as parsed (``mfsdp.train.args``, which reads no model file) and
+returns it with everything looked up and derived: the --model.hf directory's config.json and
+weights, the route ("auto" to bundled or manager), the model's shape and parameter counts (its
+transforms checked on the one meta model built here), the recipe's values of the unset ``--train``
+fields. The config holds them in ``cfg.resolved``; the preflight checks, the planner, the reports and
+the build read them there, so nothing reads the directory, builds a meta model or counts again.
 """
 
 from __future__ import annotations
@@ -15,27 +17,41 @@ from pathlib import Path
 
 import torch
 
-from mfsdp.hf.config import supports_bundled
+from mfsdp.hf.config import UnsupportedHFConfig, bundled_config_from_hf
+from mfsdp.models import flops
+from mfsdp.models.llama import LlamaConfig
 from mfsdp.models.parallelize import kept_blocks
 from mfsdp.hf.files import has_weights
 from mfsdp.train import determinism
-from mfsdp.train.config import FROM_RECIPE, RunConfig, bundled_refusal
+from mfsdp.train.args import parse_config
+from mfsdp.train.config import FROM_RECIPE, ModelSection, ResolvedModel, RunConfig
 from mfsdp.train.errors import ConfigError, require
 
 
+def load_config(argv: list[str]) -> RunConfig:
+    """``argv`` (without the program name) parsed (``mfsdp.train.args``) and resolved."""
+    return resolve(parse_config(argv))
+
+
 def resolve(cfg: RunConfig) -> RunConfig:
-    """``cfg`` with its --model.hf directory read, its route and recipe resolved, and checked against
-    the environment and the model; raises ConfigError naming the fix."""
+    """``cfg`` with its --model.hf directory read, its route, model and recipe resolved, and checked
+    against the environment and the model; raises ConfigError naming the fix."""
     if cfg.parallel.deterministic and (problem := determinism.environment_problem()):
         raise ConfigError(problem)
-    require(not cfg.metrics.tensorboard or importlib.util.find_spec("tensorboard") is not None,
-            "--metrics.tensorboard true needs the tensorboard package; pip install tensorboard (or mfsdp[train])")
-    require(not cfg.metrics.wandb or importlib.util.find_spec("wandb") is not None,
-            "--metrics.wandb true needs the wandb package; pip install wandb (or mfsdp[wandb])")
-    if cfg.model.hf is not None:
-        cfg = _resolve_hf(cfg)
-    _check_kept_blocks(cfg)
-    check_transforms(cfg)
+    for package, extra in (("tensorboard", "train"), ("wandb", "wandb")):
+        require(not getattr(cfg.metrics, package) or importlib.util.find_spec(package) is not None,
+                f"--metrics.{package} true needs the {package} package; pip install {package} (or mfsdp[{extra}])")
+    m, hf_config = cfg.model, None
+    if m.hf is None:
+        shape = m.llama_config(cfg.data.seq_len)
+    else:
+        path = Path(m.hf) / "config.json"
+        require(path.is_file(), f"--model.hf {m.hf}: no config.json there (a local Hugging Face model directory "
+                "is needed)")
+        hf_config = json.loads(path.read_text())
+        m, shape = _hf_model(m, hf_config, cfg.data.seq_len)
+    cfg = dataclasses.replace(cfg, model=m)
+    cfg = dataclasses.replace(cfg, resolved=_resolve_model(cfg, shape, hf_config))
     if cfg.train.out_dir is None:
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, out_dir=cfg.model.default_out_dir()))
     return _fill_recipe(cfg)
@@ -52,59 +68,70 @@ def _fill_recipe(cfg: RunConfig) -> RunConfig:
     """The one place the recipe's unset fields (None) become the recipe's values: every reader of
     cfg.train (the optimizer, the schedule, the checkpoint's meta.json) sees numbers."""
     unset = tuple(key for key in FROM_RECIPE if getattr(cfg.train, key) is None)
-    values = cfg.recipe_values() if unset else {}  # the recipe of a --model.hf model reads its shape
+    values = cfg.recipe_values() if unset else {}
     return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, **{key: values[key] for key in unset}),
                                from_recipe=unset)
 
 
-def _resolve_hf(cfg: RunConfig) -> RunConfig:
-    """Read the --model.hf directory (config.json, whether it holds weights), check the route against
-    the config.json and resolve "auto" to the bundled route or the manager's, once: the checkpoint
-    records it and a resume keeps it."""
-    m, path = cfg.model, Path(cfg.model.hf) / "config.json"
-    require(path.is_file(), f"--model.hf {m.hf}: no config.json there (a local Hugging Face model directory "
-            "is needed)")
-    cfg = dataclasses.replace(cfg, hf_config=json.loads(path.read_text()), hf_weights=has_weights(m.hf))
-    if m.hf_impl == "manager":
-        return cfg
-    why = supports_bundled(cfg.hf_config, cfg.data.seq_len)
-    require(why is None or m.hf_impl == "auto", bundled_refusal(m, why))
-    require(why is None or m.float8 == "none", f"--model.float8 needs the bundled Llama, which cannot run "
-            f"{m.hf} ({why}); use --model.float8 none")
-    auto = m.on_manager() if why else dataclasses.replace(m, hf_impl="bundled")
-    return dataclasses.replace(cfg, model=auto) if m.hf_impl == "auto" else cfg
-
-
-def _check_kept_blocks(cfg: RunConfig) -> None:
-    if not (kept := cfg.parallel.kept_blocks()):
-        return
-    require(not cfg.model.uses_manager, f"--parallel.keep_gathered_blocks applies to the bundled Llama; "
-            f"{cfg.model.hf} trains through the manager here. Use --parallel.keep_gathered_blocks 0")
+def _hf_model(m: ModelSection, c: dict, seq_len: int) -> tuple[ModelSection, LlamaConfig]:
+    """The --model.hf model's section, its route checked against its config.json ``c`` and "auto"
+    resolved to the bundled route or the manager's, once (the checkpoint records it and a resume keeps
+    it), and its shape: on the bundled route the exact config of the bundled Llama that runs it;
+    through the manager its shape (for FLOP counts and checkpoint checks)."""
+    if m.hf_impl != "manager":
+        try:
+            return dataclasses.replace(m, hf_impl="bundled"), bundled_config_from_hf(c, seq_len)
+        except UnsupportedHFConfig as err:
+            why = str(err)
+        require(m.hf_impl == "auto", f"--model.hf_impl bundled: {m.hf} cannot run as the bundled Llama: {why} "
+                "(--model.hf_impl manager or auto)")
+        require(m.float8 == "none", f"--model.float8 needs the bundled Llama, which cannot run {m.hf} ({why}); "
+                "use --model.float8 none")
+        m = m.on_manager()
     try:
-        kept_blocks(range(cfg.llama_config().n_layers), kept)
-    except ValueError as err:  # the rule's own words, for the flag
-        raise ConfigError(f"--parallel.{err}") from None
+        return m, LlamaConfig.from_hf(c, seq_len)
+    except (KeyError, ValueError) as err:
+        raise ConfigError(f"--model.hf {m.hf}: config.json is not a decoder config mfsdp can train ({err})") from None
 
 
-def check_transforms(cfg: RunConfig) -> None:
-    """The model transforms of ``cfg`` (``build.transforms_for``: --model.float8, --peft) must fit its
-    model: they are applied, by their own rules, to the model that trains built on the meta device
-    (the bundled Llama, or the Hugging Face model of --model.hf's config.json on the manager route),
-    and a ValueError becomes the ConfigError of the flags."""
+def _resolve_model(cfg: RunConfig, shape: LlamaConfig, hf_config: dict | None) -> ResolvedModel:
+    """What the run needs to know of its model (``ResolvedModel``), each count found once, with the
+    checks that its ``shape`` allows."""
+    require(not cfg.parallel.expert_units or (cfg.model.hf is None and shape.num_experts > 0),
+            "--parallel.expert_units true needs a built-in mixture-of-experts model "
+            "(--model.preset moe-tiny or moe-1b, or --model.num_experts N); unset it otherwise")
+    if kept := cfg.parallel.kept_blocks():
+        require(not cfg.model.uses_manager, f"--parallel.keep_gathered_blocks applies to the bundled Llama; "
+                f"{cfg.model.hf} trains through the manager here. Use --parallel.keep_gathered_blocks 0")
+        try:
+            kept_blocks(range(shape.n_layers), kept)
+        except ValueError as err:  # the rule's own words, for the flag
+            raise ConfigError(f"--parallel.{err}") from None
+    found = ResolvedModel(shape, flops.param_counts(shape)["total"], 0, hf_config,
+                          cfg.model.hf is not None and has_weights(cfg.model.hf))
+    return dataclasses.replace(found, adapter_params=_adapter_params(cfg, found))
+
+
+def _adapter_params(cfg: RunConfig, found: ResolvedModel) -> int:
+    """LoRA's adapter parameters (0 without), counted on the one meta model of the run: the model
+    transforms of ``cfg`` (``build.transforms_for``: --model.float8, --peft) are applied, by their own
+    rules, to the model that trains built on the meta device (the bundled Llama of its shape, or the
+    Hugging Face model of its config.json on the manager route), and a ValueError
+    becomes the ConfigError of the flags."""
     from mfsdp.train.build import transforms_for
     from mfsdp.transforms import apply_transforms
 
     if not (model_transforms := transforms_for(cfg)):
-        return
+        return 0
     if cfg.model.uses_manager:
         from mfsdp.hf.sharded import meta_model_from_config
 
-        model = meta_model_from_config(cfg.model.hf)
+        model = meta_model_from_config(found.transformers_config)
     else:
         from mfsdp.models import build_model
 
         with torch.device("meta"):
-            model = build_model(cfg.llama_config())
+            model = build_model(found.shape)
     try:
         apply_transforms(model, model_transforms)
     except ValueError as err:  # float8's words lack the flag; LoRA's name theirs
@@ -113,3 +140,4 @@ def check_transforms(cfg: RunConfig) -> None:
             flag = "--model.float8_skip" if cfg.model.float8_skip_patterns() else "--model.float8"
             message = f"{flag}: {message.removeprefix('mfsdp.float8: ')}"
         raise ConfigError(message) from None
+    return sum(p.numel() for p in model.parameters() if p.requires_grad) if cfg.peft.lora else 0

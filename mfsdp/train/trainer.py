@@ -53,7 +53,7 @@ class Trainer:
         self.resume_from, self.resume_notes = run.resume_from, run.notes
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.out_dir = Path(self.cfg.train.out_dir)
-        self.model_cfg = self.cfg.llama_config()
+        self.model_cfg = self.cfg.resolved.shape
         self.objective = objective_for(self.cfg, self.data)
         self.progress = NoProgress()
 
@@ -95,7 +95,7 @@ class Trainer:
                                          self.note, model, optimizer)
         meta = CheckpointMeta(model=model_fingerprint(self.model_cfg), config=absolute_paths(cfg.to_dict()),
                               world_size=self.world, data_seed=d.seed, held_out=split_record(cfg, self.data, held),
-                              hf_config=cfg.hf_config, peft=adapter_record(cfg, model),
+                              hf_config=cfg.resolved.hf_config, peft=adapter_record(cfg, model),
                               export_dtype=dtype_name(cfg.weights_dtype(self.device.type)))  # the export's
         last, stopped = self.train(model, optimizer, sampler, evaluator, logs, checkpointer, start_step, meta)
         for log in logs:
