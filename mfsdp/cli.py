@@ -21,20 +21,20 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
     if command == "train":
-        from mfsdp.train.launcher import is_launch
+        from mfsdp.train.command.launcher import is_launch
         if is_launch(rest):  # --nproc-per-node and friends: check, then start the workers
-            from mfsdp.train.launcher import main as launch_main
+            from mfsdp.train.command.launcher import main as launch_main
             return launch_main(rest)
-        from mfsdp.train.main import main as train_main  # one process, in this one
+        from mfsdp.train.command.main import main as train_main  # one process, in this one
         return train_main(rest)
     if command == "plan":
-        from mfsdp.train.plan import main as plan_main
+        from mfsdp.train.command.plan import main as plan_main
         try:
             return plan_main(rest)
         except ModuleNotFoundError as err:  # drawing the plan's PNG, after the plan is printed
             if (err.name or "").partition(".")[0] != "matplotlib":
                 raise
-            from mfsdp.train.plotting import needs_matplotlib
+            from mfsdp.train.report.plotting import needs_matplotlib
             print(f"\nmemory over the step: {needs_matplotlib('the PNG')}")
             return 0
     if command in COMMANDS:
@@ -112,8 +112,8 @@ COMMANDS = {  # the sections, old spellings (kept for one release) and arguments
 def _run(command: str, argv: list[str]) -> int:
     """``mfsdp prepare-data`` or ``mfsdp export``: its help, or its command line read as `mfsdp train`
     reads one, then the command; a user error is one line and exit code 2."""
-    from mfsdp.train.args import parse_command, usage
-    from mfsdp.train.errors import USER_ERRORS
+    from mfsdp.train.command.args import parse_command, usage
+    from mfsdp.train.command.errors import USER_ERRORS
     head, sections, aliases, positional = COMMANDS[command]
     if "-h" in argv or "--help" in argv:
         print(usage(f"usage: mfsdp {command} {' '.join(positional)} [--SECTION.KEY VALUE ...]\n\n{head}",
@@ -167,7 +167,7 @@ def _print_pairs(info: dict, where: str) -> None:
 def export(source: str, out: str, options: ExportSection, peft: ExportPeft) -> int:
     from mfsdp.hf.export import exported_line
     from mfsdp.train.checkpoint import CheckpointError
-    from mfsdp.train.config import DTYPES
+    from mfsdp.train.run.config import DTYPES
     from mfsdp.train.export import ExportError, export_hf
     try:
         done = export_hf(source, out, dtype=DTYPES.get(options.dtype),

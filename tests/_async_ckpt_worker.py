@@ -19,8 +19,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from mfsdp.train.checkpoint import async_save
-from mfsdp.train.main import main
-from mfsdp.train.metrics import read_metrics
+from mfsdp.train.command.main import main
+from mfsdp.train.report.metrics import read_metrics
 
 GIVE_UP_S = 120.0
 

@@ -21,7 +21,7 @@ from mfsdp.train.checkpoint import (CheckpointError, Checkpointer, HostStager, c
                                     find_resumable, load_checkpoint, staging_bytes)
 from mfsdp.train.checkpoint import async_save as ckpt
 from mfsdp.train.checkpoint.storage import state_of
-from mfsdp.train.report import postfix
+from mfsdp.train.report.record import postfix
 from test_train_checkpoint import META, make
 from test_train_e2e import REPO, SMALL, _env, corpus, loss_and_grad_norm, stopped_copy  # noqa: F401
 

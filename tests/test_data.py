@@ -157,7 +157,7 @@ def test_old_spellings_still_work(tmp_path, capsys):
     """The dash spellings of before the dotted flags are aliases for one release; --train-on-prompt
     stays a switch."""
     from mfsdp.cli import COMMANDS
-    from mfsdp.train.args import parse_command
+    from mfsdp.train.command.args import parse_command
 
     _, sections, aliases, positional = COMMANDS["prepare-data"]
     old = ["in", "out", "--max-len", "8", "--format=messages", "--train-on-prompt", "--text-key", "body",

@@ -74,9 +74,9 @@ def run_trainer(rank, world_size, argv, stdout=False):
     import io
     from pathlib import Path
 
-    from mfsdp.train.resolve import load_config
-    from mfsdp.train.preflight import preflight
-    from mfsdp.train.trainer import Trainer
+    from mfsdp.train.run.resolve import load_config
+    from mfsdp.train.run.preflight import preflight
+    from mfsdp.train.loop.trainer import Trainer
 
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed) if stdout else contextlib.nullcontext():
@@ -154,8 +154,8 @@ def test_a_checkpoint_without_a_split_resumes_with_its_training_windows(world, c
 
 
 def test_val_path_and_config_errors(world, corpus, tmp_path):
-    from mfsdp.train.config import ConfigError
-    from mfsdp.train.resolve import load_config
+    from mfsdp.train.run.config import ConfigError
+    from mfsdp.train.run.resolve import load_config
 
     with pytest.raises(ConfigError, match="val_fraction must lie in"):
         load_config(["--data.val_fraction", "1.5"])

@@ -17,7 +17,7 @@ from mfsdp.mesh import build_mesh
 from mfsdp.models.llama import Llama, LlamaConfig
 from mfsdp.models.parallelize import ParallelizeConfig, parallelize
 from mfsdp.train.objectives import CausalLM
-from mfsdp.train.step import train_step
+from mfsdp.train.loop.step import train_step
 from test_eval_loss import run_trainer
 from test_train_e2e import in_process
 CFG = LlamaConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=96, max_seq_len=16)

@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from test_eval_loss import run_trainer
-from mfsdp.train.config import ConfigError
-from mfsdp.train.resolve import load_config
-from mfsdp.train.errors import CheckpointError
-from mfsdp.train.recipes import FINE_TUNING, RECIPES
-from mfsdp.train.step import lr_at
+from mfsdp.train.run.config import ConfigError
+from mfsdp.train.run.resolve import load_config
+from mfsdp.train.command.errors import CheckpointError
+from mfsdp.train.run.recipes import FINE_TUNING, RECIPES
+from mfsdp.train.loop.step import lr_at
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
@@ -73,7 +73,7 @@ def corpus(tmp_path_factory):
 
 # ------------------------------------------------------------------------------------ recipes
 def test_pretrained_weights_get_the_fine_tuning_recipe(dirs):
-    from mfsdp.train.build import adamw
+    from mfsdp.train.build.model import adamw
 
     root, _ = dirs
     for steps, warmup in ((100_000, 100), (500, 50), (30, 3)):
@@ -145,7 +145,7 @@ class _Data:
 
 
 def test_the_first_line_names_the_model_and_the_recipe(dirs):
-    from mfsdp.train.report import run_line
+    from mfsdp.train.report.record import run_line
 
     root, _ = dirs
     cpu = torch.device("cpu")
@@ -158,7 +158,7 @@ def test_the_first_line_names_the_model_and_the_recipe(dirs):
 
 
 def test_main_grads_auto_is_the_compute_dtype_for_every_model(dirs):
-    from mfsdp.train.plan import planned_run
+    from mfsdp.train.command.plan import planned_run
 
     root, _ = dirs
     for args in ([], ["--model.hf", str(root / "llama")], ["--model.hf", str(root / "llama"), "--model.hf_impl",
@@ -208,7 +208,7 @@ def test_plan_of_a_bundled_route_directory_is_the_presets(dirs, tmp_path):
 
     from mfsdp.cli import main
     from mfsdp.memory.plan import estimate_run
-    from mfsdp.train.plan import planned_run
+    from mfsdp.train.command.plan import planned_run
 
     root, _ = dirs
     run = ["--data.seq_len", "64", "--data.local_batch", "2"]
@@ -239,7 +239,7 @@ def built_logits(rank, world_size, argv, tokens):
     """The model `mfsdp train` builds for ``argv`` (meta, sharded, loaded): whether it is the bundled
     Llama, and its logits."""
     from mfsdp.models import Llama
-    from mfsdp.train.build import build
+    from mfsdp.train.build.model import build
 
     cfg = load_config(argv)
     model, _ = build(cfg, torch.device("cpu"), world_size, print)
@@ -285,7 +285,7 @@ def test_bundled_route_trains_resumes_and_exports(world, dirs, corpus, tmp_path,
 
 
 def test_a_resume_keeps_the_route_that_wrote_the_checkpoint(world, dirs, corpus, tmp_path):
-    from mfsdp.train.preflight import check_run
+    from mfsdp.train.run.preflight import check_run
 
     root, _ = dirs
     args = ["--model.hf", str(root / "llama"), *TRAIN, "--data.path", str(corpus), "--train.out_dir",

@@ -14,8 +14,8 @@ pytest.importorskip("torchao")
 from mfsdp.transforms.float8_linear import float8_linears  # noqa: E402
 from mfsdp.transforms.float8 import Float8Transform  # noqa: E402
 from mfsdp.models.parallelize import ParallelizeConfig  # noqa: E402
-from mfsdp.train.config import ConfigError  # noqa: E402
-from mfsdp.train.resolve import load_config  # noqa: E402
+from mfsdp.train.run.config import ConfigError  # noqa: E402
+from mfsdp.train.run.resolve import load_config  # noqa: E402
 from test_float8 import LLAMA, codecs, train_and_compare  # noqa: E402
 
 SKIP = ("layers.0.*", "*.w2")
@@ -113,7 +113,7 @@ def test_the_planner_plans_the_skipped_linears():
     from mfsdp.memory import estimate
     from mfsdp.memory.activations import measure_llama
     from mfsdp.models import build_model, get_config
-    from mfsdp.train.plan import planned_run
+    from mfsdp.train.command.plan import planned_run
     from mfsdp.transforms import apply_transforms
 
     cfg = get_config("1b")

@@ -2,7 +2,7 @@
 resume equal an uninterrupted run's bit for bit (skipped without CUDA).
 
 Without --parallel.deterministic two uninterrupted runs on H200s differ from step 2 (atomics in
-attention and index backward kernels, cuDNN attention; mfsdp/train/determinism.py lists each
+attention and index backward kernels, cuDNN attention; mfsdp/train/run/determinism.py lists each
 source and what the mode does about it), so exact equality can only be asked of this mode. As
 many GPUs as are visible, at most two; the tiny preset, 8 steps with a checkpoint at step 4: three
 launches of well under a minute each on an H200.

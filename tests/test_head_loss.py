@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from mfsdp.data import write_token_file
-from mfsdp.train.config import ConfigError, ModelSection
-from mfsdp.train.resolve import load_config
+from mfsdp.train.run.config import ConfigError, ModelSection
+from mfsdp.train.run.resolve import load_config
 from test_eval_loss import SMALL, run_trainer
 from test_model_only_checkpoint import tensors
 
@@ -64,7 +64,7 @@ def test_fused_head_loss_trains_as_the_plain_one(world, tmp_path):
 
 def _planned(*args):
     from mfsdp.memory.plan import estimate_run
-    from mfsdp.train.plan import planned_run
+    from mfsdp.train.command.plan import planned_run
 
     return estimate_run(planned_run(load_config(list(args))), 1)
 

@@ -14,7 +14,7 @@ import torch
 
 from mfsdp.hf import files
 from mfsdp.hf.export import ADAPTER_WEIGHTS
-from mfsdp.train.resolve import load_config
+from mfsdp.train.run.resolve import load_config
 from mfsdp.train.checkpoint import CheckpointMeta, save_checkpoint
 from test_eval_loss import SMALL
 from test_lora_save import trained  # noqa: F401 (a fixture: a LoRA run's checkpoints and base directory)
@@ -76,7 +76,7 @@ def test_an_export_takes_the_dtype_its_checkpoint_records(tmp_path):
 
 def test_the_disk_check_sizes_the_export_in_its_dtype():
     from mfsdp.models import param_counts
-    from mfsdp.train.disk import export_bytes
+    from mfsdp.train.run.disk import export_bytes
 
     cfg = load_config([*SMALL, "--train.export_hf", "true"])
     params = param_counts(cfg.resolved.shape)["total"]

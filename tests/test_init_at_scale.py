@@ -38,7 +38,7 @@ CHUNK = 200
 
 
 def _run_config(shape, placements, replicate, compute, extra=()):
-    from mfsdp.train.resolve import load_config
+    from mfsdp.train.run.resolve import load_config
 
     return load_config([*shape, "--train.device", "cpu", "--train.seed", str(SEED),
                         "--parallel.placements", placements, "--parallel.replicate", str(replicate),
@@ -50,9 +50,9 @@ def _tokens(vocab):
 
 
 def trainer_build(rank, ws, shape, placements, replicate, compute, extra=()):
-    """``mfsdp.train.build.build`` (meta -> parallelize -> to_empty -> init_weights) on every rank; rank 0
+    """``mfsdp.train.build.model.build`` (meta -> parallelize -> to_empty -> init_weights) on every rank; rank 0
     returns the gathered main weights, the logits of a first forward and the rank's shard sizes."""
-    from mfsdp.train.build import build
+    from mfsdp.train.build.model import build
 
     llama_module.INIT_CHUNK_NUMEL = CHUNK
     try:
@@ -158,7 +158,7 @@ def peak_during_build(rank, ws, shape):
     main weights, as on GPU); a tiny build first, so imports and process groups are warm."""
     import gc
 
-    from mfsdp.train.build import build
+    from mfsdp.train.build.model import build
 
     build(_run_config(SHAPE, "zero3", 1, "bf16"), torch.device("cpu"), ws, print)
     gc.collect()
@@ -230,7 +230,7 @@ def test_70b_preset_is_the_llama3_70b_shape_and_builds_on_meta_for_free():
 
 
 def test_70b_preset_reaches_the_trainer_config():
-    from mfsdp.train.resolve import load_config
+    from mfsdp.train.run.resolve import load_config
 
     cfg = load_config(["--model.preset", "70b", "--data.seq_len", "8192"]).resolved.shape
     assert cfg == get_config("70b", max_seq_len=8192)

@@ -167,8 +167,8 @@ def test_mfsdp_train_keeps_gathers_with_the_same_losses(world, tmp_path):
     through each step of two microbatches (two ranks); a count above the model's blocks is refused."""
     from mfsdp.data import prepare
     from mfsdp.data.prepare import stdlib_source
-    from mfsdp.train.config import ConfigError
-    from mfsdp.train.resolve import load_config
+    from mfsdp.train.run.config import ConfigError
+    from mfsdp.train.run.resolve import load_config
     from test_eval_loss import SMALL, run_trainer
 
     corpus = tmp_path / "small.tokens"
@@ -198,10 +198,10 @@ def test_auto_keeps_what_fits_on_one_gpu_and_nothing_elsewhere(monkeypatch):
     planner still fits the run in the allocator's margin (more memory, fewer; one more does not fit);
     on several GPUs, on CPU and for a number given, the setting stays as given (auto: none)."""
     from mfsdp.memory.plan import estimate_run
-    from mfsdp.train import preflight
-    from mfsdp.train.config import ConfigError
-    from mfsdp.train.resolve import load_config
-    from mfsdp.train.plan import planned_run
+    from mfsdp.train.run import preflight
+    from mfsdp.train.run.config import ConfigError
+    from mfsdp.train.run.resolve import load_config
+    from mfsdp.train.command.plan import planned_run
 
     args = ["--model.preset", "8b", "--data.seq_len", "4096", "--data.local_batch", "1", "--data.microbatches", "4"]
     cfg = load_config(args)

@@ -14,7 +14,7 @@ import pytest
 from mfsdp.cli import main as cli_main
 from mfsdp.data import prepare, write_token_file
 from mfsdp.data.prepare import stdlib_source
-from mfsdp.train.config import TrainSection
+from mfsdp.train.run.config import TrainSection
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.filterwarnings("ignore::UserWarning")]
 
@@ -104,8 +104,8 @@ def test_data_problems_are_found_before_the_workers_start(tmp_path, capsys):
 
 
 def test_launcher_flags_given_to_a_torchrun_worker_are_named():
-    from mfsdp.train.config import ConfigError
-    from mfsdp.train.resolve import load_config
+    from mfsdp.train.run.config import ConfigError
+    from mfsdp.train.run.resolve import load_config
     with pytest.raises(ConfigError, match="--nproc-per-node is a flag of the `mfsdp train` "
                                           "launcher"):
         load_config(["--nproc-per-node", "2"])
@@ -215,8 +215,8 @@ def test_the_summary_names_the_cause_before_the_ranks_that_lost_their_peer(tmp_p
     import signal
     from types import SimpleNamespace
 
-    from mfsdp.train.resolve import load_config
-    from mfsdp.train.launcher import _summarize
+    from mfsdp.train.run.resolve import load_config
+    from mfsdp.train.command.launcher import _summarize
 
     def failure(local_rank, exitcode, message):
         return SimpleNamespace(local_rank=local_rank, exitcode=exitcode, timestamp=100,

@@ -67,7 +67,7 @@ def test_a_worker_whose_launcher_died_before_it_asked_dies_at_once(parent, tmp_p
     gone = subprocess.Popen(["true"])
     gone.wait()  # a pid no process has now
     pid = os.getpid() if parent == "alive" else gone.pid
-    code = "from mfsdp.train.launcher import die_with_launcher; die_with_launcher(); print('alive')"
+    code = "from mfsdp.train.command.launcher import die_with_launcher; die_with_launcher(); print('alive')"
     env = dict(os.environ, MFSDP_LAUNCHED=str(pid), PYTHONPATH=str(Path(__file__).resolve().parents[1]))
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert (run.returncode, run.stdout) == ((0, "alive\n") if parent == "alive" else (-signal.SIGKILL, "")), run.stderr

@@ -132,9 +132,9 @@ def test_the_launcher_and_the_report_never_reach_the_loop():
     """The launcher checks and starts workers without importing the loop; the step report is built
     from a StepOutput and never sees the Trainer."""
     graph = _graph()
-    loop = {"mfsdp.train.trainer", "mfsdp.train.main"}
-    assert not loop & _reachable(graph, "mfsdp.train.launcher"), _reachable(graph, "mfsdp.train.launcher") & loop
-    assert not loop & _reachable(graph, "mfsdp.train.report")
+    loop = {"mfsdp.train.loop.trainer", "mfsdp.train.command.main"}
+    assert not loop & _reachable(graph, "mfsdp.train.command.launcher"), _reachable(graph, "mfsdp.train.command.launcher") & loop
+    assert not loop & _reachable(graph, "mfsdp.train.report.record")
 
 
 CORE_VALUES = {"mfsdp._compat", "mfsdp.placement", "mfsdp.mixed_precision", "mfsdp.communication"}

@@ -56,7 +56,7 @@ def _steps(model, optimizer, steps, rank, ws) -> list[float]:
 
 
 def _resume_case(rank, ws, root):
-    from mfsdp.train.adapters import checkpointed_numel
+    from mfsdp.train.build.adapters import checkpointed_numel
     from mfsdp.train.checkpoint import Checkpointer
 
     model, optimizer = _sharded(1, ws)
@@ -105,8 +105,8 @@ def test_a_lora_checkpoint_and_a_full_model_refuse_each_other(tmp_path):
 
 
 def test_the_disk_check_sizes_the_adapters_and_their_adamw_state(monkeypatch, tmp_path):
-    from mfsdp.train import disk
-    from mfsdp.train.resolve import load_config
+    from mfsdp.train.run import disk
+    from mfsdp.train.run.resolve import load_config
 
     def cfg(*flags):
         return load_config(["--model.preset", "8b", "--train.out_dir", str(tmp_path), *flags])
@@ -138,8 +138,8 @@ def trained(tmp_path_factory):
     from mfsdp.hf.config import bundled_config_from_hf
     from mfsdp.hf.names import load_hf_weights
     from mfsdp.models import Llama
-    from mfsdp.train.adapters import adapter_record
-    from mfsdp.train.resolve import load_config
+    from mfsdp.train.build.adapters import adapter_record
+    from mfsdp.train.run.resolve import load_config
 
     root = tmp_path_factory.mktemp("lora_export")
     base = root / "base"
@@ -191,7 +191,7 @@ def test_mfsdp_export_of_a_lora_checkpoint_is_a_peft_adapter_with_our_logits(tra
 def _export_at_the_end(rank, ws, checkpoint, out):
     from pathlib import Path
 
-    from mfsdp.train.epilogue import export_hf
+    from mfsdp.train.report.epilogue import export_hf
 
     said = []
     export_hf(Path(checkpoint), Path(out), said.append, torch.float32)

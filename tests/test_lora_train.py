@@ -12,11 +12,11 @@ import torch
 
 from mfsdp.transforms.float8 import Float8Transform
 from mfsdp.transforms.lora import LoraTransform, lora_linears
-from mfsdp.train import launcher
-from mfsdp.train.resolve import load_config
-from mfsdp.train.build import transforms_for
-from mfsdp.train.errors import ConfigError
-from mfsdp.train.recipes import FINE_TUNING, LORA
+from mfsdp.train.command import launcher
+from mfsdp.train.run.resolve import load_config
+from mfsdp.train.build.model import transforms_for
+from mfsdp.train.command.errors import ConfigError
+from mfsdp.train.run.recipes import FINE_TUNING, LORA
 from test_eval_loss import run_trainer
 
 pytest.importorskip("transformers")
@@ -90,7 +90,7 @@ def test_the_planned_model_state_of_a_lora_8b():
     the meta model."""
     from mfsdp.memory import plan
     from mfsdp.models import flops
-    from mfsdp.train.plan import planned_run
+    from mfsdp.train.command.plan import planned_run
 
     cfg = load_config(["--model.preset", "8b", "--peft.method", "lora", "--parallel.main_grads_dtype", "fp32"])
     c = cfg.resolved.shape
@@ -113,7 +113,7 @@ def test_the_planned_model_state_of_a_lora_8b():
 def _run_and_check(rank, world_size, argv):
     """``run_trainer`` with the built model kept: returns rank 0's records and printed lines, and
     whether every frozen weight ends bit-identical to the loaded one while every B moved."""
-    from mfsdp.train import trainer
+    from mfsdp.train.loop import trainer
 
     built, build = [], trainer.build
 
@@ -189,8 +189,8 @@ def test_lora_block_activations_by_hand():
 def test_the_plan_stages_a_lora_checkpoint_of_the_adapters_alone(capsys, tmp_path):
     """`mfsdp plan`'s host-RAM line sizes a LoRA run's checkpoint staging from its adapters (fp32 main
     weights and two AdamW moments: 12 bytes each), not from the frozen base."""
-    from mfsdp.train.resolve import load_config
-    from mfsdp.train.plan import main as plan_main
+    from mfsdp.train.run.resolve import load_config
+    from mfsdp.train.command.plan import main as plan_main
 
     flags = ["--model.preset", "1b", "--peft.method", "lora", "--train.async_checkpoint", "true"]
     assert plan_main([*flags, "--nproc-per-node", "1", "--out", str(tmp_path / "p.png")]) == 0

@@ -9,8 +9,8 @@ import pytest
 
 from test_manager_models import make_hf
 from test_eval_loss import run_trainer
-from mfsdp.train.config import ConfigError
-from mfsdp.train.resolve import load_config
+from mfsdp.train.run.config import ConfigError
+from mfsdp.train.run.resolve import load_config
 
 pytest.importorskip("transformers")
 pytestmark = [pytest.mark.timeout(240), pytest.mark.filterwarnings("ignore::UserWarning")]

@@ -270,8 +270,8 @@ def test_plan_and_train_check_read_model_float8(tmp_path):
     estimate (``estimate_run`` of the train config) is the float8 one."""
     from mfsdp.memory import estimate
     from mfsdp.memory.plan import estimate_run
-    from mfsdp.train.resolve import load_config
-    from mfsdp.train.plan import planned_run
+    from mfsdp.train.run.resolve import load_config
+    from mfsdp.train.command.plan import planned_run
 
     args = ["--model.preset", "1b", "--data.seq_len", "2048", "--data.local_batch", "2", "--nproc-per-node", "8",
             "--gpu-memory", "80GiB"]
@@ -304,8 +304,8 @@ def test_compiled_float8_blocks_are_predicted_from_the_measured_share():
     from mfsdp.memory.api import COMPILED_BLOCK_SAVED, COMPILED_NOTE
     from mfsdp.memory.estimate import GIB
     from mfsdp.memory.plan import estimate_run
-    from mfsdp.train.resolve import load_config
-    from mfsdp.train.plan import planned_run
+    from mfsdp.train.run.resolve import load_config
+    from mfsdp.train.command.plan import planned_run
 
     shape = ["--model.preset", "8b", "--data.local_batch", "1", "--data.seq_len", "4096",
              "--data.microbatches", "4", "--model.float8"]

@@ -495,14 +495,14 @@ def test_plan_reports_a_bad_flag(tmp_path):
 
 # ------------------------------------------------------------------------- mfsdp train refusal
 def _check_memory(args, device="cuda"):
-    from mfsdp.train import preflight
-    from mfsdp.train.resolve import load_config
+    from mfsdp.train.run import preflight
+    from mfsdp.train.run.resolve import load_config
 
     preflight.check_memory(load_config(args), 8, torch.device(device), print)
 
 
 def test_train_refuses_a_run_that_does_not_fit(monkeypatch):
-    from mfsdp.train import preflight
+    from mfsdp.train.run import preflight
 
     monkeypatch.setattr(preflight, "device_memory", lambda device: 40 * 2**30)
     args = ["--model.preset", "8b", "--data.seq_len", "8192", "--data.local_batch", "2",

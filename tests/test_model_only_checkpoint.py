@@ -18,8 +18,8 @@ from mfsdp.models import param_counts
 from mfsdp.train.checkpoint import (CheckpointError, Checkpointer, CheckpointMeta, find_latest, load_checkpoint,
                                     save_checkpoint, staging_bytes)
 from mfsdp.train.checkpoint.storage import state_of
-from mfsdp.train.config import ConfigError
-from mfsdp.train.resolve import load_config
+from mfsdp.train.run.config import ConfigError
+from mfsdp.train.run.resolve import load_config
 from test_eval_loss import SMALL, run_trainer
 from test_prelaunch_checks import launch  # noqa: F401  (the disk check's fixture)
 from test_train_checkpoint import META, make

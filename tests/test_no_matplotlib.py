@@ -42,7 +42,7 @@ def runs(corpus, tmp_path_factory):
     out = tmp_path_factory.mktemp("train")
     procs = {
         "plan": (png, without_matplotlib("mfsdp.cli:main", "plan", "--gpu-memory", "80GiB", "--out", str(png))),
-        "train": (out, without_matplotlib("mfsdp.train.main:main", *SMALL, "--data.path", str(corpus),
+        "train": (out, without_matplotlib("mfsdp.train.command.main:main", *SMALL, "--data.path", str(corpus),
                                           "--train.steps", "2", "--train.sample_tokens", "0",
                                           "--train.out_dir", str(out))),
     }

@@ -66,9 +66,9 @@ def _run(capsys, tmp_path, name: str):
 def test_an_objective_from_outside_the_library_trains_and_reports_its_own_metrics(capsys, tmp_path, monkeypatch):
     _, baseline = _run(capsys, tmp_path, "causal_lm")
     objective = HalfLossAndWidth()
-    monkeypatch.setattr("mfsdp.train.trainer.objective_for", lambda cfg, data: objective)
+    monkeypatch.setattr("mfsdp.train.loop.trainer.objective_for", lambda cfg, data: objective)
     reduced = []  # the step's collectives: one a step, its metrics, stop votes and aux loss together
-    monkeypatch.setattr("mfsdp.train.step.dist", SimpleNamespace(
+    monkeypatch.setattr("mfsdp.train.loop.step.dist", SimpleNamespace(
         get_world_size=dist.get_world_size, all_reduce=lambda t: reduced.append(t.numel()) or dist.all_reduce(t)))
     printed, records = _run(capsys, tmp_path, "custom")
     assert reduced == [len(objective.metrics) + 2] * 4

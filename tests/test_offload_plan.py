@@ -14,8 +14,8 @@ import pytest
 from mfsdp.memory import plan
 from mfsdp.memory.api import OffloadedEstimate
 from mfsdp.memory.estimate import GIB
-from mfsdp.train import plan as train_plan
-from mfsdp.train.resolve import load_config
+from mfsdp.train.command import plan as train_plan
+from mfsdp.train.run.resolve import load_config
 
 EIGHT_B = ["--model.preset", "8b", "--data.seq_len", "4096", "--data.local_batch", "1", "--data.microbatches", "4",
            "--parallel.activation_checkpointing", "true"]
@@ -23,7 +23,7 @@ EIGHT_B = ["--model.preset", "8b", "--data.seq_len", "4096", "--data.local_batch
 
 @pytest.fixture(scope="module")
 def cfg():
-    """The planner's view of the config (``mfsdp.train.plan.planned_run``)."""
+    """The planner's view of the config (``mfsdp.train.command.plan.planned_run``)."""
     return train_plan.planned_run(load_config(EIGHT_B))
 
 

@@ -14,11 +14,12 @@ import torch
 from mfsdp.memory import checkpoint_bytes
 from mfsdp.memory.estimate import GIB, OUTSIDE_ALLOCATOR, PLANNER_OVERSHOOT, RESERVE_FRACTION
 from mfsdp.memory.plan import estimate_run as _estimate_run, memory_check as _memory_check
-from mfsdp.train.plan import planned_run
+from mfsdp.train.command.plan import planned_run
 from mfsdp.models import get_config, param_counts
-from mfsdp.train import launcher, preflight
-from mfsdp.train.resolve import load_config
-from mfsdp.train.disk import new_checkpoints_at_once
+from mfsdp.train.command import launcher
+from mfsdp.train.run import preflight
+from mfsdp.train.run.resolve import load_config
+from mfsdp.train.run.disk import new_checkpoints_at_once
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.filterwarnings("ignore::UserWarning")]
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"

@@ -1,4 +1,4 @@
-"""A run is resolved once, in ``mfsdp.train.resolve``: its shape is computed once, its meta model built
+"""A run is resolved once, in ``mfsdp.train.run.resolve``: its shape is computed once, its meta model built
 once, its config.json read once, and everything after (the launcher's checks, the disk check, the
 first line, the plan) reads ``cfg.resolved``."""
 
@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from mfsdp.models.llama import Llama
-from mfsdp.train.config import ModelSection
-from mfsdp.train.launcher import LaunchOptions, check
+from mfsdp.train.run.config import ModelSection
+from mfsdp.train.command.launcher import LaunchOptions, check
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -45,7 +45,7 @@ def test_the_manager_route_reads_config_json_once(monkeypatch, tmp_path):
     transformers = pytest.importorskip("transformers")
     from mfsdp.hf import sharded as hf_checkpoint
     from mfsdp.hf.random_model import model_config
-    from mfsdp.train.plan import main as plan_main
+    from mfsdp.train.command.plan import main as plan_main
 
     hf = tmp_path / "hf"
     model_config("tiny").save_pretrained(hf)

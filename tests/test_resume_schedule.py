@@ -4,9 +4,9 @@ and the absolute paths that checkpoints record, so a run is found again from any
 
 import os
 
-from mfsdp.train.resolve import load_config
+from mfsdp.train.run.resolve import load_config
 from mfsdp.train.checkpoint import CheckpointMeta
-from mfsdp.train.run_dir import absolute_paths, identity, schedule_change_line
+from mfsdp.train.run.run_dir import absolute_paths, identity, schedule_change_line
 
 
 def meta_of(*argv, step: int) -> CheckpointMeta:

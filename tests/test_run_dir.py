@@ -18,10 +18,10 @@ from mfsdp.data import prepare
 from mfsdp.data.prepare import stdlib_source
 from mfsdp.train.checkpoint import CheckpointMeta, find_latest
 from mfsdp.train.checkpoint.storage import paths, publish_when_written
-from mfsdp.train.resolve import load_config
-from mfsdp.train.errors import ConfigError
-from mfsdp.train.preflight import check_run
-from mfsdp.train.run_dir import RUN_FILE, claim
+from mfsdp.train.run.resolve import load_config
+from mfsdp.train.command.errors import ConfigError
+from mfsdp.train.run.preflight import check_run
+from mfsdp.train.run.run_dir import RUN_FILE, claim
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.filterwarnings("ignore::UserWarning")]
 
@@ -45,8 +45,8 @@ def logged_run(rank, world_size, argv, wandb_dir):
 
     import wandb
 
-    from mfsdp.train.preflight import preflight
-    from mfsdp.train.trainer import Trainer
+    from mfsdp.train.run.preflight import preflight
+    from mfsdp.train.loop.trainer import Trainer
 
     env = {"WANDB_MODE": "offline", "WANDB_DIR": wandb_dir, "WANDB_SILENT": "true", "WANDB_CONSOLE": "off"}
     saved, original, logged = {k: os.environ.get(k) for k in env}, wandb.Run.log, []
@@ -94,7 +94,7 @@ def test_batch_logs_get_a_line_every_log_every_steps(finished):
 
 
 def test_wandb_offline_logs_the_scalars_of_metrics_jsonl(finished):
-    from mfsdp.train.metrics import scalars
+    from mfsdp.train.report.metrics import scalars
 
     root, _, (_, _, logged), _ = finished
     out = root / "run"
@@ -105,7 +105,7 @@ def test_wandb_offline_logs_the_scalars_of_metrics_jsonl(finished):
 
 
 def test_a_resume_at_the_last_step_says_so_and_exits_0(finished, capsys):
-    from mfsdp.train.launcher import main as launch
+    from mfsdp.train.command.launcher import main as launch
 
     root, argv, _, (code, printed, logged) = finished
     out = root / "run"
@@ -118,7 +118,7 @@ def test_a_resume_at_the_last_step_says_so_and_exits_0(finished, capsys):
 
 
 def test_another_run_is_refused_the_directory_in_one_line(finished, tmp_path, capsys):
-    from mfsdp.train.launcher import main as launch
+    from mfsdp.train.command.launcher import main as launch
 
     root, argv, _, _ = finished
     out = root / "run"
@@ -175,7 +175,7 @@ def test_resume_without_a_checkpoint_is_an_error_and_auto_starts_afresh(tmp_path
 
 
 def test_the_default_out_dir_is_the_model_s(tmp_path):
-    from mfsdp.train.config import ModelSection
+    from mfsdp.train.run.config import ModelSection
 
     assert load_config([]).train.out_dir == "runs/tiny"
     assert load_config(["--model.preset", "moe-tiny"]).train.out_dir == "runs/moe-tiny"

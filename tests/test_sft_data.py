@@ -549,8 +549,8 @@ def test_training_says_how_many_samples_a_window_cuts(tmp_path):
 def test_an_hf_model_refuses_a_token_file_of_another_tokenizer(tmp_path, bos, hf):
     from mfsdp.data.identity import check_tokenizer
     from mfsdp.data.tokenizer import HuggingFaceTokenizer
-    from mfsdp.train.resolve import load_config
-    from mfsdp.train.preflight import check_run
+    from mfsdp.train.run.resolve import load_config
+    from mfsdp.train.run.preflight import check_run
 
     dirs, _ = bos
     model = str(dirs["model"])

@@ -11,9 +11,9 @@ import pytest
 from _dist import World
 from test_eval_loss import run_trainer
 from test_train_e2e import SMALL, corpus  # noqa: F401  (the token file fixture)
-from mfsdp.train.preflight import check_run
-from mfsdp.train.config import ConfigError
-from mfsdp.train.resolve import load_config
+from mfsdp.train.run.preflight import check_run
+from mfsdp.train.run.config import ConfigError
+from mfsdp.train.run.resolve import load_config
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.filterwarnings("ignore::UserWarning")]
 COMPILE_NOTE = "including torch.compile of the blocks"
@@ -116,7 +116,7 @@ def test_plan_predicts_compiled_blocks_from_the_measured_share():
     from mfsdp.memory.api import COMPILED_BLOCK_SAVED, COMPILED_NOTE
     from mfsdp.memory.estimate import GIB
     from mfsdp.memory.plan import estimate_run as planner_estimate
-    from mfsdp.train.plan import planned_run
+    from mfsdp.train.command.plan import planned_run
 
     def estimate_run(cfg, world):
         return planner_estimate(planned_run(cfg), world)

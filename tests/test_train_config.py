@@ -5,10 +5,10 @@ import re
 
 import pytest
 
-from mfsdp.train.config import ConfigError
-from mfsdp.train.resolve import load_config
-from mfsdp.train.main import main
-from mfsdp.train.step import lr_at
+from mfsdp.train.run.config import ConfigError
+from mfsdp.train.run.resolve import load_config
+from mfsdp.train.command.main import main
+from mfsdp.train.loop.step import lr_at
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -53,7 +53,7 @@ def test_bad_flags_name_the_problem(argv, message):
 
 def test_offload_flags_become_the_cores_policy():
     from mfsdp import OffloadPolicy
-    from mfsdp.train.build import offload_policy
+    from mfsdp.train.build.model import offload_policy
 
     assert offload_policy(load_config([]).parallel) is None
     cfg = load_config(["--parallel.offload", "optimizer", "--parallel.offload_fraction", "0.5"])
@@ -63,7 +63,7 @@ def test_offload_flags_become_the_cores_policy():
 
 def test_stream_priority_flag_becomes_the_cores_policy():
     from mfsdp import CommunicationPolicy
-    from mfsdp.train.build import communication_policy
+    from mfsdp.train.build.model import communication_policy
 
     assert communication_policy(load_config([]).parallel) == CommunicationPolicy()
     assert not CommunicationPolicy().high_priority_streams
@@ -117,7 +117,7 @@ def test_yaml_numbers_that_yaml_reads_as_strings(tmp_path):
 
 
 def test_help_gives_every_key_its_default_and_its_whole_docstring():
-    from mfsdp.train.args import SECTIONS, usage
+    from mfsdp.train.command.args import SECTIONS, usage
 
     lines = usage().splitlines()
     for section, cls in SECTIONS.items():

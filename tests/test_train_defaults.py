@@ -6,11 +6,11 @@ import json
 import pytest
 
 from mfsdp.models.llama import PRESETS
-from mfsdp.train.config import ConfigError, TrainSection
-from mfsdp.train.args import usage
-from mfsdp.train.resolve import load_config
-from mfsdp.train.step import lr_at
-from mfsdp.train.recipes import RECIPES, WARMUP_FRACTION
+from mfsdp.train.run.config import ConfigError, TrainSection
+from mfsdp.train.command.args import usage
+from mfsdp.train.run.resolve import load_config
+from mfsdp.train.loop.step import lr_at
+from mfsdp.train.run.recipes import RECIPES, WARMUP_FRACTION
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -94,7 +94,7 @@ def test_the_adamw_kernel_is_flat_on_cuda_foreach_on_cpu_unless_set():
     what the optimizer gets."""
     import torch
 
-    from mfsdp.train.build import adamw
+    from mfsdp.train.build.model import adamw
 
     auto = load_config([]).train
     assert auto.flat_adamw("cuda") and auto.fused_adamw("cuda")  # fused: for groups flat cannot take

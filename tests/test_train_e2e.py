@@ -69,7 +69,7 @@ def in_process(capsys, *args) -> subprocess.CompletedProcess:
     entry point itself: tests below)."""
     import warnings
 
-    from mfsdp.train.main import main
+    from mfsdp.train.command.main import main
 
     capsys.readouterr()
     with warnings.catch_warnings():  # torch's errors.record: no fault handler on a captured stderr
@@ -198,10 +198,10 @@ def worker_run(rank, world_size, argv):
 
     import torch
 
-    from mfsdp.train import determinism
-    from mfsdp.train.resolve import load_config
-    from mfsdp.train.preflight import preflight
-    from mfsdp.train.trainer import Trainer
+    from mfsdp.train.run import determinism
+    from mfsdp.train.run.resolve import load_config
+    from mfsdp.train.run.preflight import preflight
+    from mfsdp.train.loop.trainer import Trainer
 
     printed, cpu = io.StringIO(), torch.device("cpu")
     with contextlib.redirect_stdout(printed):
@@ -237,8 +237,8 @@ def test_deterministic_bf16_resume_matches_the_uninterrupted_run_bit_for_bit(
     ({"NCCL_NVLS_ENABLE": "1"}, "unset NCCL_NVLS_ENABLE=1"),
 ])
 def test_the_deterministic_flag_is_checked_against_the_environment(env, message, monkeypatch):
-    from mfsdp.train.config import ConfigError
-    from mfsdp.train.resolve import load_config
+    from mfsdp.train.run.config import ConfigError
+    from mfsdp.train.run.resolve import load_config
 
     for name in ("CUBLAS_WORKSPACE_CONFIG", "NCCL_NVLS_ENABLE"):
         monkeypatch.delenv(name, raising=False)

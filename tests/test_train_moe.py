@@ -13,8 +13,8 @@ import pytest
 
 from test_eval_loss import run_trainer
 from test_train_e2e import REPO, _one_error_line, corpus, in_process  # noqa: F401
-from mfsdp.train.config import ConfigError
-from mfsdp.train.resolve import load_config
+from mfsdp.train.run.config import ConfigError
+from mfsdp.train.run.resolve import load_config
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.filterwarnings("ignore::UserWarning")]
 

@@ -1,6 +1,6 @@
 """The memory of a training run per GPU, and the settings that fit: what ``mfsdp plan`` prints and
 ``mfsdp train``'s memory check and ``--parallel.offload auto`` ask. A run is described by a
-``PlannedRun`` (``mfsdp.train.plan`` builds one from a ``mfsdp train`` config); a ``Setting`` is one
+``PlannedRun`` (``mfsdp.train.command.plan`` builds one from a ``mfsdp train`` config); a ``Setting`` is one
 combination of the knobs the search varies."""
 
 from __future__ import annotations

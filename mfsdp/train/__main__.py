@@ -4,7 +4,7 @@ import os
 import sys
 import traceback
 
-from mfsdp.train.main import main
+from mfsdp.train.command.main import main
 
 try:
     code = main()

@@ -48,7 +48,7 @@ from mfsdp.hf.files import SHARD_BYTES, Entry, HFWeightsError, has_weights, writ
 from mfsdp.hf.names import hf_weight_names
 from mfsdp.lora_export import lora_of, merge_updates, peft_state_dict
 from mfsdp.train.checkpoint import META, CheckpointMeta, find_latest, is_complete
-from mfsdp.train.config import DTYPES
+from mfsdp.train.run.config import DTYPES
 
 MODEL = "model."  # the checkpoint's prefix of the model state (mfsdp.train.checkpoint)
 
@@ -136,7 +136,7 @@ def checkpoint_dtype(meta: CheckpointMeta) -> torch.dtype:
 # ------------------------------------------------------------------------- bundled models
 def _section(run: dict):
     """The checkpoint's recorded ``--model`` section."""
-    from mfsdp.train.config import ConfigError, ModelSection
+    from mfsdp.train.run.config import ConfigError, ModelSection
 
     try:
         return ModelSection.recorded(run["model"])
@@ -147,7 +147,7 @@ def _section(run: dict):
 def model_config_of(run: dict, hf_config: dict | None = None):
     """The bundled model's LlamaConfig from a checkpoint's recorded run config; a --model.hf run on
     the bundled route's from its recorded ``hf_config`` (the source directory need not exist)."""
-    from mfsdp.train.config import ConfigError
+    from mfsdp.train.run.config import ConfigError
 
     try:
         seq_len = int(run["data"]["seq_len"])

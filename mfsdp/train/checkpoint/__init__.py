@@ -6,5 +6,5 @@ from mfsdp.train.checkpoint.async_save import Checkpointer, HostStager, async_st
 from mfsdp.train.checkpoint.meta import META, CheckpointMeta, checkpoint_bytes
 from mfsdp.train.checkpoint.storage import (LATEST, check_compatible, complete_checkpoints, damage, find_latest,
                                             find_resumable, is_complete, load_checkpoint, save_checkpoint)
-from mfsdp.train.errors import CheckpointError
+from mfsdp.train.command.errors import CheckpointError
 

@@ -21,7 +21,7 @@ from mfsdp import _compat
 from mfsdp.train.checkpoint.meta import CheckpointMeta, checkpoint_bytes
 from mfsdp.train.checkpoint.storage import (damage, describe, is_complete, make_temp, paths, publish_when_written,
                                             raise_if_any, save_checkpoint, state_of)
-from mfsdp.train.errors import CheckpointError
+from mfsdp.train.command.errors import CheckpointError
 
 
 @dataclass

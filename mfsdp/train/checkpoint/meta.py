@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
-from mfsdp.train.config import DTYPES, dtype_name
-from mfsdp.train.errors import CheckpointError
+from mfsdp.train.run.config import DTYPES, dtype_name
+from mfsdp.train.command.errors import CheckpointError
 
 META = "meta.json"
 FORMAT = 2

@@ -40,7 +40,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from mfsdp import _compat
 from mfsdp.transforms.lora import lora_linears
 from mfsdp.train.checkpoint.meta import META, CheckpointMeta
-from mfsdp.train.errors import CheckpointError, first_problem
+from mfsdp.train.command.errors import CheckpointError, first_problem
 
 LATEST = "latest"
 RNG = "rng"  # the state-dict key of the ranks' random generator states

@@ -16,12 +16,12 @@ import torch
 
 from mfsdp.memory import plan
 from mfsdp.memory.tensor_parallel import TensorParallel
-from mfsdp.train.build import transforms_for
+from mfsdp.train.build.model import transforms_for
 from mfsdp.train.checkpoint.meta import MAIN_WEIGHT_BYTES, checkpoint_bytes
-from mfsdp.train.args import parse_config, usage
-from mfsdp.train.config import DTYPES, RunConfig
-from mfsdp.train.resolve import resolve
-from mfsdp.train.errors import ConfigError
+from mfsdp.train.command.args import parse_config, usage
+from mfsdp.train.run.config import DTYPES, RunConfig
+from mfsdp.train.run.resolve import resolve
+from mfsdp.train.command.errors import ConfigError
 
 USAGE = """usage: mfsdp plan [--config FILE.yaml] [--nproc-per-node N] [--nnodes N] [--gpu-memory 141GiB]
                   [--tp N [--sequence-parallel true|false] [--loss-parallel true|false]]

@@ -35,11 +35,11 @@ from typing import TYPE_CHECKING
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 
 from mfsdp import _compat
-from mfsdp.train.args import LAUNCHER_FLAGS, RunConfig, flag_value, usage
-from mfsdp.train.errors import LAUNCHED_ENV, USER_ERRORS, ConfigError, is_timeout, require, timeout_hint
+from mfsdp.train.command.args import LAUNCHER_FLAGS, RunConfig, flag_value, usage
+from mfsdp.train.command.errors import LAUNCHED_ENV, USER_ERRORS, ConfigError, is_timeout, require, timeout_hint
 
 if TYPE_CHECKING:
-    from mfsdp.train.preflight import ResolvedRun
+    from mfsdp.train.run.preflight import ResolvedRun
 
 USER_ERROR_EXIT = 2
 _ERROR_PREFIX = "mfsdp train: error: "
@@ -118,7 +118,7 @@ def main(argv: list[str]) -> int:
         checked = check(options, rest)
     except USER_ERRORS as err:
         return _error(str(err))
-    from mfsdp.train.run_dir import finished_line
+    from mfsdp.train.run.run_dir import finished_line
 
     if done := finished_line(checked.cfg, checked.resume_from):  # a resume with nothing left to train
         print(done, flush=True)
@@ -132,8 +132,8 @@ def check(options: LaunchOptions, rest: list[str]) -> ResolvedRun:
     import torch
 
     from mfsdp.data import STDLIB, TokenFile
-    from mfsdp.train.preflight import check_run, cuda_problem
-    from mfsdp.train.resolve import load_config
+    from mfsdp.train.run.preflight import check_run, cuda_problem
+    from mfsdp.train.run.resolve import load_config
 
     cfg = load_config(rest)
     cuda = cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available())
@@ -340,7 +340,7 @@ def _log_tail(failure, size: int = 20000) -> str:
 def _after_signal(name: str, cfg: RunConfig) -> int:
     """The launcher got Ctrl-C or SIGTERM and passed it on; did every rank save?"""
     from mfsdp.train.checkpoint import find_latest
-    from mfsdp.train.metrics import read_metrics
+    from mfsdp.train.report.metrics import read_metrics
 
     out_dir = Path(cfg.train.out_dir)
     latest = find_latest(out_dir / "checkpoints")

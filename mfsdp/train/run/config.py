@@ -1,7 +1,7 @@
 """Configuration of ``mfsdp train``: frozen sections of plain values, each validated on its own.
 
-The defaults below train the tiny model on the standard-library corpus. ``mfsdp.train.args`` reads
-YAML and flags into these sections; ``mfsdp.train.resolve`` then reads what the values name (a
+The defaults below train the tiny model on the standard-library corpus. ``mfsdp.train.command.args`` reads
+YAML and flags into these sections; ``mfsdp.train.run.resolve`` then reads what the values name (a
 --model.hf directory's config.json), fills in what they leave open (the route, the recipe) and
 derives the model's shape and counts once (``ResolvedModel``), so that these objects only hold
 values: they read no file and print nothing.
@@ -20,8 +20,8 @@ from mfsdp.mesh import PLACEMENT_NAMES as PLACEMENTS, TWO_AXIS
 from mfsdp.hf.config import supports_bundled
 from mfsdp.models.llama import HEAD_LOSSES, LlamaConfig, get_config
 from mfsdp.transforms.float8 import FLOAT8_CHOICES, float8_placement_problem
-from mfsdp.train.errors import ConfigError, require
-from mfsdp.train.recipes import SCHEDULES, Recipe, recipe_for
+from mfsdp.train.command.errors import ConfigError, require
+from mfsdp.train.run.recipes import SCHEDULES, Recipe, recipe_for
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 """The dtype flags' values ("auto" is each flag's own default, resolved by ``RunConfig``)."""
@@ -73,7 +73,7 @@ class ModelSection:
     hf: str | None = None
     """A local Hugging Face model directory (config.json, plus safetensors weights if present) to
     train instead of a preset; the shape fields above must then be unset. With weights (and not
-    ``random_init``) the run fine-tunes them, with the fine-tuning recipe (mfsdp/train/recipes.py)."""
+    ``random_init``) the run fine-tunes them, with the fine-tuning recipe (mfsdp/train/run/recipes.py)."""
     float8: str = "none"
     """Train the blocks' linears in float8 (torchao, mfsdp.float8): none, tensorwise (weights
     also all-gathered in FP8) or rowwise; the bundled Llama only (presets, and --model.hf models
@@ -152,18 +152,18 @@ class ModelSection:
 
     def on_manager(self) -> "ModelSection":
         """This section on the manager's route, whose Hugging Face model returns logits: the head loss
-        is the plain one there (``mfsdp.train.resolve`` resolving "auto", ``mfsdp plan --tp``)."""
+        is the plain one there (``mfsdp.train.run.resolve`` resolving "auto", ``mfsdp plan --tp``)."""
         return dataclasses.replace(self, hf_impl="manager", head_loss="plain")
 
     @property
     def uses_manager(self) -> bool:
         """Whether mfsdp.manager builds the model from Hugging Face's modeling code: a --model.hf one
-        not on the bundled route (``mfsdp.train.resolve`` resolves "auto" to one of the two)."""
+        not on the bundled route (``mfsdp.train.run.resolve`` resolves "auto" to one of the two)."""
         return self.hf is not None and self.hf_impl != "bundled"
 
     def llama_config(self, max_seq_len: int) -> LlamaConfig:
         """A preset model's shape: the preset's with the overrides (a --model.hf model's is its
-        config.json's, ``mfsdp.train.resolve``)."""
+        config.json's, ``mfsdp.train.run.resolve``)."""
         try:
             return get_config(self.preset, max_seq_len=max_seq_len, **self.shape_overrides())
         except ValueError as err:
@@ -211,7 +211,7 @@ class TrainSection:
     """With a file of samples: passes over the training samples, each in its own order; the run
     then has epochs x (steps per epoch) steps, whatever ``steps`` says. None: ``steps`` decides."""
     lr: float | None = None
-    """Peak learning rate of AdamW; None: the recipe's (mfsdp/train/recipes.py: 2e-5 for pretrained
+    """Peak learning rate of AdamW; None: the recipe's (mfsdp/train/run/recipes.py: 2e-5 for pretrained
     --model.hf weights; 3e-3 for tiny, 3e-4 for 1b and 8b, 1.5e-4 for 70b)."""
     warmup_steps: int | None = None
     """Steps of linear warm-up from zero to ``lr``; None: the recipe's (fine-tuning min(100, steps
@@ -243,7 +243,7 @@ class TrainSection:
     """Seed of the weight initialisation."""
     out_dir: str | None = None
     """Where metrics.jsonl, checkpoints/ and loss.png go; None: runs/ and the preset's name or the
-    --model.hf directory's, so that runs of different models never meet (mfsdp/train/run_dir.py)."""
+    --model.hf directory's, so that runs of different models never meet (mfsdp/train/run/run_dir.py)."""
     overwrite: bool = False
     """Start this run in an out_dir that holds another run's checkpoints or metrics (another model,
     config or data), or this run's checkpoints, deleting them; without it such a run is refused
@@ -306,7 +306,7 @@ class TrainSection:
     "profiled": the profiler slows that step."""
     skip_disk_check: bool = False
     """Before the first step the run checks that its checkpoints fit the free space of ``out_dir``
-    (mfsdp/train/disk.py) and stops when not even one does; true skips that check."""
+    (mfsdp/train/run/disk.py) and stops when not even one does; true skips that check."""
 
     def __post_init__(self) -> None:
         # One spelling: YAML gives true/false as bools, a flag may say True.
@@ -375,7 +375,7 @@ class ParallelSection:
     """Bit-identical losses across reruns and resumes with the same seeds, world size and
     software: deterministic torch kernels (flash attention's deterministic backward, sort-based
     index ops, NaN-filled torch.empty), no cuDNN attention, CUBLAS_WORKSPACE_CONFIG=:4096:8 and
-    NCCL_NVLS_ENABLE=0 (see mfsdp/train/determinism.py). Costs speed: slower attention backward
+    NCCL_NVLS_ENABLE=0 (see mfsdp/train/run/determinism.py). Costs speed: slower attention backward
     and index ops, memory fills, and less all-reduce bandwidth on NVSwitch systems; a model op
     with no deterministic kernel stops the run with torch's error naming it."""
     keep_gathered_blocks: str = "auto"
@@ -489,7 +489,7 @@ class PeftSection:
 
 @dataclass(frozen=True)
 class ResolvedModel:
-    """What ``mfsdp.train.resolve`` found and derived about the model, once: nothing reads the
+    """What ``mfsdp.train.run.resolve`` found and derived about the model, once: nothing reads the
     --model.hf directory, builds a meta model or counts the parameters again."""
 
     shape: LlamaConfig
@@ -533,7 +533,7 @@ class RunConfig:
     """Continue from the newest complete checkpoint in OUT_DIR/checkpoints (--resume: an error where
     there is none); "auto" (--resume auto, for job scripts that requeue) starts afresh where there is none."""
     resolved: ResolvedModel | None = None
-    """What ``mfsdp.train.resolve`` found and derived about the model, once; None until resolved."""
+    """What ``mfsdp.train.run.resolve`` found and derived about the model, once; None until resolved."""
     from_recipe: tuple[str, ...] = ()
     """The ``FROM_RECIPE`` fields of ``train`` that no flag set, filled in from the recipe."""
 
@@ -548,7 +548,7 @@ class RunConfig:
         return self.model.hf is not None and not self.model.random_init and self.resolved.hf_weights
 
     def recipe(self) -> tuple[str, Recipe]:
-        """The name and values of the run's recipe (``mfsdp.train.recipes``): fine-tuning (LoRA's with
+        """The name and values of the run's recipe (``mfsdp.train.run.recipes``): fine-tuning (LoRA's with
         --peft.method lora) for pretrained weights, else the preset's or, for ``--model.hf``, that of the preset nearest in
         size."""
         return recipe_for(self.model.preset, self.resolved.shape, by_size=self.model.hf is not None,

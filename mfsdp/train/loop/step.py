@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 import mfsdp
 from mfsdp.data import Batch
-from mfsdp.train.config import TrainSection
+from mfsdp.train.run.config import TrainSection
 
 
 @dataclasses.dataclass(frozen=True)

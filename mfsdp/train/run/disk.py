@@ -22,8 +22,8 @@ import shutil
 from pathlib import Path
 
 from mfsdp.train.checkpoint import checkpoint_bytes, complete_checkpoints
-from mfsdp.train.config import RunConfig, TrainSection, dtype_name
-from mfsdp.train.errors import ConfigError
+from mfsdp.train.run.config import RunConfig, TrainSection, dtype_name
+from mfsdp.train.command.errors import ConfigError
 
 GIB = 1 << 30
 

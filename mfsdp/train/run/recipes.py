@@ -24,7 +24,7 @@ from mfsdp.models import flops
 from mfsdp.models.llama import PRESETS, LlamaConfig
 
 SCHEDULES = ("cosine", "linear", "constant")
-"""How the rate decays after the warm-up (``mfsdp.train.step.lr_at``): a half cosine or a straight
+"""How the rate decays after the warm-up (``mfsdp.train.loop.step.lr_at``): a half cosine or a straight
 line from the peak down to ``lr * min_lr_ratio`` at the last step, or not at all."""
 
 

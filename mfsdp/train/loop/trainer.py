@@ -12,23 +12,23 @@ import torch.distributed as dist
 
 from mfsdp.data.packing import cut_note
 from mfsdp.models.moe import MoELlama
-from mfsdp.train.batches import make_sampler
-from mfsdp.train.adapters import adapter_record, checkpointed_numel
-from mfsdp.train.build import build
+from mfsdp.train.build.batches import make_sampler
+from mfsdp.train.build.adapters import adapter_record, checkpointed_numel
+from mfsdp.train.build.model import build
 from mfsdp.train.checkpoint import CheckpointMeta, load_checkpoint
 from mfsdp.train.checkpoint.async_save import make_checkpointer
-from mfsdp.train.config import dtype_name
-from mfsdp.train.epilogue import finish
-from mfsdp.train.evaluate import held_out_split, make_evaluator, split_record
-from mfsdp.train.metrics import MetricsLog, StepReadout, TensorBoardLog
+from mfsdp.train.run.config import dtype_name
+from mfsdp.train.report.epilogue import finish
+from mfsdp.train.loop.evaluate import held_out_split, make_evaluator, split_record
+from mfsdp.train.report.metrics import MetricsLog, StepReadout, TensorBoardLog
 from mfsdp.train.objectives import objective_for
-from mfsdp.train.preflight import ResolvedRun, model_fingerprint
-from mfsdp.train.profile import StepProfiler
-from mfsdp.train.report import NoProgress, StepReport, progress_bar
-from mfsdp.train.run_dir import absolute_paths, claim, finished_line, schedule_change_line
-from mfsdp.train.step_lines import StepLines
-from mfsdp.train.wandb_log import WandbLog
-from mfsdp.train.step import lr_at, train_step
+from mfsdp.train.run.preflight import ResolvedRun, model_fingerprint
+from mfsdp.train.loop.profile import StepProfiler
+from mfsdp.train.report.record import NoProgress, StepReport, progress_bar
+from mfsdp.train.run.run_dir import absolute_paths, claim, finished_line, schedule_change_line
+from mfsdp.train.report.step_lines import StepLines
+from mfsdp.train.report.wandb_log import WandbLog
+from mfsdp.train.loop.step import lr_at, train_step
 
 
 class StopSignal:

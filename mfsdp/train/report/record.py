@@ -8,8 +8,8 @@ import sys
 import torch
 
 from mfsdp.models import flops
-from mfsdp.train.metrics import peak_memory_gib
-from mfsdp.train.step import StepOutput
+from mfsdp.train.report.metrics import peak_memory_gib
+from mfsdp.train.loop.step import StepOutput
 
 
 def run_line(cfg, world: int, device: torch.device, data) -> str:

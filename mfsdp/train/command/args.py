@@ -20,13 +20,13 @@ import types
 import typing
 from pathlib import Path
 
-from mfsdp.train.config import FROM_RECIPE, RunConfig
-from mfsdp.train.errors import ConfigError
+from mfsdp.train.run.config import FROM_RECIPE, RunConfig
+from mfsdp.train.command.errors import ConfigError
 
 # The sections of a config (ModelSection...), by the name its flags and YAML mappings use.
 SECTIONS = {f.name: f.default_factory for f in dataclasses.fields(RunConfig) if callable(f.default_factory)}
 
-# Flags of the `mfsdp train` launcher (mfsdp/train/launcher.py) and the LaunchOptions field each
+# Flags of the `mfsdp train` launcher (mfsdp/train/command/launcher.py) and the LaunchOptions field each
 # sets, named here so that a worker started by torchrun can say where they belong.
 LAUNCHER_FLAGS = {"--nproc-per-node": ("nproc_per_node", int), "--nnodes": ("nnodes", int),
                   "--node-rank": ("node_rank", int), "--rdzv-endpoint": ("rdzv_endpoint", str),
@@ -104,7 +104,7 @@ def flag_value(argv: list[str], i: int) -> tuple[str, str, int]:
 
 def parse_config(argv: list[str]) -> RunConfig:
     """Parse ``argv`` (without the program name) into a validated RunConfig, as given: what the values
-    name (a --model.hf directory) is looked up by ``mfsdp.train.resolve``, not here."""
+    name (a --model.hf directory) is looked up by ``mfsdp.train.run.resolve``, not here."""
     values: dict[str, dict[str, object]] = {name: {} for name in SECTIONS}
     resume, flags = False, []  # flags: (section, name, text), applied after every --config file
     i = 0

@@ -16,15 +16,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from mfsdp.train import determinism
-from mfsdp.train.args import usage
-from mfsdp.train.errors import (LAUNCHED_ENV, USER_ERRORS, CollectiveTimeout, ConfigError, RunFailed, is_timeout,
+from mfsdp.train.run import determinism
+from mfsdp.train.command.args import usage
+from mfsdp.train.command.errors import (LAUNCHED_ENV, USER_ERRORS, CollectiveTimeout, ConfigError, RunFailed, is_timeout,
                                 timeout_hint)
-from mfsdp.train.launcher import die_with_launcher
-from mfsdp.train.preflight import cuda_problem, preflight
-from mfsdp.train.run_dir import check_shared
-from mfsdp.train.resolve import load_config
-from mfsdp.train.trainer import Trainer
+from mfsdp.train.command.launcher import die_with_launcher
+from mfsdp.train.run.preflight import cuda_problem, preflight
+from mfsdp.train.run.run_dir import check_shared
+from mfsdp.train.run.resolve import load_config
+from mfsdp.train.loop.trainer import Trainer
 
 
 @record

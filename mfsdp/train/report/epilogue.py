@@ -9,9 +9,9 @@ import torch.distributed as dist
 
 from mfsdp.data import DataError, TokenFile
 from mfsdp.data.tokenizer import load_tokenizer
-from mfsdp.train.config import RunConfig
-from mfsdp.train.errors import CheckpointError, agree
-from mfsdp.train.sample import generate_text
+from mfsdp.train.run.config import RunConfig
+from mfsdp.train.command.errors import CheckpointError, agree
+from mfsdp.train.report.sample import generate_text
 
 
 def finish(cfg: RunConfig, model, data: TokenFile, last: int, stopped: bool, device: torch.device, log,
@@ -20,7 +20,7 @@ def finish(cfg: RunConfig, model, data: TokenFile, last: int, stopped: bool, dev
     out_dir = Path(cfg.train.out_dir)
     checkpoint = out_dir / "checkpoints" / f"step_{last}"
     if dist.get_rank() == 0:
-        from mfsdp.train.plotting import needs_matplotlib, plot_loss  # matplotlib is slow to import
+        from mfsdp.train.report.plotting import needs_matplotlib, plot_loss  # matplotlib is slow to import
 
         metrics = out_dir / "metrics.jsonl"
         plot = plot_loss(metrics, out_dir / "loss.png", objective) or needs_matplotlib("the PNG")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mfsdp.train.metrics import read_metrics
+from mfsdp.train.report.metrics import read_metrics
 
 
 def needs_matplotlib(what: str) -> str:

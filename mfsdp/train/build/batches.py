@@ -9,7 +9,7 @@ resume needs only the step counter.
 from __future__ import annotations
 
 from mfsdp.data import PackedSampler, TokenFile, WindowSampler
-from mfsdp.train.errors import require
+from mfsdp.train.command.errors import require
 
 
 def make_sampler(cfg, data: TokenFile, held: int, rank: int, world: int) -> WindowSampler | PackedSampler:

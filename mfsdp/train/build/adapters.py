@@ -8,7 +8,7 @@ import torch
 
 from mfsdp.transforms.lora import LoraTransform, lora_linears
 from mfsdp.lora_export import hf_target_modules, peft_adapter_config
-from mfsdp.train.config import PeftSection, RunConfig
+from mfsdp.train.run.config import PeftSection, RunConfig
 
 
 def lora_transform(peft: PeftSection) -> LoraTransform:

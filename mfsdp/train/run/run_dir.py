@@ -22,8 +22,8 @@ from types import SimpleNamespace
 import torch.distributed as dist
 
 from mfsdp.train.checkpoint import CheckpointError, CheckpointMeta, complete_checkpoints
-from mfsdp.train.errors import ConfigError, agree
-from mfsdp.train.step import lr_at
+from mfsdp.train.command.errors import ConfigError, agree
+from mfsdp.train.loop.step import lr_at
 
 RUN_FILE = "run.json"
 METRICS = "metrics.jsonl"

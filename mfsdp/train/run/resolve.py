@@ -1,6 +1,6 @@
 """From what the user said to what the run is, in one place and once.
 
-``resolve`` takes a ``RunConfig`` as parsed (``mfsdp.train.args``, which reads no model file) and
+``resolve`` takes a ``RunConfig`` as parsed (``mfsdp.train.command.args``, which reads no model file) and
 returns it with everything looked up and derived: the --model.hf directory's config.json and
 weights, the route ("auto" to bundled or manager), the model's shape and parameter counts (its
 transforms checked on the one meta model built here), the recipe's values of the unset ``--train``
@@ -22,14 +22,14 @@ from mfsdp.models import flops
 from mfsdp.models.llama import LlamaConfig
 from mfsdp.models.parallelize import kept_blocks
 from mfsdp.hf.files import has_weights
-from mfsdp.train import determinism
-from mfsdp.train.args import parse_config
-from mfsdp.train.config import FROM_RECIPE, ModelSection, ResolvedModel, RunConfig
-from mfsdp.train.errors import ConfigError, require
+from mfsdp.train.run import determinism
+from mfsdp.train.command.args import parse_config
+from mfsdp.train.run.config import FROM_RECIPE, ModelSection, ResolvedModel, RunConfig
+from mfsdp.train.command.errors import ConfigError, require
 
 
 def load_config(argv: list[str]) -> RunConfig:
-    """``argv`` (without the program name) parsed (``mfsdp.train.args``) and resolved."""
+    """``argv`` (without the program name) parsed (``mfsdp.train.command.args``) and resolved."""
     return resolve(parse_config(argv))
 
 
@@ -118,7 +118,7 @@ def _adapter_params(cfg: RunConfig, found: ResolvedModel) -> int:
     rules, to the model that trains built on the meta device (the bundled Llama of its shape, or the
     Hugging Face model of its config.json on the manager route), and a ValueError
     becomes the ConfigError of the flags."""
-    from mfsdp.train.build import transforms_for
+    from mfsdp.train.build.model import transforms_for
     from mfsdp.transforms import apply_transforms
 
     if not (model_transforms := transforms_for(cfg)):

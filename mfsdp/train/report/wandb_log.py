@@ -12,8 +12,8 @@ import os
 import uuid
 from pathlib import Path
 
-from mfsdp.train.errors import ConfigError
-from mfsdp.train.metrics import scalars
+from mfsdp.train.command.errors import ConfigError
+from mfsdp.train.report.metrics import scalars
 
 RUN_ID = "wandb-run-id"
 

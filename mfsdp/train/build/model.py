@@ -20,10 +20,10 @@ from mfsdp.models.llama import Llama
 from mfsdp.models.moe import build_model
 from mfsdp.models.parallelize import ParallelizeConfig, compile_modules, parallelize
 from mfsdp.offload import OffloadPolicy
-from mfsdp.train.adapters import lora_transform
-from mfsdp.train.config import RunConfig
-from mfsdp.train.errors import ConfigError
-from mfsdp.train.metrics import peak_memory_gib
+from mfsdp.train.build.adapters import lora_transform
+from mfsdp.train.run.config import RunConfig
+from mfsdp.train.command.errors import ConfigError
+from mfsdp.train.report.metrics import peak_memory_gib
 
 
 def build(cfg: RunConfig, device: torch.device, world: int, log: Callable[[str], None], resuming: bool = False):

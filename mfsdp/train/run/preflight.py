@@ -17,15 +17,15 @@ from mfsdp.data import STDLIB, DataError, TokenFile, prepare_stdlib_corpus
 from mfsdp.data.identity import check_tokenizer
 from mfsdp.mesh import mesh_shape_error
 from mfsdp.models.llama import LlamaConfig
-from mfsdp.train.batches import steps_for_epochs
+from mfsdp.train.build.batches import steps_for_epochs
 from mfsdp.train.checkpoint import CheckpointMeta, check_compatible, find_resumable
-from mfsdp.train.config import ModelSection, RunConfig
-from mfsdp.train.disk import check_disk
-from mfsdp.train.evaluate import held_out_split
-from mfsdp.train.report import run_line
-from mfsdp.train.resolve import with_steps
-from mfsdp.train.run_dir import check_out_dir
-from mfsdp.train.errors import LAUNCHED_ENV, USER_ERRORS, CheckpointError, ConfigError, RunFailed, agree
+from mfsdp.train.run.config import ModelSection, RunConfig
+from mfsdp.train.run.disk import check_disk
+from mfsdp.train.loop.evaluate import held_out_split
+from mfsdp.train.report.record import run_line
+from mfsdp.train.run.resolve import with_steps
+from mfsdp.train.run.run_dir import check_out_dir
+from mfsdp.train.command.errors import LAUNCHED_ENV, USER_ERRORS, CheckpointError, ConfigError, RunFailed, agree
 
 
 @dataclasses.dataclass(frozen=True)
@@ -233,7 +233,7 @@ def check_memory(cfg: RunConfig, world: int, device: torch.device, log) -> None:
 def _ask_planner(ask, cfg: RunConfig, world: int, device: torch.device, log, skipped: str, otherwise, *args):
     """``ask(planned run, world, this GPU's bytes, *args)`` of the planner; for a model the planner
     cannot measure, the line ``skipped`` (its error in the braces) and ``otherwise``: train anyway."""
-    from mfsdp.train.plan import planned_run
+    from mfsdp.train.command.plan import planned_run
 
     try:
         return ask(planned_run(cfg), world, device_memory(device), *args)

@@ -1,0 +1,1 @@
+"""From the command line to a worker: parsing, the launcher, the worker process, `mfsdp plan`, user errors."""

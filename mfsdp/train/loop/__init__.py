@@ -1,0 +1,1 @@
+"""The training loop: steps, the learning rate, validation, profiling."""

@@ -1,0 +1,1 @@
+"""What a run reports: the first lines, each step's record, metrics.jsonl, TensorBoard, W&B, the plot, the epilogue."""
