@@ -16,6 +16,7 @@ import mfsdp
 from mfsdp.data import PackedSampler, PairWindows, TokenFile, write_token_file
 from mfsdp.mesh import build_mesh
 from mfsdp.models.llama import Llama, LlamaConfig
+from mfsdp.models.outputs import logits_of
 from mfsdp.models.parallelize import ParallelizeConfig, parallelize
 from mfsdp.train.config import DpoSection
 from mfsdp.train.objectives.preference import Preference, pair_logps
@@ -70,7 +71,7 @@ def _trl(model, data: TokenFile, ids, reference, loss_type):
     completion = torch.stack([torch.nn.functional.pad(m, (0, width - len(m))) for m in masks]).long()
 
     def policy(input_ids, labels, **_):
-        logits = model(input_ids).float()
+        logits = logits_of(model(input_ids)).float()
         logps = torch.log_softmax(logits[:, :-1], -1).gather(2, labels[:, 1:].clamp(min=0)[..., None])[..., 0]
         zeros = torch.zeros_like(logps)
         return SimpleNamespace(log_probs=logps * (labels[:, 1:] != -100), entropy=zeros, mean_logits=zeros,
@@ -162,6 +163,41 @@ def test_the_lora_reference_is_the_base_model(tmp_path):
     torch.testing.assert_close(off.chosen, expected.chosen, rtol=0, atol=0)
     torch.testing.assert_close(off.rejected, expected.rejected, rtol=0, atol=0)
     assert all(linear.lora_scale == 2.0 for _, linear in lora_linears(model))  # restored
+
+
+def test_lora_on_a_hugging_face_model_matches_trl_with_the_base_as_reference(tmp_path):
+    """The manager route's layout (padded, one pair a window) on a Hugging Face Llama with LoRA: the
+    reference is the base (adapters off), as trl's PEFT reference; loss and adapter gradients as trl's."""
+    pytest.importorskip("transformers")
+    from test_manager_models import make_hf
+    from mfsdp.transforms.lora import LoraTransform, lora_linears
+
+    data = TokenFile(_pairs(tmp_path / "p.tokens"))
+    windows = PairWindows(data, SEQ, packed=False)
+    batch = windows.batch(list(range(len(windows))))
+    models = []
+    for _ in range(2):
+        model = make_hf("llama", vocab=CFG.vocab_size)
+        LoraTransform(r=2, alpha=4.0).apply(model)
+        torch.manual_seed(5)
+        for _, linear in lora_linears(model):
+            torch.nn.init.normal_(linear.lora_A, std=0.3)
+            torch.nn.init.normal_(linear.lora_B, std=0.3)
+        models.append(model)
+    ours, theirs = models
+    loss, count, _ = _objective("sigmoid", lora=True)(ours, batch, torch.device("cpu"))
+    (loss / count).backward()
+    base = make_hf("llama", vocab=CFG.vocab_size)
+    with torch.no_grad():
+        ref = pair_logps(base, batch, torch.device("cpu"))
+    reference = torch.zeros(data.num_samples, 2)
+    reference[batch.pair_ids] = torch.stack([ref.chosen, ref.rejected], 1)
+    value, _ = _trl(theirs, data, batch.pair_ids, reference, "sigmoid")
+    value.backward()
+    torch.testing.assert_close(loss / count, value, rtol=1e-5, atol=1e-7)
+    for (name, a), b in zip(ours.named_parameters(), theirs.parameters()):
+        if a.requires_grad:
+            torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-5 * float(b.grad.abs().max()), msg=name)
 
 
 SMALL = ["--model.dim", "32", "--model.n_layers", "2", "--model.n_heads", "4", "--model.n_kv_heads", "2",
