@@ -240,3 +240,11 @@ def test_dpo_flags_on_data_without_pairs_are_one_error(tmp_path):
     cfg = load_config([*SMALL, "--data.path", str(pairs), "--train.out_dir", str(tmp_path / "r"), "--dpo.beta", "0.1"])
     run = check_run(cfg, 1, "cpu", lambda: TokenFile(pairs))
     assert run.cfg.pairs
+
+
+def test_pretrained_weights_on_pairs_take_the_dpo_recipes():
+    from mfsdp.train.recipes import DPO, DPO_LORA, FINE_TUNING, recipe_for
+
+    assert recipe_for("tiny", None, False, pretrained=True, pairs=True) == ("DPO", DPO)
+    assert recipe_for("tiny", None, False, pretrained=True, lora=True, pairs=True) == ("LoRA DPO", DPO_LORA)
+    assert (DPO.lr, DPO_LORA.lr) == (1e-6, 1e-5) and DPO.warmup_steps == FINE_TUNING.warmup_steps
