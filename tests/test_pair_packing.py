@@ -38,7 +38,7 @@ def _file(pairs) -> SimpleNamespace:
     segments = torch.cat([torch.full((len(part),), s, dtype=torch.uint8) for p in pairs
                           for s, part in enumerate(p)])
     lengths = torch.tensor([sum(len(part) for part in p) for p in pairs])
-    return SimpleNamespace(path=Path("pairs.tokens"), loss_mask=segments, sample_lengths=lengths,
+    return SimpleNamespace(path=Path("pairs.tokens"), segments=segments, is_pairs=True, sample_lengths=lengths,
                            sample_starts=torch.cumsum(lengths, 0) - lengths, num_samples=len(pairs),
                            take=lambda index: tokens[index].to(torch.int64))
 
@@ -131,7 +131,7 @@ def test_a_pair_longer_than_a_window_is_one_line_naming_it_and_both_fixes():
     assert "\n" not in message and f"pair {longest}," in message
     assert "--data.seq_len" in message and "--data.max_len" in message
     bad = _file(pairs)
-    bad.loss_mask = bad.loss_mask.flip(0)  # rejected before chosen
+    bad.segments = bad.segments.flip(0)  # rejected before chosen
     with pytest.raises(DataError, match="does not hold preference pairs"):
         pair_lengths(bad)
 

@@ -56,7 +56,11 @@ class _EvalShares:
         for b in range(eval_batches):
             for micro in range(self.microbatches):
                 first = (b * self.microbatches + micro) * per_micro + self.rank * self.local_batch
-                yield self._rows([i % self.count for i in range(first, first + self.local_batch)])
+                yield self._rows([self._window(i) for i in range(first, first + self.local_batch)])
+
+    def _window(self, i: int) -> int | None:
+        """The window at slot ``i``: wrapping around the ``count`` windows."""
+        return i % self.count
 
     def _rows(self, windows: list[int]) -> Batch:
         raise NotImplementedError
@@ -95,4 +99,21 @@ class PackedEvalWindows(_EvalShares):
         super().__init__(len(self.windows), local_batch, rank, world_size, microbatches)
 
     def _rows(self, windows: list[int]) -> Batch:
+        return self.windows.batch(windows)
+
+
+class PairEvalWindows(_EvalShares):
+    """This rank's share of ``windows`` (``PairWindows`` of the validation pairs), each visited
+    once: ``batches`` is the number of eval batches that covers them, the last one topped up
+    with empty windows, so every pair counts once in the means."""
+
+    def __init__(self, windows, local_batch: int, rank: int, world_size: int, microbatches: int = 1):
+        super().__init__(len(windows), local_batch, rank, world_size, microbatches)
+        self.windows = windows
+        self.batches_needed = math.ceil(len(windows) / (world_size * local_batch * microbatches))
+
+    def _window(self, i: int) -> int | None:
+        return i if i < self.count else None
+
+    def _rows(self, windows: list[int | None]) -> Batch:
         return self.windows.batch(windows)

@@ -34,7 +34,7 @@ PROMPT, CHOSEN, REJECTED = 0, 1, 2
 def pair_lengths(data: TokenFile, chunk: int = 1 << 24) -> torch.Tensor:
     """(pairs, 3) int64: each pair's prompt, chosen and rejected token counts, from the segment
     bytes ``chunk`` tokens at a time; a file whose samples are not pairs is a DataError."""
-    starts, segments, pairs = data.sample_starts, data.loss_mask, data.num_samples
+    starts, segments, pairs = data.sample_starts, data.segments, data.num_samples
     counts = torch.zeros(3 * pairs, dtype=torch.int64)
     for first in range(0, segments.numel(), chunk):
         part = segments[first:first + chunk].to(torch.int64)
@@ -76,17 +76,19 @@ def check_lengths(data: TokenFile, ids: torch.Tensor, lengths: torch.Tensor, seq
 class PairWindows:
     """The fixed windows of the pairs ``pairs`` (a range of sample indices) of ``data``, packed
     or padded; ``PackedSampler(..., windows=PairWindows(...))`` draws them by step as it draws
-    fine-tuning windows, and its ``loss_tokens`` then counts pairs."""
+    fine-tuning windows, and its ``loss_tokens`` then counts pairs. ``first_id``: added to the
+    batches' ``pair_ids``, so that a second file's pairs (``--data.val_path``) number after the first's."""
 
-    def __init__(self, data: TokenFile, seq_len: int, pairs: range | None = None, packed: bool = True):
-        if data.sample_starts is None:
+    def __init__(self, data: TokenFile, seq_len: int, pairs: range | None = None, packed: bool = True,
+                 first_id: int = 0):
+        if data.sample_starts is None or not data.is_pairs:
             raise DataError(f"{data.path} is a plain token stream, not preference pairs")
         pairs = range(data.num_samples) if pairs is None else pairs
         ids = torch.arange(pairs.start, pairs.stop, pairs.step)
         lengths = pair_lengths(data)[ids]
         need = check_lengths(data, ids, lengths, seq_len, packed)
         members, self.bounds = pack(need, seq_len, packed)
-        self.data, self.seq_len, self.packed = data, seq_len, packed
+        self.data, self.seq_len, self.packed, self.first_id = data, seq_len, packed, first_id
         self.members, self.lengths = ids[members], lengths[members]
         self.counted = self.bounds.diff()
         """Per window, its pairs: what the loss is normalised by."""
@@ -153,7 +155,7 @@ class PairWindows:
         answers = torch.stack([rows * width + predictor, tokens,
                                2 * pair_of + (segment == REJECTED)])[:, counted]
         batch = dict(inputs=inputs, targets=torch.full(shape, IGNORE, dtype=torch.int64),
-                     answers=answers, pair_ids=ids)
+                     answers=answers, pair_ids=ids + self.first_id)
         if self.packed:
             pair_rows = rows[within == 0]  # each pair's row, in pair order (non-decreasing)
             index_in_row = torch.arange(ids.numel()) - torch.searchsorted(pair_rows, pair_rows)

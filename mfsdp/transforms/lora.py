@@ -24,6 +24,7 @@ as PEFT does, writes PEFT adapter directories and merges the adapters into the w
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import fnmatch
 import functools
@@ -41,7 +42,7 @@ from mfsdp.models.llama import init_chunk_seed, local_block
 from mfsdp.transforms.adapter_names import ADAPTERS, is_adapter
 
 __all__ = ["LoraTransform", "LoraLinear", "ALL_LINEAR", "ADAPTERS", "lora_linears", "candidate_linears",
-           "init_adapters", "is_adapter"]
+           "init_adapters", "is_adapter", "adapters_off"]
 
 ALL_LINEAR = "all-linear"
 """The ``target_modules`` entry that selects every linear of the blocks (PEFT's shorthand)."""
@@ -117,6 +118,22 @@ def lora_class(base: type) -> type:
 def lora_linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
     """(name, module) of every LoRA linear of ``model``, in module order."""
     return [(name, m) for name, m in model.named_modules() if isinstance(m, _LoraForward)]
+
+
+@contextlib.contextmanager
+def adapters_off(model: nn.Module):
+    """Within it, ``model`` is its base: every LoRA linear's scale is 0, so the adapter adds exactly
+    zero (PEFT's ``disable_adapter``; a preference run's reference). The adapters still run, so a
+    sharded model gathers and computes as always; a compiled block recompiles once for the scale."""
+    linears = [m for _, m in lora_linears(model)]
+    scales = [m.lora_scale for m in linears]
+    for m in linears:
+        m.lora_scale = 0.0
+    try:
+        yield model
+    finally:
+        for m, scale in zip(linears, scales):
+            m.lora_scale = scale
 
 
 @dataclasses.dataclass(frozen=True)

@@ -127,7 +127,8 @@ def parse_config(argv: list[str]) -> RunConfig:
             flags.append((section, name, value))
     for section, name, value in flags:
         values[section][name] = _parse_text(section, name, value)
-    return RunConfig(resume=resume, **_sections(values))
+    given = tuple(f"--dpo.{name}" for name in values["dpo"])  # refused on data without pairs, even at defaults
+    return RunConfig(resume=resume, dpo_given=given, **_sections(values))
 
 
 def parse_command(argv: list[str], sections: dict[str, type], aliases: dict[str, str],

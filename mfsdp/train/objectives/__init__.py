@@ -13,8 +13,9 @@ from __future__ import annotations
 
 from mfsdp.train.objectives.base import Objective
 from mfsdp.train.objectives.causal_lm import CausalLM
+from mfsdp.train.objectives.preference import Preference
 
 
 def objective_for(cfg, data) -> Objective:
-    """The objective a run of ``cfg`` trains on ``data`` with."""
-    return CausalLM()
+    """The objective a run of ``cfg`` trains on ``data`` with: preference tuning on a file of pairs."""
+    return Preference(cfg, data) if data is not None and data.is_pairs else CausalLM()

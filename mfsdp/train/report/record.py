@@ -22,10 +22,13 @@ def run_line(cfg, world: int, device: torch.device, data) -> str:
 
 
 def data_words(cfg, data) -> str:
-    """The training data in a few words: tokens, or samples and epochs."""
+    """The training data in a few words: tokens, or samples (preference pairs: and the method) and epochs."""
     if data.num_samples is None:
         return f"{len(data):,} tokens in {data.path}"
     epochs = f", {cfg.train.epochs} epoch(s) of {cfg.train.steps // cfg.train.epochs} steps" if cfg.train.epochs else ""
+    if data.is_pairs:
+        return f"{data.num_samples:,} preference pairs ({len(data):,} tokens) in {data.path}{epochs}: " \
+               f"{cfg.dpo.describe(cfg.peft.lora)}"
     return f"{data.num_samples:,} samples ({len(data):,} tokens) in {data.path}{epochs}"
 
 

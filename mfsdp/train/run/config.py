@@ -19,6 +19,7 @@ import torch
 from mfsdp.mesh import PLACEMENT_NAMES as PLACEMENTS, TWO_AXIS
 from mfsdp.hf.config import supports_bundled
 from mfsdp.models.llama import HEAD_LOSSES, LlamaConfig, get_config
+from mfsdp.models.preference_loss import PreferenceLoss
 from mfsdp.transforms.float8 import FLOAT8_CHOICES, float8_placement_problem
 from mfsdp.train.command.errors import ConfigError, require
 from mfsdp.train.run.recipes import SCHEDULES, Recipe, recipe_for
@@ -516,6 +517,40 @@ class ResolvedModel:
 
 
 @dataclass(frozen=True)
+class DpoSection:
+    """Preference tuning (DPO and its kin), with trl's names and defaults; it trains when --data.path
+    holds preference pairs (``mfsdp prepare-data`` of prompt/chosen/rejected rows), and only then."""
+
+    beta: float = 0.1
+    """How far the policy may move from the reference (trl's ``beta``): the losses' temperature."""
+    loss_type: str = "sigmoid"
+    """sigmoid (DPO), ipo, hinge, simpo (reference-free, length-normalised, as trl's CPO trainer with
+    cpo_alpha 0) or sft (the NLL of the chosen answer); a comma list sums several (trl's list)."""
+    loss_weights: str = ""
+    """One weight per loss_type, comma-separated (empty: 1 each)."""
+    label_smoothing: float = 0.0
+    """Conservative DPO: the share of pairs assumed mislabelled, in [0, 0.5) (sigmoid and simpo)."""
+    simpo_gamma: float = 0.5
+    """SimPO's target margin (trl's ``simpo_gamma``)."""
+
+    def __post_init__(self) -> None:
+        self.loss()  # its ValueError, in its own words, is the flag's ConfigError
+
+    def loss(self) -> PreferenceLoss:
+        """The preference loss of these settings."""
+        weights = tuple(float(w) for w in self.loss_weights.split(",")) if self.loss_weights.strip() else None
+        return PreferenceLoss(self.beta, tuple(n.strip() for n in self.loss_type.split(",")), weights,
+                              self.label_smoothing, self.simpo_gamma)
+
+    def describe(self, lora: bool) -> str:
+        """The method and its reference in a few words, for the first line of a run."""
+        loss = self.loss()
+        reference = ("no reference" if not loss.needs_reference else "reference: the base with the adapters off"
+                     if lora else "reference: the initial model's log-probs, computed first")
+        return f"preference tuning ({self.loss_type}, beta {self.beta:g}; {reference})"
+
+
+@dataclass(frozen=True)
 class RunConfig:
     model: ModelSection = field(default_factory=ModelSection)
     """The model to train: a preset with optional shape overrides, or a Hugging Face directory."""
@@ -529,6 +564,8 @@ class RunConfig:
     """Where per-step metrics go besides metrics.jsonl."""
     peft: PeftSection = field(default_factory=PeftSection)
     """Parameter-efficient fine-tuning (LoRA) instead of training every weight."""
+    dpo: DpoSection = field(default_factory=DpoSection)
+    """Preference tuning, when the data holds preference pairs."""
     resume: bool | str = False
     """Continue from the newest complete checkpoint in OUT_DIR/checkpoints (--resume: an error where
     there is none); "auto" (--resume auto, for job scripts that requeue) starts afresh where there is none."""
@@ -536,6 +573,10 @@ class RunConfig:
     """What ``mfsdp.train.run.resolve`` found and derived about the model, once; None until resolved."""
     from_recipe: tuple[str, ...] = ()
     """The ``FROM_RECIPE`` fields of ``train`` that no flag set, filled in from the recipe."""
+    dpo_given: tuple[str, ...] = ()
+    """The ``--dpo`` flags (or YAML keys) given, at any value: refused unless the data holds pairs."""
+    pairs: bool = False
+    """Whether --data.path holds preference pairs (preflight opens it): the run tunes preferences."""
 
     def __post_init__(self) -> None:
         require(self.resume in (False, True, "auto"), f"--resume takes no value or auto, got {self.resume!r}")
@@ -552,7 +593,7 @@ class RunConfig:
         --peft.method lora) for pretrained weights, else the preset's or, for ``--model.hf``, that of the preset nearest in
         size."""
         return recipe_for(self.model.preset, self.resolved.shape, by_size=self.model.hf is not None,
-                          pretrained=self.loads_weights(), lora=self.peft.lora)
+                          pretrained=self.loads_weights(), lora=self.peft.lora, pairs=self.pairs)
 
     def recipe_values(self) -> dict:
         """The recipe's value of each ``FROM_RECIPE`` field of ``--train``, for this run's length."""
@@ -636,4 +677,4 @@ class RunConfig:
     def to_dict(self) -> dict:
         """The sections and ``resume``, as checkpoints record them (not what resolve read or filled)."""
         return {k: v if k == "resume" else dataclasses.asdict(v) for k, v in vars(self).items()
-                if k not in ("resolved", "from_recipe")}
+                if k not in ("resolved", "from_recipe", "dpo_given", "pairs")}

@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from mfsdp.data import STDLIB, DataError, TokenFile, prepare_stdlib_corpus
+from mfsdp.data import STDLIB, DataError, PairWindows, TokenFile, prepare_stdlib_corpus
 from mfsdp.data.identity import check_tokenizer
 from mfsdp.mesh import mesh_shape_error
 from mfsdp.models.llama import LlamaConfig
@@ -23,7 +23,7 @@ from mfsdp.train.run.config import ModelSection, RunConfig
 from mfsdp.train.run.disk import check_disk
 from mfsdp.train.loop.evaluate import held_out_split
 from mfsdp.train.report.record import run_line
-from mfsdp.train.run.resolve import with_steps
+from mfsdp.train.run.resolve import with_pairs, with_steps
 from mfsdp.train.run.run_dir import check_out_dir
 from mfsdp.train.command.errors import LAUNCHED_ENV, USER_ERRORS, CheckpointError, ConfigError, RunFailed, agree
 
@@ -133,9 +133,14 @@ def open_data(cfg: RunConfig, log: Callable[[str], None]) -> TokenFile:
 
 
 def _for_samples(cfg: RunConfig, data: TokenFile, world: int, resumed) -> RunConfig:
-    """The config for ``data``: ``--train.epochs`` as steps; packed samples refused where the
-    model has no document attention."""
-    if data.num_samples is not None and cfg.data.packing and cfg.model.uses_manager:
+    """The config for ``data``: preference pairs tune preferences (``_for_pairs``); ``--train.epochs``
+    as steps; packed samples refused where the model has no document attention."""
+    if data.is_pairs:
+        cfg = _for_pairs(cfg, data)
+    elif cfg.dpo_given:
+        raise ConfigError(f"{', '.join(cfg.dpo_given)} applies to preference pairs, and {data.path} holds none "
+                          "(prepare prompt/chosen/rejected rows with `mfsdp prepare-data`); drop the --dpo flags")
+    elif data.num_samples is not None and cfg.data.packing and cfg.model.uses_manager:
         raise ConfigError(f"{data.path} holds samples, packed several to a window by default, and a "
                           "--model.hf model trained through the manager has no document attention to keep "
                           "them apart; use --data.packing false (one sample per window), or the bundled "
@@ -143,6 +148,20 @@ def _for_samples(cfg: RunConfig, data: TokenFile, world: int, resumed) -> RunCon
     if cfg.train.epochs is None:
         return cfg
     return with_steps(cfg, steps_for_epochs(cfg, data, held_out_split(cfg, data, resumed)[0], world))
+
+
+def _for_pairs(cfg: RunConfig, data: TokenFile) -> RunConfig:
+    """A file of preference pairs: the DPO recipe, and every pair (and the --data.val_path file's)
+    checked to fit a window in the layout of the route (a DataError naming the longest and the fixes)."""
+    packed = not cfg.model.uses_manager  # the manager's models have no document attention: padded pairs
+    PairWindows(data, cfg.data.seq_len, packed=packed)
+    if cfg.data.val_path is not None:
+        val = TokenFile(cfg.data.val_path)
+        if not val.is_pairs:
+            raise DataError(f"--data.val_path {val.path} holds no preference pairs, and {data.path} does; "
+                            "prepare both from preference rows")
+        PairWindows(val, cfg.data.seq_len, packed=packed)
+    return with_pairs(cfg)
 
 
 def cuda_problem(nproc: int = 1, local_rank: int = 0) -> str | None:

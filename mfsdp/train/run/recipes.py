@@ -110,12 +110,23 @@ FINE_TUNING = Recipe(lr=2e-5, warmup_steps=100, min_lr_ratio=0.0, warmup_fractio
 # * AdamW betas (0.9, 0.999), clipping at 1.0: HF TrainingArguments' defaults, as for FINE_TUNING.
 LORA = dataclasses.replace(FINE_TUNING, lr=2e-4)
 
+# Preference tuning (DPO and its kin, a file of preference pairs) of pretrained weights.
+# * lr 1e-6: TRL's DPOConfig default (learning_rate 1e-6); beta 0.1 (--dpo.beta) is its default too.
+# * LoRA lr 1e-5: about 10x the full rate, as TRL's DPO docs suggest for PEFT adapters (and as LORA is
+#   10x FINE_TUNING); torchtune's Llama-3.1-8B LoRA DPO config takes 5e-4 at beta 0.1, far above.
+# * Warm-up, cosine decay to 0, AdamW betas, weight decay 0: the fine-tuning schedule above
+#   (TRL's DPOConfig inherits HF TrainingArguments' defaults, as SFTConfig does).
+DPO = dataclasses.replace(FINE_TUNING, lr=1e-6)
+DPO_LORA = dataclasses.replace(FINE_TUNING, lr=1e-5)
+
 
 def recipe_for(preset: str, shape: LlamaConfig, by_size: bool, pretrained: bool = False,
-               lora: bool = False) -> tuple[str, Recipe]:
+               lora: bool = False, pairs: bool = False) -> tuple[str, Recipe]:
     """The name and recipe of a run's model: ``LORA`` for ``lora`` on ``pretrained`` weights,
-    ``FINE_TUNING`` for other ``pretrained`` ones, else its preset's or (``by_size``: a Hugging Face
+    ``FINE_TUNING`` for other ``pretrained`` ones (``DPO_LORA`` and ``DPO`` on preference ``pairs``), else its preset's or (``by_size``: a Hugging Face
     model) that of the dense preset nearest in parameter count."""
+    if pretrained and pairs:
+        return ("LoRA DPO", DPO_LORA) if lora else ("DPO", DPO)
     if pretrained:
         return ("LoRA", LORA) if lora else ("fine-tuning", FINE_TUNING)
     if not by_size:

@@ -64,6 +64,11 @@ def with_steps(cfg: RunConfig, steps: int) -> RunConfig:
     return _fill_recipe(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=steps, **unset)))
 
 
+def with_pairs(cfg: RunConfig) -> RunConfig:
+    """``cfg`` for a file of preference pairs: the DPO recipe's values where no flag set them."""
+    return with_steps(dataclasses.replace(cfg, pairs=True), cfg.train.steps)
+
+
 def _fill_recipe(cfg: RunConfig) -> RunConfig:
     """The one place the recipe's unset fields (None) become the recipe's values: every reader of
     cfg.train (the optimizer, the schedule, the checkpoint's meta.json) sees numbers."""

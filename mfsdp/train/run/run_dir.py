@@ -27,7 +27,7 @@ from mfsdp.train.loop.step import lr_at
 
 RUN_FILE = "run.json"
 METRICS = "metrics.jsonl"
-OUTPUTS = ("checkpoints", METRICS, "tensorboard", "loss.png", "hf", "wandb-run-id", RUN_FILE)
+OUTPUTS = ("checkpoints", METRICS, "tensorboard", "loss.png", "hf", "wandb-run-id", RUN_FILE, "reference_logps.pt")
 """What a run writes into its out_dir, removed by a fresh start there (logs/ and the demo corpus's
 data/ stay: a log of each attempt, and a cache of the same file)."""
 IDENTITY = {"model": None, "data": None, "peft": None,
