@@ -100,12 +100,19 @@ class ExportPeft:
     --peft.merge_on_export."""
 
 
+@dataclass(frozen=True)
+class ExportModel:
+    hf: str | None = None
+    """The base model directory, where the run's --model.hf has moved: the base of a merged LoRA export,
+    its tokenizer files, the adapter's base_model_name_or_path; None: the run's (the checkpoint records it)."""
+
+
 COMMANDS = {  # the sections, old spellings (kept for one release) and arguments of prepare-data and export
     "prepare-data": (PREPARE, {"data": PrepareSection, "model": DataModel},
                      {"--tokenizer": "data.tokenizer", "--format": "data.format", "--max-len": "data.max_len",
                       "--train-on-prompt": "data.train_on_prompt=true", "--text-key": "data.text_key",
                       "--glob": "data.glob"}, ("INPUT", "OUT")),
-    "export": (EXPORT, {"export": ExportSection, "peft": ExportPeft},
+    "export": (EXPORT, {"export": ExportSection, "peft": ExportPeft, "model": ExportModel},
                {"--dtype": "export.dtype", "--max-shard-gb": "export.max_shard_gb"}, ("SOURCE", "OUT"))}
 
 
@@ -164,14 +171,14 @@ def _print_pairs(info: dict, where: str) -> None:
               "keeps them, though they carry no signal")
 
 
-def export(source: str, out: str, options: ExportSection, peft: ExportPeft) -> int:
+def export(source: str, out: str, options: ExportSection, peft: ExportPeft, model: ExportModel) -> int:
     from mfsdp.hf.export import exported_line
     from mfsdp.train.checkpoint import CheckpointError
     from mfsdp.train.run.config import DTYPES
     from mfsdp.train.export import ExportError, export_hf
     try:
         done = export_hf(source, out, dtype=DTYPES.get(options.dtype),
-                         max_shard_bytes=max(1, int(options.max_shard_gb * 1e9)), merge=peft.merge_on_export)
+                         max_shard_bytes=max(1, int(options.max_shard_gb * 1e9)), merge=peft.merge_on_export, base=model.hf)
     except (ExportError, CheckpointError) as err:
         return _error("export", err)
     print(exported_line(done))

@@ -147,7 +147,7 @@ def test_help_gives_every_description_whole(command, capsys):
              "plan": "Plain stays the default until a GPU measurement shows fused pays.",
              "prepare-data": "(training then cuts a sample longer than its window, and says so). Old spelling, kept "
                              "for one release: --max-len.",
-             "export": "else bf16. Old spelling, kept for one release: --dtype."}
+             "export": "the checkpoint records it. Old spelling, kept for one release: --dtype."}
     assert whole[command] in text
     if command == "prepare-data":
         assert "Old spelling, kept for one release: --train-on-prompt (no value)." in text

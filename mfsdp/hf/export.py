@@ -43,7 +43,7 @@ class Exported:
     tokenizer: str | None
     """The directory whose tokenizer was copied, or None (the byte tokenizer, or a token file gone)."""
     base: str | None = None
-    """A PEFT adapter directory's base model directory; None: a whole model."""
+    """A PEFT adapter directory's base model directory ("": none recorded); None: a whole model."""
 
 
 def export_model(out: Path, entries: Sequence[Entry], read: Callable[[Entry], torch.Tensor], config: dict,
@@ -89,7 +89,7 @@ def export_adapter(out: Path, tensors: Mapping[str, torch.Tensor], adapter_confi
     write_bytes(out / ADAPTER_CONFIG, (json.dumps(adapter_config, indent=2) + "\n").encode())
     origin = finish(out, None, dtype, source, tokenizer)
     return Exported(out, "PEFT LoRA adapter", len(entries), 1, (out / ADAPTER_WEIGHTS).stat().st_size, origin,
-                    base=adapter_config.get("base_model_name_or_path") or "BASE")
+                    base=adapter_config.get("base_model_name_or_path") or "")
 
 
 def finish(out: Path, config: dict | None, dtype: torch.dtype | None, source: str | None, tokenizer=None) -> str | None:
@@ -149,12 +149,18 @@ def tokenizer_pad_id(directory: Path) -> int | None:
 
 
 def exported_line(done: Exported) -> str:
-    """What ``mfsdp export`` and ``--train.export_hf`` print."""
+    """What ``mfsdp export`` and ``--train.export_hf`` print; an adapter's load hint names its base
+    directory only where it is there, and a base directory gone without a tokenizer adds a line."""
     tokenizer = f", tokenizer from {done.tokenizer}" if done.tokenizer else ""
     if done.base is not None:
-        return (f"wrote a PEFT LoRA adapter to {done.path}: {done.tensors} tensors, {done.nbytes / 1e6:,.1f} MB"
+        there = bool(done.base) and Path(done.base).is_dir()
+        line = (f"wrote a PEFT LoRA adapter to {done.path}: {done.tensors} tensors, {done.nbytes / 1e6:,.1f} MB"
                 f"{tokenizer}; load it with peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM."
-                f"from_pretrained({done.base!r}), {str(done.path)!r})")
+                f"from_pretrained({repr(done.base) if there else 'BASE_MODEL_DIR'}), {str(done.path)!r})")
+        if done.base and not there and not done.tokenizer:
+            line += (f"\nthe base directory {done.base} is not there, so no tokenizer files were copied; give them "
+                     "with `mfsdp export SOURCE OUT --model.hf DIR` (the base model's directory)")
+        return line
     return (f"wrote {done.architecture} to {done.path}: {done.tensors} tensors, "
             f"{done.nbytes / 1e6:,.1f} MB in {done.files} safetensors file(s){tokenizer}; load it with "
             f"transformers.AutoModelForCausalLM.from_pretrained({str(done.path)!r})")

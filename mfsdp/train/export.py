@@ -5,7 +5,8 @@ written by ``mfsdp.hf.export``.
 weights as safetensors (``model.safetensors``, or numbered files of at most ``max_shard_bytes`` plus
 ``model.safetensors.index.json``; in ``checkpoint_dtype`` unless told) and a tokenizer: a
 ``--model.hf`` run's directory's tokenizer files and chat template as they are, where that
-directory still has them, else the tokenizer the run's token file was made with (if any);
+directory still has them, else the tokenizer the run's token file was made with (if any); that
+directory is the run's, found from any directory (``recorded_run``), or ``base``, one that moved;
 ``transformers.AutoModelForCausalLM.from_pretrained(OUT_DIR)`` then loads the trained model. A
 model-only checkpoint (``--train.save_only_model``, bf16 or fp32) exports as a full one does. A LoRA
 run's checkpoint (``meta.json`` has ``peft``) goes out as a PEFT adapter directory, its
@@ -49,6 +50,7 @@ from mfsdp.hf.names import hf_weight_names
 from mfsdp.lora_export import lora_of, merge_updates, peft_state_dict
 from mfsdp.train.checkpoint import META, CheckpointMeta, find_latest, is_complete
 from mfsdp.train.run.config import DTYPES
+from mfsdp.train.run.run_dir import recorded_identity
 
 MODEL = "model."  # the checkpoint's prefix of the model state (mfsdp.train.checkpoint)
 
@@ -71,14 +73,14 @@ def resolve_checkpoint(source: str | Path) -> Path:
 
 
 def export_hf(source: str | Path, out_dir: str | Path, dtype: torch.dtype | None = None,
-              max_shard_bytes: int = SHARD_BYTES, merge: bool | None = None) -> Exported:
+              max_shard_bytes: int = SHARD_BYTES, merge: bool | None = None, base: str | Path | None = None) -> Exported:
     """Write checkpoint ``source`` (or a run directory's newest) to ``out_dir`` as a Hugging Face
     model directory, in ``dtype`` (None: ``checkpoint_dtype``); a LoRA run's as a PEFT adapter or,
-    with ``merge`` (None: the run's ``--peft.merge_on_export``), merged. No process group, one
-    tensor in memory at a time."""
+    with ``merge`` (None: the run's ``--peft.merge_on_export``), merged; ``base``: the base model
+    directory in place of the run's (``recorded_run``). No process group, one tensor in memory at a time."""
     checkpoint = resolve_checkpoint(source)
     meta = CheckpointMeta.read(checkpoint)
-    run = recorded_run(checkpoint, meta)
+    run = recorded_run(checkpoint, meta, base)
     dtype, out, hf = dtype or checkpoint_dtype(meta), Path(out_dir), run["model"].get("hf")
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = None if tokenizer_files(hf) else _tokenizer(run)
@@ -103,12 +105,28 @@ def export_hf(source: str | Path, out_dir: str | Path, dtype: torch.dtype | None
     return export_model(out, entries, read, config, dtype, hf, tokenizer, max_shard_bytes)
 
 
-def recorded_run(checkpoint: Path, meta: CheckpointMeta) -> dict:
-    """The run config that checkpoint ``checkpoint`` (whose record is ``meta``) was written by."""
+def recorded_run(checkpoint: Path, meta: CheckpointMeta, base: str | Path | None = None) -> dict:
+    """The run config that checkpoint ``checkpoint`` (whose record is ``meta``) was written by, its
+    base directory and data path absolute, so that an export from any directory finds them: a
+    relative one (recorded before they were absolute) as the run directory's ``run.json`` has it.
+    ``base`` (``mfsdp export --model.hf``) stands for the base directory, one that moved."""
     run = meta.config
     if not isinstance(run, dict) or "model" not in run:
         raise ExportError(f"{checkpoint / META} holds no run config (written by an older mfsdp); "
                           "resume the run for a step with this mfsdp to write a checkpoint that has one")
+    recorded = recorded_identity(checkpoint.parent.parent if checkpoint.parent.name == "checkpoints"
+                                 else checkpoint.parent) or {}
+    run = {section: dict(values) if isinstance(values, dict) else values for section, values in run.items()}
+    for section, key in (("model", "hf"), ("data", "path")):
+        if not Path(run[section].get(key) or "/").is_absolute() and recorded.get(f"{section}.{key}"):
+            run[section][key] = recorded[f"{section}.{key}"]
+    if base is not None:
+        if not (Path(base) / "config.json").is_file():
+            raise ExportError(f"--model.hf {base} is not a Hugging Face model directory (it has no config.json); "
+                              "give the directory of the base model the run trained on")
+        if not run["model"].get("hf"):
+            raise ExportError("the run trained a bundled model, not a --model.hf directory; leave out --model.hf")
+        run["model"]["hf"] = str(Path(base).resolve())
     return run
 
 
@@ -234,14 +252,14 @@ def _export_lora(checkpoint: Path, run: dict, meta: CheckpointMeta, out: Path, d
     """A LoRA checkpoint as a PEFT adapter directory, or with ``merge`` merged into its base."""
     adapters, hf = read_adapters(checkpoint), run["model"].get("hf")
     if not ((run.get("peft") or {}).get("merge_on_export") if merge is None else merge):
-        return export_adapter(out, peft_state_dict(adapters), meta.peft, dtype, hf, tokenizer)
-    base = meta.peft.get("base_model_name_or_path")
-    if not base or not has_weights(base):
-        raise ExportError(f"merging the LoRA adapters needs the base model's weights, but the run's base "
-                          f"directory {base!r} has none now; restore it, or export the adapter alone with "
-                          "--peft.merge_on_export false")
+        return export_adapter(out, peft_state_dict(adapters), {**meta.peft, "base_model_name_or_path": hf}, dtype,
+                              hf, tokenizer)
+    if not hf or not has_weights(hf):
+        raise ExportError(f"merging the LoRA adapters needs the base model's weights, but the base directory "
+                          f"{hf} has none; give the base model's directory with --model.hf DIR, or export the "
+                          "adapter alone with --peft.merge_on_export false")
     try:
-        return export_merged(out, base, merge_updates(adapters, lora_of(meta.peft)), dict(_source_config(run, meta)),
+        return export_merged(out, hf, merge_updates(adapters, lora_of(meta.peft)), dict(_source_config(run, meta)),
                              dtype, hf, tokenizer, max_shard_bytes)
     except HFWeightsError as err:
         raise ExportError(str(err)) from None
