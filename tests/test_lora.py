@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from mfsdp.transforms.lora import LoraTransform, init_adapters, lora_linears
-from mfsdp.lora_export import adapter_state_dict, hf_target_modules, merged_state_dict, peft_key
+from mfsdp.transforms.lora_export import adapter_state_dict, hf_target_modules, merged_state_dict, peft_key
 from mfsdp.hf.names import hf_module_name, hf_weight_names
 from mfsdp.models import Llama, get_config
 from mfsdp.transforms import apply_transforms

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from mfsdp.transforms.lora import LoraTransform, lora_linears
 from mfsdp.hf.export import ADAPTER_CONFIG, ADAPTER_WEIGHTS
-from mfsdp.lora_export import hf_target_modules, peft_key, save_peft_adapter
+from mfsdp.transforms.lora_export import hf_target_modules, peft_key, save_peft_adapter
 from mfsdp.hf.config import bundled_config_from_hf
 from mfsdp.hf.names import load_hf_weights
 from mfsdp.models import Llama

@@ -14,7 +14,7 @@ import torch.distributed.checkpoint as dcp
 
 from mfsdp.transforms.lora import LoraTransform, init_adapters, is_adapter, lora_linears
 from mfsdp.hf.export import ADAPTER_CONFIG, ADAPTER_WEIGHTS
-from mfsdp.lora_export import hf_target_modules, peft_adapter_config
+from mfsdp.transforms.lora_export import hf_target_modules, peft_adapter_config
 from mfsdp.train.checkpoint import CheckpointError, CheckpointMeta, load_checkpoint, save_checkpoint
 from test_lora import randomize_b, tiny
 

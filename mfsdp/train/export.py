@@ -12,7 +12,7 @@ model-only checkpoint (``--train.save_only_model``, bf16 or fp32) exports as a f
 run's checkpoint (``meta.json`` has ``peft``) goes out as a PEFT adapter directory, its
 ``adapter_config.json`` the PEFT config the run recorded, or with ``merge`` (default: the run's
 ``--peft.merge_on_export``) as the base directory's model with ``scale * B @ A`` added to each
-target (``mfsdp.lora_export``).
+target (``mfsdp.transforms.lora_export``).
 
 * ``--model.hf`` runs go back out as the architecture they came in as, with the config.json they
   came in with (recorded in the checkpoint). Through the manager the parameter names are the
@@ -47,7 +47,7 @@ from mfsdp.hf.config import ARCHITECTURES, bundled_config_from_hf, hf_config_of
 from mfsdp.hf.export import Exported, export_adapter, export_merged, export_model, tokenizer_files
 from mfsdp.hf.files import SHARD_BYTES, Entry, HFWeightsError, has_weights, write_bytes
 from mfsdp.hf.names import hf_weight_names
-from mfsdp.lora_export import lora_of, merge_updates, peft_state_dict
+from mfsdp.transforms.lora_export import lora_of, merge_updates, peft_state_dict
 from mfsdp.train.checkpoint import META, CheckpointMeta, find_latest, is_complete
 from mfsdp.train.run.config import DTYPES
 from mfsdp.train.run.run_dir import recorded_identity

@@ -18,7 +18,7 @@ and optimizer state like any trainable parameter.
 Names: a target pattern is matched (``fnmatch``) against every dotted suffix of a linear's name and
 of its alias in the other naming (the bundled Llama's ``layers.0.attention.wq`` is Hugging Face's
 ``model.layers.0.self_attn.q_proj``; ``mfsdp.hf.names.LINEARS``). So ``q_proj``, ``wq``, ``*_proj``,
-``self_attn.*`` and ``layers.0.*`` work on either model. ``mfsdp.lora_export`` names the adapters
+``self_attn.*`` and ``layers.0.*`` work on either model. ``mfsdp.transforms.lora_export`` names the adapters
 as PEFT does, writes PEFT adapter directories and merges the adapters into the weights.
 """
 

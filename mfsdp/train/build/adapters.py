@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from mfsdp.transforms.lora import LoraTransform, lora_linears
-from mfsdp.lora_export import hf_target_modules, peft_adapter_config
+from mfsdp.transforms.lora_export import hf_target_modules, peft_adapter_config
 from mfsdp.train.run.config import PeftSection, RunConfig
 
 
