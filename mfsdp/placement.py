@@ -187,12 +187,6 @@ class Placements:
         return tuple(i for i, c in enumerate(self.combination) if c[1] == "R")
 
     @property
-    def deferred_scatter(self) -> tuple[int, ...]:
-        """Axes reduce-scattered on the last microbatch only, in ``shard_order``."""
-        key = self.combination
-        return tuple(i for i in self.shard_order if key[i][1] == "P")
-
-    @property
     def deferred_all_reduce(self) -> tuple[int, ...]:
         """Axes all-reduced on the last microbatch only."""
         return tuple(i for i, c in enumerate(self.combination) if c[1] == "P" and c[2] == "R")
