@@ -25,18 +25,6 @@ from mfsdp.runtime.parameter_group import FsdpParameterGroup
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "fully_shard",
-    "float8",
-    "fully_shard_optimizer",
-    "microbatch",
-    "MixedPrecisionPolicy",
-    "OffloadPolicy",
-    "CommunicationPolicy",
-    "Placements",
-    "FsdpModule",
-    "FsdpContext",
-    "FsdpParameterGroup",
-    "ModulePhase",
-    "CollectiveMismatchError",
-]
+__all__ = ["fully_shard", "float8", "fully_shard_optimizer", "microbatch", "MixedPrecisionPolicy", "OffloadPolicy",
+           "CommunicationPolicy", "Placements", "FsdpModule", "FsdpContext", "FsdpParameterGroup", "ModulePhase",
+           "CollectiveMismatchError"]

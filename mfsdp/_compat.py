@@ -19,7 +19,6 @@ coalescing_manager = _c10d._coalescing_manager
 # Fused multi-tensor kernels: one launch for a whole list of tensors.
 foreach_copy_ = torch._foreach_copy_
 foreach_add_ = torch._foreach_add_
-foreach_mul_ = torch._foreach_mul_
 foreach_div_ = torch._foreach_div_
 foreach_zero_ = torch._foreach_zero_
 

@@ -15,10 +15,8 @@ def _check(dtype: Optional[torch.dtype], field: str) -> None:
         return
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"MixedPrecisionPolicy.{field} must be a torch.dtype or None, got {dtype!r}")
-    raise NotImplementedError(
-        f"MixedPrecisionPolicy.{field}={dtype} is not supported; use torch.float32 or torch.bfloat16 "
-        "(fp16 needs loss scaling, which mfsdp does not do)"
-    )
+    raise NotImplementedError(f"MixedPrecisionPolicy.{field}={dtype} is not supported; use torch.float32 or "
+                              "torch.bfloat16 (fp16 needs loss scaling, which mfsdp does not do)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,10 +48,8 @@ class MixedPrecisionPolicy:
         group (``trainable`` False: LoRA's base) is never stepped, so its main weights are its
         compute weights: no fp32 copy of weights that cannot change."""
         if compute_dtype not in _SUPPORTED:
-            raise NotImplementedError(
-                f"parameters of dtype {compute_dtype} are not supported; mfsdp computes in float32 "
-                "or bfloat16 (cast the module with .to(torch.bfloat16) or .float())"
-            )
+            raise NotImplementedError(f"parameters of dtype {compute_dtype} are not supported; mfsdp computes in "
+                                      "float32 or bfloat16 (cast the module with .to(torch.bfloat16) or .float())")
         main = (self.main_params_dtype if trainable else None) or compute_dtype
         grads = self.main_grads_dtype or compute_dtype
         comm = self.grad_comm_dtype or grads

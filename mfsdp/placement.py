@@ -46,23 +46,18 @@ _NAMED_COMBINATIONS: dict[tuple[str, ...], str] = {
 def _letter(placement: Placement, field: str) -> str:
     if isinstance(placement, Shard):
         if placement.dim != 0:
-            raise NotImplementedError(
-                f"Placements.{field}: Shard({placement.dim}) is not supported; mfsdp shards dim 0 "
-                "only. Use Shard(0)."
-            )
+            raise NotImplementedError(f"Placements.{field}: Shard({placement.dim}) is not supported; mfsdp shards "
+                                      "dim 0 only. Use Shard(0).")
         return "S"
     if isinstance(placement, Replicate):
         return "R"
     if isinstance(placement, Partial):
         if field != "gradient":
-            raise NotImplementedError(
-                f"Placements.{field}: Partial() only makes sense for gradients (it defers their "
-                "reduction); use Shard(0) or Replicate()."
-            )
+            raise NotImplementedError(f"Placements.{field}: Partial() only makes sense for gradients (it defers their "
+                                      "reduction); use Shard(0) or Replicate().")
         return "P"
-    raise NotImplementedError(
-        f"Placements.{field}: {placement!r} is not supported; use Shard(0), Replicate() or Partial()."
-    )
+    raise NotImplementedError(f"Placements.{field}: {placement!r} is not supported; use Shard(0), Replicate() "
+                              "or Partial().")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,18 +84,14 @@ class Placements:
             raise ValueError(f"Placements.dp_axes has a repeated axis: {self.dp_axes}")
         for field in ("parameter", "gradient", "optimizer"):
             if len(getattr(self, field)) != len(self.dp_axes):
-                raise ValueError(
-                    f"Placements.{field} has {len(getattr(self, field))} entries but dp_axes has "
-                    f"{len(self.dp_axes)}; give exactly one placement per data-parallel axis"
-                )
+                raise ValueError(f"Placements.{field} has {len(getattr(self, field))} entries but dp_axes has "
+                                 f"{len(self.dp_axes)}; give exactly one placement per data-parallel axis")
         key = self.combination
         if key not in _NAMED_COMBINATIONS and set(key) != {"SSS"}:
-            raise NotImplementedError(
-                f"unsupported placement combination (parameter/gradient/optimizer per axis, "
-                f"S=Shard(0) R=Replicate P=Partial): {'/'.join(key)}. Supported: "
-                + ", ".join(f"{v} {'/'.join(k)}" for k, v in _NAMED_COMBINATIONS.items())
-                + ", and SSS on every axis (ZeRO-3 over several axes)."
-            )
+            raise NotImplementedError(f"unsupported placement combination (parameter/gradient/optimizer per axis, "
+                                      f"S=Shard(0) R=Replicate P=Partial): {'/'.join(key)}. Supported: "
+                                      + ", ".join(f"{v} {'/'.join(k)}" for k, v in _NAMED_COMBINATIONS.items())
+                                      + ", and SSS on every axis (ZeRO-3 over several axes).")
 
     # ----------------------------------------------------------------------- named constructors
     @classmethod
@@ -152,10 +143,8 @@ class Placements:
     # ----------------------------------------------------------------------------- derived facts
     @property
     def combination(self) -> tuple[str, ...]:
-        return tuple(
-            _letter(p, "parameter") + _letter(g, "gradient") + _letter(o, "optimizer")
-            for p, g, o in zip(self.parameter, self.gradient, self.optimizer)
-        )
+        return tuple(_letter(p, "parameter") + _letter(g, "gradient") + _letter(o, "optimizer")
+                     for p, g, o in zip(self.parameter, self.gradient, self.optimizer))
 
     @property
     def name(self) -> str:
@@ -187,12 +176,6 @@ class Placements:
         return tuple(i for i, c in enumerate(self.combination) if c[1] == "R")
 
     @property
-    def deferred_scatter(self) -> tuple[int, ...]:
-        """Axes reduce-scattered on the last microbatch only, in ``shard_order``."""
-        key = self.combination
-        return tuple(i for i in self.shard_order if key[i][1] == "P")
-
-    @property
     def deferred_all_reduce(self) -> tuple[int, ...]:
         """Axes all-reduced on the last microbatch only."""
         return tuple(i for i, c in enumerate(self.combination) if c[1] == "P" and c[2] == "R")
@@ -212,10 +195,8 @@ def mesh_axis_index(mesh: DeviceMesh, axis: MeshAxis) -> int:
             raise ValueError(f"mesh axis {axis} is out of range for a {mesh.ndim}-D mesh {names or ''}")
         return axis
     if axis not in names:
-        raise ValueError(
-            f"unknown mesh axis {axis!r}; this mesh has dims {names or '(unnamed)'}. Name one of "
-            "them in Placements.dp_axes, or build the mesh with mesh_dim_names."
-        )
+        raise ValueError(f"unknown mesh axis {axis!r}; this mesh has dims {names or '(unnamed)'}. Name one of "
+                         "them in Placements.dp_axes, or build the mesh with mesh_dim_names.")
     return names.index(axis)
 
 

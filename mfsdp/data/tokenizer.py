@@ -175,6 +175,4 @@ def require_eos_text(tokenizer) -> str:
 
 def load_tokenizer(name: str | None) -> ByteTokenizer | HuggingFaceTokenizer:
     """``"bytes"`` (or None) for the byte tokenizer, otherwise a local tokenizer directory."""
-    if name in (None, "", BYTES):
-        return ByteTokenizer()
-    return HuggingFaceTokenizer(name)
+    return ByteTokenizer() if name in (None, "", BYTES) else HuggingFaceTokenizer(name)

@@ -222,20 +222,14 @@ class MegatronFSDPConfig:
                 raise ValueError(f"MegatronFSDPConfig.{name} must be a positive integer or None, got {value!r}")
         units = self.megatron_fsdp_unit_modules
         if units is not None:
-            if isinstance(units, (str, type)):
-                units = (units,)
-            units = tuple(units)
+            units = (units,) if isinstance(units, (str, type)) else tuple(units)
             if not units or not all(isinstance(u, (str, type)) and u for u in units):
-                raise ValueError(
-                    "MegatronFSDPConfig.megatron_fsdp_unit_modules must be a non-empty list of class "
-                    f"names, import paths or classes, got {self.megatron_fsdp_unit_modules!r}"
-                )
+                raise ValueError("MegatronFSDPConfig.megatron_fsdp_unit_modules must be a non-empty list of class "
+                                 f"names, import paths or classes, got {self.megatron_fsdp_unit_modules!r}")
             object.__setattr__(self, "megatron_fsdp_unit_modules", units)
         if self.average_in_collective and self.calculate_per_token_loss:
-            raise ValueError(
-                "MegatronFSDPConfig: average_in_collective=True averages gradients but "
-                "calculate_per_token_loss=True sums them; choose one"
-            )
+            raise ValueError("MegatronFSDPConfig: average_in_collective=True averages gradients but "
+                             "calculate_per_token_loss=True sums them; choose one")
         for name in ("sequence_parallel", "loss_parallel"):
             if getattr(self, name) and self.tp_size is not None and self.tp_size == 1:
                 raise ValueError(f"MegatronFSDPConfig.{name}=True needs tp_size > 1 (it shards over tp)")
@@ -246,9 +240,7 @@ class MegatronFSDPConfig:
             raise TypeError(f"MegatronFSDPConfig.tp_plan must be a dict of module patterns to styles, "
                             f"got {type(self.tp_plan).__name__}")
         if self.outer_dp_sharding_strategy and self.zero_dp_strategy != 3:
-            raise ValueError(
-                "MegatronFSDPConfig.outer_dp_sharding_strategy=1 (HFSDP) needs zero_dp_strategy=3"
-            )
+            raise ValueError("MegatronFSDPConfig.outer_dp_sharding_strategy=1 (HFSDP) needs zero_dp_strategy=3")
 
     @property
     def checks_gradients(self) -> bool:

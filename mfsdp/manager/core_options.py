@@ -49,10 +49,8 @@ def mesh_placements(placements: mfsdp.Placements, sizes: MeshSizes, given: str =
 
 def precision_policy(config: MegatronFSDPConfig) -> mfsdp.MixedPrecisionPolicy:
     """``preserve_fp32_weights`` -> fp32 main weights; ``grad_reduce_in_fp32`` -> fp32 grads and reduction."""
-    return mfsdp.MixedPrecisionPolicy(
-        main_params_dtype=torch.float32 if config.preserve_fp32_weights else None,
-        main_grads_dtype=torch.float32 if config.grad_reduce_in_fp32 else None,
-    )
+    return mfsdp.MixedPrecisionPolicy(main_params_dtype=torch.float32 if config.preserve_fp32_weights else None,
+                                      main_grads_dtype=torch.float32 if config.grad_reduce_in_fp32 else None)
 
 
 def communication_policy(config: MegatronFSDPConfig, sizes: MeshSizes) -> mfsdp.CommunicationPolicy:
@@ -66,13 +64,11 @@ def communication_policy(config: MegatronFSDPConfig, sizes: MeshSizes) -> mfsdp.
     ``report_nan_in_param_grad``: the core's NaN/Inf check at the end of backward
     (``check_finite_gradients``), which raises on every rank.
     """
-    return mfsdp.CommunicationPolicy(
-        overlap=config.overlap_grad_reduce and config.overlap_param_gather,
-        coalesce=not config.disable_bucketing,
-        double_buffer=config.fsdp_double_buffer,
-        gradient_divide_factor=1.0 / sizes.dp if config.calculate_per_token_loss else 1.0,
-        check_finite_gradients=config.checks_gradients,
-    )
+    return mfsdp.CommunicationPolicy(overlap=config.overlap_grad_reduce and config.overlap_param_gather,
+                                     coalesce=not config.disable_bucketing,
+                                     double_buffer=config.fsdp_double_buffer,
+                                     gradient_divide_factor=1.0 / sizes.dp if config.calculate_per_token_loss else 1.0,
+                                     check_finite_gradients=config.checks_gradients)
 
 
 # -------------------------------------------------------------------------------- unit modules

@@ -38,11 +38,9 @@ def mesh_sizes(mesh: DeviceMesh) -> MeshSizes:
         raise TypeError(f"device_mesh must be a torch DeviceMesh, got {type(mesh).__name__}")
     names = tuple(mesh.mesh_dim_names or ())
     if names != MESH_DIM_NAMES:
-        raise ValueError(
-            f"the manager needs a 4-D mesh with dims {MESH_DIM_NAMES} (size 1 where unused), got dims "
-            f"{names or '(unnamed)'} of shape {tuple(mesh.shape)}; build one with "
-            "mfsdp.manager.build_device_mesh"
-        )
+        raise ValueError(f"the manager needs a 4-D mesh with dims {MESH_DIM_NAMES} (size 1 where unused), got dims "
+                         f"{names or '(unnamed)'} of shape {tuple(mesh.shape)}; build one with "
+                         "mfsdp.manager.build_device_mesh")
     return MeshSizes(*(mesh.size(i) for i in range(4)))
 
 
@@ -51,7 +49,6 @@ def check_config_against_mesh(config, sizes: MeshSizes) -> None:
     for field, actual in (("tp_size", sizes.tp), ("cp_size", sizes.cp), ("dp_replicate_size", sizes.dp_replicate)):
         wanted = getattr(config, field)
         if wanted is not None and wanted != actual:
-            raise ValueError(
-                f"MegatronFSDPConfig.{field}={wanted} disagrees with the device mesh, whose "
-                f"{field[:-5]} dim has size {actual} (mesh shape {sizes}); leave it None or match the mesh"
-            )
+            raise ValueError(f"MegatronFSDPConfig.{field}={wanted} disagrees with the device mesh, whose "
+                             f"{field[:-5]} dim has size {actual} (mesh shape {sizes}); leave it None or match "
+                             "the mesh")

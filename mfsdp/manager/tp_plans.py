@@ -115,10 +115,9 @@ def select_tp_plan(model: nn.Module, user_plan: Optional[Mapping[str, Any]] = No
     if family in LLAMA_STYLE_FAMILIES:
         return llama_style_plan(sequence_parallel=sequence_parallel, loss_parallel=loss_parallel,
                                 head_norms=family in HEAD_NORM_FAMILIES)
-    raise ValueError(
-        f"no built-in tensor-parallel plan for {type(model).__name__} (config.model_type={family!r}); built-in "
-        f"plans cover {LLAMA_STYLE_FAMILIES}. Pass MegatronFSDPConfig(tp_plan={{pattern: ParallelStyle}})."
-    )
+    raise ValueError(f"no built-in tensor-parallel plan for {type(model).__name__} (config.model_type={family!r}); "
+                     f"built-in plans cover {LLAMA_STYLE_FAMILIES}. Pass "
+                     "MegatronFSDPConfig(tp_plan={pattern: ParallelStyle}).")
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh, *, user_plan: Optional[Mapping[str, Any]] = None,

@@ -101,24 +101,16 @@ def peak_flops(device: torch.device | str | None = None) -> float | None:
     ``device`` is a torch device, a device string such as "cuda:0", or a product name
     such as "NVIDIA H100 80GB HBM3".
     """
-    if isinstance(device, str) and not _is_device_string(device):
-        name = device
-    else:
-        name = device_name(device)
-    upper = name.upper()
-    matches = [key for key in PEAK_FLOPS if key.upper() in upper]
-    if not matches:
-        return None
-    return PEAK_FLOPS[max(matches, key=len)]
+    name = device if isinstance(device, str) and not _is_device_string(device) else device_name(device)
+    matches = [key for key in PEAK_FLOPS if key.upper() in name.upper()]
+    return PEAK_FLOPS[max(matches, key=len)] if matches else None
 
 
 def mfu(tokens_per_s_per_gpu: float, cfg: LlamaConfig, seq_len: int,
         device: torch.device | str | None = None) -> float | None:
     """Model FLOPs utilisation in [0, 1], or None when the device's peak is unknown."""
     peak = peak_flops(device)
-    if peak is None:
-        return None
-    return tokens_per_s_per_gpu * flops_per_token(cfg, seq_len) / peak
+    return None if peak is None else tokens_per_s_per_gpu * flops_per_token(cfg, seq_len) / peak
 
 
 def _is_device_string(text: str) -> bool:

@@ -267,9 +267,8 @@ def _summarize(failures: dict, cfg: RunConfig, stderrs: dict[int, str]) -> int:
                 f"{host}); the other ranks were stopped")
     else:
         head = f"rank {rank} failed: {_what(first)}"
-    lines = [f"{_ERROR_PREFIX}{head}"]
-    for other_rank, failure in ranked[1:]:
-        lines.append(f"  then rank {other_rank}: {_what(failure)}")
+    lines = [f"{_ERROR_PREFIX}{head}", *(f"  then rank {other_rank}: {_what(failure)}"
+                                          for other_rank, failure in ranked[1:])]
     texts = [_what(f) + "\n" + _log_tail(f) for _, f in ranked]
     if any(is_timeout(text) for text in texts) and not any("MFSDP_CHECK_COLLECTIVES" in text
                                                            for text in texts[:1]):
@@ -292,8 +291,7 @@ def _what(failure) -> str:
         return "stopped (SIGTERM)"
     if failure.exitcode < 0:
         return f"killed by {failure.signal_name()}"
-    user = _user_error(failure)
-    if user:
+    if user := _user_error(failure):
         return user
     message = failure.message
     if isinstance(message, dict):  # as errors.record writes it
