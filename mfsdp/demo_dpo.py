@@ -4,11 +4,11 @@ follows a rule it was never told.
 Runs ``make finetune-demo``'s steps (``mfsdp.demo_finetune``) for a fine-tuned tiny Llama export, then
 writes preference pairs on arithmetic and counting questions whose chosen answer ends with ", please."
 and whose rejected one, otherwise the same, ends with ", thanks." (the fine-tuned model, which has seen
-", thanks." end an answer, prefers the rejected one at first), and runs ``mfsdp prepare-data`` and ``mfsdp train --nproc-per-node 2 ... --train.export_hf
-true`` on them (full DPO, the reference the initial model's stored log-probs). Exits 1 unless the
-held-out pairs' ``val_rewards/accuracies`` ends above 0.9 and, on questions in no pair, the export
-(loaded by ``transformers``) gives the chosen ending a higher log-prob than the rejected one in at
-least 90 % of cases.
+", thanks." end an answer, prefers the rejected one at first), and runs ``mfsdp prepare-data`` and
+``mfsdp train --nproc-per-node 2 ... --train.export_hf true`` on them (full DPO, the reference the
+initial model's stored log-probs). Exits 1 unless the held-out pairs' ``val_rewards/accuracies`` ends
+above 0.9 and, on questions in no pair, the export (loaded by ``transformers``) gives the chosen
+ending a higher log-prob than the rejected one in at least 90 % of cases.
 
     python -m mfsdp.demo_dpo [--dir runs/dpo-demo] [extra `mfsdp train` flags]
 """
@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from mfsdp import demo_finetune
-from mfsdp.demo_finetune import run
+from mfsdp.demo_finetune import prepare_and_train
 
 NUMBERS = "zero one two three four five six seven eight nine ten".split()
 ENDINGS = (", please.", ", thanks.")
@@ -61,9 +61,9 @@ def write_pairs(path: Path, qas: list[tuple[str, str]]) -> None:
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
 
 
-def prefers_chosen(export: Path, qas: list[tuple[str, str]]) -> int:
-    """How many questions the model in ``export`` answers with a higher summed log-prob for the chosen
-    ending than for the rejected one, through ``transformers`` alone."""
+def gaps(export: Path, qas: list[tuple[str, str]]) -> list[float]:
+    """For each question, the summed log-prob of the answer with the chosen ending minus that with the
+    rejected one, under the model in ``export``, through ``transformers`` alone."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -80,7 +80,7 @@ def prefers_chosen(export: Path, qas: list[tuple[str, str]]) -> int:
         targets = torch.tensor(ids[1:])
         return float(logps.gather(1, targets[:, None])[len(prompt) - 1:].sum())
 
-    return sum(logp(q, a + ENDINGS[0]) > logp(q, a + ENDINGS[1]) for q, a in qas)
+    return [logp(q, a + ENDINGS[0]) - logp(q, a + ENDINGS[1]) for q, a in qas]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -99,20 +99,21 @@ def main(argv: list[str] | None = None) -> int:
     write_pairs(rows, paired)
     print(f"\nwrote {len(paired)} preference pairs in {rows}: the chosen answer ends with '{ENDINGS[0]}', the "
           f"rejected one with '{ENDINGS[1]}'; {NEW_PROMPTS} more questions are kept for the export")
-    run(["prepare-data", str(rows), str(tokens), "--model.hf", str(sft)])
-    print(WHY_LR)
-    run(["train", "--nproc-per-node", "2", "--model.hf", str(sft), "--data.path", str(tokens),
-         "--train.out_dir", str(out), *TRAIN_FLAGS, *extra])
+    prepare_and_train(rows, tokens, sft, out, WHY_LR, [*TRAIN_FLAGS, *extra])
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     evals = [(r["step"], r["val_rewards/accuracies"]) for r in records if "val_rewards/accuracies" in r]
     accuracy = evals[-1][1]
-    print(f"\nloading {sft} and {out / 'hf'} with transformers: the log-prob of each ending on {len(new)} new questions")
-    before, after = prefers_chosen(sft, new), prefers_chosen(out / "hf", new)
+    print(f"\nloading {sft} and {out / 'hf'} with transformers: the log-prob of each ending on {len(new)} new "
+          "questions")
+    before, after = gaps(sft, new), gaps(out / "hf", new)
+    wins = sum(g > 0 for g in after)
     print("held-out pairs: val_rewards/accuracies " + ", ".join(f"{a:.3f} at step {s}" for s, a in evals)
-          + f" (must end > 0.9); val_rewards/margins {records[-1]['val_rewards/margins']:.3f}\nnew questions whose chosen ending is the likelier: "
-          f"{before}/{len(new)} before DPO, {after}/{len(new)} after (must be >= 90 %)")
+          + f" (must end > 0.9); val_rewards/margins {records[-1]['val_rewards/margins']:.3f}")
+    print(f"new questions whose chosen ending is the likelier: {sum(g > 0 for g in before)}/{len(new)} before DPO, "
+          f"{wins}/{len(new)} after (must be >= 90 %); chosen minus rejected log-prob {min(before):.1f} to "
+          f"{max(before):.1f} before, {min(after):.1f} to {max(after):.1f} after")
     failed = [why for bad, why in ((accuracy <= 0.9, "val_rewards/accuracies is not above 0.9"),
-                                   (after < 0.9 * len(new), "the export prefers the chosen ending on < 90 % of new "
+                                   (wins < 0.9 * len(new), "the export prefers the chosen ending on < 90 % of new "
                                                              "questions")) if bad]
     print(f"dpo-demo: {'FAILED: ' + '; '.join(failed) if failed else 'passed'} ({time.monotonic() - start:.0f} s)")
     return 1 if failed else 0
