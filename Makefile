@@ -1,11 +1,11 @@
-# `make test`, `make demo` and `make finetune-demo` work on a fresh machine: each creates .venv and installs what it needs.
+# `make test`, `make demo`, `make finetune-demo` and `make dpo-demo` work on a fresh machine: each creates .venv and installs what it needs.
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 TORCH  ?= torch==2.13.0
 
-.PHONY: venv test test-all test-gpu demo finetune-demo clean
+.PHONY: venv test test-all test-gpu demo finetune-demo dpo-demo clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -34,6 +34,10 @@ demo: $(STAMP)
 # Fine-tunes a tiny random Hugging Face directory on CPU and chats with the export; exits 1 unless it learned.
 finetune-demo: $(STAMP)
 	$(PY) -m mfsdp.demo_finetune
+
+# Goes on from the fine-tuning demo's model to DPO on pairs it writes; exits 1 unless the export learned the rule.
+dpo-demo: $(STAMP)
+	$(PY) -m mfsdp.demo_dpo
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

@@ -68,6 +68,16 @@ def run(args: list[str]) -> None:
         raise SystemExit(code)
 
 
+def prepare_and_train(rows: Path, tokens: Path, model_dir: Path, out: Path, why_lr: str, flags: list[str]) -> None:
+    """``mfsdp prepare-data`` of ``rows`` with ``model_dir``'s tokenizer, then ``mfsdp train`` of that
+    model on 2 processes into ``out``, with ``flags``; ``why_lr`` says why the learning rate is not the
+    recipe's."""
+    run(["prepare-data", str(rows), str(tokens), "--model.hf", str(model_dir)])
+    print(why_lr)
+    run(["train", "--nproc-per-node", "2", "--model.hf", str(model_dir), "--data.path", str(tokens),
+         "--train.out_dir", str(out), *flags])
+
+
 def loss_fall(metrics: Path) -> tuple[float, float]:
     """The loss of the first step and the mean of the last ten steps', from ``metrics.jsonl``."""
     losses = [json.loads(line)["loss"] for line in metrics.read_text().splitlines() if line.strip()]
@@ -103,10 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     write_rows(rows)
     print(f"wrote a random tiny Llama directory {model_dir} and {len(PAIRS) * REPEATS} chat rows in {rows} "
           f"({len(PAIRS)} questions, each {REPEATS} times)")
-    run(["prepare-data", str(rows), str(tokens), "--model.hf", str(model_dir)])
-    print(WHY_LR)
-    run(["train", "--nproc-per-node", "2", "--model.hf", str(model_dir), "--data.path", str(tokens),
-         "--train.out_dir", str(out), *TRAIN_FLAGS, *extra])
+    prepare_and_train(rows, tokens, model_dir, out, WHY_LR, [*TRAIN_FLAGS, *extra])
     first, last = loss_fall(out / "metrics.jsonl")
     question, expected = PAIRS[0]
     print(f"\nloading {out / 'hf'} with transformers (AutoModelForCausalLM, apply_chat_template, greedy generate)")

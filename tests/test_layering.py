@@ -114,7 +114,7 @@ def _reachable(graph: dict[str, set[str]], start: str) -> set[str]:
     return seen
 
 
-ENTRY_POINTS = {"mfsdp.cli", "mfsdp.demo", "mfsdp.demo_finetune"}
+ENTRY_POINTS = {"mfsdp.cli", "mfsdp.demo", "mfsdp.demo_finetune", "mfsdp.demo_dpo"}
 """The console commands: the only modules outside mfsdp.train that may start it."""
 
 
