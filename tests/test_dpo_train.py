@@ -80,7 +80,8 @@ def _trl(model, data: TokenFile, ids, reference, loss_type):
     stub = SimpleNamespace(
         model=SimpleNamespace(training=True), aux_loss_enabled=False, ld_alpha=None,
         accelerator=SimpleNamespace(device=torch.device("cpu"), gather=lambda x: x, gather_for_metrics=lambda x: x),
-        precompute_ref_logps=True, f_divergence_type="reverse_kl", loss_types=[loss_type], loss_weights=[1.0],
+        precompute_ref_logps=True, f_divergence_type="reverse_kl", loss_types=loss_type.split(","),
+        loss_weights=[1.0] * len(loss_type.split(",")),
         beta=0.3, label_smoothing=0.0, use_weighting=False, _metrics={"train": defaultdict(list)},
         _total_train_tokens=0, _tp_size=1, args=SimpleNamespace())
     inputs = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids), "completion_mask": completion,
@@ -112,7 +113,7 @@ def test_the_packed_objective_matches_trls_loss_metrics_and_gradients(tmp_path, 
         torch.testing.assert_close(ours.grad, theirs.grad, rtol=1e-5, atol=1e-5 * float(theirs.grad.abs().max()), msg=name)
 
 
-def sgd_update(rank, world_size, data_path, local_batch, microbatches, reference):
+def sgd_update(rank, world_size, data_path, local_batch, microbatches, reference, loss_type):
     """The weights after one SGD step (lr 1) of ``train_step`` on pairs, sharded zero3."""
     model = _model()
     parallelize(model, build_mesh("cpu", world_size), ParallelizeConfig(placements="zero3"))
@@ -120,26 +121,31 @@ def sgd_update(rank, world_size, data_path, local_batch, microbatches, reference
     data = TokenFile(data_path)
     sampler = PackedSampler(data, SEQ, local_batch, rank, world_size, seed=5, microbatches=microbatches,
                             windows=PairWindows(data, 24))
-    objective = _objective("sigmoid", reference)
+    objective = _objective(loss_type, reference)
     train_step(model, optimizer, objective, lambda micro: sampler.batch(1, micro), microbatches,
                objective.global_count(sampler, 1), 1.0, 0.0, None, False, torch.device("cpu"))
     return {name: q.full_tensor().detach() for name, q in model.named_parameters()}
 
 
-@pytest.mark.parametrize("world_size,local_batch,microbatches", [(2, 1, 2), pytest.param(1, 4, 1, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("world_size,local_batch,microbatches,loss_type", [
+    (2, 1, 2, "sigmoid,sft"), pytest.param(2, 1, 2, "sigmoid", marks=pytest.mark.slow),
+    pytest.param(1, 4, 1, "sigmoid,sft", marks=pytest.mark.slow)])
 def test_accumulation_and_ranks_give_the_full_batch_gradient_of_trls_loss(world, tmp_path, world_size, local_batch,
-                                                                           microbatches):
+                                                                           microbatches, loss_type):
+    """2 ranks x 2 microbatches of one window each give the gradient of trl's loss on the whole batch
+    (1 rank x 1 microbatch): ``sft`` divides by the global batch's chosen tokens, not a window's."""
     data = TokenFile(_pairs(tmp_path / "p.tokens"))
     reference = _reference(data)
     windows = PairWindows(data, 24)  # 4 windows of 1 to 3 pairs
     whole = PackedSampler(data, SEQ, 4, 0, 1, seed=5, windows=windows)
     ids = whole.batch(1).pair_ids
     assert len(windows) == 4 and len(set(windows.counted.tolist())) > 1
+    assert len(set((windows.chosen_counted / windows.counted).tolist())) > 1
     expected = _model()
-    value, _ = _trl(expected, data, ids, reference, "sigmoid")
+    value, _ = _trl(expected, data, ids, reference, loss_type)
     value.backward()
     weights = world(world_size).run(sgd_update, data_path=str(data.path), local_batch=local_batch,
-                                    microbatches=microbatches, reference=reference)[0]
+                                    microbatches=microbatches, reference=reference, loss_type=loss_type)[0]
     for name, q in expected.named_parameters():
         torch.testing.assert_close(weights[name], q.detach() - q.grad, rtol=1e-5, atol=1e-6, msg=name)
 

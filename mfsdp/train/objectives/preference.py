@@ -52,11 +52,18 @@ class Preference(Objective):
         self.loss = cfg.dpo.loss()
         self.lora = cfg.peft.lora
         self.stored = ReferenceLogps(cfg, data) if self.loss.needs_reference and not self.lora else None
+        self.chosen_per_pair = {True: None, False: None}
+        """``sft``'s divisor (``PairWindows.chosen_per_pair``), by whether gradients are on: the step's
+        global batch's (set by ``global_count``), the validation pairs' (``prepare``); None: the batch's."""
 
     def global_count(self, sampler, step: int) -> int:
-        return sampler.loss_tokens(step)  # the pairs of the global batch (``PairWindows.counted``)
+        windows = sampler.global_windows(step)
+        self.chosen_per_pair[True] = sampler.windows.chosen_per_pair(windows)
+        return int(sampler.windows.counted[windows].sum())  # the pairs of the global batch
 
     def prepare(self, model, sampler, evaluator, log) -> None:
+        if evaluator is not None:
+            self.chosen_per_pair[False] = evaluator.windows.windows.chosen_per_pair()
         log("preference pairs packed with a shared prompt, the rejected answer hidden from the chosen one"
             if sampler.windows.packed else
             "preference pairs one a window, padded: [prompt | chosen] and [prompt | rejected] rows as trl stacks "
@@ -72,7 +79,7 @@ class Preference(Objective):
         policy = pair_logps(model, batch, device)
         if self.stored is not None:
             reference = self.stored.of(batch.pair_ids, policy)
-        result = self.loss(policy, reference)
+        result = self.loss(policy, reference, self.chosen_per_pair[torch.is_grad_enabled()])
         loss = result.losses.sum()
         sums = {name: values.sum() for name, values in pair_metrics(policy, result).items()}
         return loss, torch.tensor(batch.pair_ids.numel(), device=device), {"loss": loss, **sums}
