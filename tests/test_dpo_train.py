@@ -5,6 +5,7 @@ not the policy), and `mfsdp train` on a pair file. CPU, fp32, gloo."""
 
 from __future__ import annotations
 
+import json
 import math
 from collections import defaultdict
 from types import SimpleNamespace
@@ -254,3 +255,24 @@ def test_pretrained_weights_on_pairs_take_the_dpo_recipes():
     assert recipe_for("tiny", None, False, pretrained=True, pairs=True) == ("DPO", DPO)
     assert recipe_for("tiny", None, False, pretrained=True, lora=True, pairs=True) == ("LoRA DPO", DPO_LORA)
     assert (DPO.lr, DPO_LORA.lr) == (1e-6, 1e-5) and DPO.warmup_steps == FINE_TUNING.warmup_steps
+
+
+def test_a_pair_run_s_identity_holds_its_dpo_section(tmp_path):
+    """Another beta in the directory of a DPO run is another run (one line); a run of a token stream
+    records no dpo keys, so the identity of every earlier run directory is unchanged."""
+    from mfsdp.train.command.errors import ConfigError
+    from mfsdp.train.run.preflight import check_run
+    from mfsdp.train.run.resolve import load_config
+    from mfsdp.train.run.run_dir import RUN_FILE, claim, identity
+
+    pairs, out = _pairs(tmp_path / "p.tokens"), tmp_path / "run"
+    argv = [*SMALL, "--data.path", str(pairs), "--train.out_dir", str(out)]
+    claim(check_run(load_config(argv), 1, "cpu", lambda: TokenFile(pairs)).cfg, False, print)
+    recorded = json.loads((out / RUN_FILE).read_text())["identity"]
+    assert recorded["dpo.beta"] == 0.1 and recorded["dpo.loss_type"] == "sigmoid"
+    check_run(load_config(argv), 1, "cpu", lambda: TokenFile(pairs))  # the same run: accepted
+    for flag, value in (("--dpo.beta", "0.5"), ("--dpo.loss_type", "ipo")):
+        with pytest.raises(ConfigError, match=rf"holds another run's .*{flag[2:]} .* there, .* now") as err:
+            check_run(load_config([*argv, flag, value]), 1, "cpu", lambda: TokenFile(pairs))
+        assert "\n" not in str(err.value)
+    assert not any(key.startswith("dpo.") for key in identity(load_config(argv).to_dict()))
