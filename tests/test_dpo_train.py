@@ -5,6 +5,7 @@ not the policy), and `mfsdp train` on a pair file. CPU, fp32, gloo."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections import defaultdict
@@ -276,3 +277,25 @@ def test_a_pair_run_s_identity_holds_its_dpo_section(tmp_path):
             check_run(load_config([*argv, flag, value]), 1, "cpu", lambda: TokenFile(pairs))
         assert "\n" not in str(err.value)
     assert not any(key.startswith("dpo.") for key in identity(load_config(argv).to_dict()))
+
+
+def test_the_memory_planner_plans_a_pair_file_as_dpo(tmp_path, capsys):
+    """`mfsdp plan --data.path PAIRS` asks the objective what a step runs (``Objective.step_run``) and says
+    DPO in its first line; the LoRA reference's no-grad forward adds to the head's peak; a token stream
+    plans as before (no step run)."""
+    from mfsdp.memory.plan import estimate_run
+    from mfsdp.train.command.plan import main, planned_run
+    from mfsdp.train.run.resolve import load_config
+
+    pairs = _pairs(tmp_path / "p.tokens")
+    argv = ["--model.preset", "tiny", "--data.path", str(pairs), "--data.seq_len", "64", "--out", str(tmp_path / "p.png")]
+    assert main(argv) == 0
+    assert capsys.readouterr().out.splitlines()[0].startswith(
+        "mfsdp plan: tiny, DPO on preference pairs (sigmoid, beta 0.1; reference: the initial model's log-probs")
+    shape = ["--model.preset", "tiny", "--data.seq_len", "64"]
+    assert planned_run(load_config(shape)).step_run is None
+    head = {}
+    for lora in ([], ["--peft.method", "lora"]):
+        run = planned_run(dataclasses.replace(load_config([*shape, *lora]), pairs=True))
+        head[bool(lora)] = estimate_run(run, 1).component_max("logits and loss")
+    assert head[True] > head[False] > 0
