@@ -70,7 +70,7 @@ class Preference(Objective):
 
     def __init__(self, cfg, data):
         self.loss = cfg.dpo.loss()
-        self.lora, self.packed, self.describe = cfg.peft.lora, not cfg.model.uses_manager, cfg.dpo.describe
+        self.cfg, self.lora = cfg, cfg.peft.lora
         self.stored = ReferenceLogps(cfg, data) if self.loss.needs_reference and not self.lora else None
         self.chosen_per_pair = {True: None, False: None}
         """``sft``'s divisor (``PairWindows.chosen_per_pair``), by whether gradients are on: the step's
@@ -86,8 +86,9 @@ class Preference(Objective):
         tokens x vocabulary), two rows a pair on the manager's padded layout; with LoRA, the reference's
         no-grad forward, measured after the policy's (an upper bound: it runs first, before anything is
         saved). The stored reference's pass runs before training, a no-grad forward: less than a step."""
-        return StepRun(f"DPO on preference pairs ({self.describe(self.lora).partition('(')[2]}",
-                       functools.partial(_planned_step, self.lora and self.loss.needs_reference, self.packed),
+        return StepRun(f"DPO on preference pairs ({self.cfg.dpo.describe(self.lora).partition('(')[2]}",
+                       functools.partial(_planned_step, self.lora and self.loss.needs_reference,
+                                         not self.cfg.model.uses_manager),
                        "DPO: windows of preference pairs, all tokens counted as answer tokens (their fp32 "
                        "log-softmax), an upper bound" + (" with the base model's no-grad reference forward"
                                                          if self.lora and self.loss.needs_reference else ""))
