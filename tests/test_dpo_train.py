@@ -5,6 +5,8 @@ not the policy), and `mfsdp train` on a pair file. CPU, fp32, gloo."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 from collections import defaultdict
 from types import SimpleNamespace
@@ -80,7 +82,8 @@ def _trl(model, data: TokenFile, ids, reference, loss_type):
     stub = SimpleNamespace(
         model=SimpleNamespace(training=True), aux_loss_enabled=False, ld_alpha=None,
         accelerator=SimpleNamespace(device=torch.device("cpu"), gather=lambda x: x, gather_for_metrics=lambda x: x),
-        precompute_ref_logps=True, f_divergence_type="reverse_kl", loss_types=[loss_type], loss_weights=[1.0],
+        precompute_ref_logps=True, f_divergence_type="reverse_kl", loss_types=loss_type.split(","),
+        loss_weights=[1.0] * len(loss_type.split(",")),
         beta=0.3, label_smoothing=0.0, use_weighting=False, _metrics={"train": defaultdict(list)},
         _total_train_tokens=0, _tp_size=1, args=SimpleNamespace())
     inputs = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids), "completion_mask": completion,
@@ -112,7 +115,7 @@ def test_the_packed_objective_matches_trls_loss_metrics_and_gradients(tmp_path, 
         torch.testing.assert_close(ours.grad, theirs.grad, rtol=1e-5, atol=1e-5 * float(theirs.grad.abs().max()), msg=name)
 
 
-def sgd_update(rank, world_size, data_path, local_batch, microbatches, reference):
+def sgd_update(rank, world_size, data_path, local_batch, microbatches, reference, loss_type):
     """The weights after one SGD step (lr 1) of ``train_step`` on pairs, sharded zero3."""
     model = _model()
     parallelize(model, build_mesh("cpu", world_size), ParallelizeConfig(placements="zero3"))
@@ -120,26 +123,31 @@ def sgd_update(rank, world_size, data_path, local_batch, microbatches, reference
     data = TokenFile(data_path)
     sampler = PackedSampler(data, SEQ, local_batch, rank, world_size, seed=5, microbatches=microbatches,
                             windows=PairWindows(data, 24))
-    objective = _objective("sigmoid", reference)
+    objective = _objective(loss_type, reference)
     train_step(model, optimizer, objective, lambda micro: sampler.batch(1, micro), microbatches,
                objective.global_count(sampler, 1), 1.0, 0.0, None, False, torch.device("cpu"))
     return {name: q.full_tensor().detach() for name, q in model.named_parameters()}
 
 
-@pytest.mark.parametrize("world_size,local_batch,microbatches", [(2, 1, 2), pytest.param(1, 4, 1, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("world_size,local_batch,microbatches,loss_type", [
+    (2, 1, 2, "sigmoid,sft"), pytest.param(2, 1, 2, "sigmoid", marks=pytest.mark.slow),
+    pytest.param(1, 4, 1, "sigmoid,sft", marks=pytest.mark.slow)])
 def test_accumulation_and_ranks_give_the_full_batch_gradient_of_trls_loss(world, tmp_path, world_size, local_batch,
-                                                                           microbatches):
+                                                                           microbatches, loss_type):
+    """2 ranks x 2 microbatches of one window each give the gradient of trl's loss on the whole batch
+    (1 rank x 1 microbatch): ``sft`` divides by the global batch's chosen tokens, not a window's."""
     data = TokenFile(_pairs(tmp_path / "p.tokens"))
     reference = _reference(data)
     windows = PairWindows(data, 24)  # 4 windows of 1 to 3 pairs
     whole = PackedSampler(data, SEQ, 4, 0, 1, seed=5, windows=windows)
     ids = whole.batch(1).pair_ids
     assert len(windows) == 4 and len(set(windows.counted.tolist())) > 1
+    assert len(set((windows.chosen_counted / windows.counted).tolist())) > 1
     expected = _model()
-    value, _ = _trl(expected, data, ids, reference, "sigmoid")
+    value, _ = _trl(expected, data, ids, reference, loss_type)
     value.backward()
     weights = world(world_size).run(sgd_update, data_path=str(data.path), local_batch=local_batch,
-                                    microbatches=microbatches, reference=reference)[0]
+                                    microbatches=microbatches, reference=reference, loss_type=loss_type)[0]
     for name, q in expected.named_parameters():
         torch.testing.assert_close(weights[name], q.detach() - q.grad, rtol=1e-5, atol=1e-6, msg=name)
 
@@ -248,3 +256,46 @@ def test_pretrained_weights_on_pairs_take_the_dpo_recipes():
     assert recipe_for("tiny", None, False, pretrained=True, pairs=True) == ("DPO", DPO)
     assert recipe_for("tiny", None, False, pretrained=True, lora=True, pairs=True) == ("LoRA DPO", DPO_LORA)
     assert (DPO.lr, DPO_LORA.lr) == (1e-6, 1e-5) and DPO.warmup_steps == FINE_TUNING.warmup_steps
+
+
+def test_a_pair_run_s_identity_holds_its_dpo_section(tmp_path):
+    """Another beta in the directory of a DPO run is another run (one line); a run of a token stream
+    records no dpo keys, so the identity of every earlier run directory is unchanged."""
+    from mfsdp.train.command.errors import ConfigError
+    from mfsdp.train.run.preflight import check_run
+    from mfsdp.train.run.resolve import load_config
+    from mfsdp.train.run.run_dir import RUN_FILE, claim, identity
+
+    pairs, out = _pairs(tmp_path / "p.tokens"), tmp_path / "run"
+    argv = [*SMALL, "--data.path", str(pairs), "--train.out_dir", str(out)]
+    claim(check_run(load_config(argv), 1, "cpu", lambda: TokenFile(pairs)).cfg, False, print)
+    recorded = json.loads((out / RUN_FILE).read_text())["identity"]
+    assert recorded["dpo.beta"] == 0.1 and recorded["dpo.loss_type"] == "sigmoid"
+    check_run(load_config(argv), 1, "cpu", lambda: TokenFile(pairs))  # the same run: accepted
+    for flag, value in (("--dpo.beta", "0.5"), ("--dpo.loss_type", "ipo")):
+        with pytest.raises(ConfigError, match=rf"holds another run's .*{flag[2:]} .* there, .* now") as err:
+            check_run(load_config([*argv, flag, value]), 1, "cpu", lambda: TokenFile(pairs))
+        assert "\n" not in str(err.value)
+    assert not any(key.startswith("dpo.") for key in identity(load_config(argv).to_dict()))
+
+
+def test_the_memory_planner_plans_a_pair_file_as_dpo(tmp_path, capsys):
+    """`mfsdp plan --data.path PAIRS` asks the objective what a step runs (``Objective.step_run``) and says
+    DPO in its first line; the LoRA reference's no-grad forward adds to the head's peak; a token stream
+    plans as before (no step run)."""
+    from mfsdp.memory.plan import estimate_run
+    from mfsdp.train.command.plan import main, planned_run
+    from mfsdp.train.run.resolve import load_config
+
+    pairs = _pairs(tmp_path / "p.tokens")
+    argv = ["--model.preset", "tiny", "--data.path", str(pairs), "--data.seq_len", "64", "--out", str(tmp_path / "p.png")]
+    assert main(argv) == 0
+    assert capsys.readouterr().out.splitlines()[0].startswith(
+        "mfsdp plan: tiny, DPO on preference pairs (sigmoid, beta 0.1; reference: the initial model's log-probs")
+    shape = ["--model.preset", "tiny", "--data.seq_len", "64"]
+    assert planned_run(load_config(shape)).step_run is None
+    head = {}
+    for lora in ([], ["--peft.method", "lora"]):
+        run = planned_run(dataclasses.replace(load_config([*shape, *lora]), pairs=True))
+        head[bool(lora)] = estimate_run(run, 1).component_max("logits and loss")
+    assert head[True] > head[False] > 0

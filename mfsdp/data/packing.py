@@ -244,13 +244,17 @@ class PackedSampler:
         slots = range(slot, slot + self.local_batch)
         return self.windows.batch([int(order[s]) if s < len(order) else None for s in slots])
 
-    def loss_tokens(self, step: int) -> int:
-        """The targets the loss counts in the whole global batch of ``step`` (every rank and
-        microbatch): what the step's summed loss is divided by. Known on every rank without
-        communication, since the global batch is."""
+    def global_windows(self, step: int) -> torch.Tensor:
+        """The windows of the whole global batch of ``step`` (every rank and microbatch): known on
+        every rank without communication."""
         order = self.window_order(self.epoch_of(step))
         first = self._first_slot(step)
-        return int(self.windows.counted[order[first:first + self.global_batch]].sum())
+        return order[first:first + self.global_batch]
+
+    def loss_tokens(self, step: int) -> int:
+        """The targets the loss counts in the whole global batch of ``step``: what the step's summed
+        loss is divided by."""
+        return int(self.windows.counted[self.global_windows(step)].sum())
 
     def _first_slot(self, step: int) -> int:
         return (step - 1) % self.steps_per_epoch * self.global_batch

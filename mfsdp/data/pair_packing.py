@@ -92,10 +92,18 @@ class PairWindows:
         self.members, self.lengths = ids[members], lengths[members]
         self.counted = self.bounds.diff()
         """Per window, its pairs: what the loss is normalised by."""
+        chosen = self.lengths[:, CHOSEN] - (self.lengths[:, PROMPT] == 0).long()  # the first token of none
+        self.chosen_counted = torch.cat([chosen.new_zeros(1), chosen.cumsum(0)])[self.bounds].diff()
+        """Per window, the chosen answer tokens ``answer_logps`` counts (``sft`` divides by them)."""
         self.truncated = 0
 
     def __len__(self) -> int:
         return self.bounds.numel() - 1
+
+    def chosen_per_pair(self, windows: torch.Tensor | slice = slice(None)) -> float:
+        """The chosen answer tokens per pair over ``windows`` (by default all): what trl's ``sft``
+        term, a mean over a batch's chosen tokens, divides each pair's chosen sum by."""
+        return int(self.chosen_counted[windows].sum()) / max(1, int(self.counted[windows].sum()))
 
     def samples_of(self, window: int) -> torch.Tensor:
         """The pair (sample) indices in ``data`` of ``window``."""

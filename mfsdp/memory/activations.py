@@ -35,6 +35,19 @@ from mfsdp.runtime import gather_codec
 
 
 @dataclasses.dataclass(frozen=True)
+class StepRun:
+    """What a training step runs on a microbatch when it is not the causal language model's loss
+    (``labels_run``, ``cross_entropy_run``): another objective's (``Objective.step_run``), measured as it is."""
+
+    label: str
+    """What the plan's first line calls it."""
+    run: Callable[[torch.Tensor], Callable[[nn.Module], torch.Tensor]]
+    """(fake tokens, batch x seq) -> a run for ``measure``: the model's forward passes, the loss."""
+    note: str = ""
+    """What the estimate says of how it is planned."""
+
+
+@dataclasses.dataclass(frozen=True)
 class ActivationProfile:
     """Measured activation bytes of one microbatch, for one rank (batch and sequence given)."""
 
@@ -353,13 +366,14 @@ def compiled_plain_loss(hidden, weight, labels):
 
 
 def measure_llama(cfg, dtype: torch.dtype, batch: int, seq: int, checkpointing: bool, head_loss: str = "plain",
-                  compiled_head: bool = False, block: Optional[nn.Module] = None) -> ActivationProfile:
+                  compiled_head: bool = False, block: Optional[nn.Module] = None,
+                  step_run: Optional[StepRun] = None) -> ActivationProfile:
     """A bundled Llama (or MoE) shape, cut to two blocks, measured on fake tensors as ``mfsdp train``
     runs it (``labels_run``) with ``head_loss`` (``Llama.set_head_loss``), compiled with the blocks
     where ``compiled_head`` (the plain loss then as ``CompiledPlainLoss``; the fused one as its eager
     self, an upper bound). ``block``: a block of the model as it trains (the model transforms applied,
     on the meta device), whose fake copies (``gathered_copy``: weights as the runtime's gathers hand
-    them) are the two blocks; None: the blocks ``cfg`` builds."""
+    them) are the two blocks; None: the blocks ``cfg`` builds. ``step_run``: another objective's step."""
     from mfsdp.models import build_model
 
     small = dataclasses.replace(cfg, n_layers=2, max_seq_len=max(cfg.max_seq_len, seq))
@@ -372,7 +386,8 @@ def measure_llama(cfg, dtype: torch.dtype, batch: int, seq: int, checkpointing: 
         if compiled_head and head_loss == "plain":
             model.loss_fn = compiled_plain_loss
         tokens = torch.zeros(batch, seq, dtype=torch.long)
-        return measure(model, list(model.layers), labels_run(tokens), uniform_routing=cfg.num_experts > 0)
+        run = labels_run(tokens) if step_run is None else step_run.run(tokens)
+        return measure(model, list(model.layers), run, uniform_routing=cfg.num_experts > 0)
 
 
 def block_kind(block: nn.Module) -> tuple:
@@ -408,12 +423,14 @@ def gathered_copy(block: nn.Module) -> nn.Module:
 
 
 def measure_hf(config, dtype: torch.dtype, batch: int, seq: int, checkpointing: bool,
-               unit_names: Optional[list] = None, tp=None, tp_mesh=None) -> ActivationProfile:
+               unit_names: Optional[list] = None, tp=None, tp_mesh=None,
+               step_run: Optional[StepRun] = None) -> ActivationProfile:
     """A Hugging Face causal LM (its ``config``), cut to two decoder layers, on fake tensors;
     checkpointing wraps each layer as the manager does. With ``tp`` (a ``TensorParallel`` of size
     > 1) the manager's plan is applied first over ``tp_mesh`` (a fake ``tp`` mesh, see
     ``tensor_parallel``), so every block runs with its TP-local weights and, under sequence
-    parallel, seq / tp tokens between sub-layers; the loss runs in ``loss_parallel()`` when asked."""
+    parallel, seq / tp tokens between sub-layers; the loss runs in ``loss_parallel()`` when asked.
+    ``step_run``: another objective's step, in place of the cross entropy."""
     import transformers
 
     from mfsdp.manager.core_options import checkpoint_forward, resolve_unit_modules
@@ -437,7 +454,7 @@ def measure_hf(config, dtype: torch.dtype, batch: int, seq: int, checkpointing: 
                 checkpoint_forward(unit)
         tokens = torch.zeros(batch, seq, dtype=torch.long)
         with loss_context(tp_on and tp.loss_parallel), _unpacked_sequences():
-            return measure(model, units, cross_entropy_run(tokens))
+            return measure(model, units, cross_entropy_run(tokens) if step_run is None else step_run.run(tokens))
 
 
 @contextlib.contextmanager

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from mfsdp.communication import CommunicationPolicy
-from mfsdp.memory.activations import ActivationProfile, block_kind, measure_hf, measure_llama
+from mfsdp.memory.activations import ActivationProfile, StepRun, block_kind, measure_hf, measure_llama
 from mfsdp.memory.estimate import MemoryEstimate, StepSettings, simulate
 from mfsdp.memory.model_state import Levels, describe_units, optimizer_state_bytes
 from mfsdp.memory.tensor_parallel import TensorParallel, apply_tp, default_group_exists, fake_tp_mesh, in_child
@@ -47,7 +47,8 @@ def estimate(model_or_config, *, world_size: Optional[int] = None, mesh_shape: O
              tensor_parallel: Union[int, TensorParallel] = 1, tp_in_process: bool = False,
              transforms: tuple = (), device: str = "cuda", offload_fraction: float = 0.0,
              offload_overlap: str = "step", compiled: bool = False, head_loss: str = "plain",
-             compiled_head: bool = False, keep_gathered_blocks: int = 0) -> MemoryEstimate:
+             compiled_head: bool = False, keep_gathered_blocks: int = 0,
+             step_run: Optional[StepRun] = None) -> MemoryEstimate:
     """Predict one rank's memory over a training step and its peak.
 
     ``model_or_config``: a bundled preset name ("8b", "moe-1b"), a ``LlamaConfig``, a model built on
@@ -78,7 +79,8 @@ def estimate(model_or_config, *, world_size: Optional[int] = None, mesh_shape: O
     ``keep_gathered_blocks``: that many of the last blocks keep their gathered weights through the step
     (``ParallelizeConfig.keep_gathered_blocks``, by its rule ``kept_blocks``), resident in every phase.
     ``foreach`` / ``flat_adamw``: AdamW's kernels (``fully_shard_optimizer(flat_adamw=)``), which
-    decide the step's transient (``mfsdp.optimizer.step_transient_bytes``).
+    decide the step's transient (``mfsdp.optimizer.step_transient_bytes``). ``step_run``: what a step
+    of another objective than the causal LM's runs on a microbatch (``StepRun``), measured in its place.
     """
     tp = TensorParallel.of(tensor_parallel)
     if tp.enabled and (default_group_exists() or not tp_in_process):
@@ -100,7 +102,8 @@ def estimate(model_or_config, *, world_size: Optional[int] = None, mesh_shape: O
     levels = Levels.of(placements, mesh_shape)
     with fake_tp_mesh(tp.size) if tp.enabled else contextlib.nullcontext() as tp_mesh:
         model, units, blocks, measure, notes = _resolve(model_or_config, compute_dtype, seq_len, expert_units,
-                                                        tp, tp_mesh, tuple(transforms), head_loss, compiled_head)
+                                                        tp, tp_mesh, tuple(transforms), head_loss, compiled_head,
+                                                        step_run)
         unit_bytes = describe_units(model, units, mixed_precision_policy or MixedPrecisionPolicy(), levels)
         acts = measure(local_batch, seq_len, activation_checkpointing)
     if compiled:
@@ -194,7 +197,7 @@ def _compiled(acts: ActivationProfile, model: nn.Module, ac: bool, transforms: t
 
 
 def _resolve(obj, dtype, seq_len, expert_units, tp: TensorParallel, tp_mesh, transforms: tuple = (),
-             head_loss: str = "plain", compiled_head: bool = False):
+             head_loss: str = "plain", compiled_head: bool = False, step_run: Optional[StepRun] = None):
     """(meta model, non-root units bottom-up, block names, activation measurement, notes)."""
     from mfsdp.models import LlamaConfig, get_config
     from mfsdp.models.llama import HEAD_LOSSES
@@ -217,14 +220,19 @@ def _resolve(obj, dtype, seq_len, expert_units, tp: TensorParallel, tp_mesh, tra
                          "Llama has no tensor-parallel plan: estimate it with tensor_parallel=1")
     if llama:
         cfg, model = (obj, None) if isinstance(obj, LlamaConfig) else (obj.cfg, obj)
-        return _llama(cfg, dtype, seq_len, expert_units, model, transforms, head_loss, compiled_head)
-    if isinstance(obj, (str, os.PathLike)) or hasattr(obj, "to_json_string") or isinstance(obj, nn.Module):
-        return _hf(obj, dtype, tp, tp_mesh, transforms)
-    raise TypeError(f"estimate: cannot size a {type(obj).__name__}; pass a preset name, a LlamaConfig, a "
-                    "meta-device model, a Hugging Face config or a local Hugging Face directory")
+        parts = _llama(cfg, dtype, seq_len, expert_units, model, transforms, head_loss, compiled_head, step_run)
+    elif isinstance(obj, (str, os.PathLike)) or hasattr(obj, "to_json_string") or isinstance(obj, nn.Module):
+        parts = _hf(obj, dtype, tp, tp_mesh, transforms, step_run)
+    else:
+        raise TypeError(f"estimate: cannot size a {type(obj).__name__}; pass a preset name, a LlamaConfig, a "
+                        "meta-device model, a Hugging Face config or a local Hugging Face directory")
+    if step_run is not None and step_run.note:
+        parts[-1].append(step_run.note)
+    return parts
 
 
-def _llama(cfg, dtype, seq_len, expert_units, model=None, transforms=(), head_loss="plain", compiled_head=False):
+def _llama(cfg, dtype, seq_len, expert_units, model=None, transforms=(), head_loss="plain", compiled_head=False,
+           step_run=None):
     from mfsdp.models.parallelize import sharding_units
 
     cfg = dataclasses.replace(cfg, max_seq_len=max(cfg.max_seq_len, seq_len))
@@ -245,9 +253,9 @@ def _llama(cfg, dtype, seq_len, expert_units, model=None, transforms=(), head_lo
                if expert_units else "each block gathers all its experts with it"))
 
     def acts(batch, seq, ac):
-        return _largest([_cached_acts(("llama", cfg, dtype, batch, seq, ac, head_loss, compiled_head, kind),
+        return _largest([_cached_acts(("llama", cfg, dtype, batch, seq, ac, head_loss, compiled_head, kind, step_run),
                                       functools.partial(measure_llama, cfg, dtype, batch, seq, ac, head_loss,
-                                                        compiled_head, block))
+                                                        compiled_head, block, step_run))
                          for kind, block in kinds.items()])
     return model, units, blocks, acts, notes
 
@@ -302,7 +310,7 @@ def _cached_acts(key, measure) -> ActivationProfile:
     return dataclasses.replace(acts, grad_window=dict(acts.grad_window))  # the caller's own dict
 
 
-def _hf(obj, dtype, tp: TensorParallel, tp_mesh, transforms: tuple = ()):
+def _hf(obj, dtype, tp: TensorParallel, tp_mesh, transforms: tuple = (), step_run=None):
     """A Hugging Face model's parts, its model state from the meta model with ``transforms`` applied (as
     the manager route applies them) and its activations measured without them."""
     import transformers
@@ -329,6 +337,7 @@ def _hf(obj, dtype, tp: TensorParallel, tp_mesh, transforms: tuple = ()):
     dtype = next(model.parameters()).dtype
 
     def acts(batch, seq, ac):  # a custom plan (module patterns -> styles) is not a cache key
-        key = None if tp.plan is not None else ("hf", config_json, dtype, batch, seq, ac, tp)
-        return _cached_acts(key, functools.partial(measure_hf, config, dtype, batch, seq, ac, tp=tp, tp_mesh=tp_mesh))
+        key = None if tp.plan is not None else ("hf", config_json, dtype, batch, seq, ac, tp, step_run)
+        return _cached_acts(key, functools.partial(measure_hf, config, dtype, batch, seq, ac, tp=tp, tp_mesh=tp_mesh,
+                                                   step_run=step_run))
     return model, units, blocks, acts, notes

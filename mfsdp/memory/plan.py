@@ -12,6 +12,7 @@ from typing import Optional
 
 import torch
 
+from mfsdp.memory.activations import StepRun
 from mfsdp.memory.api import estimate
 from mfsdp.memory.estimate import COMPONENTS, GIB, PLANNER_OVERSHOOT, RESERVE_FRACTION, MemoryEstimate
 from mfsdp.memory.tensor_parallel import TensorParallel
@@ -112,6 +113,8 @@ class PlannedRun:
     """AdamW steps each group flat (``mfsdp.flat_adamw``), with no transient at the step."""
     keep_gathered_blocks: int = 0
     """The last blocks that keep their gathered weights through the step (``kept_blocks``)."""
+    step_run: Optional[StepRun] = None
+    """What a step of another objective than the causal LM's runs (``estimate``'s ``step_run``)."""
 
     @property
     def hf(self) -> bool:
@@ -170,7 +173,7 @@ def estimate_run(run: PlannedRun, world: int, setting: Optional[Setting] = None,
                     tp_in_process=tp_in_process, transforms=run.transforms, foreach=run.foreach, compiled=run.compiled,
                     compiled_head=run.compiled if run.compiled_head is None else run.compiled_head,
                     head_loss=run.head_loss, flat_adamw=run.flat_adamw,
-                    keep_gathered_blocks=run.keep_gathered_blocks)
+                    keep_gathered_blocks=run.keep_gathered_blocks, step_run=run.step_run)
 
 
 def candidates(run: PlannedRun) -> list[Setting]:
@@ -287,7 +290,8 @@ def report(run: PlannedRun, e: MemoryEstimate, model: str, world: int, tp: Tenso
     verdict = {"fits": "fits", "no": "does NOT fit",
                "tight": f"is tight (within the {RESERVE_FRACTION:.0%} allocator margin: it should train, "
                         "but may run out of memory)"}[e.fit(gpu)]
-    lines = [f"mfsdp plan: {model}{variant}, {s.placements}{parallel} on {world} GPU(s), local batch {s.local_batch} "
+    objective = f"{run.step_run.label}, " if run.step_run is not None else ""
+    lines = [f"mfsdp plan: {model}{variant}, {objective}{s.placements}{parallel} on {world} GPU(s), local batch {s.local_batch} "
              f"x {s.seq_len} tokens, {s.microbatches} microbatch(es), activation checkpointing "
              f"{'on' if s.activation_checkpointing else 'off'}\n", breakdown_table(e),
              f"\nthis setting {verdict} in {gib(gpu)} GiB per GPU ({source})",

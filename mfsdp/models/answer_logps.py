@@ -35,5 +35,6 @@ def answer_logps(outputs: torch.Tensor, answers: torch.Tensor, pairs: int,
     token_logps = torch.log_softmax(logits, dim=-1).gather(1, answers[1, :, None])[:, 0]
     sums = torch.zeros(2 * pairs, dtype=torch.float32, device=logits.device)
     sums = sums.index_add(0, answers[2], token_logps)
-    counts = torch.bincount(answers[2], minlength=2 * pairs)
+    counts = torch.zeros(2 * pairs, dtype=torch.int64, device=logits.device).index_add(
+        0, answers[2], torch.ones_like(answers[2]))  # not bincount: its size is data-dependent (fake tensors)
     return PairLogps(sums[0::2], sums[1::2], counts[0::2], counts[1::2])

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from mfsdp.data import DataError, TokenFile
 from mfsdp.memory import plan
 from mfsdp.memory.tensor_parallel import TensorParallel
 from mfsdp.train.build.model import transforms_for
@@ -22,6 +23,7 @@ from mfsdp.train.command.args import parse_config, usage
 from mfsdp.train.run.config import DTYPES, RunConfig
 from mfsdp.train.run.resolve import resolve
 from mfsdp.train.command.errors import ConfigError
+from mfsdp.train.objectives import objective_for
 
 USAGE = """usage: mfsdp plan [--config FILE.yaml] [--nproc-per-node N] [--nnodes N] [--gpu-memory 141GiB]
                   [--tp N [--sequence-parallel true|false] [--loss-parallel true|false]]
@@ -30,7 +32,7 @@ USAGE = """usage: mfsdp plan [--config FILE.yaml] [--nproc-per-node N] [--nnodes
 Predicts one GPU's memory for a `mfsdp train` run (peak of allocated memory, the phase where it
 occurs, every component), lists the settings that fit, fastest first, and draws the step's memory.
 A --model.hf DIR that the bundled Llama can run is planned as that Llama (--model.hf_impl auto), the
-model `mfsdp train` builds for it. --tp N plans a Hugging Face model through the manager with tensor
+model `mfsdp train` builds for it. A --data.path of preference pairs is planned as DPO. --tp N plans a Hugging Face model through the manager with tensor
 parallel over N of the GPUs (sequence parallel and the vocabulary-parallel loss on unless turned off).
 """
 
@@ -49,7 +51,7 @@ def planned_run(cfg: RunConfig) -> plan.PlannedRun:
         cfg.main_grads_name("cuda"), p.replicate, cfg.compute_dtype("cuda"), cfg.grad_comm_dtype(),
         p.expert_units, transforms_for(cfg), not cfg.train.fused_adamw("cuda"), cfg.compiles("cuda"),
         cfg.train.async_checkpoint_on("cuda"), cfg.model.head_loss, flat_adamw=cfg.train.flat_adamw("cuda"),
-        keep_gathered_blocks=p.kept_blocks())
+        keep_gathered_blocks=p.kept_blocks(), step_run=objective_for(cfg, None).step_run())
 
 
 def main(argv: list[str]) -> int:
@@ -72,6 +74,8 @@ def main(argv: list[str]) -> int:
         if tp.enabled and cfg.model.hf is not None:  # tensor parallel is the manager's
             cfg = dataclasses.replace(cfg, model=cfg.model.on_manager())
         cfg = resolve(cfg)
+        if Path(cfg.data.path).is_file() and TokenFile(cfg.data.path).is_pairs:  # DPO, as `mfsdp train` finds it
+            cfg = dataclasses.replace(cfg, pairs=True)
         run = planned_run(cfg)
         world = int(own["--nproc-per-node"]) * int(own["--nnodes"])
         if own["--gpu-memory"]:
@@ -81,7 +85,7 @@ def main(argv: list[str]) -> int:
         else:
             gpu, source = plan.DEFAULT_GPU, "assumed (an H200; set --gpu-memory)"
         e = plan.estimate_run(run, world, tp=tp, tp_in_process=True)
-    except (ConfigError, ValueError, NotImplementedError) as err:
+    except (ConfigError, DataError, ValueError, NotImplementedError) as err:
         return _error(str(err))
     # A LoRA checkpoint holds the adapters alone: all of them, an upper bound of a rank's shard.
     params = cfg.resolved.adapter_params if cfg.peft.lora else e.breakdown.get("main weights", 0) // MAIN_WEIGHT_BYTES

@@ -17,5 +17,6 @@ from mfsdp.train.objectives.preference import Preference
 
 
 def objective_for(cfg, data) -> Objective:
-    """The objective a run of ``cfg`` trains on ``data`` with: preference tuning on a file of pairs."""
-    return Preference(cfg, data) if data is not None and data.is_pairs else CausalLM()
+    """The objective a run of ``cfg`` trains on ``data`` with: preference tuning on a file of pairs
+    (``cfg.pairs`` says so where the file is not open: the memory planner)."""
+    return Preference(cfg, data) if cfg.pairs or (data is not None and data.is_pairs) else CausalLM()

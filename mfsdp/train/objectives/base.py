@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from mfsdp.data import Batch
+from mfsdp.memory.activations import StepRun
 
 
 class Objective:
@@ -23,6 +24,11 @@ class Objective:
     def global_count(self, sampler, step: int) -> int:
         """What the loss of ``step`` is normalised by: the count over the whole global batch."""
         raise NotImplementedError
+
+    def step_run(self) -> StepRun | None:
+        """What the memory planner measures of a step (``mfsdp.memory.StepRun``); None: the causal
+        language model's loss, as the planner measures it by default."""
+        return None
 
     def prepare(self, model, sampler, evaluator, log) -> None:
         """A first pass over the data before training (say, storing reference values); none here."""

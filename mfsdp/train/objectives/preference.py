@@ -9,6 +9,8 @@ none."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from mfsdp.data import Batch
@@ -16,6 +18,7 @@ from mfsdp.models.answer_logps import PairLogps, answer_logps
 from mfsdp.models.llama import Llama
 from mfsdp.models.outputs import logits_of
 from mfsdp.models.preference_loss import pair_metrics
+from mfsdp.memory.activations import StepRun
 from mfsdp.train.objectives.base import Objective, to_device
 from mfsdp.train.objectives.reference import ReferenceLogps
 from mfsdp.transforms.lora import adapters_off
@@ -37,6 +40,23 @@ def pair_logps(model, batch: Batch, device: torch.device) -> PairLogps:
         return answer_logps(logits, answers, batch.pair_ids.numel())
 
 
+def _planned_step(lora_reference: bool, packed: bool, tokens: torch.Tensor):
+    """``StepRun.run`` of a DPO step on (fake) ``tokens``: every token an answer token, the rejected
+    rows beside the chosen ones on the padded layout."""
+    rows = tokens if packed else torch.cat([tokens, tokens])
+    flat = torch.arange(rows.numel())
+    answers = torch.stack([flat, rows.flatten(), flat % 2])
+    batch = Batch(inputs=rows, targets=rows, answers=answers, pair_ids=torch.zeros(1, dtype=torch.int64))
+
+    def run(model):
+        policy = pair_logps(model, batch, rows.device)
+        if lora_reference:
+            with torch.no_grad(), adapters_off(model):
+                pair_logps(model, batch, rows.device)
+        return (policy.chosen - policy.rejected).sum()
+    return run
+
+
 class Preference(Objective):
     """Reports trl's ``loss``, ``rewards/*`` and ``logps/*`` (validation: ``val_`` before each), means
     over ``pairs``."""
@@ -50,13 +70,32 @@ class Preference(Objective):
 
     def __init__(self, cfg, data):
         self.loss = cfg.dpo.loss()
-        self.lora = cfg.peft.lora
+        self.cfg, self.lora = cfg, cfg.peft.lora
         self.stored = ReferenceLogps(cfg, data) if self.loss.needs_reference and not self.lora else None
+        self.chosen_per_pair = {True: None, False: None}
+        """``sft``'s divisor (``PairWindows.chosen_per_pair``), by whether gradients are on: the step's
+        global batch's (set by ``global_count``), the validation pairs' (``prepare``); None: the batch's."""
 
     def global_count(self, sampler, step: int) -> int:
-        return sampler.loss_tokens(step)  # the pairs of the global batch (``PairWindows.counted``)
+        windows = sampler.global_windows(step)
+        self.chosen_per_pair[True] = sampler.windows.chosen_per_pair(windows)
+        return int(sampler.windows.counted[windows].sum())  # the pairs of the global batch
+
+    def step_run(self) -> StepRun:
+        """A window of seq_len tokens, all answer tokens (an upper bound on the fp32 log-softmax: answer
+        tokens x vocabulary), two rows a pair on the manager's padded layout; with LoRA, the reference's
+        no-grad forward, measured after the policy's (an upper bound: it runs first, before anything is
+        saved). The stored reference's pass runs before training, a no-grad forward: less than a step."""
+        return StepRun(f"DPO on preference pairs ({self.cfg.dpo.describe(self.lora).partition('(')[2]}",
+                       functools.partial(_planned_step, self.lora and self.loss.needs_reference,
+                                         not self.cfg.model.uses_manager),
+                       "DPO: windows of preference pairs, all tokens counted as answer tokens (their fp32 "
+                       "log-softmax), an upper bound" + (" with the base model's no-grad reference forward"
+                                                         if self.lora and self.loss.needs_reference else ""))
 
     def prepare(self, model, sampler, evaluator, log) -> None:
+        if evaluator is not None:
+            self.chosen_per_pair[False] = evaluator.windows.windows.chosen_per_pair()
         log("preference pairs packed with a shared prompt, the rejected answer hidden from the chosen one"
             if sampler.windows.packed else
             "preference pairs one a window, padded: [prompt | chosen] and [prompt | rejected] rows as trl stacks "
@@ -72,7 +111,7 @@ class Preference(Objective):
         policy = pair_logps(model, batch, device)
         if self.stored is not None:
             reference = self.stored.of(batch.pair_ids, policy)
-        result = self.loss(policy, reference)
+        result = self.loss(policy, reference, self.chosen_per_pair[torch.is_grad_enabled()])
         loss = result.losses.sum()
         sums = {name: values.sum() for name, values in pair_metrics(policy, result).items()}
         return loss, torch.tensor(batch.pair_ids.numel(), device=device), {"loss": loss, **sums}

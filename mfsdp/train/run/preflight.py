@@ -78,9 +78,9 @@ def check_run(cfg: RunConfig, world: int, device_type: str, open_data: Callable[
         if resume_from is not None:
             meta = check_compatible(resume_from, model_fingerprint(model_cfg))
             _check_route(resume_from, meta, cfg)
-    check_out_dir(cfg, resume_from)
     if data is not None:
         cfg = _for_samples(cfg, data, world, meta)
+    check_out_dir(cfg, resume_from)  # after the data: a pair file's run has the DPO recipe and section
     warning = check_disk(cfg, disk_share, device_type) if disk_share is not None else None
     return ResolvedRun(cfg, data, resume_from, tuple(notes), warning)
 

@@ -34,15 +34,18 @@ IDENTITY = {"model": None, "data": None, "peft": None,
             "train": ("lr", "lr_schedule", "min_lr_ratio", "weight_decay", "beta1", "beta2", "grad_clip", "seed"),
             "parallel": ("compute_dtype", "main_grads_dtype")}
 """The keys (None: all) of each config section that make a run's identity. The warm-up is left out:
-the recipe's depends on the number of steps."""
+the recipe's depends on the number of steps. A run that trains preference pairs adds its ``dpo``
+section (only then, so the identity of every other run stays as it was)."""
 _PATHS = ("model.hf", "data.path", "data.val_path")
 
 
-def identity(config: dict) -> dict:
+def identity(config: dict, pairs: bool = False) -> dict:
     """The identity of the run of ``config`` (``RunConfig.to_dict``, or a checkpoint's record), its
-    paths absolute so that a run started from another directory compares equal."""
+    paths absolute so that a run started from another directory compares equal; ``pairs``: the run
+    trains preference pairs (``RunConfig.pairs``)."""
     config = absolute_paths(config)
-    return {f"{section}.{key}": (config.get(section) or {}).get(key) for section, keys in IDENTITY.items()
+    sections = {**IDENTITY, "dpo": None} if pairs else IDENTITY
+    return {f"{section}.{key}": (config.get(section) or {}).get(key) for section, keys in sections.items()
             for key in keys or sorted(config.get(section) or {})}
 
 
@@ -87,7 +90,7 @@ def check_out_dir(cfg, resume_from: Path | None) -> None:
     recorded = recorded_identity(out)
     if recorded is None:
         return
-    now = identity(cfg.to_dict())
+    now = identity(cfg.to_dict(), cfg.pairs)
     differences = [f"{key} {recorded[key]!r} there, {now[key]!r} now" for key in recorded
                    if key in now and recorded[key] != now[key]]
     if recorded and not differences:
@@ -115,7 +118,7 @@ def claim(cfg, resuming: bool, log) -> None:
         if set(removed) - {RUN_FILE}:
             log(f"starting afresh in {out}: removed the earlier run's {', '.join(n for n in removed if n != RUN_FILE)}")
     out.mkdir(parents=True, exist_ok=True)
-    (out / RUN_FILE).write_text(json.dumps({"identity": identity(cfg.to_dict())}, indent=1) + "\n")
+    (out / RUN_FILE).write_text(json.dumps({"identity": identity(cfg.to_dict(), cfg.pairs)}, indent=1) + "\n")
 
 
 def finished_line(cfg, resume_from: Path | None) -> str | None:
