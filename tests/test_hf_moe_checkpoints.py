@@ -1,0 +1,97 @@
+"""Mixture-of-experts directories as transformers' ``save_pretrained`` writes them (and every published
+Qwen3-MoE, Qwen2-MoE and Mixtral checkpoint stores them): each expert under its own names, Mixtral's
+under ``block_sparse_moe``. The manager route loads them into transformers 5's stacked experts, each
+rank reading only its own experts' rows, trains them, and exports them under the same names."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from test_manager_models import batch
+from test_manager_moe import make_moe
+
+transformers = pytest.importorskip("transformers")
+pytestmark = [pytest.mark.timeout(240), pytest.mark.filterwarnings("ignore::UserWarning")]
+
+
+def _keys(directory) -> set[str]:
+    from mfsdp.hf.files import weight_files
+
+    return set(weight_files(directory))
+
+
+def _logits(model, x):
+    with torch.no_grad():
+        return model(input_ids=x).logits.float()
+
+
+def moe_round_trip(rank, ws, tmp, family):
+    """save_pretrained -> meta build -> sharded load -> logits; which expert tensors this rank read;
+    save_hf_checkpoint -> from_pretrained -> logits, and the export's tensor names."""
+    import safetensors
+    from mfsdp.hf.sharded import meta_model_from_config, save_hf_checkpoint
+    from mfsdp.manager import MegatronFSDPConfig, MegatronFSDPManager, build_device_mesh
+
+    src, out = os.path.join(tmp, "src"), os.path.join(tmp, "out")
+    ref = make_moe(family).eval()
+    if rank == 0:
+        ref.save_pretrained(src)
+    dist.barrier()
+    experts_read, real_open = set(), safetensors.safe_open
+
+    class CountingOpen:  # records the expert of every per-expert tensor a rank reads from
+        def __init__(self, *a, **k):
+            self.f = real_open(*a, **k)
+
+        def __enter__(self):
+            return self.f.__enter__()
+
+        def __exit__(self, *exc):
+            return self.f.__exit__(*exc)
+
+        def get_slice(self, name):
+            view = self.f.get_slice(name)
+
+            class Counting:
+                def get_shape(self):
+                    return view.get_shape()
+
+                def __getitem__(self, index):
+                    if ".experts." in name:
+                        experts_read.add(int(name.split(".experts.")[1].split(".")[0]))
+                    return view[index]
+
+            return Counting()
+
+    safetensors.safe_open = CountingOpen
+    try:
+        manager = MegatronFSDPManager(MegatronFSDPConfig(init_fsdp_with_meta_device=True), build_device_mesh("cpu"))
+        model, _ = manager.parallelize(meta_model_from_config(src), hf_path=src)
+    finally:
+        safetensors.safe_open = real_open
+    x = batch(0, vocab=62)
+    logits = _logits(model, x)  # a collective: every rank
+    load_err = float((logits - _logits(ref, x)).abs().max())
+    save_hf_checkpoint(model, out)
+    export_err, same_names = -1.0, None
+    if rank == 0:
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+        export_err = float((_logits(loaded, x) - logits).abs().max())
+        same_names = _keys(out) == _keys(src)
+    dist.barrier()
+    return dict(load=load_err, export=export_err, same_names=same_names, experts=sorted(experts_read))
+
+
+@pytest.mark.parametrize("family,ws", [("qwen3_moe", 2), pytest.param("mixtral", 2, marks=pytest.mark.slow),
+                                       pytest.param("qwen2_moe", 2, marks=pytest.mark.slow),
+                                       pytest.param("qwen3_moe", 1, marks=pytest.mark.slow)])
+def test_save_pretrained_moe_loads_and_exports(world, tmp_path, family, ws):
+    results = world(ws).run(moe_round_trip, tmp=str(tmp_path), family=family)
+    for rank, r in enumerate(results):
+        assert r["load"] < 1e-5, r
+        assert r["experts"] == ([0, 1], [2, 3])[rank] if ws == 2 else [0, 1, 2, 3], r  # its own experts only
+    assert results[0]["export"] < 1e-5 and results[0]["same_names"], results[0]
