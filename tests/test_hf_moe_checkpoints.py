@@ -5,6 +5,7 @@ rank reading only its own experts' rows, trains them, and exports them under the
 
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
@@ -95,3 +96,29 @@ def test_save_pretrained_moe_loads_and_exports(world, tmp_path, family, ws):
         assert r["load"] < 1e-5, r
         assert r["experts"] == ([0, 1], [2, 3])[rank] if ws == 2 else [0, 1, 2, 3], r  # its own experts only
     assert results[0]["export"] < 1e-5 and results[0]["same_names"], results[0]
+
+
+def test_train_and_export_keep_the_checkpoint_names(world, tmp_path):
+    """`mfsdp train --model.hf DIR` (the manager, two ranks, two steps) on a save_pretrained Qwen3-MoE
+    directory, exported at the end (--train.export_hf): the export holds the source's tensor names and
+    from_pretrained gives the trained model's logits. Mixtral's cell: test_export_hf.py."""
+    from test_export_hf import NO_SHAPE, TRAIN, assert_same_logits, trained_state
+    from test_eval_loss import run_trainer
+    from mfsdp.data import prepare
+    from mfsdp.data.prepare import stdlib_source
+
+    source, out, corpus = tmp_path / "source", tmp_path / "run", tmp_path / "small.tokens"
+    model = make_moe("qwen3_moe", vocab=260)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(200)  # confident, wrong logits: a loss far above a fresh init's ln 260
+    model.save_pretrained(source)
+    prepare(stdlib_source(), corpus, glob="a*.py")
+    records = world(2).run(run_trainer, argv=[
+        *NO_SHAPE, *TRAIN, "--data.path", str(corpus), "--train.out_dir", str(out), "--model.hf", str(source),
+        "--model.hf_impl", "manager", "--data.packing", "false", "--train.export_hf", "true"])[0]
+    assert [r["step"] for r in records] == [1, 2] and records[0]["loss"] > math.log(260) + 1, records
+    assert _keys(out / "hf") == _keys(source)
+    config = transformers.AutoConfig.from_pretrained(source)
+    reference = trained_state(out / "checkpoints" / "step_2",
+                              transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32))
+    assert_same_logits(reference, out / "hf", 260)
