@@ -122,3 +122,27 @@ def test_train_and_export_keep_the_checkpoint_names(world, tmp_path):
     reference = trained_state(out / "checkpoints" / "step_2",
                               transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32))
     assert_same_logits(reference, out / "hf", 260)
+
+
+def test_stacked_slice_reads_only_the_experts_and_rows_asked_for(tmp_path):
+    """The stacked view of per-expert files (mfsdp.hf.moe_names' rule): any block of experts and rows,
+    across the gate/up boundary included, equals transformers' stacked tensor, reading nothing else."""
+    from mfsdp.hf.files import WeightFiles, read_block
+    from mfsdp.hf.moe_names import by_expert, exported_names, layout_of, on_disk
+
+    model = make_moe("mixtral")
+    model.save_pretrained(tmp_path)
+    name = "model.layers.1.mlp.experts.gate_up_proj"
+    stacked = model.state_dict()[name]  # [4 experts, 2 * 24 rows, 16]
+    pieces = on_disk(name, stacked.shape, layout_of(model))
+    assert [p.key for p in pieces[:2]] == ["model.layers.1.block_sparse_moe.experts.0.w1.weight",
+                                           "model.layers.1.block_sparse_moe.experts.0.w3.weight"]
+    assert exported_names("model.layers.1.mlp.gate.weight", (4, 16), layout_of(model)) == [
+        ("model.layers.1.block_sparse_moe.gate.weight", None)]
+    with WeightFiles(tmp_path) as files:
+        key = files.stack(by_expert(pieces))
+        view = files.get_slice(key)
+        assert view.get_shape() == list(stacked.shape)
+        index = [torch.tensor([1, 2]), torch.arange(20, 30), torch.arange(16)]
+        torch.testing.assert_close(read_block(view, index), stacked[1:3, 20:30], rtol=0, atol=0)
+        assert files.sources(key) == [p.key for p in pieces]
