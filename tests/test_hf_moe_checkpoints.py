@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from test_manager_hf import counting_reads
 from test_manager_models import batch
 from test_manager_moe import make_moe
 
@@ -33,68 +34,41 @@ def _logits(model, x):
 def moe_round_trip(rank, ws, tmp, family):
     """save_pretrained -> meta build -> sharded load -> logits; which expert tensors this rank read;
     save_hf_checkpoint -> from_pretrained -> logits, and the export's tensor names."""
-    import safetensors
     from mfsdp.hf.sharded import meta_model_from_config, save_hf_checkpoint
     from mfsdp.manager import MegatronFSDPConfig, MegatronFSDPManager, build_device_mesh
 
-    src, out = os.path.join(tmp, "src"), os.path.join(tmp, "out")
+    src, out, multi = (os.path.join(tmp, d) for d in ("src", "out", "multi"))
     ref = make_moe(family).eval()
     if rank == 0:
         ref.save_pretrained(src)
     dist.barrier()
-    experts_read, real_open = set(), safetensors.safe_open
-
-    class CountingOpen:  # records the expert of every per-expert tensor a rank reads from
-        def __init__(self, *a, **k):
-            self.f = real_open(*a, **k)
-
-        def __enter__(self):
-            return self.f.__enter__()
-
-        def __exit__(self, *exc):
-            return self.f.__exit__(*exc)
-
-        def get_slice(self, name):
-            view = self.f.get_slice(name)
-
-            class Counting:
-                def get_shape(self):
-                    return view.get_shape()
-
-                def __getitem__(self, index):
-                    if ".experts." in name:
-                        experts_read.add(int(name.split(".experts.")[1].split(".")[0]))
-                    return view[index]
-
-            return Counting()
-
-    safetensors.safe_open = CountingOpen
-    try:
+    with counting_reads() as reads:
         manager = MegatronFSDPManager(MegatronFSDPConfig(init_fsdp_with_meta_device=True), build_device_mesh("cpu"))
         model, _ = manager.parallelize(meta_model_from_config(src), hf_path=src)
-    finally:
-        safetensors.safe_open = real_open
+    experts_read = {int(name.split(".experts.")[1].split(".")[0]) for name, *_ in reads if ".experts." in name}
     x = batch(0, vocab=62)
     logits = _logits(model, x)  # a collective: every rank
     load_err = float((logits - _logits(ref, x)).abs().max())
     save_hf_checkpoint(model, out)
+    save_hf_checkpoint(model, multi, max_shard_bytes=4096)  # experts cut across files
     export_err, same_names = -1.0, None
     if rank == 0:
-        loaded = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
-        export_err = float((_logits(loaded, x) - logits).abs().max())
-        same_names = _keys(out) == _keys(src)
+        for path in (out, multi):
+            loaded = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+            export_err = max(export_err, float((_logits(loaded, x) - logits).abs().max()))
+        same_names = _keys(out) == _keys(multi) == _keys(src) and len(os.listdir(multi)) > 3
     dist.barrier()
     return dict(load=load_err, export=export_err, same_names=same_names, experts=sorted(experts_read))
 
 
-@pytest.mark.parametrize("family,ws", [("qwen3_moe", 2), pytest.param("mixtral", 2, marks=pytest.mark.slow),
+@pytest.mark.parametrize("family,ws", [("qwen3_moe", 2), ("mixtral", 2),
                                        pytest.param("qwen2_moe", 2, marks=pytest.mark.slow),
                                        pytest.param("qwen3_moe", 1, marks=pytest.mark.slow)])
 def test_save_pretrained_moe_loads_and_exports(world, tmp_path, family, ws):
     results = world(ws).run(moe_round_trip, tmp=str(tmp_path), family=family)
     for rank, r in enumerate(results):
         assert r["load"] < 1e-5, r
-        assert r["experts"] == ([0, 1], [2, 3])[rank] if ws == 2 else [0, 1, 2, 3], r  # its own experts only
+        assert r["experts"] == ([[0, 1], [2, 3]][rank] if ws == 2 else [0, 1, 2, 3]), r  # its own experts only
     assert results[0]["export"] < 1e-5 and results[0]["same_names"], results[0]
 
 
