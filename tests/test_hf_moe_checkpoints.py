@@ -120,3 +120,18 @@ def test_stacked_slice_reads_only_the_experts_and_rows_asked_for(tmp_path):
         index = [torch.tensor([1, 2]), torch.arange(20, 30), torch.arange(16)]
         torch.testing.assert_close(read_block(view, index), stacked[1:3, 20:30], rtol=0, atol=0)
         assert files.sources(key) == [p.key for p in pieces]
+
+
+def test_a_missing_expert_is_named(tmp_path):
+    from safetensors.torch import load_file, save_file
+    from mfsdp.hf.files import HFWeightsError
+    from mfsdp.hf.sharded import load_hf_weights
+
+    model = make_moe("qwen3_moe")
+    model.save_pretrained(tmp_path)
+    weights = load_file(tmp_path / "model.safetensors")
+    del weights["model.layers.1.mlp.experts.2.up_proj.weight"]
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(HFWeightsError, match=r"no tensor model.layers.1.mlp.experts.gate_up_proj \(stored per "
+                                             r"expert; model.layers.1.mlp.experts.2.up_proj.weight is missing\)"):
+        load_hf_weights(make_moe("qwen3_moe"), str(tmp_path))

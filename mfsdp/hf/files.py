@@ -102,6 +102,7 @@ class WeightFiles:
         self.directory = Path(directory)
         self.files = weight_files(self.directory)
         self.stacks: dict[str, list[list[str]]] = {}
+        self.partial: dict[str, str] = {}  # a stacked key the files hold some parts of -> one they lack
         self._open: dict[Path, object] = {}
 
     def __contains__(self, name: str) -> bool:
@@ -111,8 +112,11 @@ class WeightFiles:
         """A key for the stacked tensor whose slab ``e`` is the file tensors ``parts[e]`` one after
         another on rows (``mfsdp.hf.moe_names``): in this directory when the files hold them all."""
         key = f"{parts[0][0]}..{parts[-1][-1]}"
-        if all(name in self.files for names in parts for name in names):
+        absent = [name for names in parts for name in names if name not in self.files]
+        if not absent:
             self.stacks[key] = parts
+        elif len(absent) < sum(map(len, parts)):
+            self.partial[key] = absent[0]
         return key
 
     def sources(self, key: str) -> list[str]:
@@ -139,7 +143,8 @@ class WeightFiles:
         for keys, tensor, name, label in wanted:
             key = next((k for k in keys if k in self), None)
             if key is None:
-                missing += [label] if label else []
+                lacks = [f" (stored per expert; {self.partial[k]} is missing)" for k in keys if k in self.partial]
+                missing += [label + "".join(lacks[:1])] if label else []
                 continue
             used.update(self.sources(key))
             found, shape = self.get_slice(key), tuple(tensor.shape)
