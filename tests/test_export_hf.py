@@ -109,12 +109,13 @@ def _hf_dir(family: str, path):
     from test_manager_models import make_hf
     from test_manager_moe import make_moe
 
-    # Mixtral's experts as transformers 5 saves them, each under its own names in block_sparse_moe.
-    (make_moe(family, vocab=260) if family == "mixtral" else make_hf(family, vocab=260)).save_pretrained(path)
+    # The experts as transformers 5 saves them, each under its own names (Mixtral's in block_sparse_moe).
+    moe = family in ("mixtral", "qwen2_moe")
+    (make_moe(family, vocab=260) if moe else make_hf(family, vocab=260)).save_pretrained(path)
     return path
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "mixtral"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mixtral", pytest.param("qwen2_moe", marks=pytest.mark.slow)])
 def test_model_hf_runs_export_their_own_architecture(world, corpus, tmp_path, family):
     from mfsdp.hf.files import weight_files
     from mfsdp.hf.sharded import meta_model_from_config
