@@ -109,17 +109,15 @@ def _hf_dir(family: str, path):
     from test_manager_models import make_hf
     from test_manager_moe import make_moe
 
-    if family == "mixtral":
-        # Config only: transformers 5 saves Mixtral's experts per expert (its legacy layout), which
-        # the manager's loader does not read; the run then initialises the model itself.
-        make_moe("mixtral", vocab=260).config.save_pretrained(path)
-    else:
-        make_hf(family, vocab=260).save_pretrained(path)
+    # The experts as transformers 5 saves them, each under its own names (Mixtral's in block_sparse_moe).
+    moe = family in ("mixtral", "qwen2_moe")
+    (make_moe(family, vocab=260) if moe else make_hf(family, vocab=260)).save_pretrained(path)
     return path
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "mixtral"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mixtral", pytest.param("qwen2_moe", marks=pytest.mark.slow)])
 def test_model_hf_runs_export_their_own_architecture(world, corpus, tmp_path, family):
+    from mfsdp.hf.files import weight_files
     from mfsdp.hf.sharded import meta_model_from_config
     from mfsdp.train.export import export_hf
 
@@ -136,6 +134,7 @@ def test_model_hf_runs_export_their_own_architecture(world, corpus, tmp_path, fa
     reference = trained_state(checkpoint, reference)
     exported = assert_same_logits(reference, tmp_path / "hf", 260)
     assert type(exported) is type(reference)
+    assert set(weight_files(tmp_path / "hf")) == set(weight_files(tmp_path / "moved"))  # the source's names
     # Trained weights, not the initial ones (norm scales start at one).
     assert not torch.equal(exported.model.norm.weight, torch.ones_like(exported.model.norm.weight))
 

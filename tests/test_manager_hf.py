@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -23,21 +24,15 @@ def _logits(model, x):
         return model(input_ids=x).logits.float()
 
 
-def hf_round_trip(rank, ws, tmp, family="llama", tp=1, tied=True):
-    """save_pretrained -> meta build -> sharded load (slices) -> equal logits; export -> from_pretrained."""
-    import transformers
-    from safetensors import safe_open
+@contextlib.contextmanager
+def counting_reads():
+    """safetensors files opened so as to record every slice a rank reads: (name, elements read, elements
+    in the tensor)."""
+    import safetensors
 
-    vocab = 64 if tp > 1 else 62
-    src, out, multi = (os.path.join(tmp, d) for d in ("src", "out", "multi"))
-    ref = make_hf(family, vocab=vocab, tied=tied)
-    if rank == 0:
-        ref.save_pretrained(src)
-    dist.barrier()
-    reads = []
-    real_open = safe_open
+    reads, real_open = [], safetensors.safe_open
 
-    class CountingOpen:  # records the shape of every slice a rank reads
+    class CountingOpen:
         def __init__(self, *a, **k):
             self.f = real_open(*a, **k)
 
@@ -61,16 +56,29 @@ def hf_round_trip(rank, ws, tmp, family="llama", tp=1, tied=True):
 
             return S()
 
-    import safetensors
     safetensors.safe_open = CountingOpen
     try:
+        yield reads
+    finally:
+        safetensors.safe_open = real_open
+
+
+def hf_round_trip(rank, ws, tmp, family="llama", tp=1, tied=True):
+    """save_pretrained -> meta build -> sharded load (slices) -> equal logits; export -> from_pretrained."""
+    import transformers
+
+    vocab = 64 if tp > 1 else 62
+    src, out, multi = (os.path.join(tmp, d) for d in ("src", "out", "multi"))
+    ref = make_hf(family, vocab=vocab, tied=tied)
+    if rank == 0:
+        ref.save_pretrained(src)
+    dist.barrier()
+    with counting_reads() as reads:
         mesh = build_device_mesh("cpu", tp_size=tp)
         meta = meta_model_from_config(src)
         assert all(p.is_meta for p in meta.parameters())
         manager = MegatronFSDPManager(MegatronFSDPConfig(init_fsdp_with_meta_device=True), mesh)
         model, _ = manager.parallelize(meta, hf_path=src)
-    finally:
-        safetensors.safe_open = real_open
     x = batch(0, vocab=vocab)
     out_err = float((_logits(model, x) - _logits(ref, x)).abs().max())
     # Each rank read only slices: never a whole matrix (except tensors that are not split at all).

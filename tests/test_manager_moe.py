@@ -37,6 +37,9 @@ def make_moe(family: str, vocab: int = 62, seed: int = 0):
                                              shared_expert_intermediate_size=24, decoder_sparse_step=1,
                                              **common)
         return transformers.Qwen2MoeForCausalLM(config)
+    if family == "qwen3_moe":
+        config = transformers.Qwen3MoeConfig(num_experts=4, moe_intermediate_size=12, head_dim=4, **common)
+        return transformers.Qwen3MoeForCausalLM(config)
     raise ValueError(family)
 
 

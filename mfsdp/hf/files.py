@@ -101,13 +101,32 @@ class WeightFiles:
     def __init__(self, directory: str | os.PathLike):
         self.directory = Path(directory)
         self.files = weight_files(self.directory)
+        self.stacks: dict[str, list[list[str]]] = {}
+        self.partial: dict[str, str] = {}  # a stacked key the files hold some parts of -> one they lack
         self._open: dict[Path, object] = {}
 
     def __contains__(self, name: str) -> bool:
-        return name in self.files
+        return name in self.files or name in self.stacks
+
+    def stack(self, parts: list[list[str]]) -> str:
+        """A key for the stacked tensor whose slab ``e`` is the file tensors ``parts[e]`` one after
+        another on rows (``mfsdp.hf.moe_names``): in this directory when the files hold them all."""
+        key = f"{parts[0][0]}..{parts[-1][-1]}"
+        absent = [name for names in parts for name in names if name not in self.files]
+        if not absent:
+            self.stacks[key] = parts
+        elif len(absent) < sum(map(len, parts)):
+            self.partial[key] = absent[0]
+        return key
+
+    def sources(self, key: str) -> list[str]:
+        """The file tensors behind ``key``: itself, or a stacked key's parts."""
+        return [name for names in self.stacks[key] for name in names] if key in self.stacks else [key]
 
     def get_slice(self, name: str):
         """The file's lazy view of tensor ``name``: ``.get_shape()``, and indexing reads only that block."""
+        if name in self.stacks:
+            return StackedSlice([[self.get_slice(part) for part in parts] for parts in self.stacks[name]])
         path = self.files[name]
         if path not in self._open:
             from safetensors import safe_open
@@ -124,12 +143,13 @@ class WeightFiles:
         for keys, tensor, name, label in wanted:
             key = next((k for k in keys if k in self), None)
             if key is None:
-                missing += [label] if label else []
+                lacks = [f" (stored per expert; {self.partial[k]} is missing)" for k in keys if k in self.partial]
+                missing += [label + "".join(lacks[:1])] if label else []
                 continue
-            used.add(key)
+            used.update(self.sources(key))
             found, shape = self.get_slice(key), tuple(tensor.shape)
             if tuple(found.get_shape()) != shape:
-                mismatched.append(f"{key} in {self.files[key].name} has shape {tuple(found.get_shape())}, {whose} "
+                mismatched.append(f"{key} in {self.files[self.sources(key)[0]].name} has shape {tuple(found.get_shape())}, {whose} "
                                   f"{name} {shape}")
             else:
                 plan.append((tensor, found, name))
@@ -143,6 +163,37 @@ class WeightFiles:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class StackedSlice:
+    """A stacked ``[E, R, ...]`` tensor stored as per-expert tensors, lazily: ``parts[e]`` the file
+    slices whose rows, one after another, make expert ``e``'s slab. Indexing (a slice per dim, as
+    ``read_block`` asks) reads only the experts and rows asked for."""
+
+    def __init__(self, parts: list[list]):
+        self.parts = parts
+
+    def get_shape(self) -> list[int]:
+        first = self.parts[0]
+        return [len(self.parts), sum(part.get_shape()[0] for part in first), *first[0].get_shape()[1:]]
+
+    def get_dtype(self) -> str:
+        return self.parts[0][0].get_dtype()
+
+    def __getitem__(self, index) -> torch.Tensor:
+        shape = self.get_shape()
+        index = (*(index if isinstance(index, tuple) else (index,)), *[slice(None)] * len(shape))[:len(shape)]
+        start, stop, _ = index[1].indices(shape[1])
+        slabs = []
+        for parts in self.parts[index[0]]:
+            blocks, offset = [], 0
+            for part in parts:
+                lo, hi = max(start - offset, 0), min(stop - offset, part.get_shape()[0])
+                if lo < hi:
+                    blocks.append(part[(slice(lo, hi), *index[2:])])
+                offset += part.get_shape()[0]
+            slabs.append(torch.cat(blocks))
+        return torch.stack(slabs)
 
 
 def local_indices(param: torch.Tensor) -> Optional[list[torch.Tensor]]:

@@ -33,6 +33,7 @@ from torch.distributed.tensor import DTensor
 
 from mfsdp.transforms.adapter_names import is_adapter
 from mfsdp.hf.files import SHARD_BYTES, Entry, HFWeightsError, WeightFiles, local_indices, read_local, write_weights
+from mfsdp.hf.moe_names import ExpertLayout, by_expert, disk_name, exported_names, layout_of, on_disk
 from mfsdp.runtime.parameter_group import local_tensor
 
 logger = logging.getLogger("mfsdp.manager")
@@ -47,6 +48,14 @@ def candidate_keys(names: list[str], prefix: str) -> list[str]:
         for n in names:
             out.append(n[len(prefix) + 1:] if n.startswith(prefix + ".") else f"{prefix}.{n}")
     return list(dict.fromkeys(out))
+
+
+def file_keys(files: WeightFiles, names: list[str], shape, prefix: str, layout: Optional[ExpertLayout]) -> list[str]:
+    """``candidate_keys``, then those as a mixture of experts' checkpoint spells them
+    (``mfsdp.hf.moe_names``): renamed, or a stacked tensor's per-expert tensors (``files.stack``)."""
+    keys = candidate_keys(names, prefix)
+    stacks = [files.stack(by_expert(pieces)) for pieces in (on_disk(k, shape, layout) for k in keys) if pieces]
+    return list(dict.fromkeys(keys + [disk_name(k, layout) for k in keys] + stacks))
 
 
 def model_tensors(model: nn.Module) -> list[tuple[list[str], torch.Tensor]]:
@@ -78,10 +87,11 @@ def load_hf_weights(model: nn.Module, path: str, *, strict: bool = True) -> list
     param_ids = {id(p) for p in model.parameters()}
     # A persistent buffer may be absent (HF omits many), and LoRA adapters are not in a base checkpoint
     # (init_adapters draws them): neither is missing.
-    wanted = [(candidate_keys(names, prefix), tensor, names[0],
-               names[0] if id(tensor) in param_ids and not is_adapter(names[0]) else None)
-              for names, tensor in model_tensors(model)]
+    layout = layout_of(model)
     with WeightFiles(path) as files:
+        wanted = [(file_keys(files, names, tensor.shape, prefix, layout), tensor, names[0],
+                   names[0] if id(tensor) in param_ids and not is_adapter(names[0]) else None)
+                  for names, tensor in model_tensors(model)]
         plan, missing, mismatched, used = files.match(wanted, "the model's")
         if strict and (missing or mismatched):
             raise HFWeightsError.of(path, missing=missing, mismatched=mismatched)
@@ -115,15 +125,21 @@ def save_hf_checkpoint(model: nn.Module, path: str, *, dtype: Optional[torch.dty
     defaults to ``model.dtype`` (the compute dtype for a managed model).
     """
     rank = dist.get_rank() if dist.is_initialized() else 0
-    dtype = dtype or getattr(model, "dtype", None)
-    tensors = {names[0]: tensor for names, tensor in model_tensors(model)}
-    entries = [Entry(name, tuple(t.shape), dtype if dtype is not None and t.is_floating_point() else t.dtype)
-               for name, t in tensors.items()]
+    dtype, layout = dtype or getattr(model, "dtype", None), layout_of(model)
+    sources = {key: (tensor, piece) for names, tensor in model_tensors(model)
+               for key, piece in exported_names(names[0], tensor.shape, layout)}
+    entries = [Entry(key, piece.shape(t.shape) if piece else tuple(t.shape),
+                     dtype if dtype is not None and t.is_floating_point() else t.dtype)
+               for key, (t, piece) in sources.items()]
+    last: dict[int, torch.Tensor] = {}  # the stacked tensor whose experts are being written
 
     @torch.no_grad()
     def gather(entry: Entry) -> torch.Tensor:
-        tensor = tensors[entry.name]
-        return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+        tensor, piece = sources[entry.name]
+        if id(tensor) not in last:
+            last.clear()
+            last[id(tensor)] = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+        return piece.of(last[id(tensor)]) if piece else last.pop(id(tensor))
 
     if rank != 0:
         for entry in entries:  # the same collectives, in the same order, as rank 0's writer

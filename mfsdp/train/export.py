@@ -17,7 +17,9 @@ target (``mfsdp.transforms.lora_export``).
 * ``--model.hf`` runs go back out as the architecture they came in as, with the config.json they
   came in with (recorded in the checkpoint). Through the manager the parameter names are the
   model's own, matched to the checkpoint by the manager's rules (``mfsdp.hf.sharded.candidate_keys``:
-  tied weights written once under their first name, the base-model prefix added or removed); on
+  tied weights written once under their first name, the base-model prefix added or removed), a
+  mixture of experts' stacked experts under the per-expert names its checkpoints store them by
+  (``mfsdp.hf.moe_names``, the rule they were loaded by); on
   the bundled route the bundled names go out under the Hugging Face ones
   (``mfsdp.hf.names.hf_weight_names``, the table the weights came in by).
 * The bundled Llama goes out as ``LlamaForCausalLM``: the same rotate-half RoPE (no q/k
@@ -46,6 +48,7 @@ from mfsdp.transforms.adapter_names import is_adapter
 from mfsdp.hf.config import ARCHITECTURES, bundled_config_from_hf, hf_config_of
 from mfsdp.hf.export import Exported, export_adapter, export_merged, export_model, tokenizer_files
 from mfsdp.hf.files import SHARD_BYTES, Entry, HFWeightsError, has_weights, write_bytes
+from mfsdp.hf.moe_names import exported_names, layout_of
 from mfsdp.hf.names import hf_weight_names
 from mfsdp.transforms.lora_export import lora_of, merge_updates, peft_state_dict
 from mfsdp.train.checkpoint import META, CheckpointMeta, find_latest, is_complete
@@ -91,16 +94,21 @@ def export_hf(source: str | Path, out_dir: str | Path, dtype: torch.dtype | None
         config, plan, covered = _hf_plan(run, meta, saved, dtype, out)
     else:
         config, plan = _bundled_plan(run, meta)
-        covered = {key for _, key in plan} | {MODEL + "output.weight"}  # a tied head: the embedding
+        covered = {key for _, key, _ in plan} | {MODEL + "output.weight"}  # a tied head: the embedding
     _refuse_unplaced(saved, plan, covered, config["architectures"][0], checkpoint)
     if not hf and tokenizer is None:
         config["eos_token_id"] = 256  # the byte tokenizer's end of document
-    entries = [Entry(name, tuple(saved[key].size), dtype if saved[key].properties.dtype.is_floating_point
-                     else saved[key].properties.dtype) for name, key in plan]
-    keys, reader = dict(plan), dcp.FileSystemReader(checkpoint)
+    entries = [Entry(name, piece.shape(saved[key].size) if piece else tuple(saved[key].size),
+                     dtype if saved[key].properties.dtype.is_floating_point else saved[key].properties.dtype)
+               for name, key, piece in plan]
+    sources, reader, last = {name: (key, piece) for name, key, piece in plan}, dcp.FileSystemReader(checkpoint), {}
 
     def read(entry: Entry) -> torch.Tensor:
-        return read_tensors(reader, saved, [keys[entry.name]])[keys[entry.name]]
+        key, piece = sources[entry.name]
+        if key not in last:  # a stacked tensor is read once for all its experts' pieces
+            last.clear()
+            last.update(read_tensors(reader, saved, [key]))
+        return piece.of(last[key]) if piece else last.pop(key)
 
     return export_model(out, entries, read, config, dtype, hf, tokenizer, max_shard_bytes)
 
@@ -176,21 +184,21 @@ def model_config_of(run: dict, hf_config: dict | None = None):
         raise ExportError(f"the checkpoint's recorded model config does not build a model ({err})") from None
 
 
-def _bundled_plan(run: dict, meta: CheckpointMeta) -> tuple[dict, list[tuple[str, str]]]:
+def _bundled_plan(run: dict, meta: CheckpointMeta) -> tuple[dict, list[tuple[str, str, None]]]:
     """The config.json of a run of the bundled model (a --model.hf run's: its source's), and (Hugging
-    Face name, checkpoint key) of every tensor."""
+    Face name, checkpoint key, None: the whole tensor) of every tensor."""
     raw = _source_config(run, meta) if run["model"].get("hf") else None
     c = model_config_of(run, raw)
     config = hf_config_of(c) if raw is None else {**raw, "dtype": None, "torch_dtype": None}  # in key order
     config.setdefault("architectures", [ARCHITECTURES.get(config["model_type"])])
-    return config, [(name, MODEL + key) for name, key in hf_weight_names(c)]
+    return config, [(name, MODEL + key, None) for name, key in hf_weight_names(c)]
 
 
-def _refuse_unplaced(saved: dict, plan: list[tuple[str, str]], covered: set[str], architecture: str,
+def _refuse_unplaced(saved: dict, plan: list[tuple], covered: set[str], architecture: str,
                      checkpoint: Path) -> None:
     """Refuse a plan that misses a tensor the architecture needs or leaves a trained one behind;
     ``covered``: every checkpoint key the plan accounts for (tied aliases included)."""
-    missing = [key for _, key in plan if key not in saved]
+    missing = [key for _, key, _ in plan if key not in saved]
     if missing:
         raise ExportError(f"checkpoint {checkpoint} lacks {sorted(missing)[:4]} that {architecture} needs; "
                           "was it written for another model? Export the run's own checkpoint")
@@ -203,7 +211,9 @@ def _refuse_unplaced(saved: dict, plan: list[tuple[str, str]], covered: set[str]
 
 # ------------------------------------------------------------------------- --model.hf runs
 def _hf_plan(run: dict, meta: CheckpointMeta, saved: dict, dtype: torch.dtype, out: Path):
-    """The Hugging Face model's own names (the manager's matching rules), and its config."""
+    """(name, checkpoint key, piece) of every tensor the export writes, by the Hugging Face model's own
+    names (the manager's matching rules; a stacked expert tensor's ``piece`` of it under each expert's
+    name), its config, and the checkpoint keys accounted for."""
     try:
         import transformers
     except ImportError:
@@ -214,7 +224,7 @@ def _hf_plan(run: dict, meta: CheckpointMeta, saved: dict, dtype: torch.dtype, o
     write_bytes(out / "config.json", json.dumps(_source_config(run, meta)).encode())
     config = transformers.AutoConfig.from_pretrained(out, local_files_only=True)
     model = meta_model_from_config(config)
-    prefix = getattr(model, "base_model_prefix", "") or ""
+    prefix, layout = getattr(model, "base_model_prefix", "") or "", layout_of(model)
     plan, missing, covered = [], [], set()
     for names, tensor in model_tensors(model):
         candidates = [MODEL + k for k in candidate_keys(names, prefix)]
@@ -224,7 +234,7 @@ def _hf_plan(run: dict, meta: CheckpointMeta, saved: dict, dtype: torch.dtype, o
             if isinstance(tensor, torch.nn.Parameter):
                 missing.append(names[0])
             continue  # a persistent buffer the checkpoint lacks keeps its default
-        plan.append((names[0], key))
+        plan += [(name, key, piece) for name, piece in exported_names(names[0], tensor.shape, layout)]
     if missing:
         raise ExportError(f"the checkpoint lacks {missing[:4]} of {type(model).__name__}; export the run's "
                           "own checkpoint")
