@@ -59,9 +59,22 @@ def _objective(loss_type="sigmoid", reference=None, lora=False):
     return objective
 
 
-def _trl(model, data: TokenFile, ids, reference, loss_type):
-    """trl's loss on pairs ``ids`` of ``data`` (its padded [chosen; rejected] rows and completion mask),
-    the policy a model whose logits give trl's per-token log-probs; and trl's logged metrics."""
+def assert_parity(ours: torch.Tensor, theirs: torch.Tensor, name: str = "") -> None:
+    """The one tolerance of every DPO parity test (issue 52: "within 1e-5 relative"): each entry within
+    1e-5 of trl's, relative to itself, or to the largest entry of its tensor for entries near zero.
+    The floor is not slack: a gradient entry is a sum of many terms of both signs, and where they
+    cancel, fp32's summation order alone moves it by ~1e-7 of the tensor's largest entry (ours and
+    trl's both sit that far from an fp64 run of trl's formula; sorted into a relative error, these
+    near-zero entries failed a per-element 1e-5, for ipo on the embeddings, whose gradients are ~100x
+    the other losses' and outran a fixed absolute floor)."""
+    theirs = torch.as_tensor(theirs, dtype=torch.float32)
+    ours = torch.as_tensor(ours, dtype=torch.float32).reshape(theirs.shape)
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5 * float(theirs.abs().max()), msg=name or None)
+
+
+def _padded(data: TokenFile, ids):
+    """trl's padded batch of pairs ``ids``: [chosen rows; rejected rows], right-padded, and their
+    completion mask."""
     rows, masks = [], []
     for answer in (1, 2):
         for i in ids:
@@ -71,24 +84,41 @@ def _trl(model, data: TokenFile, ids, reference, loss_type):
     width = max(map(len, rows))
     input_ids = torch.stack([torch.nn.functional.pad(r, (0, width - len(r))) for r in rows])
     completion = torch.stack([torch.nn.functional.pad(m, (0, width - len(m))) for m in masks]).long()
+    return input_ids, completion
 
+
+def _policy(model):
+    """What trl's ``_compute_loss`` calls for the per-token log-probs, from ``model``'s logits."""
     def policy(input_ids, labels, **_):
         logits = logits_of(model(input_ids)).float()
         logps = torch.log_softmax(logits[:, :-1], -1).gather(2, labels[:, 1:].clamp(min=0)[..., None])[..., 0]
         zeros = torch.zeros_like(logps)
         return SimpleNamespace(log_probs=logps * (labels[:, 1:] != -100), entropy=zeros, mean_logits=zeros,
                                is_top1=zeros.bool())
+    return policy
 
+
+def padded_logps(model, data: TokenFile, ids) -> tuple[torch.Tensor, torch.Tensor]:
+    """The summed chosen and rejected log-probs of pairs ``ids`` on trl's padded layout."""
+    input_ids, completion = _padded(data, ids)
+    sums = _policy(model)(input_ids, input_ids.masked_fill(completion == 0, -100)).log_probs.sum(1)
+    return sums.chunk(2)
+
+
+def _trl(model, data: TokenFile, ids, reference, loss_type, beta=0.3):
+    """trl's loss on pairs ``ids`` of ``data`` (its padded [chosen; rejected] rows and completion mask),
+    the policy a model whose logits give trl's per-token log-probs; and trl's logged metrics."""
+    input_ids, completion = _padded(data, ids)
     stub = SimpleNamespace(
         model=SimpleNamespace(training=True), aux_loss_enabled=False, ld_alpha=None,
         accelerator=SimpleNamespace(device=torch.device("cpu"), gather=lambda x: x, gather_for_metrics=lambda x: x),
         precompute_ref_logps=True, f_divergence_type="reverse_kl", loss_types=loss_type.split(","),
         loss_weights=[1.0] * len(loss_type.split(",")),
-        beta=0.3, label_smoothing=0.0, use_weighting=False, _metrics={"train": defaultdict(list)},
+        beta=beta, label_smoothing=0.0, use_weighting=False, _metrics={"train": defaultdict(list)},
         _total_train_tokens=0, _tp_size=1, args=SimpleNamespace())
     inputs = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids), "completion_mask": completion,
               "ref_chosen_logps": reference[ids, 0], "ref_rejected_logps": reference[ids, 1]}
-    value = DPOTrainer._compute_loss(stub, policy, inputs, False)
+    value = DPOTrainer._compute_loss(stub, _policy(model), inputs, False)
     return value, {name: values[0] for name, values in stub._metrics["train"].items()}
 
 
@@ -107,12 +137,12 @@ def test_the_packed_objective_matches_trls_loss_metrics_and_gradients(tmp_path, 
     (loss / count).backward()
     value, metrics = _trl(trl_model, data, batch.pair_ids, reference, loss_type)
     value.backward()
-    torch.testing.assert_close(loss / count, value, rtol=1e-5, atol=1e-6)
+    assert_parity(loss / count, value, "loss")
     for name, expected in metrics.items():
         if name in sums:
             assert math.isclose(float(sums[name] / count), expected, rel_tol=1e-5, abs_tol=1e-5), name
     for (name, ours), theirs in zip(ours_model.named_parameters(), trl_model.parameters()):
-        torch.testing.assert_close(ours.grad, theirs.grad, rtol=1e-5, atol=1e-5 * float(theirs.grad.abs().max()), msg=name)
+        assert_parity(ours.grad, theirs.grad, name)
 
 
 def sgd_update(rank, world_size, data_path, local_batch, microbatches, reference, loss_type):
@@ -202,10 +232,10 @@ def test_lora_on_a_hugging_face_model_matches_trl_with_the_base_as_reference(tmp
     reference[batch.pair_ids] = torch.stack([ref.chosen, ref.rejected], 1)
     value, _ = _trl(theirs, data, batch.pair_ids, reference, "sigmoid")
     value.backward()
-    torch.testing.assert_close(loss / count, value, rtol=1e-5, atol=1e-7)
+    assert_parity(loss / count, value, "loss")
     for (name, a), b in zip(ours.named_parameters(), theirs.parameters()):
         if a.requires_grad:
-            torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-5 * float(b.grad.abs().max()), msg=name)
+            assert_parity(a.grad, b.grad, name)
 
 
 SMALL = ["--model.dim", "32", "--model.n_layers", "2", "--model.n_heads", "4", "--model.n_kv_heads", "2",
