@@ -329,3 +329,47 @@ def test_the_memory_planner_plans_a_pair_file_as_dpo(tmp_path, capsys):
         run = planned_run(dataclasses.replace(load_config([*shape, *lora]), pairs=True))
         head[bool(lora)] = estimate_run(run, 1).component_max("logits and loss")
     assert head[True] > head[False] > 0
+
+
+def stored_reference_and_training(rank, world_size, argv, steps):
+    """``mfsdp train``'s model and stored reference pass (zero3, sharded), then ``steps`` AdamW steps of
+    DPO on it; the table written to the run directory, and (rank 0) the trained weights, whole."""
+    from mfsdp.train.build.model import build
+    from mfsdp.train.objectives.reference import REFERENCE_FILE
+    from mfsdp.train.run.resolve import load_config
+
+    cfg = load_config(argv)
+    cpu = torch.device("cpu")
+    model, optimizer = build(cfg, cpu, world_size, lambda _: None)
+    data = TokenFile(cfg.data.path)
+    sampler = PackedSampler(data, cfg.data.seq_len, cfg.data.local_batch, rank, world_size, seed=5,
+                            windows=PairWindows(data, cfg.data.seq_len))
+    objective = Preference(cfg, data)
+    objective.prepare(model, sampler, None, lambda _: None)
+    for step in range(1, steps + 1):
+        train_step(model, optimizer, objective, lambda micro: sampler.batch(step, micro), 1,
+                   objective.global_count(sampler, step), cfg.train.lr, 0.0, None, False, cpu)
+    stored = torch.load(f"{cfg.train.out_dir}/{REFERENCE_FILE}", weights_only=True)["logps"]
+    weights = {name: q.full_tensor().detach() for name, q in model.named_parameters()}
+    return (stored, weights, cfg.resolved.shape, cfg.train.seed) if rank == 0 else None
+
+
+def test_the_stored_reference_is_the_initial_model_not_the_policy(world, tmp_path):
+    """The reference pass of a full fine-tuning run (2 ranks, zero3, packed) stores the initial model's
+    log-probs: equal to an unsharded model of the run's seed on trl's padded layout (``assert_parity``);
+    after 3 steps the policy's differ from them (a reference that is silently the policy, TRL #6527,
+    would be equal)."""
+    path = _pairs(tmp_path / "p.tokens", count=16)
+    (tmp_path / "run").mkdir()
+    argv = [*SMALL, "--data.path", str(path), "--train.out_dir", str(tmp_path / "run"), "--train.lr", "3e-3",
+            "--dpo.beta", "0.5"]
+    stored, weights, shape, seed = world(2).run(stored_reference_and_training, argv=argv, steps=3)[0]
+    data, ids = TokenFile(path), torch.arange(16)
+    model = Llama(shape)
+    model.init_weights(seed=seed)
+    with torch.no_grad():
+        initial = torch.stack(padded_logps(model, data, ids), 1)
+        model.load_state_dict(weights)
+        trained = torch.stack(padded_logps(model, data, ids), 1)
+    assert_parity(stored, initial, "stored reference")
+    assert float((trained - stored).abs().min()) > 1e-3, "the stored reference moved with the policy"
