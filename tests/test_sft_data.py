@@ -574,6 +574,13 @@ def test_an_hf_model_refuses_a_token_file_of_another_tokenizer(tmp_path, bos, hf
     other = _prepare(tmp_path, [CHAT], "--data.tokenizer", str(hf[0]["chatml"]), name="other.tokens")
     with pytest.raises(DataError, match=f"was tokenized by the tokenizer {other.tokenizer} "):
         check(other.path)
+    pair_rows = tmp_path / "pairs.jsonl"  # a preference pair file is held to the same rule
+    pair_rows.write_text(json.dumps({"prompt": "hi there", "chosen": " yes", "rejected": " no"}) + "\n")
+    pairs = tmp_path / "data" / "pairs.tokens"
+    assert cli_main(["prepare-data", str(pair_rows), str(pairs), "--data.tokenizer", str(hf[0]["chatml"])]) == 0
+    assert TokenFile(pairs).is_pairs
+    with pytest.raises(DataError, match=f"{pairs} was tokenized by the tokenizer {other.tokenizer} "):
+        check(pairs)
     # The model's tokenizer, or the same one saved elsewhere: the fingerprint is its content.
     for tokenizer in (model, str(dirs["llama3"])):
         ours = _prepare(tmp_path, [CHAT], "--data.tokenizer", tokenizer, name="ours.tokens")
