@@ -117,7 +117,23 @@ def counted_targets(mask: torch.Tensor, starts: torch.Tensor, lengths: torch.Ten
     return end - begin
 
 
-class PackedWindows:
+class FixedWindows:
+    """Windows packed once: window w holds samples ``members[bounds[w]:bounds[w + 1]]``."""
+
+    def __len__(self) -> int:
+        return self.bounds.numel() - 1
+
+    def samples_of(self, window: int) -> torch.Tensor:
+        """The sample indices (in ``data``) packed into ``window``."""
+        return self.members[self.bounds[window]:self.bounds[window + 1]]
+
+    def sizes(self, windows: list[int | None]) -> torch.Tensor:
+        """How many samples each of ``windows`` holds (0 for None, an empty window)."""
+        return torch.tensor([0 if w is None else int(self.bounds[w + 1] - self.bounds[w]) for w in windows],
+                            dtype=torch.int64)
+
+
+class PackedWindows(FixedWindows):
     """The fixed windows of the samples ``samples`` (a range of sample indices) of ``data``."""
 
     def __init__(self, data: TokenFile, seq_len: int, samples: range | None = None,
@@ -149,19 +165,11 @@ class PackedWindows:
         self.counted = torch.zeros(len(self), dtype=torch.int64).index_add_(0, window_of, per_sample)
         """Per window, the targets the loss counts (``Batch.targets`` other than -100)."""
 
-    def __len__(self) -> int:
-        return self.bounds.numel() - 1
-
-    def samples_of(self, window: int) -> torch.Tensor:
-        """The sample indices (in ``data``) packed into ``window``."""
-        return self.members[self.bounds[window]:self.bounds[window + 1]]
-
     def batch(self, windows: list[int | None]) -> Batch:
         """The rows of these windows (None for an empty one), built with a few vectorised
         gathers over all their samples: no Python loop over tokens or samples."""
         data, seq_len = self.data, self.seq_len
-        counts = torch.tensor([0 if w is None else int(self.bounds[w + 1] - self.bounds[w])
-                               for w in windows], dtype=torch.int64)
+        counts = self.sizes(windows)
         picked = [self.samples_of(w) for w in windows if w is not None]
         samples = torch.cat(picked) if picked else torch.empty(0, dtype=torch.int64)
         lengths = data.sample_lengths[samples].clamp(max=seq_len)
