@@ -84,9 +84,9 @@ def check_disk(cfg: RunConfig, share: float = 1.0, device_type: str = "cuda") ->
     if one > free:
         raise ConfigError(
             f"{what} of this run takes {one / GIB:.2f} GiB ({_contents(cfg, device_type)}) but {where} has "
-            f"{free / GIB:.2f} GiB free, so its first save would fail and lose the {min(t.checkpoint_every or t.steps, t.steps)} steps before "
-            f"it; {smaller + ', ' if smaller else ''}point --train.out_dir at a disk with room, or free space "
-            "there (--train.skip_disk_check true trains anyway)")
+            f"{free / GIB:.2f} GiB free, so its first save would fail and lose the "
+            f"{min(t.checkpoint_every or t.steps, t.steps)} steps before it; {smaller + ', ' if smaller else ''}point "
+            "--train.out_dir at a disk with room, or free space there (--train.skip_disk_check true trains anyway)")
     if count * one + export <= free:
         return None
     return _too_many(t, count, one, export, where, free, smaller)
