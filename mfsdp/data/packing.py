@@ -246,23 +246,20 @@ class PackedSampler:
         return torch.cat([self.windows.samples_of(int(w)) for w in self.window_order(epoch)])
 
     def batch(self, step: int, microbatch: int = 0) -> Batch:
-        """This rank's ``microbatch``-th batch of optimizer step ``step``."""
-        order = self.window_order(self.epoch_of(step))
-        slot = self._first_slot(step) + microbatch * self.world_size * self.local_batch + self.rank * self.local_batch
-        slots = range(slot, slot + self.local_batch)
-        return self.windows.batch([int(order[s]) if s < len(order) else None for s in slots])
+        """This rank's ``microbatch``-th batch of optimizer step ``step`` (empty windows past the
+        epoch's last)."""
+        first = (microbatch * self.world_size + self.rank) * self.local_batch
+        picked = self.global_windows(step)[first:first + self.local_batch].tolist()
+        return self.windows.batch(picked + [None] * (self.local_batch - len(picked)))
 
     def global_windows(self, step: int) -> torch.Tensor:
         """The windows of the whole global batch of ``step`` (every rank and microbatch): known on
         every rank without communication."""
         order = self.window_order(self.epoch_of(step))
-        first = self._first_slot(step)
+        first = (step - 1) % self.steps_per_epoch * self.global_batch
         return order[first:first + self.global_batch]
 
     def loss_tokens(self, step: int) -> int:
         """The targets the loss counts in the whole global batch of ``step``: what the step's summed
         loss is divided by."""
         return int(self.windows.counted[self.global_windows(step)].sum())
-
-    def _first_slot(self, step: int) -> int:
-        return (step - 1) % self.steps_per_epoch * self.global_batch
