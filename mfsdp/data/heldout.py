@@ -52,10 +52,9 @@ class _EvalShares:
 
     def batches(self, eval_batches: int) -> Iterator[Batch]:
         """This rank's rows of eval batches ``0 .. eval_batches - 1``, ``local_batch`` at a time."""
-        per_micro = self.world_size * self.local_batch
         for b in range(eval_batches):
             for micro in range(self.microbatches):
-                first = (b * self.microbatches + micro) * per_micro + self.rank * self.local_batch
+                first = ((b * self.microbatches + micro) * self.world_size + self.rank) * self.local_batch
                 yield self._rows([self._window(i) for i in range(first, first + self.local_batch)])
 
     def _window(self, i: int) -> int | None:
