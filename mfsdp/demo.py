@@ -15,16 +15,10 @@ DEMO_ARGS = ["--train.device", "cpu", "--model.preset", "tiny", "--data.path", "
 only what an earlier demo wrote there)."""
 
 
-def command(extra: list[str]) -> list[str]:
-    """The `mfsdp train` arguments the demo runs."""
-    return ["train", "--nproc-per-node", "2", *DEMO_ARGS, *extra]
-
-
 def main(argv: list[str] | None = None) -> int:
     from mfsdp.cli import main as cli_main
 
-    argv = sys.argv[1:] if argv is None else argv
-    args = command(argv)
+    args = ["train", "--nproc-per-node", "2", *DEMO_ARGS, *(sys.argv[1:] if argv is None else argv)]
     print("running: mfsdp", " ".join(args), flush=True)
     return cli_main(args)
 

@@ -43,7 +43,7 @@ def held_out_samples(n_samples: int, val_fraction: float) -> int:
 
 class _EvalShares:
     """Eval batch ``b`` is windows ``[b * G, (b + 1) * G)`` of ``count`` fixed windows (wrapping
-    around); this rank reads its slice as training does. Subclasses build the rows."""
+    around); this rank reads its slice as training does, and its ``windows`` build the rows."""
 
     def __init__(self, count: int, local_batch: int, rank: int, world_size: int, microbatches: int):
         self.count = count
@@ -52,18 +52,17 @@ class _EvalShares:
 
     def batches(self, eval_batches: int) -> Iterator[Batch]:
         """This rank's rows of eval batches ``0 .. eval_batches - 1``, ``local_batch`` at a time."""
-        per_micro = self.world_size * self.local_batch
         for b in range(eval_batches):
             for micro in range(self.microbatches):
-                first = (b * self.microbatches + micro) * per_micro + self.rank * self.local_batch
+                first = ((b * self.microbatches + micro) * self.world_size + self.rank) * self.local_batch
                 yield self._rows([self._window(i) for i in range(first, first + self.local_batch)])
 
     def _window(self, i: int) -> int | None:
         """The window at slot ``i``: wrapping around the ``count`` windows."""
         return i % self.count
 
-    def _rows(self, windows: list[int]) -> Batch:
-        raise NotImplementedError
+    def _rows(self, windows: list[int | None]) -> Batch:
+        return self.windows.batch(windows)
 
 
 class EvalWindows(_EvalShares):
@@ -98,9 +97,6 @@ class PackedEvalWindows(_EvalShares):
         self.windows = PackedWindows(data, seq_len, samples, packing)
         super().__init__(len(self.windows), local_batch, rank, world_size, microbatches)
 
-    def _rows(self, windows: list[int]) -> Batch:
-        return self.windows.batch(windows)
-
 
 class PairEvalWindows(_EvalShares):
     """This rank's share of ``windows`` (``PairWindows`` of the validation pairs), each visited
@@ -114,6 +110,3 @@ class PairEvalWindows(_EvalShares):
 
     def _window(self, i: int) -> int | None:
         return i if i < self.count else None
-
-    def _rows(self, windows: list[int | None]) -> Batch:
-        return self.windows.batch(windows)

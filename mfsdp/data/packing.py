@@ -117,7 +117,23 @@ def counted_targets(mask: torch.Tensor, starts: torch.Tensor, lengths: torch.Ten
     return end - begin
 
 
-class PackedWindows:
+class FixedWindows:
+    """Windows packed once: window w holds samples ``members[bounds[w]:bounds[w + 1]]``."""
+
+    def __len__(self) -> int:
+        return self.bounds.numel() - 1
+
+    def samples_of(self, window: int) -> torch.Tensor:
+        """The sample indices (in ``data``) packed into ``window``."""
+        return self.members[self.bounds[window]:self.bounds[window + 1]]
+
+    def sizes(self, windows: list[int | None]) -> torch.Tensor:
+        """How many samples each of ``windows`` holds (0 for None, an empty window)."""
+        return torch.tensor([0 if w is None else int(self.bounds[w + 1] - self.bounds[w]) for w in windows],
+                            dtype=torch.int64)
+
+
+class PackedWindows(FixedWindows):
     """The fixed windows of the samples ``samples`` (a range of sample indices) of ``data``."""
 
     def __init__(self, data: TokenFile, seq_len: int, samples: range | None = None,
@@ -149,19 +165,11 @@ class PackedWindows:
         self.counted = torch.zeros(len(self), dtype=torch.int64).index_add_(0, window_of, per_sample)
         """Per window, the targets the loss counts (``Batch.targets`` other than -100)."""
 
-    def __len__(self) -> int:
-        return self.bounds.numel() - 1
-
-    def samples_of(self, window: int) -> torch.Tensor:
-        """The sample indices (in ``data``) packed into ``window``."""
-        return self.members[self.bounds[window]:self.bounds[window + 1]]
-
     def batch(self, windows: list[int | None]) -> Batch:
         """The rows of these windows (None for an empty one), built with a few vectorised
         gathers over all their samples: no Python loop over tokens or samples."""
         data, seq_len = self.data, self.seq_len
-        counts = torch.tensor([0 if w is None else int(self.bounds[w + 1] - self.bounds[w])
-                               for w in windows], dtype=torch.int64)
+        counts = self.sizes(windows)
         picked = [self.samples_of(w) for w in windows if w is not None]
         samples = torch.cat(picked) if picked else torch.empty(0, dtype=torch.int64)
         lengths = data.sample_lengths[samples].clamp(max=seq_len)
@@ -238,23 +246,20 @@ class PackedSampler:
         return torch.cat([self.windows.samples_of(int(w)) for w in self.window_order(epoch)])
 
     def batch(self, step: int, microbatch: int = 0) -> Batch:
-        """This rank's ``microbatch``-th batch of optimizer step ``step``."""
-        order = self.window_order(self.epoch_of(step))
-        slot = self._first_slot(step) + microbatch * self.world_size * self.local_batch + self.rank * self.local_batch
-        slots = range(slot, slot + self.local_batch)
-        return self.windows.batch([int(order[s]) if s < len(order) else None for s in slots])
+        """This rank's ``microbatch``-th batch of optimizer step ``step`` (empty windows past the
+        epoch's last)."""
+        first = (microbatch * self.world_size + self.rank) * self.local_batch
+        picked = self.global_windows(step)[first:first + self.local_batch].tolist()
+        return self.windows.batch(picked + [None] * (self.local_batch - len(picked)))
 
     def global_windows(self, step: int) -> torch.Tensor:
         """The windows of the whole global batch of ``step`` (every rank and microbatch): known on
         every rank without communication."""
         order = self.window_order(self.epoch_of(step))
-        first = self._first_slot(step)
+        first = (step - 1) % self.steps_per_epoch * self.global_batch
         return order[first:first + self.global_batch]
 
     def loss_tokens(self, step: int) -> int:
         """The targets the loss counts in the whole global batch of ``step``: what the step's summed
         loss is divided by."""
         return int(self.windows.counted[self.global_windows(step)].sum())
-
-    def _first_slot(self, step: int) -> int:
-        return (step - 1) % self.steps_per_epoch * self.global_batch

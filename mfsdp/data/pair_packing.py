@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from mfsdp.data.packing import IGNORE, PAD_DOCUMENT, PAD_ID, pack
+from mfsdp.data.packing import IGNORE, PAD_DOCUMENT, PAD_ID, FixedWindows, pack
 from mfsdp.data.sampler import Batch
 from mfsdp.data.token_file import DataError, TokenFile
 
@@ -73,7 +73,7 @@ def check_lengths(data: TokenFile, ids: torch.Tensor, lengths: torch.Tensor, seq
     return need
 
 
-class PairWindows:
+class PairWindows(FixedWindows):
     """The fixed windows of the pairs ``pairs`` (a range of sample indices) of ``data``, packed
     or padded; ``PackedSampler(..., windows=PairWindows(...))`` draws them by step as it draws
     fine-tuning windows, and its ``loss_tokens`` then counts pairs. ``first_id``: added to the
@@ -97,22 +97,14 @@ class PairWindows:
         """Per window, the chosen answer tokens ``answer_logps`` counts (``sft`` divides by them)."""
         self.truncated = 0
 
-    def __len__(self) -> int:
-        return self.bounds.numel() - 1
-
     def chosen_per_pair(self, windows: torch.Tensor | slice = slice(None)) -> float:
         """The chosen answer tokens per pair over ``windows`` (by default all): what trl's ``sft``
         term, a mean over a batch's chosen tokens, divides each pair's chosen sum by."""
         return int(self.chosen_counted[windows].sum()) / max(1, int(self.counted[windows].sum()))
 
-    def samples_of(self, window: int) -> torch.Tensor:
-        """The pair (sample) indices in ``data`` of ``window``."""
-        return self.members[self.bounds[window]:self.bounds[window + 1]]
-
     def batch(self, windows: list[int | None]) -> Batch:
         """The rows of these windows (None for an empty one): vectorised, no loop over tokens."""
-        counts = torch.tensor([0 if w is None else int(self.bounds[w + 1] - self.bounds[w])
-                               for w in windows], dtype=torch.int64)
+        counts = self.sizes(windows)
         picked = torch.cat([torch.arange(int(self.bounds[w]), int(self.bounds[w + 1]))
                             for w in windows if w is not None] or [torch.empty(0, dtype=torch.int64)])
         window_of = torch.repeat_interleave(torch.arange(len(windows)), counts)  # per pair

@@ -93,18 +93,17 @@ def prepare(source: str | Path, out: str | Path, tokenizer: str | None = None,
                         f"messages, ShareGPT or Alpaca rows), and {source} holds text (every token "
                         "already counts); drop them, or pass --data.format")
     tok = load_tokenizer(tokenizer)
-    pieces, documents = [], 0
+    pieces = []
     for text in iter_documents(source, text_key, glob):
         ids = tok.encode(text)
         if tok.end_of_document is not None:
             ids.append(tok.end_of_document)
         pieces.append(torch.tensor(ids, dtype=torch.int64))
-        documents += 1
     tokens = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.int64)
     if tokens.numel() == 0:
         raise DataError(f"{source} holds no text to tokenize")
     write_token_file(out, tokens, tok.vocab_size, tok.name, fingerprint=tok.fingerprint)
-    return {"format": "text", "documents": documents, "tokens": tokens.numel(),
+    return {"format": "text", "documents": len(pieces), "tokens": tokens.numel(),
             "vocab_size": tok.vocab_size, "tokenizer": tok.name, "path": str(out)}
 
 

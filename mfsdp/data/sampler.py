@@ -65,8 +65,7 @@ class WindowSampler:
     def batch(self, step: int, microbatch: int = 0) -> Batch:
         """This rank's ``microbatch``-th batch of optimizer step ``step``."""
         starts = self._global_starts(step)
-        per_micro = self.world_size * self.local_batch
-        first = microbatch * per_micro + self.rank * self.local_batch
+        first = (microbatch * self.world_size + self.rank) * self.local_batch
         rows = [self.data.window(int(s), self.seq_len + 1)
                 for s in starts[first:first + self.local_batch]]
         windows = torch.stack(rows)

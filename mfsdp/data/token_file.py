@@ -85,10 +85,6 @@ def fresh_token_path(path: str | os.PathLike) -> Path:
     return out if out.resolve() != path.resolve() else path.with_name(f"{path.stem}.prepared.tokens")
 
 
-def _recreate_hint(path: Path, model_hf: str | None = None) -> str:
-    return f"re-create it with {prepare_command('INPUT', path, model_hf)}"
-
-
 def _create_hint(path: Path, model_hf: str | None) -> str:
     """How to make the missing token file ``path``: at that path, unless it names an input."""
     if path.suffix.lower() not in INPUT_SUFFIXES:
@@ -240,7 +236,7 @@ class TokenFile:
         return version, itemsize, count, samples, tuple(sections)
 
     def _hint(self) -> str:
-        return _recreate_hint(self.path, self._model_hf)
+        return f"re-create it with {prepare_command('INPUT', self.path, self._model_hf)}"
 
     def same_tokenizer(self, other: "TokenFile") -> bool:
         """Whether ``other`` was made by this file's tokenizer: by fingerprint where both have one."""

@@ -89,8 +89,12 @@ class HuggingFaceTokenizer:
 
     @functools.cached_property
     def fingerprint(self) -> str:
-        """A hash of the vocabulary and special tokens, which token files record."""
-        return _fingerprint(self._tok, self._frame)
+        """32 hex digits of a hash of the vocabulary (added tokens too), the special tokens and the ids
+        added around a text, which token files record: equal for two tokenizers that encode every text alike."""
+        vocab = sorted(self._tok.get_vocab().items(), key=lambda item: (item[1], item[0]))
+        special = sorted((str(k), str(v)) for k, v in self._tok.special_tokens_map.items())
+        blob = json.dumps([vocab, special, sorted(self._tok.all_special_tokens), self._frame], ensure_ascii=False)
+        return hashlib.sha256(blob.encode()).hexdigest()[:32]
 
     def _adds_special(self, chat: bool) -> bool:
         """Whether a text gets the tokenizer's special tokens: not one its own template rendered."""
@@ -154,15 +158,6 @@ def _frame(tok) -> tuple[list[int], list[int]]:
         if full[i:i + len(bare)] == bare:
             return full[:i], full[i + len(bare):]
     return [], []
-
-
-def _fingerprint(tok, frame) -> str:
-    """32 hex digits of a hash of the vocabulary (added tokens too), the special tokens and the
-    ids added around a text: equal for two tokenizers that encode every text alike."""
-    vocab = sorted(tok.get_vocab().items(), key=lambda item: (item[1], item[0]))
-    special = sorted((str(k), str(v)) for k, v in tok.special_tokens_map.items())
-    blob = json.dumps([vocab, special, sorted(tok.all_special_tokens), frame], ensure_ascii=False)
-    return hashlib.sha256(blob.encode()).hexdigest()[:32]
 
 
 def require_eos_text(tokenizer) -> str:

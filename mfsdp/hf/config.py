@@ -131,13 +131,10 @@ def _refuse_unrepresentable(c: dict, model_type: str, get, dim: int, heads: int)
     if get("hidden_act") != "silu":
         raise UnsupportedHFConfig("hidden_act", get("hidden_act"), "the bundled feed-forward is SwiGLU "
                                   f"(silu); {_MANAGER}")
-    if model_type == "llama":
-        if get("attention_bias"):
-            raise UnsupportedHFConfig("attention_bias", get("attention_bias"), "biases on all four attention "
-                                      f"projections, and the bundled output projection has none; {_MANAGER}")
-        if get("mlp_bias"):
-            raise UnsupportedHFConfig("mlp_bias", get("mlp_bias"), "the bundled feed-forward has no biases; "
-                                      f"{_MANAGER}")
+    for key, why in (("attention_bias", "biases on all four attention projections, and the bundled output "
+                      "projection has none"), ("mlp_bias", "the bundled feed-forward has no biases")):
+        if model_type == "llama" and get(key):
+            raise UnsupportedHFConfig(key, get(key), f"{why}; {_MANAGER}")
     kv_heads = get("num_key_value_heads") or heads
     if dim % heads or heads % kv_heads:
         key, value = ("num_attention_heads", heads) if dim % heads else ("num_key_value_heads", kv_heads)

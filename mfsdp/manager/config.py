@@ -242,11 +242,6 @@ class MegatronFSDPConfig:
         if self.outer_dp_sharding_strategy and self.zero_dp_strategy != 3:
             raise ValueError("MegatronFSDPConfig.outer_dp_sharding_strategy=1 (HFSDP) needs zero_dp_strategy=3")
 
-    @property
-    def checks_gradients(self) -> bool:
-        """Whether the core checks the reduced gradients for NaN/Inf (``check_finite_gradients``)."""
-        return self.check_for_nan_in_grad or self.report_nan_in_param_grad
-
 
 def field_names() -> tuple[str, ...]:
     """Every field of :class:`MegatronFSDPConfig`, in declaration order."""

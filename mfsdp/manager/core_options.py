@@ -65,10 +65,10 @@ def communication_policy(config: MegatronFSDPConfig, sizes: MeshSizes) -> mfsdp.
     (``check_finite_gradients``), which raises on every rank.
     """
     return mfsdp.CommunicationPolicy(overlap=config.overlap_grad_reduce and config.overlap_param_gather,
-                                     coalesce=not config.disable_bucketing,
-                                     double_buffer=config.fsdp_double_buffer,
+                                     coalesce=not config.disable_bucketing, double_buffer=config.fsdp_double_buffer,
                                      gradient_divide_factor=1.0 / sizes.dp if config.calculate_per_token_loss else 1.0,
-                                     check_finite_gradients=config.checks_gradients)
+                                     check_finite_gradients=config.check_for_nan_in_grad
+                                     or config.report_nan_in_param_grad)
 
 
 # -------------------------------------------------------------------------------- unit modules

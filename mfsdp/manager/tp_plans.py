@@ -73,26 +73,21 @@ def llama_style_plan(*, sequence_parallel: bool = False, loss_parallel: bool = F
                                               use_local_output=not sequence_parallel),
         "model.layers.*.self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": between},
                                                        desired_input_kwarg_layouts={"hidden_states": Replicate()}),
-        "model.layers.*.self_attn.q_proj": ColwiseParallel(),
-        "model.layers.*.self_attn.k_proj": ColwiseParallel(),
-        "model.layers.*.self_attn.v_proj": ColwiseParallel(),
+        **{f"model.layers.*.self_attn.{x}_proj": ColwiseParallel() for x in "qkv"},
         "model.layers.*.self_attn.o_proj": RowwiseParallel(output_layouts=between,
                                                            use_local_output=not sequence_parallel),
         "model.layers.*.mlp": PrepareModuleInput(input_layouts=(between,), desired_input_layouts=(Replicate(),)),
-        "model.layers.*.mlp.gate_proj": ColwiseParallel(),
-        "model.layers.*.mlp.up_proj": ColwiseParallel(),
+        **{f"model.layers.*.mlp.{x}_proj": ColwiseParallel() for x in ("gate", "up")},
         "model.layers.*.mlp.down_proj": RowwiseParallel(output_layouts=between,
                                                         use_local_output=not sequence_parallel),
         "lm_head": ColwiseParallel(input_layouts=between, output_layouts=Shard(-1) if loss_parallel else Replicate(),
                                    use_local_output=not loss_parallel),
     }
-    if sequence_parallel:
-        plan["model.layers.*.input_layernorm"] = SequenceParallel()
-        plan["model.layers.*.post_attention_layernorm"] = SequenceParallel()
-        plan["model.norm"] = SequenceParallel()
-    if head_norms:  # (batch, seq, local heads, head_dim): the heads dim is sharded over tp
-        plan["model.layers.*.self_attn.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
-        plan["model.layers.*.self_attn.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+    norms = ("model.layers.*.input_layernorm", "model.layers.*.post_attention_layernorm", "model.norm")
+    for norm in norms if sequence_parallel else ():
+        plan[norm] = SequenceParallel()
+    for x in "qk" if head_norms else ():  # (batch, seq, local heads, head_dim): the heads dim is sharded over tp
+        plan[f"model.layers.*.self_attn.{x}_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
     return plan
 
 

@@ -263,8 +263,6 @@ def _llama(cfg, dtype, seq_len, expert_units, model=None, transforms=(), head_lo
 def _largest(profiles: list) -> ActivationProfile:
     """One profile whose every byte count is the largest of ``profiles``' (the first's grad windows):
     an upper bound for a model whose blocks are of those kinds."""
-    if len(profiles) == 1:
-        return profiles[0]
     fields = {f.name: max(getattr(p, f.name) for p in profiles)
               for f in dataclasses.fields(profiles[0]) if f.name != "grad_window"}
     return dataclasses.replace(profiles[0], **fields)

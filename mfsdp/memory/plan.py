@@ -346,10 +346,8 @@ def kept_blocks_that_fit(run: PlannedRun, world: int, gpu_bytes: int, blocks: in
 def offload_fraction_that_fits(run: PlannedRun, world: int, gpu_bytes: int) -> Optional[float]:
     """``mfsdp train --parallel.offload auto``: the smallest offload fraction (0: none) with which
     the run's own setting fits, or None if none does."""
-    for fraction in (0.0, *OFFLOAD_FRACTIONS):
-        if estimate_run(run, world, dataclasses.replace(run.setting, offload=fraction)).fit(gpu_bytes) == "fits":
-            return fraction
-    return None
+    return next((fraction for fraction in (0.0, *OFFLOAD_FRACTIONS) if estimate_run(
+        run, world, dataclasses.replace(run.setting, offload=fraction)).fit(gpu_bytes) == "fits"), None)
 
 
 SEARCHED = "placements, checkpointing, local batch, gradient dtype and optimizer offload"

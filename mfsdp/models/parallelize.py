@@ -81,7 +81,7 @@ def parallelize(model: Llama, mesh: DeviceMesh, config: ParallelizeConfig) -> Ll
     shards with the values an unsharded init would give (``mfsdp train`` does this).
     """
     placements = resolve_placements(config.placements)
-    if config.expert_units and not _moe_layers(model):
+    if config.expert_units and not any(isinstance(b.feed_forward, MoEFeedForward) for b in model.layers):
         raise ValueError("ParallelizeConfig.expert_units=True needs a model with experts "
                          "(LlamaConfig.num_experts > 0, built by mfsdp.models.build_model); "
                          "set expert_units=False for a dense model")
@@ -134,8 +134,4 @@ def sharding_units(model: Llama, expert_units: bool = False) -> list:
     if model.output.weight is not model.tok_embeddings.weight:
         units = [model.tok_embeddings, *units, model.output]
     return units
-
-
-def _moe_layers(model: Llama) -> list:
-    return [b.feed_forward for b in model.layers if isinstance(b.feed_forward, MoEFeedForward)]
 

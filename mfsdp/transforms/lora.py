@@ -66,11 +66,8 @@ _ROUTERS = ("router",)  # the bundled mixture of experts' router: never adapted
 
 def _matches(pattern: str, name: str) -> bool:
     """Whether ``pattern`` matches a dotted suffix of ``name`` or of its other-naming alias."""
-    for alias in {name, hf_module_name(name), bundled_module_name(name)}:
-        parts = alias.split(".")
-        if any(fnmatch.fnmatchcase(".".join(parts[i:]), pattern) for i in range(len(parts))):
-            return True
-    return False
+    aliases = (alias.split(".") for alias in {name, hf_module_name(name), bundled_module_name(name)})
+    return any(fnmatch.fnmatchcase(".".join(parts[i:]), pattern) for parts in aliases for i in range(len(parts)))
 
 
 def candidate_linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:

@@ -75,10 +75,16 @@ def build_bundled(cfg: RunConfig, device: torch.device, compute: torch.dtype, wo
         compile=cfg.compiles(device.type), communication=communication_policy(p),
         activation_checkpointing=p.activation_checkpointing, expert_units=p.expert_units,
         keep_gathered_blocks=p.kept_blocks()))
-    materialize_and_init(model, device, cfg.train.seed)
+    # The buffers (rotary tables) materialised, the shards fully_shard allocated kept; init_weights then
+    # writes through each rank's DTensor shards, drawing only the rows it holds (normal_by_rows_), so every
+    # world size and placement gives the weights of an unsharded init_weights(seed=seed).
+    torch.manual_seed(cfg.train.seed)  # anything else that draws from the global generator
+    model.to_empty(device=device)
+    model.init_weights(buffer_device=device, seed=cfg.train.seed)
     for transform in model_transforms:  # a DTensor's numel is the whole parameter's: whole-model numbers
         log(transform.describe(model))
-    log(f"model built and initialised shard by shard: {shard_numel(model) / 1e6:,.1f}M parameters on this "
+    numel = sum(q.to_local().numel() if hasattr(q, "to_local") else q.numel() for q in model.parameters())
+    log(f"model built and initialised shard by shard: {numel / 1e6:,.1f}M parameters on this "
         f"rank, peak memory {peak_memory_gib(device):.2f} GiB")
     if pretrained:
         load_hf_weights(model, cfg.model.hf)
@@ -98,26 +104,6 @@ def describe_offload(optimizer, cfg: RunConfig, log) -> None:
         "GiB of host memory with their backup and staging), speculatively during backward"
         + (f"; a step whose gradient norm exceeds --train.grad_clip {clip:g} runs them after "
            "backward instead, and the next one too until a step is not clipped" if clip > 0 else ""))
-
-
-def materialize_and_init(model: Llama, device: torch.device, seed: int) -> Llama:
-    """Give a meta-built, sharded model its buffers on ``device`` and initialise its shards.
-
-    ``to_empty`` materialises the buffers (the rotary tables) and keeps the shards that
-    ``fully_shard`` allocated; ``init_weights`` then writes through each rank's DTensor shards,
-    drawing only the rows this rank holds (``normal_by_rows_``), so every world size and
-    placement gives the weights of an unsharded ``init_weights(seed=seed)``. The compute
-    weights are derived from the initialised shards at the first forward.
-    """
-    torch.manual_seed(seed)  # anything else that draws from the global generator
-    model.to_empty(device=device)
-    model.init_weights(buffer_device=device, seed=seed)
-    return model
-
-
-def shard_numel(model) -> int:
-    return sum(q.to_local().numel() if hasattr(q, "to_local") else q.numel()
-               for q in model.parameters())
 
 
 def adamw(model, t) -> torch.optim.AdamW:

@@ -255,12 +255,9 @@ def _parse_text(section: str, name: str, text: str, sections: dict[str, type] = 
     base = next(t for t in options if t is not type(None))
     try:
         if base is bool:
-            lowered = text.lower()
-            if lowered in ("true", "1", "yes", "on"):
-                return True
-            if lowered in ("false", "0", "no", "off"):
-                return False
-            raise ValueError(text)
+            if text.lower() not in ("true", "1", "yes", "on", "false", "0", "no", "off"):
+                raise ValueError(text)
+            return text.lower() in ("true", "1", "yes", "on")
         return base(text)
     except ValueError:
         if base in (int, float) and (number := _number(text, base)) is not None:

@@ -198,9 +198,8 @@ class DataSection:
     false puts one sample in each window, padded, for models without document attention."""
 
     def __post_init__(self) -> None:
-        require(self.seq_len > 0, "data.seq_len must be positive")
-        require(self.local_batch > 0, "data.local_batch must be positive")
-        require(self.microbatches > 0, "data.microbatches must be positive")
+        for name in ("seq_len", "local_batch", "microbatches"):
+            require(getattr(self, name) > 0, f"data.{name} must be positive")
         require(0 <= self.val_fraction < 1, "data.val_fraction must lie in [0, 1)")
 
 
@@ -326,9 +325,8 @@ class TrainSection:
         require(self.weight_decay is None or self.weight_decay >= 0, "train.weight_decay must not be negative")
         for name in ("beta1", "beta2"):
             require(getattr(self, name) is None or 0 <= getattr(self, name) < 1, f"train.{name} must lie in [0, 1)")
-        require(self.grad_clip >= 0, "train.grad_clip must not be negative")
-        require(self.checkpoint_every >= 0, "train.checkpoint_every must not be negative")
-        require(self.keep_checkpoints >= 0, "train.keep_checkpoints must not be negative")
+        for name in ("grad_clip", "checkpoint_every", "keep_checkpoints"):
+            require(getattr(self, name) >= 0, f"train.{name} must not be negative")
         _one_of(self, "save_dtype", ("auto", *DTYPES))
         require(self.save_dtype == "auto" or self.save_only_model or self.export_hf, "--train.save_dtype applies "
                 "to --train.save_only_model true checkpoints (full ones keep the fp32 main weights) and to "

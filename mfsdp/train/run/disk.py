@@ -33,11 +33,6 @@ def saves(t: TrainSection) -> int:
     return -(-t.steps // t.checkpoint_every) if t.checkpoint_every else 1
 
 
-def first_save(t: TrainSection) -> int:
-    """The step of a run's first checkpoint."""
-    return min(t.checkpoint_every or t.steps, t.steps)
-
-
 def new_checkpoints_at_once(t: TrainSection, existing: int) -> int:
     """Checkpoints beyond the ``existing`` ones on disk at the run's fullest moment. A save is
     pruned to ``keep_checkpoints`` only once it is complete, so the kept ones and the one being
@@ -89,9 +84,9 @@ def check_disk(cfg: RunConfig, share: float = 1.0, device_type: str = "cuda") ->
     if one > free:
         raise ConfigError(
             f"{what} of this run takes {one / GIB:.2f} GiB ({_contents(cfg, device_type)}) but {where} has "
-            f"{free / GIB:.2f} GiB free, so its first save would fail and lose the {first_save(t)} steps before "
-            f"it; {smaller + ', ' if smaller else ''}point --train.out_dir at a disk with room, or free space "
-            "there (--train.skip_disk_check true trains anyway)")
+            f"{free / GIB:.2f} GiB free, so its first save would fail and lose the "
+            f"{min(t.checkpoint_every or t.steps, t.steps)} steps before it; {smaller + ', ' if smaller else ''}point "
+            "--train.out_dir at a disk with room, or free space there (--train.skip_disk_check true trains anyway)")
     if count * one + export <= free:
         return None
     return _too_many(t, count, one, export, where, free, smaller)
