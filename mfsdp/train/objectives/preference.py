@@ -110,8 +110,8 @@ class Preference(Objective):
                 reference = pair_logps(model, batch, device)
         policy = pair_logps(model, batch, device)
         if self.stored is not None:
-            reference = self.stored.of(batch.pair_ids, policy)
+            reference = self.stored.of(to_device(batch.pair_ids, device), policy)  # pinned, no host stall
         result = self.loss(policy, reference, self.chosen_per_pair[torch.is_grad_enabled()])
         loss = result.losses.sum()
         sums = {name: values.sum() for name, values in pair_metrics(policy, result).items()}
-        return loss, torch.tensor(batch.pair_ids.numel(), device=device), {"loss": loss, **sums}
+        return loss, torch.full((), batch.pair_ids.numel(), device=device), {"loss": loss, **sums}  # no H2D copy

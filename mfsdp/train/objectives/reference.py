@@ -100,5 +100,5 @@ class ReferenceLogps:
 
     def of(self, pair_ids: torch.Tensor, policy: PairLogps) -> PairLogps:
         """The reference sums of the pairs ``pair_ids`` (their token counts: the policy's)."""
-        rows = self.table[pair_ids.to(self.table.device)]
+        rows = self.table[pair_ids]  # on the table's device (the step passes it there)
         return PairLogps(rows[:, 0], rows[:, 1], policy.chosen_tokens, policy.rejected_tokens)
