@@ -10,7 +10,8 @@ resume needs only the step counter.
 
 from __future__ import annotations
 
-from mfsdp.data import PackedSampler, PairWindows, TokenFile, WindowSampler
+from mfsdp.data import (EvalWindows, PackedEvalWindows, PackedSampler, PairEvalWindows, PairWindows, TokenFile,
+                        WindowSampler)
 from mfsdp.train.command.errors import require
 
 
@@ -24,6 +25,26 @@ def make_sampler(cfg, data: TokenFile, held: int, rank: int, world: int) -> Wind
     windows = PairWindows(data, d.seq_len, samples, packed=not cfg.model.uses_manager) if data.is_pairs else None
     return PackedSampler(data, d.seq_len, d.local_batch, rank, world, samples=samples, packing=d.packing,
                          windows=windows, **shares)
+
+
+def eval_windows(cfg, data: TokenFile, source: TokenFile, held: int, rank: int, world: int):
+    """The validation windows of ``source`` (``--data.val_path``'s file, else the training file ``data``,
+    whose last ``held`` tokens or samples are held out) of the token file's kind, as ``make_sampler``
+    chooses training's: how many eval batches they take, and a note for the run's line. Pairs are each
+    visited once, numbered after the training file's when they come from --data.val_path."""
+    d = cfg.data
+    shares = (d.seq_len, d.local_batch, rank, world, d.microbatches)
+    first = 0 if d.val_path is not None else (source.num_samples or 0) - held
+    if source.is_pairs:
+        pairs = PairWindows(source, d.seq_len, range(first, source.num_samples), packed=not cfg.model.uses_manager,
+                            first_id=data.num_samples if d.val_path is not None else 0)
+        windows = PairEvalWindows(pairs, *shares[1:])
+        return windows, windows.batches_needed, f" (every pair once: {len(pairs.members):,} pairs)"
+    if source.num_samples is not None:
+        windows = PackedEvalWindows(source, *shares, samples=range(first, source.num_samples), packing=d.packing)
+    else:
+        windows = EvalWindows(source, *shares, start=0 if d.val_path is not None else len(data) - held)
+    return windows, cfg.train.eval_batches, ""
 
 
 def steps_for_epochs(cfg, data: TokenFile, held: int, world: int) -> int:

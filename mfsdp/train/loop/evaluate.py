@@ -27,8 +27,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from mfsdp.data import (EvalWindows, PackedEvalWindows, PairEvalWindows, PairWindows, TokenFile, held_out_samples,
-                        held_out_tokens)
+from mfsdp.data import TokenFile, held_out_samples, held_out_tokens
+from mfsdp.train.build.batches import eval_windows
 from mfsdp.train.checkpoint import CheckpointMeta
 
 
@@ -76,34 +76,21 @@ def make_evaluator(cfg, data: TokenFile, held: int, rank: int, world: int, devic
     if t.eval_every == 0:
         return None
     source = TokenFile(d.val_path) if d.val_path is not None else data
-    shares = (d.seq_len, d.local_batch, rank, world, d.microbatches)
     if d.val_path is None and not held:
         log(f"no held-out {split_unit(data)} (--data.val_fraction 0 and no --data.val_path): no validation loss")
         return None
-    batches = t.eval_batches
-    if source.is_pairs:  # every pair once: the file's own numbers, the --data.val_path file's after them
-        first = 0 if d.val_path is not None else source.num_samples - held
-        pairs = PairWindows(source, d.seq_len, range(first, source.num_samples), packed=not cfg.model.uses_manager,
-                            first_id=data.num_samples if d.val_path is not None else 0)
-        windows = PairEvalWindows(pairs, *shares[1:])
-        batches = windows.batches_needed
-    elif source.num_samples is not None:
-        first = 0 if d.val_path is not None else source.num_samples - held
-        windows = PackedEvalWindows(source, *shares, samples=range(first, source.num_samples), packing=d.packing)
-    else:
-        windows = EvalWindows(source, *shares, start=0 if d.val_path is not None else len(data) - held)
+    windows, batches, note = eval_windows(cfg, data, source, held, rank, world)
     where = (f"{source.path}" if d.val_path is not None else
              f"the last {held:,} {split_unit(data)} of {data.path}, never trained on")
     log(f"validation loss every {t.eval_every} steps and at the end: {batches} batches of "
-        f"{world * d.local_batch * d.microbatches} windows from {where}"
-        + (f" (every pair once: {len(windows.windows.members):,} pairs)" if source.is_pairs else ""))
+        f"{world * d.local_batch * d.microbatches} windows from {where}{note}")
     return Evaluator(windows, batches, device, objective)
 
 
 class Evaluator:
     """The objective's validation metrics over ``batches`` eval batches: a collective, every rank calls it."""
 
-    def __init__(self, windows: EvalWindows | PackedEvalWindows, batches: int, device: torch.device, objective):
+    def __init__(self, windows, batches: int, device: torch.device, objective):
         self.windows, self.batches, self.device, self.objective = windows, batches, device, objective
 
     @torch.no_grad()
