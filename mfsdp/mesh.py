@@ -18,6 +18,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from mfsdp.placement import Placements
 
 DP, DP_REPLICATE, DP_SHARD, CP, TP = "dp", "dp_replicate", "dp_shard", "cp", "tp"
+EP, EP_SHARD = "ep", "ep_shard"
+"""The experts' mesh dims (``mfsdp.experts.parallel``): experts split over ``ep``, each sharded over ``ep_shard``."""
 TWO_AXIS = ("hsdp", "hfsdp")
 PLACEMENT_NAMES = ("zero3", "zero2", "zero1", "ddp", *TWO_AXIS)
 """The names of ``--parallel.placements`` (``ParallelizeConfig.placements``): ``Placements``'s
