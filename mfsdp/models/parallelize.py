@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from torch.distributed.device_mesh import DeviceMesh
 
 import mfsdp
+from mfsdp.experts.parallel import apply_expert_parallel, ep_problem
 from mfsdp.mesh import PLACEMENT_NAMES, resolve_placements
 from mfsdp.models.llama import Llama
 from mfsdp.models.moe import MoEFeedForward
@@ -55,6 +56,10 @@ class ParallelizeConfig:
     """How many blocks, the last ones (``kept_blocks``), keep their gathered weights through the step
     (``CommunicationPolicy.keep_gathered``): one gather per step instead of two per microbatch, for
     their compute-dtype (FP8: float8) weights resident throughout."""
+    ep: int = 1
+    """Expert parallelism: split each mixture-of-experts layer's experts over ``ep`` ranks of the mesh's
+    shard dim, each expert FSDP-sharded over the ranks that remain (``mfsdp.experts.parallel``); tokens
+    reach their experts by all-to-all. 1: every rank holds (a shard of) every expert."""
     compile: bool = False
     """torch.compile each block (``nn.Module.compile``, inductor). The sharding hooks stay outside
     the graphs (they are ``torch.compiler.disable``d), so each block compiles to one graph per
@@ -69,6 +74,8 @@ class ParallelizeConfig:
         if not isinstance(self.transforms, tuple):
             raise ValueError(f"transforms must be a tuple of model transforms, got {self.transforms!r}")
         validate_order(self.transforms)
+        if isinstance(self.ep, bool) or not isinstance(self.ep, int) or self.ep < 1:
+            raise ValueError(f"ep must be a positive int, got {self.ep!r}")
 
 
 def parallelize(model: Llama, mesh: DeviceMesh, config: ParallelizeConfig) -> Llama:
@@ -88,6 +95,12 @@ def parallelize(model: Llama, mesh: DeviceMesh, config: ParallelizeConfig) -> Ll
     apply_transforms(model, config.transforms)
     if config.activation_checkpointing:
         model.set_activation_checkpointing(True)
+    if config.ep > 1:  # the experts first: units of their own on the experts' mesh, inside their blocks
+        problem = ep_problem(config.ep, mesh.size(mesh.ndim - 1), model.cfg.num_experts)
+        if problem:
+            raise ValueError(problem)
+        apply_expert_parallel(model, mesh, placements, config.ep, mixed_precision=config.mixed_precision,
+                              communication=config.communication)
     # Bottom-up: each unit before the root claims the rest (the final norm).
     kept = {id(b) for b in kept_blocks(list(model.layers), config.keep_gathered_blocks)}
     keeping = dataclasses.replace(config.communication or mfsdp.CommunicationPolicy(), keep_gathered=True)
