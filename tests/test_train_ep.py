@@ -115,6 +115,18 @@ def test_ep_errors_are_one_line_each():
         load_config(["--model.preset", "moe-tiny", "--parallel.ep", "0"])
 
 
+def test_ep_in_yaml_and_its_help(tmp_path):
+    from mfsdp.train.command.args import usage
+
+    path = tmp_path / "run.yaml"
+    path.write_text("model:\n  preset: moe-tiny\nparallel:\n  ep: 2\n")
+    cfg = load_config(["--config", str(path)])
+    assert cfg.parallel.ep == 2 and cfg.experts_line(4) == "experts: 4 per layer, 2 on each of 2 ep ranks, each sharded 2 ways"
+    assert load_config(["--model.preset", "moe-tiny"]).parallel.ep == 1
+    text = " ".join(usage().split())
+    assert "--parallel.ep (1) Expert parallelism" in text and "every layer's experts module is its own unit" in text
+
+
 def test_ep_on_a_dense_model_is_one_error_line(tmp_path, capsys):
     run = in_process(capsys, "--parallel.ep", "2", "--train.out_dir", str(tmp_path), "--train.device", "cpu")
     assert run.returncode == 2
