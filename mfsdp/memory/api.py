@@ -17,6 +17,7 @@ from torch import nn
 from mfsdp.communication import CommunicationPolicy
 from mfsdp.memory.activations import ActivationProfile, StepRun, block_kind, measure_hf, measure_llama
 from mfsdp.memory.estimate import MemoryEstimate, StepSettings, simulate
+from mfsdp.memory.experts import expert_levels, experts_notes, split_experts_for_plan
 from mfsdp.memory.model_state import Levels, describe_units, optimizer_state_bytes
 from mfsdp.memory.tensor_parallel import TensorParallel, apply_tp, default_group_exists, fake_tp_mesh, in_child
 from mfsdp.mesh import DP, DP_REPLICATE, DP_SHARD, PLACEMENT_NAMES, TWO_AXIS, resolve_placements
@@ -48,7 +49,7 @@ def estimate(model_or_config, *, world_size: Optional[int] = None, mesh_shape: O
              transforms: tuple = (), device: str = "cuda", offload_fraction: float = 0.0,
              offload_overlap: str = "step", compiled: bool = False, head_loss: str = "plain",
              compiled_head: bool = False, keep_gathered_blocks: int = 0,
-             step_run: Optional[StepRun] = None) -> MemoryEstimate:
+             step_run: Optional[StepRun] = None, expert_parallel: int = 1) -> MemoryEstimate:
     """Predict one rank's memory over a training step and its peak.
 
     ``model_or_config``: a bundled preset name ("8b", "moe-1b"), a ``LlamaConfig``, a model built on
@@ -81,6 +82,8 @@ def estimate(model_or_config, *, world_size: Optional[int] = None, mesh_shape: O
     ``foreach`` / ``flat_adamw``: AdamW's kernels (``fully_shard_optimizer(flat_adamw=)``), which
     decide the step's transient (``mfsdp.optimizer.step_transient_bytes``). ``step_run``: what a step
     of another objective than the causal LM's runs on a microbatch (``StepRun``), measured in its place.
+    ``expert_parallel``: the experts split over that many ranks (``ParallelizeConfig.ep``; see
+    ``mfsdp.memory.experts`` for their model state, their dispatch buffers and the routing assumed).
     """
     tp = TensorParallel.of(tensor_parallel)
     if tp.enabled and (default_group_exists() or not tp_in_process):
@@ -104,8 +107,17 @@ def estimate(model_or_config, *, world_size: Optional[int] = None, mesh_shape: O
         model, units, blocks, measure, notes = _resolve(model_or_config, compute_dtype, seq_len, expert_units,
                                                         tp, tp_mesh, tuple(transforms), head_loss, compiled_head,
                                                         step_run)
-        unit_bytes = describe_units(model, units, mixed_precision_policy or MixedPrecisionPolicy(), levels)
-        acts = measure(local_batch, seq_len, activation_checkpointing)
+        policy = mixed_precision_policy or MixedPrecisionPolicy()
+        if expert_parallel > 1:
+            if tp.enabled:
+                raise ValueError("estimate: expert parallelism with tensor parallelism is not supported; give "
+                                 "tensor_parallel=1 or expert_parallel=1")
+            unit_bytes, acts = _expert_parallel(model, units, blocks, measure, policy, levels, placements, mesh_shape,
+                                                expert_parallel, local_batch, seq_len, activation_checkpointing,
+                                                compute_dtype, optimizer, notes)
+        else:
+            unit_bytes = describe_units(model, units, policy, levels)
+            acts = measure(local_batch, seq_len, activation_checkpointing)
     if compiled:
         acts = _compiled(acts, model, activation_checkpointing, transforms, notes)
     from mfsdp.models.parallelize import kept_blocks
@@ -119,6 +131,25 @@ def estimate(model_or_config, *, world_size: Optional[int] = None, mesh_shape: O
                             kept_gathered=tuple(kept_blocks(blocks, keep_gathered_blocks)))
     e = dataclasses.replace(simulate(unit_bytes, acts, settings, blocks), notes=tuple(notes))
     return offloaded(e, unit_bytes, offload_fraction, offload_overlap) if offload_fraction > 0 else e
+
+
+def _expert_parallel(model, units, blocks, measure, policy, levels, placements, mesh_shape, ep, local_batch, seq_len,
+                     checkpointing, compute_dtype, optimizer, notes):
+    """The model state and activations of a run with its experts split over ``ep`` ranks
+    (``mfsdp.memory.experts``), its lines added to ``notes``."""
+    dp_shard = next(size for axis, size in mesh_shape.items() if axis != DP_REPLICATE)
+    model, units, expert_ids, split = split_experts_for_plan(model, units, ep, dp_shard, len(blocks))
+    experts_levels = expert_levels(placements, mesh_shape, ep)
+    unit_bytes = describe_units(model, units, policy, levels, unit_levels=dict.fromkeys(expert_ids, experts_levels))
+    names = {id(m): n for n, m in model.named_modules()}
+    expert_names = {names[i] for i in expert_ids if i in names}
+    state = lambda us: sum(g.main + g.main_grad for u in us for g in u.groups) + optimizer_state_bytes(us, optimizer)  # noqa: E731
+    ours = [u for u in unit_bytes if u.name in expert_names]
+    notes += experts_notes(split, dp_shard, state(ours), state([u for u in unit_bytes if u.name not in expert_names]),
+                           "shared_expert" if any(n.endswith(".shared_expert") for n in names.values()) else None)
+    itemsize = torch.empty((), dtype=compute_dtype).element_size()
+    acts = split.profile(measure(local_batch, seq_len, checkpointing), local_batch * seq_len, itemsize, checkpointing)
+    return unit_bytes, acts
 
 
 @dataclasses.dataclass(frozen=True)

@@ -164,10 +164,11 @@ class _UnitMarker(type):
 
 
 def describe_units(model: nn.Module, units: list, policy: MixedPrecisionPolicy, levels: Levels,
-                   rank_shard: int = 0) -> list[UnitBytes]:
+                   rank_shard: int = 0, unit_levels: Optional[dict] = None) -> list[UnitBytes]:
     """Units of ``model`` (``units``: the non-root modules ``fully_shard`` is applied to, bottom-up,
     as ``parallelize`` does), each with the bytes of its groups, in registration order (the root
-    first)."""
+    first); ``unit_levels``: the levels of the units sharded on another mesh (``id(unit)`` -> levels:
+    the experts under expert parallelism, ``mfsdp.memory.experts``), ``levels`` for the others."""
     marker = _UnitMarker("Unit", (), {"ids": set()})
     names = {id(m): n for n, m in model.named_modules()}
     param_names = {p: n for n, p in model.named_parameters(remove_duplicate=False)}
@@ -177,7 +178,8 @@ def describe_units(model: nn.Module, units: list, policy: MixedPrecisionPolicy, 
         marker.ids.add(id(unit))
         parent_of.update((id(child), names.get(id(unit))) for child in children)  # the runtime's FSDP parent rule
         groups = [group_bytes(f"{names.get(id(unit)) or 'root'}[{params[0].dtype}]",
-                              [local_tensor(p).shape for p in params], dtypes, levels, params[0].requires_grad,
+                              [local_tensor(p).shape for p in params], dtypes,
+                              (unit_levels or {}).get(id(unit), levels), params[0].requires_grad,
                               rank_shard, params=list(params)) for params, _, dtypes in grouped]
         out[id(unit)] = UnitBytes(names.get(id(unit), ""), tuple(groups), None,
                                   tuple(param_names.get(p, "?") for p in owned),

@@ -115,6 +115,8 @@ class PlannedRun:
     """The last blocks that keep their gathered weights through the step (``kept_blocks``)."""
     step_run: Optional[StepRun] = None
     """What a step of another objective than the causal LM's runs (``estimate``'s ``step_run``)."""
+    ep: int = 1
+    """The experts split over that many ranks (``--parallel.ep``; ``estimate``'s ``expert_parallel``)."""
 
     @property
     def hf(self) -> bool:
@@ -173,7 +175,7 @@ def estimate_run(run: PlannedRun, world: int, setting: Optional[Setting] = None,
                     tp_in_process=tp_in_process, transforms=run.transforms, foreach=run.foreach, compiled=run.compiled,
                     compiled_head=run.compiled if run.compiled_head is None else run.compiled_head,
                     head_loss=run.head_loss, flat_adamw=run.flat_adamw,
-                    keep_gathered_blocks=run.keep_gathered_blocks, step_run=run.step_run)
+                    keep_gathered_blocks=run.keep_gathered_blocks, step_run=run.step_run, expert_parallel=run.ep)
 
 
 def candidates(run: PlannedRun) -> list[Setting]:

@@ -74,7 +74,7 @@ def build_bundled(cfg: RunConfig, device: torch.device, compute: torch.dtype, wo
         placements=p.placements, mixed_precision=policy, transforms=model_transforms,
         compile=cfg.compiles(device.type), communication=communication_policy(p),
         activation_checkpointing=p.activation_checkpointing, expert_units=p.expert_units,
-        keep_gathered_blocks=p.kept_blocks()))
+        keep_gathered_blocks=p.kept_blocks(), **expert_parallel(p, "ep")))
     # The buffers (rotary tables) materialised, the shards fully_shard allocated kept; init_weights then
     # writes through each rank's DTensor shards, drawing only the rows it holds (normal_by_rows_), so every
     # world size and placement gives the weights of an unsharded init_weights(seed=seed).
@@ -91,6 +91,13 @@ def build_bundled(cfg: RunConfig, device: torch.device, compute: torch.dtype, wo
         log(f"loaded the weights of {cfg.model.hf} into the bundled Llama, each rank its own slices")
     init_adapters(model, cfg.train.seed)  # neither init_weights nor the loader touches them
     return model
+
+
+def expert_parallel(p, name: str) -> dict:
+    """``--parallel.ep`` as the keyword ``name`` of the route's config (``ParallelizeConfig.ep``,
+    ``MegatronFSDPConfig.ep_size``): none at 1, so that a config without expert parallelism is
+    built exactly as without the flag."""
+    return {name: p.ep} if p.ep > 1 else {}
 
 
 def describe_offload(optimizer, cfg: RunConfig, log) -> None:
@@ -155,7 +162,7 @@ def build_hf(cfg, device: torch.device, compute_dtype: torch.dtype, world: int, 
         placements=resolve_placements(p.placements, shard_axis=DP_SHARD),
         grad_reduce_in_fp32=cfg.main_grads_dtype() == torch.float32,
         activation_checkpointing=p.activation_checkpointing,
-        init_fsdp_with_meta_device=True)
+        init_fsdp_with_meta_device=True, **expert_parallel(p, "ep_size"))
     mesh = build_device_mesh(device.type, dp_replicate_size=p.replicate, world_size=world)
     # A copy of the resolved config: the model shares its config, which is changed here.
     model = meta_model_from_config(copy.deepcopy(cfg.resolved.transformers_config), dtype=compute_dtype)

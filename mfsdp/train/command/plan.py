@@ -21,7 +21,7 @@ from mfsdp.train.build.model import transforms_for
 from mfsdp.train.checkpoint.meta import MAIN_WEIGHT_BYTES, checkpoint_bytes
 from mfsdp.train.command.args import parse_config, usage
 from mfsdp.train.run.config import DTYPES, RunConfig
-from mfsdp.train.run.resolve import resolve
+from mfsdp.train.run.resolve import check_expert_parallel, resolve
 from mfsdp.train.command.errors import ConfigError
 from mfsdp.train.objectives import objective_for
 
@@ -51,7 +51,7 @@ def planned_run(cfg: RunConfig) -> plan.PlannedRun:
         cfg.main_grads_name("cuda"), p.replicate, cfg.compute_dtype("cuda"), cfg.grad_comm_dtype(),
         p.expert_units, transforms_for(cfg), not cfg.train.fused_adamw("cuda"), cfg.compiles("cuda"),
         cfg.train.async_checkpoint_on("cuda"), cfg.model.head_loss, flat_adamw=cfg.train.flat_adamw("cuda"),
-        keep_gathered_blocks=p.kept_blocks(), step_run=objective_for(cfg, None).step_run())
+        keep_gathered_blocks=p.kept_blocks(), step_run=objective_for(cfg, None).step_run(), ep=p.ep)
 
 
 def main(argv: list[str]) -> int:
@@ -76,8 +76,9 @@ def main(argv: list[str]) -> int:
         cfg = resolve(cfg)
         if Path(cfg.data.path).is_file() and TokenFile(cfg.data.path).is_pairs:  # DPO, as `mfsdp train` finds it
             cfg = dataclasses.replace(cfg, pairs=True)
-        run = planned_run(cfg)
         world = int(own["--nproc-per-node"]) * int(own["--nnodes"])
+        check_expert_parallel(cfg, world, tp.size)
+        run = planned_run(cfg)
         if own["--gpu-memory"]:
             gpu, source = plan.parse_bytes(own["--gpu-memory"]), "--gpu-memory"
         elif torch.cuda.is_available():

@@ -87,7 +87,7 @@ def train_step(model, optimizer, objective, batch: Callable[[int], Batch], micro
         for name, value in metrics.items():
             sums[name] += value.detach()
     with torch.profiler.record_function("mfsdp.train.optimizer_step"):
-        grad_norm = _clip(model, grad_clip)
+        grad_norm = clip_gradients(model, grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     # One collective carries the metrics for logging and every rank's stop request.
@@ -96,13 +96,35 @@ def train_step(model, optimizer, objective, batch: Callable[[int], Batch], micro
     return StepOutput(dict(zip(sums, shared[:-2])), shared[-2], shared[-1], grad_norm.to(device, torch.float32))
 
 
-def _clip(model, grad_clip: float) -> torch.Tensor:
-    """The global gradient norm (logged every step), clipping to ``grad_clip`` when positive. Over
-    sharded gradients it is a DTensor: reduced once, then clipped with that plain tensor."""
-    params = list(model.parameters())
-    grad_norm = torch.nn.utils.get_total_norm([q.grad for q in params if q.grad is not None])
-    if hasattr(grad_norm, "full_tensor"):
-        grad_norm = grad_norm.full_tensor()
+def clip_gradients(model, grad_clip: float) -> torch.Tensor:
+    """The global gradient norm (logged every step), clipping to ``grad_clip`` when positive: one
+    plain tensor (``global_grad_norm``), each mesh's gradients scaled by it."""
+    by_mesh = _by_mesh([q for q in model.parameters() if q.grad is not None])
+    grad_norm = global_grad_norm(by_mesh)
     if grad_clip > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, grad_clip, grad_norm)
+        for params in by_mesh.values():
+            torch.nn.utils.clip_grads_with_norm_(params, grad_clip, grad_norm)
     return grad_norm
+
+
+def _by_mesh(params: list) -> dict:
+    """``params`` by the device mesh of their gradients (None: plain tensors), in order."""
+    out: dict = {}
+    for q in params:
+        out.setdefault(getattr(q.grad, "device_mesh", None), []).append(q)
+    return out
+
+
+def global_grad_norm(by_mesh: dict) -> torch.Tensor:
+    """The 2-norm of every gradient of ``by_mesh`` (parameters by the mesh of their gradients), as a
+    plain tensor. Sharded gradients are DTensors, and those of one mesh reduce together: one total
+    norm per mesh (a DTensor until ``full_tensor``, one reduction), then the norm of those. With
+    expert parallelism the experts' gradients live on the experts' mesh (``mfsdp.experts``), which
+    torch cannot stack with the dense ones; with one mesh this is torch's own total norm."""
+    norms = []
+    for params in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm([q.grad for q in params])
+        norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    if len(norms) <= 1:
+        return norms[0] if norms else torch.nn.utils.get_total_norm([])
+    return torch.linalg.vector_norm(torch.stack([n.float() for n in norms]))

@@ -14,11 +14,12 @@ from mfsdp.train.loop.step import StepOutput
 
 def run_line(cfg, world: int, device: torch.device, data) -> str:
     """The first line of a run: the model, its size, the method (LoRA), the schedule, the processes and
-    the data."""
+    the data; for a mixture of experts, a second line: how its experts are split (``experts_line``)."""
     method = f", {cfg.method_line()}" if cfg.peft.lora else ""
+    experts = cfg.experts_line(world)
     return (f"mfsdp train: {cfg.model_line()}, {cfg.resolved.params / 1e6:.1f}M parameters{method}, {cfg.schedule_line()}, "
             f"{world} process(es) on {flops.device_name(device)}, {cfg.parallel.placements} placements, "
-            f"{data_words(cfg, data)}")
+            f"{data_words(cfg, data)}") + (f"\n{experts}" if experts else "")
 
 
 def data_words(cfg, data) -> str:

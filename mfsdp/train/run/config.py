@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from mfsdp.experts.parallel import describe_split
 from mfsdp.mesh import PLACEMENT_NAMES as PLACEMENTS, TWO_AXIS
 from mfsdp.hf.config import supports_bundled
 from mfsdp.models.llama import HEAD_LOSSES, LlamaConfig, get_config
@@ -360,7 +361,17 @@ class ParallelSection:
     activation_checkpointing: bool = False
     """Recompute each block's activations in backward to save memory."""
     expert_units: bool = False
-    """Shard each expert of a mixture-of-experts model as its own unit, not with its block."""
+    """Shard each expert of a mixture-of-experts model as its own unit, not with its block (the
+    bundled MoE presets; with --parallel.ep 1). Once experts are split (--parallel.ep > 1) every
+    layer's experts module is its own unit whatever this says: it holds that rank's experts, sharded
+    over the data-parallel ranks left."""
+    ep: int = 1
+    """Expert parallelism: split each mixture-of-experts layer's experts over N ranks (rank r of a
+    group holds experts [r E/N, (r+1) E/N)), each expert's weights then sharded over the world /
+    --parallel.replicate / N data-parallel ranks left; tokens travel to their experts and back by
+    all-to-all. N must divide the data-parallel shard ranks (world / --parallel.replicate) and the
+    experts per layer; both routes (--model.preset moe-tiny/moe-1b or --model.num_experts, and
+    --model.hf of a Qwen3-MoE, Qwen2-MoE or Mixtral). 1: every rank gathers every expert."""
     collective_timeout_s: float = 300.0
     """Seconds a collective may wait for the other ranks before the run stops with an error
     (torch's default is 10 minutes). Raise it when a step or a checkpoint save legitimately
@@ -415,6 +426,8 @@ class ParallelSection:
         require(self.offload_fraction == 1.0 or self.offload == "optimizer",
                  "--parallel.offload_fraction needs --parallel.offload optimizer")
         _one_of(self, "placements", PLACEMENTS)
+        require(isinstance(self.ep, int) and not isinstance(self.ep, bool) and self.ep >= 1,
+                f"--parallel.ep must be a positive integer, got {self.ep!r}")
         require(self.replicate > 0, "parallel.replicate must be positive")
         require(self.replicate == 1 or self.placements in TWO_AXIS,
                  f"parallel.replicate={self.replicate} needs --parallel.placements hsdp or "
@@ -504,6 +517,20 @@ class ResolvedModel:
     it); None: a preset."""
     hf_weights: bool = False
     """Whether that directory holds safetensors weights."""
+
+    @property
+    def num_experts(self) -> int:
+        """Experts per mixture-of-experts layer (0: a dense model): the bundled shape's, or a --model.hf
+        config's ``num_experts`` (Qwen3-MoE, Qwen2-MoE) or ``num_local_experts`` (Mixtral)."""
+        if self.hf_config is None:
+            return self.shape.num_experts
+        return int(self.hf_config.get("num_experts") or self.hf_config.get("num_local_experts") or 0)
+
+    @property
+    def shared_expert(self) -> str | None:
+        """The name of a layer's shared expert module, where the model has one (Qwen2-MoE's
+        ``shared_expert``), else None."""
+        return "shared_expert" if (self.hf_config or {}).get("shared_expert_intermediate_size") else None
 
     @functools.cached_property
     def transformers_config(self):
@@ -617,6 +644,18 @@ class RunConfig:
         c = self.resolved.hf_config
         name = (c.get("architectures") or [c.get("model_type") or "Hugging Face model"])[0]
         return f"{name} from {self.model.hf}" + ("" if self.loads_weights() else " (random init)")
+
+    def dp_shard(self, world: int) -> int:
+        """The data-parallel shard ranks of a ``world``-rank run: the world over its replicas."""
+        return world // self.parallel.replicate
+
+    def experts_line(self, world: int) -> str | None:
+        """How a mixture of experts' experts are split over ``world`` ranks, for the first lines of a
+        run (``describe_split``); None for a dense model."""
+        experts, ep = self.resolved.num_experts, self.parallel.ep
+        if not experts:
+            return None
+        return describe_split(experts, ep, self.dp_shard(world) // ep, self.resolved.shared_expert)
 
     def method_line(self) -> str:
         """What trains, in a few words, for the first line of a run: every weight, or LoRA's adapters."""

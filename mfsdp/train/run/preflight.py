@@ -23,7 +23,7 @@ from mfsdp.train.run.config import ModelSection, RunConfig
 from mfsdp.train.run.disk import check_disk
 from mfsdp.train.loop.evaluate import held_out_split
 from mfsdp.train.report.record import run_line
-from mfsdp.train.run.resolve import with_pairs, with_steps
+from mfsdp.train.run.resolve import check_expert_parallel, with_pairs, with_steps
 from mfsdp.train.run.run_dir import check_out_dir
 from mfsdp.train.command.errors import LAUNCHED_ENV, USER_ERRORS, CheckpointError, ConfigError, RunFailed, agree
 
@@ -63,6 +63,7 @@ def check_run(cfg: RunConfig, world: int, device_type: str, open_data: Callable[
     problem = mesh_shape_error(world, p.placements, p.replicate) or _float8_compile_problem(cfg, device_type)
     if problem:
         raise ConfigError(problem)
+    check_expert_parallel(cfg, world)
     model_cfg = cfg.resolved.shape
     data = open_data() if open_data is not None else None
     if data is not None:

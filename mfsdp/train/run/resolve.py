@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from mfsdp.experts.parallel import ep_problem
 from mfsdp.hf.config import UnsupportedHFConfig, bundled_config_from_hf
 from mfsdp.models import flops
 from mfsdp.models.llama import LlamaConfig
@@ -55,6 +56,20 @@ def resolve(cfg: RunConfig) -> RunConfig:
     if cfg.train.out_dir is None:
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, out_dir=cfg.model.default_out_dir()))
     return _fill_recipe(cfg)
+
+
+def check_expert_parallel(cfg: RunConfig, world: int, tp: int = 1) -> None:
+    """``--parallel.ep`` against the model and the ``world`` ranks (``tp`` of them tensor-parallel, in
+    ``mfsdp plan --tp``): it must divide the data-parallel shard ranks and the experts per layer of a
+    model that has experts, without tensor parallelism; raises ConfigError naming the fix. The one
+    place it is checked: the launcher and every worker (``preflight.check_run``), and ``mfsdp plan``."""
+    ep = cfg.parallel.ep
+    if ep == 1:
+        return
+    require(tp == 1, f"--parallel.ep {ep} with tensor parallelism (--tp {tp}) is not supported; use --tp 1 or "
+            "--parallel.ep 1")
+    problem = ep_problem(ep, cfg.dp_shard(world // tp), cfg.resolved.num_experts)
+    require(problem is None, problem)
 
 
 def with_steps(cfg: RunConfig, steps: int) -> RunConfig:
