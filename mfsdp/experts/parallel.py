@@ -133,6 +133,9 @@ def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh, placements: Placem
     policy = communication or CommunicationPolicy()
     policy = dataclasses.replace(policy, gradient_divide_factor=policy.gradient_divide_factor * ep)
     modules = experts_modules(model)
+    if not modules:
+        raise ValueError(f"ep={ep} splits stacked experts (modules with 3-D gate_up_proj and down_proj, see "
+                         f"mfsdp.experts), but {type(model).__name__} has none; leave ep at 1")
     for experts in modules:
         split_experts(experts, emesh[EP])
         fully_shard(experts, emesh, expert_placements(placements), mixed_precision,
