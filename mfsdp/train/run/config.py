@@ -360,7 +360,8 @@ class ParallelSection:
     activation_checkpointing: bool = False
     """Recompute each block's activations in backward to save memory."""
     expert_units: bool = False
-    """Shard each expert of a mixture-of-experts model as its own unit, not with its block."""
+    """Shard the experts module of each mixture-of-experts block (all its stacked experts) as its own
+    unit inside the block's unit, not with the rest of the block."""
     collective_timeout_s: float = 300.0
     """Seconds a collective may wait for the other ranks before the run stops with an error
     (torch's default is 10 minutes). Raise it when a step or a checkpoint save legitimately
