@@ -1,9 +1,9 @@
 """`mfsdp train --model.preset moe-tiny`: the mixture of experts end to end on two CPU ranks.
 
 The trainer runs in the test session's world of two gloo processes (the launch itself is
-test_train_e2e.py's). Each rank draws its own batches, so the ranks route their tokens differently,
-and an expert a rank's tokens do not reach is skipped on that rank only; with
-``--parallel.expert_units true`` each expert is a shard unit of its own.
+test_train_e2e.py's). Each rank draws its own batches, so the ranks route their tokens differently;
+each layer's stacked experts run on every rank (an expert no token of a rank reached computes
+nothing there), and with ``--parallel.expert_units true`` they are a shard unit of their own.
 """
 
 import json
@@ -38,7 +38,7 @@ def test_moe_tiny_trains_on_two_cpu_ranks_with_the_loss_falling(world, corpus, t
     # The load-balancing loss is logged unweighted: 1 when balanced, at most num_experts.
     assert all(math.isfinite(r["aux_loss"]) and 0.99 < r["aux_loss"] < 4 for r in rows), rows
     meta = json.loads((tmp_path / "checkpoints" / "step_12" / "meta.json").read_text())
-    assert meta["model"]["num_experts"] == 4
+    assert meta["model"]["num_experts"] == 4 and meta["model"]["experts"] == "stacked"
     assert "--- sample" in printed
 
 
@@ -70,3 +70,31 @@ def test_moe_config_keys_and_errors():
 def test_expert_units_on_a_dense_model_is_one_error_line(tmp_path, capsys):
     _one_error_line(in_process(capsys, "--parallel.expert_units", "true", "--train.out_dir", str(tmp_path)),
                     "--parallel.expert_units true needs a built-in mixture-of-experts model")
+
+
+def test_a_checkpoint_with_one_module_per_expert_is_refused_in_one_line(corpus, tmp_path, capsys):
+    """A checkpoint of the bundled MoE written before its experts were stacked (per-expert DCP keys,
+    ``layers.0.feed_forward.experts.3.w1.weight``, and a fingerprint with no experts layout): --resume
+    and `mfsdp export` refuse it in one line that says why and what to do, exit code 2, no DCP error."""
+    import torch
+
+    from conditional_models import with_per_expert_modules
+    from mfsdp.models import build_model
+    from mfsdp.train.checkpoint import CheckpointMeta, save_checkpoint
+    from mfsdp.train.export import ExportError, export_hf
+    from mfsdp.train.run.preflight import model_fingerprint
+
+    args = [*MOE, "--model.n_layers", "1", "--data.path", str(corpus), "--train.out_dir", str(tmp_path),
+            "--train.steps", "2"]
+    cfg = load_config(args)
+    model = with_per_expert_modules(build_model(cfg.resolved.shape))
+    assert "layers.0.feed_forward.experts.3.w1.weight" in model.state_dict()
+    old = {k: v for k, v in model_fingerprint(cfg.resolved.shape).items() if k != "experts"}
+    checkpoint = save_checkpoint(tmp_path / "checkpoints", 1, model, torch.optim.AdamW(model.parameters()),
+                                 CheckpointMeta(model=old, config=cfg.to_dict()))
+    why = "stores the experts one module per expert (mfsdp before the stacked layout)"
+    run = in_process(capsys, *args, "--resume")
+    _one_error_line(run, why)
+    assert run.returncode == 2 and "start fresh in another --train.out_dir" in run.stderr
+    with pytest.raises(ExportError, match=r"stores the experts one module per expert"):
+        export_hf(checkpoint, tmp_path / "hf")
