@@ -13,6 +13,8 @@ import torch
 from torch import nn
 
 import mfsdp
+from mfsdp.models.llama import FeedForward
+from mfsdp.models.moe import MoEFeedForward
 from models import Block, full_params, global_batch, loss_fn, make_mesh, make_placements, max_rel_error
 
 VARIANTS = ["nested", "nested_equal", "skip_block", "expert_module", "vlm", "vlm_same", "passthrough"]
@@ -167,15 +169,13 @@ class PerExpertExperts(nn.ModuleList):
     different modules, and sharded alone (``per_expert_units``) such an expert is a unit that runs on
     some ranks only. ``from_stacked`` copies a ``GroupedExperts``' values, so both compute the same."""
 
-    def __init__(self, cfg) -> None:
-        from mfsdp.models.llama import FeedForward
-
-        super().__init__(FeedForward(cfg) for _ in range(cfg.num_experts))
+    def __init__(self, cfg, dtype=None, device=None) -> None:
+        super().__init__(FeedForward(cfg, dtype=dtype, device=device) for _ in range(cfg.num_experts))
 
     @classmethod
     @torch.no_grad()
     def from_stacked(cls, cfg, stacked) -> "PerExpertExperts":
-        out = cls(cfg)
+        out = cls(cfg, dtype=stacked.gate_up_proj.dtype, device=stacked.gate_up_proj.device)
         for e, expert in enumerate(out):
             w1, w3 = stacked.gate_up_proj[e].chunk(2)
             for linear, value in ((expert.w1, w1), (expert.w3, w3), (expert.w2, stacked.down_proj[e])):
@@ -194,10 +194,18 @@ class PerExpertExperts(nn.ModuleList):
         return out
 
 
+class PerExpertFeedForward(MoEFeedForward):
+    """``MoEFeedForward`` over ``PerExpertExperts``, initialised as the per-expert model was."""
+
+    def init_matrices(self):
+        return [self.router, *(w for e in self.experts for w in (e.w1, e.w3))], [e.w2 for e in self.experts]
+
+
 def with_per_expert_modules(model):
-    """``model`` (a ``MoELlama``) with each layer's stacked experts replaced by ``PerExpertExperts`` of
-    the same values."""
+    """``model`` (a ``MoELlama``, built on any device) with each layer's stacked experts replaced by
+    ``PerExpertExperts`` of the same values."""
     for layer in model.moe_layers():
+        layer.__class__ = PerExpertFeedForward
         layer.experts = PerExpertExperts.from_stacked(model.cfg, layer.experts)
     return model
 

@@ -11,7 +11,7 @@ import math
 
 import pytest
 
-from test_eval_loss import run_trainer
+from test_eval_loss import run_per_expert_trainer, run_trainer
 from test_train_e2e import REPO, _one_error_line, corpus, in_process  # noqa: F401
 from mfsdp.train.run.config import ConfigError
 from mfsdp.train.run.resolve import load_config
@@ -23,10 +23,10 @@ MOE = ["--model.preset", "moe-tiny", "--data.seq_len", "32", "--data.local_batch
        "--train.device", "cpu", "--train.checkpoint_every", "0", "--train.eval_every", "0"]
 
 
-def train(world, *args) -> tuple[list[dict], str]:
+def train(world, *args, worker=run_trainer) -> tuple[list[dict], str]:
     """Two CPU ranks; returns metrics.jsonl's records and what rank 0 printed. A hang fails the
     case after the world's timeout (and restarts the world)."""
-    return world(2).run(run_trainer, timeout=150, argv=[*MOE, *args], stdout=True)[0]
+    return world(2).run(worker, timeout=150, argv=[*MOE, *args], stdout=True)[0]
 
 
 def test_moe_tiny_trains_on_two_cpu_ranks_with_the_loss_falling(world, corpus, tmp_path):
@@ -42,10 +42,14 @@ def test_moe_tiny_trains_on_two_cpu_ranks_with_the_loss_falling(world, corpus, t
     assert "--- sample" in printed
 
 
-def test_moe_tiny_with_each_expert_its_own_shard_unit(world, corpus, tmp_path):
+@pytest.mark.parametrize("per_expert", [False, True], ids=["stacked", "per_expert"])
+def test_moe_tiny_with_its_experts_as_shard_units(world, corpus, tmp_path, per_expert):
+    """The experts module of each block a unit of its own; ``per_expert``: the test-local one module
+    per expert, each its own unit, which a rank whose tokens do not reach it skips (the runtime's
+    conditional computation under the trainer)."""
     rows, _ = train(world, "--data.path", str(corpus), "--train.steps", "6",
                     "--parallel.expert_units", "true", "--train.sample_tokens", "8",
-                    "--train.out_dir", str(tmp_path))
+                    "--train.out_dir", str(tmp_path), worker=run_per_expert_trainer if per_expert else run_trainer)
     assert [r["step"] for r in rows] == list(range(1, 7))
     assert rows[-1]["loss"] < rows[0]["loss"], [r["loss"] for r in rows]
 
