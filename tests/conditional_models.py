@@ -13,6 +13,8 @@ import torch
 from torch import nn
 
 import mfsdp
+from mfsdp.models.llama import FeedForward
+from mfsdp.models.moe import MoEFeedForward
 from models import Block, full_params, global_batch, loss_fn, make_mesh, make_placements, max_rel_error
 
 VARIANTS = ["nested", "nested_equal", "skip_block", "expert_module", "vlm", "vlm_same", "passthrough"]
@@ -157,3 +159,60 @@ def _cond_parity(rank, ws, variants, kind, mb, pattern, comm, steps, checkpointi
             worst = max(worst, max_rel_error(full_params(model), full_params(ref)))
         out[variant] = (worst, loss_err)
     return out
+
+
+# ------------------------------------------------------------- a mixture of experts, one module per expert
+class PerExpertExperts(nn.ModuleList):
+    """The bundled MoE's experts one SwiGLU module per expert (``mfsdp.models.moe`` before its stacked
+    ``GroupedExperts``; ``layers.N.feed_forward.experts.E.w1.weight``), with the same interface: an
+    expert that no token chose is skipped, forward and backward, so ranks that route differently run
+    different modules, and sharded alone (``per_expert_units``) such an expert is a unit that runs on
+    some ranks only. ``from_stacked`` copies a ``GroupedExperts``' values, so both compute the same."""
+
+    def __init__(self, cfg, dtype=None, device=None) -> None:
+        super().__init__(FeedForward(cfg, dtype=dtype, device=device) for _ in range(cfg.num_experts))
+
+    @classmethod
+    @torch.no_grad()
+    def from_stacked(cls, cfg, stacked) -> "PerExpertExperts":
+        out = cls(cfg, dtype=stacked.gate_up_proj.dtype, device=stacked.gate_up_proj.device)
+        for e, expert in enumerate(out):
+            w1, w3 = stacked.gate_up_proj[e].chunk(2)
+            for linear, value in ((expert.w1, w1), (expert.w3, w3), (expert.w2, stacked.down_proj[e])):
+                linear.weight.copy_(value)
+        return out
+
+    def forward(self, hidden, top_k_index, top_k_weights):
+        flat = top_k_index.flatten()
+        order = flat.argsort(stable=True)
+        sizes = torch.bincount(flat, minlength=len(self)).tolist()
+        token_of, weight_of = order // top_k_index.shape[1], top_k_weights.flatten()[order].to(hidden.dtype)
+        out = torch.zeros_like(hidden)
+        for expert, idx, w in zip(self, token_of.split(sizes), weight_of.split(sizes)):
+            if idx.numel():  # no token chose this expert: skip it entirely
+                out.index_add_(0, idx, expert(hidden[idx]) * w[:, None])
+        return out
+
+
+class PerExpertFeedForward(MoEFeedForward):
+    """``MoEFeedForward`` over ``PerExpertExperts``, initialised as the per-expert model was."""
+
+    def init_matrices(self):
+        return [self.router, *(w for e in self.experts for w in (e.w1, e.w3))], [e.w2 for e in self.experts]
+
+
+def with_per_expert_modules(model):
+    """``model`` (a ``MoELlama``, built on any device) with each layer's stacked experts replaced by
+    ``PerExpertExperts`` of the same values."""
+    for layer in model.moe_layers():
+        layer.__class__ = PerExpertFeedForward
+        layer.experts = PerExpertExperts.from_stacked(model.cfg, layer.experts)
+    return model
+
+
+def per_expert_units(model, mesh, placements, **kwargs) -> None:
+    """Each expert of a ``with_per_expert_modules`` model sharded as a unit of its own (before its
+    block's unit, which ``parallelize`` adds)."""
+    for layer in model.moe_layers():
+        for expert in layer.experts:
+            mfsdp.fully_shard(expert, mesh, placements, **kwargs)

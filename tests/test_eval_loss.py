@@ -9,6 +9,7 @@ import shutil
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 
 from mfsdp.data import EvalWindows, TokenFile, WindowSampler, held_out_tokens, prepare, write_token_file
 from mfsdp.data.prepare import stdlib_source
@@ -89,9 +90,33 @@ def run_trainer(rank, world_size, argv, stdout=False):
     return (records, printed.getvalue()) if stdout else records
 
 
-def train(world, n, corpus, out, *args):
-    return world(n).run(run_trainer, argv=[*SMALL, "--data.path", str(corpus), "--train.out_dir", str(out),
-                                           *args])[0]
+def run_per_expert_trainer(rank, world_size, argv, stdout=False):
+    """``run_trainer`` with the bundled MoE's experts one module per expert (the test-local
+    ``conditional_models.PerExpertExperts``): an expert no token of a rank reached is skipped there;
+    with ``--parallel.expert_units true`` each expert is a unit of its own."""
+    import dataclasses
+    from unittest import mock
+
+    import mfsdp.train.build.model as built
+    from conditional_models import per_expert_units, with_per_expert_modules
+    from mfsdp.mesh import resolve_placements
+
+    build, parallelize = built.build_model, built.parallelize
+
+    def per_expert_parallelize(model, mesh, config):
+        if config.expert_units:
+            per_expert_units(model, mesh, resolve_placements(config.placements),
+                             mixed_precision_policy=config.mixed_precision)
+        return parallelize(model, mesh, dataclasses.replace(config, expert_units=False))
+
+    with mock.patch.object(built, "build_model", lambda *a, **k: with_per_expert_modules(build(*a, **k))), \
+            mock.patch.object(built, "parallelize", per_expert_parallelize):
+        return run_trainer(rank, world_size, argv, stdout)
+
+
+def train(world, n, corpus, out, *args, worker=run_trainer):
+    return world(n).run(worker, argv=[*SMALL, "--data.path", str(corpus), "--train.out_dir", str(out),
+                                      *args])[0]
 
 
 def val_losses(records):
@@ -119,14 +144,19 @@ def test_val_loss_is_the_same_at_every_world_size_and_placement(world, corpus, t
 def test_evaluating_changes_nothing_in_training(world, corpus, tmp_path):
     # An evaluation after every step, between the optimizer step (which gathers the next forward's
     # first modules early: prefetch_across_step) and the next forward, with microbatches and a
-    # mixture of experts whose ranks skip different experts: the training losses stay bit for bit.
+    # mixture of experts whose ranks skip different experts (one module per expert, as the bundled MoE
+    # had before its experts were stacked): the training losses stay bit for bit.
     args = ["--train.steps", "3", "--data.local_batch", "2", "--data.microbatches", "2",
             "--model.preset", "moe-tiny", "--model.num_experts", "4", "--model.top_k", "1"]
-    with_eval = train(world, 2, corpus, tmp_path / "eval", *args, "--train.eval_every", "1")
-    without = train(world, 2, corpus, tmp_path / "plain", *args, "--train.eval_every", "0")
+    with_eval = train(world, 2, corpus, tmp_path / "eval", *args, "--train.eval_every", "1",
+                      worker=run_per_expert_trainer)
+    without = train(world, 2, corpus, tmp_path / "plain", *args, "--train.eval_every", "0",
+                    worker=run_per_expert_trainer)
     assert sorted(val_losses(with_eval)) == [1, 2, 3] and not val_losses(without)
     assert [r["loss"] for r in with_eval] == [r["loss"] for r in without]
     assert [r["grad_norm"] for r in with_eval] == [r["grad_norm"] for r in without]
+    saved = dcp.FileSystemReader(tmp_path / "plain" / "checkpoints" / "step_3").read_metadata().state_dict_metadata
+    assert "model.layers.0.feed_forward.experts.3.w1.weight" in saved  # the experts were modules of their own
 
 
 def test_a_checkpoint_without_a_split_resumes_with_its_training_windows(world, corpus, tmp_path):

@@ -93,6 +93,7 @@ def test_bundled_llama_saved_by_two_ranks_exports_in_one_process(world, corpus, 
 
 
 def test_moe_tiny_exports_as_mixtral(world, corpus, tmp_path):
+    from mfsdp.models.moe import build_model
     from mfsdp.train.export import export_hf
 
     out = train(world, corpus, tmp_path / "run", "--model.preset", "moe-tiny")
@@ -103,6 +104,24 @@ def test_moe_tiny_exports_as_mixtral(world, corpus, tmp_path):
     exported = assert_same_logits(reference, tmp_path / "hf", cfg.vocab_size)
     assert type(exported).__name__ == "MixtralForCausalLM"
     assert exported.config.num_local_experts == cfg.num_experts == 4
+    # The stacked experts go out per expert, under the names (and shapes) transformers itself writes.
+    from safetensors import safe_open
+    from mfsdp.hf.files import weight_files
+    from mfsdp.hf.names import load_hf_weights
+
+    exported.save_pretrained(tmp_path / "resaved")
+    with safe_open(tmp_path / "hf" / "model.safetensors", "pt") as ours, \
+            safe_open(tmp_path / "resaved" / "model.safetensors", "pt") as theirs:
+        assert set(ours.keys()) == set(theirs.keys()) == set(weight_files(tmp_path / "hf"))
+        for key in ours.keys():
+            assert ours.get_slice(key).get_shape() == theirs.get_slice(key).get_shape(), key
+            assert ours.get_slice(key).get_dtype() == "F32", key
+    assert "model.layers.0.block_sparse_moe.experts.3.w2.weight" in set(weight_files(tmp_path / "hf"))
+    # ... and the bundled loader reads them back into the stacked experts (the same rule, reversed).
+    again = build_model(cfg, dtype=torch.float32)
+    load_hf_weights(again, tmp_path / "hf")
+    for (name, p), q in zip(reference.named_parameters(), again.parameters()):
+        assert torch.equal(p, q), name
 
 
 def _hf_dir(family: str, path):

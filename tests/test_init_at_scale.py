@@ -107,7 +107,8 @@ def test_sharded_init_is_bit_identical_to_the_unsharded_init(world, ws, placemen
 
 def test_bf16_compute_keeps_fp32_draws_and_moe_experts_as_units(world):
     """bf16 compute with fp32 main weights: the main weights are the fp32 draws themselves (not a
-    bf16 rounding), and a mixture of experts with each expert its own unit draws the same too."""
+    bf16 rounding), and a mixture of experts with each block's stacked experts a unit of their own
+    draws the same too."""
     ref = _reference(SHAPE)
     full, logits, _ = world(2).run(trainer_build, shape=SHAPE, placements="zero3", replicate=1,
                                    compute="bf16")[0]

@@ -1,26 +1,32 @@
-"""The mixture-of-experts model (mfsdp.models.moe): routing, the skipped experts, the load-balancing
+"""The mixture-of-experts model (mfsdp.models.moe): routing, the stacked experts, the load-balancing
 loss, FLOP counts; then MoE blocks sharded by mfsdp on two gloo ranks against an unsharded model.
 
-The distributed cases route the two ranks' tokens to disjoint experts on purpose ("split"): each
-rank then skips experts the other one runs, in forward and in backward. They are the cases the
-runtime's conditional-computation support exists for; the "same" cases give every rank the same
-batch, so every rank runs the same experts.
+The distributed cases route the two ranks' tokens to disjoint experts on purpose ("split"): an
+expert one rank's tokens reach gets none of the other's. With the model's stacked experts every rank
+still runs the experts module; with the test-local one module per expert
+(``conditional_models.PerExpertExperts``, the layout the model had before) each rank skips experts
+the other one runs, in forward and in backward: the cases the runtime's conditional-computation
+support exists for. The "same" cases give every rank the same batch, so every rank runs the same
+experts.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import mfsdp
+from conditional_models import PerExpertExperts, per_expert_units, with_per_expert_modules
 from models import full_params, max_rel_error
-from mfsdp.mesh import build_mesh
+from mfsdp.mesh import build_mesh, resolve_placements
 from mfsdp.models import (Llama, LlamaConfig, MoEFeedForward, MoELlama, build_model, flops_per_token,
                           get_config, param_counts)
+from mfsdp.models.moe import GroupedExperts
 from mfsdp.models.parallelize import ParallelizeConfig, parallelize, sharding_units
 
 pytestmark = pytest.mark.timeout(300)
@@ -36,6 +42,12 @@ def build(cfg=CFG, seed=0) -> MoELlama:
     return model
 
 
+def expert(layer: MoEFeedForward, e: int, x: torch.Tensor) -> torch.Tensor:
+    """Expert ``e``'s SwiGLU from its slabs of the stacked weights: w1 the gate rows, w3 the up rows."""
+    w1, w3 = layer.experts.gate_up_proj[e].chunk(2)
+    return F.linear(F.silu(F.linear(x, w1)) * F.linear(x, w3), layer.experts.down_proj[e])
+
+
 def dense_reference(layer: MoEFeedForward, x: torch.Tensor) -> torch.Tensor:
     """The layer computed token by token and expert by expert, with no gathering or scattering."""
     flat = x.reshape(-1, x.shape[-1])
@@ -44,7 +56,7 @@ def dense_reference(layer: MoEFeedForward, x: torch.Tensor) -> torch.Tensor:
     for t in range(flat.shape[0]):
         row = torch.zeros_like(flat[t])
         for j in range(layer.top_k):
-            row = row + layer.experts[int(experts[t, j])](flat[t:t + 1])[0] * weights[t, j]
+            row = row + expert(layer, int(experts[t, j]), flat[t:t + 1])[0] * weights[t, j]
         rows.append(row)
     return torch.stack(rows).reshape(x.shape)
 
@@ -97,23 +109,57 @@ def test_output_equals_the_token_by_token_reference():
     torch.testing.assert_close(layer(x), dense_reference(layer, x), atol=1e-6, rtol=1e-5)
 
 
-def test_experts_no_token_reached_are_skipped_in_forward_and_backward():
+def test_stacked_experts_have_the_interface_of_transformers_experts():
+    experts = build().layers[0].feed_forward.experts
+    assert isinstance(experts, GroupedExperts) and experts.num_experts == CFG.num_experts
+    assert experts.gate_up_proj.shape == (CFG.num_experts, 2 * CFG.ffn_dim, CFG.dim)
+    assert experts.down_proj.shape == (CFG.num_experts, CFG.dim, CFG.ffn_dim)
+    assert experts.act_fn is F.silu
+    x, ids = torch.randn(5, CFG.dim), torch.tensor([[0, 3], [3, 1], [1, 0], [2, 3], [0, 1]])
+    w = torch.rand(5, 2)
+    want = torch.stack([sum(w[t, j] * expert(build().layers[0].feed_forward, int(ids[t, j]), x[t]) for j in range(2))
+                        for t in range(5)])
+    torch.testing.assert_close(experts(x, ids, w), want, atol=1e-6, rtol=1e-5)
+
+
+def test_experts_no_token_reached_get_a_zero_gradient_slice():
     layer = build().layers[0].feed_forward
     x = only_experts_0_and_1(layer)
-    calls = [0] * CFG.num_experts
-    for i, expert in enumerate(layer.experts):
-        expert.register_forward_pre_hook(lambda m, a, i=i: calls.__setitem__(i, calls[i] + 1))
     out = layer(x)
-    assert calls == [1, 1, 0, 0]
     torch.testing.assert_close(out, dense_reference(layer, x), atol=1e-6, rtol=1e-5)
     out.square().sum().backward()
-    for i, expert in enumerate(layer.experts):
-        grads = [p.grad for p in expert.parameters()]
+    for p in (layer.experts.gate_up_proj, layer.experts.down_proj):
+        for i in range(CFG.num_experts):
+            if i < 2:
+                assert p.grad[i].abs().sum() > 0, i
+            else:
+                assert torch.equal(p.grad[i], torch.zeros_like(p.grad[i])), i  # stacked: zeros, not None
+    assert layer.router.weight.grad is not None
+
+
+def test_one_module_per_expert_computes_the_same_and_skips_the_unused_ones():
+    """The test-local per-expert layout (conditional computation) is the stacked model's twin."""
+    model = build()
+    old = with_per_expert_modules(copy.deepcopy(model))
+    layer = old.layers[0].feed_forward
+    assert isinstance(layer.experts, PerExpertExperts)
+    x = only_experts_0_and_1(model.layers[0].feed_forward)
+    only_experts_0_and_1(layer)
+    calls = [0] * CFG.num_experts
+    for i, e in enumerate(layer.experts):
+        e.register_forward_pre_hook(lambda m, a, i=i: calls.__setitem__(i, calls[i] + 1))
+    out = layer(x)
+    assert calls == [1, 1, 0, 0]
+    torch.testing.assert_close(out, model.layers[0].feed_forward(x), atol=1e-6, rtol=1e-5)
+    out.square().sum().backward()
+    for i, e in enumerate(layer.experts):
+        grads = [p.grad for p in e.parameters()]
         if i < 2:
             assert all(g is not None and g.abs().sum() > 0 for g in grads), i
         else:
             assert all(g is None for g in grads), i  # never ran, so autograd never saw them
-    assert layer.router.weight.grad is not None
+    tokens = torch.randint(0, CFG.vocab_size, (2, 12))
+    torch.testing.assert_close(old(tokens), model(tokens), atol=1e-6, rtol=1e-5)
 
 
 def test_load_balancing_loss_is_one_when_balanced_and_grows_when_collapsed():
@@ -170,6 +216,12 @@ def test_init_is_deterministic_meta_init_matches_and_dense_config_is_llama():
         assert torch.equal(pa, pb), name
     router_std = float(a.layers[0].feed_forward.router.weight.detach().std())
     assert 0.015 < router_std < 0.025
+    # Every expert's gate and up rows at init_std, its down projection at the residual std.
+    experts = a.layers[0].feed_forward.experts
+    for e in range(CFG.num_experts):
+        assert float(experts.gate_up_proj[e].detach().std()) == pytest.approx(CFG.init_std, rel=0.1), e
+        assert float(experts.down_proj[e].detach().std()) == pytest.approx(
+            CFG.init_std / math.sqrt(2 * CFG.n_layers), rel=0.1), e
     dense_cfg = dataclasses.replace(CFG, num_experts=0)
     dense, llama = build(dense_cfg, seed=5), Llama(dense_cfg)
     torch.manual_seed(5)
@@ -210,8 +262,8 @@ def test_sharding_units_with_and_without_expert_units():
     assert blocks == [model.tok_embeddings, *model.layers, model.output]
     experts = sharding_units(model, expert_units=True)
     first = model.layers[0]
-    assert experts[1:6] == [*first.feed_forward.experts, first]
-    assert len(experts) == 2 + CFG.n_layers * (1 + CFG.num_experts)
+    assert experts[1:3] == [first.feed_forward.experts, first]  # the experts module, then its block
+    assert len(experts) == 2 + CFG.n_layers * 2
 
 
 # --------------------------------------------------------------------------- two gloo ranks
@@ -252,7 +304,7 @@ def local_loss(model, tokens, targets):
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten()) + COEF * model.aux_loss()
 
 
-def moe_parity(rank, ws, routing="split", expert_units=False, placements="zero3", steps=3):
+def moe_parity(rank, ws, routing="split", expert_units=False, placements="zero3", steps=3, per_expert=False):
     """AdamW steps of the sharded MoE model against an unsharded copy; returns the worst errors.
 
     The data-parallel objective is the mean over ranks of each rank's (cross entropy + COEF * aux
@@ -260,13 +312,19 @@ def moe_parity(rank, ws, routing="split", expert_units=False, placements="zero3"
     With routing "same" every rank gets the whole batch (identical routing everywhere); with
     "different" each rank gets its own rows of the batch, so the ranks route differently (with this
     many tokens every expert still gets some on every rank); with "split" they use disjoint experts.
+    ``per_expert``: the test-local one module per expert (``PerExpertExperts``), each a unit of its
+    own with ``expert_units``, so a rank skips the modules of experts its tokens do not reach.
     """
     model = build()
     if routing == "split":
         route_by_vocabulary_half(model)
+    if per_expert:
+        with_per_expert_modules(model)
     ref = copy.deepcopy(model)
-    parallelize(model, build_mesh("cpu", ws),
-                ParallelizeConfig(placements=placements, expert_units=expert_units))
+    mesh = build_mesh("cpu", ws)
+    if per_expert and expert_units:
+        per_expert_units(model, mesh, resolve_placements(placements))
+    parallelize(model, mesh, ParallelizeConfig(placements=placements, expert_units=expert_units and not per_expert))
 
     def adamw(params):
         return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
@@ -278,12 +336,12 @@ def moe_parity(rank, ws, routing="split", expert_units=False, placements="zero3"
         chunks = [(x, y)] * ws if routing == "same" else list(zip(x.chunk(ws), y.chunk(ws)))
         local_x, local_y = chunks[rank]
         if step == 0:  # which of the first layer's experts this rank's rows reach
-            hooks = [e.register_forward_pre_hook(lambda m, a, i=i: used.add(i))
-                     for i, e in enumerate(ref.layers[0].feed_forward.experts)]
+            first = ref.layers[0].feed_forward
+            hook = first.register_forward_pre_hook(
+                lambda m, a: used.update(m.route(a[0].reshape(-1, a[0].shape[-1]))[1].flatten().tolist()))
             with torch.no_grad():
                 ref(local_x)
-            for h in hooks:
-                h.remove()
+            hook.remove()
         ref_loss = sum(local_loss(ref, cx, cy) for cx, cy in chunks) / ws
         ref_loss.backward()
         ref_opt.step()
@@ -310,16 +368,19 @@ def test_parity_ranks_route_differently(world, expert_units):
         assert max(r["errors"]) < TOL, r
 
 
+@pytest.mark.parametrize("per_expert", [False, True], ids=["stacked", "per_expert"])
 @pytest.mark.parametrize("expert_units", [False, True], ids=["block_units", "expert_units"])
-def test_parity_ranks_skip_different_experts(world, expert_units):
-    results = world(2).run(moe_parity, timeout=85, routing="split", expert_units=expert_units)
+def test_parity_ranks_skip_different_experts(world, expert_units, per_expert):
+    results = world(2).run(moe_parity, timeout=85, routing="split", expert_units=expert_units, per_expert=per_expert)
     # The construction works: rank 0 routes (layer 0) only to experts 0 and 1, rank 1 to 2 and 3.
     assert [r["first_layer_experts"] for r in results] == [[0, 1], [2, 3]], results
     for r in results:
         assert max(r["errors"]) < TOL, r
 
 
-def test_parity_ranks_skip_different_experts_zero2(world):
-    results = world(2).run(moe_parity, timeout=85, routing="split", placements="zero2")
+@pytest.mark.parametrize("per_expert", [pytest.param(False, marks=pytest.mark.slow), True],
+                         ids=["stacked", "per_expert"])
+def test_parity_ranks_skip_different_experts_zero2(world, per_expert):
+    results = world(2).run(moe_parity, timeout=85, routing="split", placements="zero2", per_expert=per_expert)
     for r in results:
         assert max(r["errors"]) < TOL, r

@@ -6,7 +6,11 @@ each rank's own rows.
 and ``MixtralForCausalLM`` for the mixtures of experts, in both directions: the loader reads it, and
 an exporter writes it, and LoRA names a block's linears by its pairs (``hf_module_name``,
 ``bundled_module_name``). A tied head appears once, as the embedding. The bundled attention uses
-the same rotate-half rotary layout as these models, so no weight is permuted.
+the same rotate-half rotary layout as these models, so no weight is permuted. The names are those of
+the transformers 5 model: a mixture of experts' stacked experts pair with Mixtral's stacked
+``mlp.experts.gate_up_proj`` and ``down_proj``, which its files store per expert under
+``block_sparse_moe`` (``experts.3.w1.weight``), by the rule of ``mfsdp.hf.moe_names`` that the
+manager's loader and every export follow (``hf_layout``).
 
 ``load_hf_weights(model, hf_dir)`` fills a model that was built on the meta device, sharded
 (``mfsdp.models.parallelize``, or any DTensor sharding on dim boundaries) and materialised with
@@ -25,6 +29,8 @@ import torch
 
 from mfsdp.transforms.adapter_names import is_adapter
 from mfsdp.hf.files import HFWeightsError, WeightFiles, read_local
+from mfsdp.hf.moe_names import LAYOUTS, ExpertLayout
+from mfsdp.hf.sharded import file_keys
 from mfsdp.models.llama import Llama, LlamaConfig
 
 
@@ -60,9 +66,16 @@ def _renamed(name: str, prefix: str, to: str, table: dict[str, str]) -> str:
     return f"{to}layers.{m[1]}.{table[m[2]]}" if m and m[2] in table else name
 
 
+def hf_layout(cfg: LlamaConfig) -> ExpertLayout | None:
+    """How the Hugging Face files of the bundled model of ``cfg`` store its experts (Mixtral's
+    per-expert names, ``mfsdp.hf.moe_names``); None for a dense model."""
+    return LAYOUTS["mixtral"] if cfg.num_experts else None
+
+
 def hf_weight_names(cfg: LlamaConfig) -> list[tuple[str, str]]:
     """``(hf_name, bundled_name)`` for every tensor of the bundled model of ``cfg``, in the order
-    Hugging Face lists them (embedding, layers, final norm, head)."""
+    Hugging Face lists them (embedding, layers, final norm, head); the Hugging Face names are the
+    transformers 5 model's (its files' names: ``hf_layout``)."""
     pairs = [("model.embed_tokens.weight", "tok_embeddings.weight")]
     for i in range(cfg.n_layers):
         mine, theirs = f"layers.{i}.", f"model.layers.{i}."
@@ -72,10 +85,9 @@ def hf_weight_names(cfg: LlamaConfig) -> list[tuple[str, str]]:
                 m_bias, t_bias = _QKV_BIAS[m]
                 pairs.append((theirs + t_bias, mine + m_bias))
         if cfg.num_experts:
-            pairs.append((theirs + "block_sparse_moe.gate.weight", mine + "feed_forward.router.weight"))
-            pairs += [(f"{theirs}block_sparse_moe.experts.{e}.{w}.weight",
-                       f"{mine}feed_forward.experts.{e}.{w}.weight")
-                      for e in range(cfg.num_experts) for w in ("w1", "w2", "w3")]
+            pairs += [(theirs + "mlp.gate.weight", mine + "feed_forward.router.weight"),
+                      (theirs + "mlp.experts.gate_up_proj", mine + "feed_forward.experts.gate_up_proj"),
+                      (theirs + "mlp.experts.down_proj", mine + "feed_forward.experts.down_proj")]
         else:
             pairs += [(theirs + t, mine + m) for m, t in _DENSE_FFN]
     pairs.append(("model.norm.weight", "norm.weight"))
@@ -96,8 +108,10 @@ def load_hf_weights(model: Llama, hf_dir: str | Path) -> None:
     if unfilled:
         raise HFWeightsError(f"the bundled model's {unfilled[0]} has no Hugging Face name (a model "
                              f"{type(model).__name__} these weights cannot fill)")
+    layout = hf_layout(model.cfg)
     with WeightFiles(hf_dir) as files:  # check everything before writing anything
-        wanted = [((hf, hf.removeprefix("model.")), params[name], name, f"{hf} (for {name})") for hf, name in names]
+        wanted = [(file_keys(files, [hf], params[name].shape, "model", layout), params[name], name,
+                   f"{hf} (for {name})") for hf, name in names]
         plan, missing, mismatched, used = files.match(wanted, "the bundled")
         used |= {"lm_head.weight"} if model.cfg.tie_embeddings else set()  # some tied checkpoints keep a copy
         extra = sorted(k for k in files.files if k not in used and not k.endswith(_IGNORED_SUFFIXES))

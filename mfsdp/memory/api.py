@@ -61,8 +61,8 @@ def estimate(model_or_config, *, world_size: Optional[int] = None, mesh_shape: O
     ``world_size`` counts every rank (data-parallel ranks x tp). A tensor-parallel estimate runs in a
     spawned child process (a few seconds) unless ``tp_in_process``: then over a fake process group in
     this process, which must have none and must not create a real one later (``mfsdp plan``), see
-    ``tensor_parallel``. ``expert_units``: each expert of a
-    bundled MoE is its own unit (``ParallelizeConfig.expert_units``). ``transforms``: the model
+    ``tensor_parallel``. ``expert_units``: each block's experts
+    module of a bundled MoE is its own unit (``ParallelizeConfig.expert_units``). ``transforms``: the model
     transforms ``parallelize`` applies (``ParallelizeConfig.transforms``; on a Hugging Face model, those
     the manager route applies: model state only, activations measured without them), replayed
     on a copy of the meta model: model state is sized from what they leave (``Float8Transform``'s
@@ -280,7 +280,7 @@ def _llama(cfg, dtype, seq_len, expert_units, model=None, transforms=(), head_lo
             f"MoE: activations measured with uniform routing, each of the {cfg.num_experts} experts of a block "
             f"gets tokens x top_k / num_experts = tokens x {cfg.top_k}/{cfg.num_experts} of a microbatch "
             "(saved bytes depend only on that total; the peak inside an expert on its share); "
-            + ("every expert unit is gathered in turn, forward and backward (a skipped expert gathers nothing)"
+            + ("each block's experts module is a unit of its own, gathered on its own inside its block"
                if expert_units else "each block gathers all its experts with it"))
 
     def acts(batch, seq, ac):

@@ -537,7 +537,7 @@ class Llama(nn.Module):
         Matrices are drawn from N(0, init_std); the two projections that write into the
         residual stream (``wo`` and ``w2``) use init_std / sqrt(2 * n_layers) so the
         stream's variance does not grow with depth (a feed-forward layer names its own two
-        sets through ``init_matrices``). Norm scales start at one.
+        sets, linears or parameters, through ``init_matrices``). Norm scales start at one.
 
         Each matrix's values are a function of ``seed``, its parameter name and the position
         only (``normal_by_rows_``), so the result is the same whether the parameters are plain
@@ -552,8 +552,9 @@ class Llama(nn.Module):
             seed = int(torch.randint(0, 2**62, (1,), device="cpu").item())
         names = {id(p): name for name, p in self.named_parameters()}
 
-        def normal(linear: nn.Module, std: float) -> None:
-            normal_by_rows_(linear.weight, std, seed=seed, key=names[id(linear.weight)])
+        def normal(matrix: nn.Module | torch.Tensor, std: float) -> None:  # a linear, or a parameter itself
+            weight = matrix if isinstance(matrix, torch.Tensor) else matrix.weight
+            normal_by_rows_(weight, std, seed=seed, key=names[id(weight)])
 
         std = self.cfg.init_std
         residual_std = std / math.sqrt(2 * self.cfg.n_layers)

@@ -8,12 +8,15 @@ for every token, each token goes to its ``top_k`` best experts, and their output
 with weights ``softmax`` over those ``top_k`` scores (the full softmax renormalised over the
 chosen experts, so a token's weights sum to one).
 
-Each expert is its own SwiGLU module in ``MoEFeedForward.experts`` (an ``nn.ModuleList``),
-and the forward loops over them the way many user MoE codes do: gather the tokens routed to
-the expert, run it, scatter-add the weighted outputs back. An expert that no token reached
-is skipped entirely: its forward does not run and its parameters get no gradient from this
-step. That is conditional computation: under data parallelism, different ranks can skip
-different experts in the same step, and a sharding wrapper must cope with that.
+The experts are stacked, as transformers 5 stores Mixtral's and Qwen3-MoE's: one
+``GroupedExperts`` module per layer holds every expert's SwiGLU in two parameters,
+``gate_up_proj`` ``[E, 2F, D]`` (each expert's gate rows, then its up rows) and ``down_proj``
+``[E, D, F]``, with the interface of ``mfsdp.experts``, so one expert-parallel implementation
+serves these models and Hugging Face's. Its forward sorts the (token, slot) assignments by expert
+(``mfsdp.experts.dispatch``), runs each expert over its rows (``mfsdp.experts.grouped``) and mixes
+the outputs back with the router weights. The experts module runs on every rank in every step
+whatever the routing: an expert that no token reached computes nothing and gets a zero slice
+of the stacked gradient.
 
 Load balancing: each forward of an MoE layer leaves the Switch Transformer auxiliary loss
 ``num_experts * sum_i f_i * P_i`` in ``last_aux_loss`` (``f_i``: the fraction of this batch's
@@ -26,9 +29,35 @@ experts. ``MoELlama.aux_loss()`` averages it over the layers; a training loop ad
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from mfsdp.models.llama import FeedForward, Llama, LlamaConfig
+from mfsdp.experts.dispatch import combine, dispatch
+from mfsdp.experts.grouped import expert_swiglu
+from mfsdp.models.llama import Llama, LlamaConfig
+
+EXPERTS_LAYOUT = "stacked"
+"""How the bundled MoE stores its experts (``GroupedExperts``), recorded in each checkpoint's model
+fingerprint: a checkpoint written with one module per expert cannot load into these parameters."""
+
+
+class GroupedExperts(nn.Module):
+    """A layer's ``num_experts`` SwiGLU experts, stacked: expert ``e`` computes
+    ``down_proj[e] @ (silu(gate x) * up x)`` with ``gate_up_proj[e]`` = cat(gate, up) on rows (the
+    dense layer's w1 then w3; ``down_proj[e]`` its w2)."""
+
+    def __init__(self, num_experts: int, dim: int, ffn_dim: int, dtype=None, device=None):
+        super().__init__()
+        self.num_experts = num_experts
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * ffn_dim, dim, dtype=dtype, device=device))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, dim, ffn_dim, dtype=dtype, device=device))
+        self.act_fn = F.silu
+
+    def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        """``hidden`` [T, D], each token's expert ids and weights [T, K] -> [T, D]."""
+        rows, counts, state = dispatch(hidden, top_k_index, self.num_experts)
+        out = expert_swiglu(rows, counts, self.gate_up_proj, self.down_proj, self.act_fn)
+        return combine(out, top_k_weights, state)
 
 
 class MoEFeedForward(nn.Module):
@@ -42,8 +71,7 @@ class MoEFeedForward(nn.Module):
         self.num_experts = cfg.num_experts
         self.top_k = cfg.top_k
         self.router = nn.Linear(cfg.dim, cfg.num_experts, bias=False, dtype=dtype, device=device)
-        self.experts = nn.ModuleList(FeedForward(cfg, dtype=dtype, device=device)
-                                     for _ in range(cfg.num_experts))
+        self.experts = GroupedExperts(cfg.num_experts, cfg.dim, cfg.ffn_dim, dtype=dtype, device=device)
         # The load-balancing loss of the latest forward (a scalar with autograd history).
         self.last_aux_loss: torch.Tensor | None = None
 
@@ -62,29 +90,15 @@ class MoEFeedForward(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         weights, experts, probs = self.route(x)
-        # Sort the (token, slot) assignments by expert once: one host read of the counts per
-        # layer instead of one per expert.
-        flat = experts.flatten()
-        order = flat.argsort(stable=True)
-        counts = torch.bincount(flat, minlength=self.num_experts)
-        sizes = counts.tolist()
-        token_of = order // self.top_k
-        weight_of = weights.flatten()[order].to(x.dtype)
-        out = torch.zeros_like(x)
-        for expert, idx, w in zip(self.experts, token_of.split(sizes), weight_of.split(sizes)):
-            if idx.numel() == 0:  # no token chose this expert: skip it entirely
-                continue
-            out.index_add_(0, idx, expert(x[idx]) * w[:, None])
-        fraction = counts.float() / flat.numel()
+        out = self.experts(x, experts, weights)
+        fraction = torch.bincount(experts.flatten(), minlength=self.num_experts).float() / experts.numel()
         self.last_aux_loss = self.num_experts * (fraction * probs.mean(dim=0)).sum()
         return out.reshape(shape)
 
-    def init_matrices(self) -> tuple[list[nn.Linear], list[nn.Linear]]:
-        """For ``Llama.init_weights``: the router and the experts' input projections at init_std,
-        the experts' output projections at the residual std."""
-        return ([self.router, *(w for e in self.experts for w in (e.w1, e.w3))],
-                [e.w2 for e in self.experts])
-
+    def init_matrices(self) -> tuple[list, list]:
+        """For ``Llama.init_weights``: the router and every expert's gate and up rows at init_std,
+        every expert's down projection at the residual std (the stacked parameters themselves)."""
+        return [self.router, self.experts.gate_up_proj], [self.experts.down_proj]
 
 class MoELlama(Llama):
     """``Llama`` whose blocks route each token through ``top_k`` of ``num_experts`` experts.
@@ -131,4 +145,4 @@ def build_model(cfg: LlamaConfig, dtype: torch.dtype | None = None,
     return cls(cfg, dtype=dtype, device=device)
 
 
-__all__ = ["MoEFeedForward", "MoELlama", "build_model"]
+__all__ = ["EXPERTS_LAYOUT", "GroupedExperts", "MoEFeedForward", "MoELlama", "build_model"]

@@ -8,9 +8,9 @@ own (``sharding_units``), so the root keeps just the final norm; the embedding, 
 backward never reads its table, is then not gathered in backward at all.
 
 Mixture-of-experts blocks (``mfsdp.models.moe``) are cut the same way by default. With
-``expert_units=True`` each expert becomes a unit of its own inside its block's unit: an
-expert that no token of a rank reached then runs neither forward nor backward on that rank
-while other ranks do, the hardest case of conditional computation for the runtime.
+``expert_units=True`` each block's experts module (its stacked experts, ``GroupedExperts``) becomes
+a unit of its own inside its block's unit: the experts' weights are then gathered, and their
+gradients reduced, apart from the rest of the block.
 
 With ``compile`` each block is compiled after sharding (the hooks stay outside its graphs).
 
@@ -45,8 +45,8 @@ class ParallelizeConfig:
     activation_checkpointing: bool = False
     """Recompute each block's activations in backward instead of storing them."""
     expert_units: bool = False
-    """Shard each expert of a mixture-of-experts block as its own unit (inside the block's unit)
-    instead of with the rest of the block; needs a model with experts."""
+    """Shard the experts module of each mixture-of-experts block (all its stacked experts) as its own
+    unit inside the block's unit, instead of with the rest of the block; needs a model with experts."""
     transforms: tuple = ()
     """Model transforms (``mfsdp.transforms.ModelTransform``) applied to the unsharded model first, in
     order: ``(Float8Transform("tensorwise"),)`` trains the linears in float8 with FP8 all-gather."""
@@ -104,7 +104,7 @@ def parallelize(model: Llama, mesh: DeviceMesh, config: ParallelizeConfig) -> Ll
     # Bottom-up: each unit before the root claims the rest (the final norm).
     kept = {id(b) for b in kept_blocks(list(model.layers), config.keep_gathered_blocks)}
     keeping = dataclasses.replace(config.communication or mfsdp.CommunicationPolicy(), keep_gathered=True)
-    for unit in sharding_units(model, expert_units=config.expert_units):
+    for unit in sharding_units(model, expert_units=config.expert_units and config.ep == 1):
         mfsdp.fully_shard(unit, mesh, placements, mixed_precision_policy=config.mixed_precision,
                           communication_policy=keeping if id(unit) in kept else config.communication)
     mfsdp.fully_shard(model, mesh, placements, mixed_precision_policy=config.mixed_precision,
@@ -133,7 +133,7 @@ def kept_blocks(blocks: list, count: int) -> list:
 
 def sharding_units(model: Llama, expert_units: bool = False) -> list:
     """The modules sharded as units, bottom-up: the embedding, every block, and the output head;
-    with ``expert_units``, each expert of a mixture-of-experts block comes just before its block.
+    with ``expert_units``, the experts module of each mixture-of-experts block comes just before its block.
 
     Giving the two vocabulary-sized matrices their own units lets the head's gradient reduction
     overlap the last blocks' backward and keeps the root (then just the final norm) tiny; with a
@@ -142,7 +142,7 @@ def sharding_units(model: Llama, expert_units: bool = False) -> list:
     units = []
     for block in model.layers:
         if expert_units and isinstance(block.feed_forward, MoEFeedForward):
-            units.extend(block.feed_forward.experts)
+            units.append(block.feed_forward.experts)
         units.append(block)
     if model.output.weight is not model.tok_embeddings.weight:
         units = [model.tok_embeddings, *units, model.output]

@@ -21,7 +21,8 @@ target (``mfsdp.transforms.lora_export``).
   mixture of experts' stacked experts under the per-expert names its checkpoints store them by
   (``mfsdp.hf.moe_names``, the rule they were loaded by); on
   the bundled route the bundled names go out under the Hugging Face ones
-  (``mfsdp.hf.names.hf_weight_names``, the table the weights came in by).
+  (``mfsdp.hf.names.hf_weight_names``, the table the weights came in by), the stacked experts of a
+  mixture of experts by the same rule, under Mixtral's per-expert names.
 * The bundled Llama goes out as ``LlamaForCausalLM``: the same rotate-half RoPE (no q/k
   permutation is needed, unlike Meta's interleaved checkpoints), ``rope_theta``, ``rms_norm_eps``
   and tied embeddings carried over. The mixtures of experts go out as ``MixtralForCausalLM``, whose
@@ -49,10 +50,11 @@ from mfsdp.hf.config import ARCHITECTURES, bundled_config_from_hf, hf_config_of
 from mfsdp.hf.export import Exported, export_adapter, export_merged, export_model, tokenizer_files
 from mfsdp.hf.files import SHARD_BYTES, Entry, HFWeightsError, has_weights, write_bytes
 from mfsdp.hf.moe_names import exported_names, layout_of
-from mfsdp.hf.names import hf_weight_names
+from mfsdp.hf.names import hf_layout, hf_weight_names
 from mfsdp.transforms.lora_export import lora_of, merge_updates, peft_state_dict
 from mfsdp.train.checkpoint import META, CheckpointMeta, find_latest, is_complete
 from mfsdp.train.run.config import DTYPES
+from mfsdp.train.run.preflight import experts_layout_problem
 from mfsdp.train.run.run_dir import recorded_identity
 
 MODEL = "model."  # the checkpoint's prefix of the model state (mfsdp.train.checkpoint)
@@ -93,7 +95,7 @@ def export_hf(source: str | Path, out_dir: str | Path, dtype: torch.dtype | None
     if _section(run).uses_manager:
         config, plan, covered = _hf_plan(run, meta, saved, dtype, out)
     else:
-        config, plan = _bundled_plan(run, meta)
+        config, plan = _bundled_plan(run, meta, saved, checkpoint)
         covered = {key for _, key, _ in plan} | {MODEL + "output.weight"}  # a tied head: the embedding
     _refuse_unplaced(saved, plan, covered, config["architectures"][0], checkpoint)
     if not hf and tokenizer is None:
@@ -184,14 +186,19 @@ def model_config_of(run: dict, hf_config: dict | None = None):
         raise ExportError(f"the checkpoint's recorded model config does not build a model ({err})") from None
 
 
-def _bundled_plan(run: dict, meta: CheckpointMeta) -> tuple[dict, list[tuple[str, str, None]]]:
+def _bundled_plan(run: dict, meta: CheckpointMeta, saved: dict, checkpoint: Path) -> tuple[dict, list[tuple]]:
     """The config.json of a run of the bundled model (a --model.hf run's: its source's), and (Hugging
-    Face name, checkpoint key, None: the whole tensor) of every tensor."""
+    Face name, checkpoint key, piece) of every tensor written (``saved``: the checkpoint's metadata): a
+    whole tensor (piece None), or one expert's rows of a stacked one (``mfsdp.hf.moe_names``)."""
+    if problem := experts_layout_problem(checkpoint, meta.model):
+        raise ExportError(problem)
     raw = _source_config(run, meta) if run["model"].get("hf") else None
     c = model_config_of(run, raw)
     config = hf_config_of(c) if raw is None else {**raw, "dtype": None, "torch_dtype": None}  # in key order
     config.setdefault("architectures", [ARCHITECTURES.get(config["model_type"])])
-    return config, [(name, MODEL + key, None) for name, key in hf_weight_names(c)]
+    shape = {key: saved[key].size for key in saved if key.startswith(MODEL)}
+    return config, [(name, MODEL + key, piece) for hf, key in hf_weight_names(c)
+                    for name, piece in exported_names(hf, shape.get(MODEL + key, ()), hf_layout(c))]
 
 
 def _refuse_unplaced(saved: dict, plan: list[tuple], covered: set[str], architecture: str,

@@ -361,10 +361,10 @@ class ParallelSection:
     activation_checkpointing: bool = False
     """Recompute each block's activations in backward to save memory."""
     expert_units: bool = False
-    """Shard each expert of a mixture-of-experts model as its own unit, not with its block (the
-    bundled MoE presets; with --parallel.ep 1). Once experts are split (--parallel.ep > 1) every
-    layer's experts module is its own unit whatever this says: it holds that rank's experts, sharded
-    over the data-parallel ranks left."""
+    """Shard the experts module of each mixture-of-experts block (all its stacked experts) as its own
+    unit inside the block's unit, not with the rest of the block (the bundled MoE presets). Once
+    experts are split (--parallel.ep > 1) every layer's experts module is its own unit whatever this
+    says: it holds that rank's experts, sharded over the data-parallel ranks left."""
     ep: int = 1
     """Expert parallelism: split each mixture-of-experts layer's experts over N ranks (rank r of a
     group holds experts [r E/N, (r+1) E/N)), each expert's weights then sharded over the world /

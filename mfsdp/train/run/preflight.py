@@ -17,6 +17,7 @@ from mfsdp.data import STDLIB, DataError, PairWindows, TokenFile, prepare_stdlib
 from mfsdp.data.identity import check_tokenizer
 from mfsdp.mesh import mesh_shape_error
 from mfsdp.models.llama import LlamaConfig
+from mfsdp.models.moe import EXPERTS_LAYOUT
 from mfsdp.train.build.batches import steps_for_epochs
 from mfsdp.train.checkpoint import CheckpointMeta, check_compatible, find_resumable
 from mfsdp.train.run.config import ModelSection, RunConfig
@@ -49,9 +50,21 @@ def model_fingerprint(model_cfg: LlamaConfig) -> dict:
     """What a checkpoint must match to be loadable into a model of shape ``model_cfg``."""
     fingerprint = {k: getattr(model_cfg, k) for k in (
         "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "tie_embeddings")}
-    if model_cfg.num_experts:  # only then: dense checkpoints written before MoE lack the key
-        fingerprint["num_experts"] = model_cfg.num_experts
+    if model_cfg.num_experts:  # only then: dense checkpoints written before MoE lack the keys
+        fingerprint.update(num_experts=model_cfg.num_experts, experts=EXPERTS_LAYOUT)
     return fingerprint
+
+
+def experts_layout_problem(path: Path, model: dict) -> str | None:
+    """Why checkpoint ``path``, whose model fingerprint is ``model``, cannot load into the bundled
+    mixture of experts: it stores one module per expert (written before the experts were stacked,
+    so its fingerprint records no layout). None when that is not the problem."""
+    if not model.get("num_experts") or "experts" in model:
+        return None
+    return (f"checkpoint {path} stores the experts one module per expert (mfsdp before the stacked layout), "
+            "which this mfsdp cannot load into its stacked experts; finish the run with the mfsdp that wrote "
+            "it (whose `mfsdp export` writes a Mixtral directory that --model.hf can train), or start fresh "
+            "in another --train.out_dir")
 
 
 def check_run(cfg: RunConfig, world: int, device_type: str, open_data: Callable[[], TokenFile] | None = None,
@@ -77,6 +90,8 @@ def check_run(cfg: RunConfig, world: int, device_type: str, open_data: Callable[
     if cfg.resume:
         resume_from, notes = find_resumable(Path(cfg.train.out_dir) / "checkpoints")
         if resume_from is not None:
+            if problem := experts_layout_problem(resume_from, CheckpointMeta.read(resume_from).model):
+                raise CheckpointError(problem)
             meta = check_compatible(resume_from, model_fingerprint(model_cfg))
             _check_route(resume_from, meta, cfg)
     if data is not None:
