@@ -266,7 +266,10 @@ def count_slice(shape: Shape, ranks: int, tokens: int, eps: list) -> dict:
     if tokens % seq:
         raise SystemExit(f"--tokens {tokens} must be a multiple of {seq}")
     with tempfile.TemporaryDirectory() as out:
-        mp.spawn(worker, args=(ranks, os.path.join(out, "init"), shape, tokens, seq, eps, out), nprocs=ranks)
+        # Forked after the heavy imports, so that the ranks do not import torch, transformers and mfsdp anew.
+        import _ep_counter, _ep_standin, mfsdp.experts.parallel, transformers.models.qwen3_moe.modeling_qwen3_moe  # noqa: F401
+        mp.start_processes(worker, args=(ranks, os.path.join(out, "init"), shape, tokens, seq, eps, out),
+                           nprocs=ranks, start_method="fork")
         per_rank = [torch.load(os.path.join(out, f"rank{r}.pt")) for r in range(ranks)]
     counted = {}
     for ep in eps:
