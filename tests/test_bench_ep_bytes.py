@@ -45,3 +45,45 @@ def test_the_real_shape_has_qwen3_30b_a3b_parameter_count_and_ep8_sends_under_a_
     assert ep8 < no_ep / 4
     gathers = formula(QWEN3_30B_A3B, 8, 1, 4096)["all-gather"]
     assert gathers == pytest.approx(7 / 8 * 2 * (2 * 48 * 623_120_640 + 311_164_928 * 2 + 2048))
+
+
+def test_the_gpu_row_parses_and_its_dry_run_prints_both_commands():
+    script = ROOT / "benchmarks" / "ep_gpu_row.sh"
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    proc = subprocess.run(["bash", str(script), "--dry-run"], cwd=ROOT, capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert any("mfsdp.cli train" in ln and "--parallel.ep 8" in ln and "--nproc-per-node 8" in ln for ln in lines)
+    assert any("torchtitan.train" in ln and "--parallelism.expert_parallel_degree 8" in ln for ln in lines)
+
+
+def test_the_gpu_row_report_reads_both_logs(tmp_path, capsys):
+    import json
+
+    from ep_gpu_row import main
+
+    (tmp_path / "m.jsonl").write_text("".join(json.dumps({"step": s, "tokens_per_s_per_gpu": 1000.0 + s,
+                                                          "peak_mem_gib": 60.0 + s}) + "\n" for s in range(1, 9)))
+    (tmp_path / "tt.log").write_text("".join(
+        f"[rank0]: step: {s:2}  loss:  9.1  grad_norm:  1.2  memory: {50 + s:.2f}GiB(52.1%)  tps: 2,{s}00  "
+        f"tflops: 100  mfu: 10%\n" for s in range(1, 9)))
+    main(["report", "--mfsdp", str(tmp_path / "m.jsonl"), "--torchtitan", str(tmp_path / "tt.log"),
+          "--span", "3..7"])
+    out = capsys.readouterr().out
+    assert "| mfsdp ep 8 | 1,005 | 67.0 |" in out and "| torchtitan ep 8 | 2,500 | 57.0 |" in out
+    assert out.strip().endswith("mfsdp / torchtitan tok/s: 0.40x")
+
+
+def test_the_gpu_row_config_is_the_real_shape(tmp_path):
+    import json
+
+    from ep_gpu_row import main
+
+    main(["config", str(tmp_path / "hf")])
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["model_type"] == "qwen3_moe" and config["architectures"] == ["Qwen3MoeForCausalLM"]
+    experts = config.get("num_experts", config.get("num_local_experts"))  # transformers 5 writes the latter
+    assert (config["num_hidden_layers"], config["hidden_size"], experts, config["num_experts_per_tok"],
+            config["moe_intermediate_size"], config["num_attention_heads"], config["num_key_value_heads"],
+            config["head_dim"], config["vocab_size"]) == (48, 2048, 128, 8, 768, 32, 4, 128, 151936)
+    assert config["rope_parameters"]["rope_theta"] == 1000000.0
