@@ -6,8 +6,9 @@ to each rank of the ``ep`` group), then a variable-size ``all_to_all_single`` of
 ranks holding their experts; ``combine`` sends the results back the same way. Backward mirrors both token
 all-to-alls (``torch.distributed.nn.functional.all_to_all_single``); the counts are not sent again.
 
-Only ``ep_bytes.py`` uses it, through ``install``. When ``mfsdp/experts/dispatch.py`` does EP itself,
-delete this file and the one call of ``install`` in ``ep_bytes.py`` (``shard_model``).
+Only ``ep_bytes.py`` uses it, and only while ``mfsdp/experts/dispatch.py`` lacks EP (``needed``: its
+``Dispatch`` state has no ``send_splits``); once the real dispatch is in the tree, the real one is
+counted, and this file and its call in ``ep_bytes.py`` (``shard_model``) can be deleted.
 """
 
 from __future__ import annotations
@@ -70,6 +71,13 @@ def forward(experts, group, hidden: torch.Tensor, top_k_index: torch.Tensor,
     gate_up, down = (w.to_local() if isinstance(w, DTensor) else w
                      for w in (experts.gate_up_proj, experts.down_proj))
     return combine(expert_swiglu(rows, counts, gate_up, down, experts.act_fn), top_k_weights, state, group)
+
+
+def needed() -> bool:
+    """Whether this tree's ``mfsdp.experts.dispatch`` lacks expert parallelism (its state has no split sizes)."""
+    from mfsdp.experts import dispatch as real
+
+    return "send_splits" not in {f.name for f in dataclasses.fields(real.Dispatch)}
 
 
 def install(modules, group) -> None:

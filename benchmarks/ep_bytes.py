@@ -190,8 +190,8 @@ def shard_model(model, ep: int):
     layer a unit, then the root), with its experts split over ``ep`` ranks first when ``ep > 1``.
 
     THE ONE PLACE where the expert-parallel path plugs in: ``apply_expert_parallel`` is the real one
-    (mfsdp/experts/parallel.py); ``_ep_standin.install`` replaces its dispatch until
-    mfsdp/experts/dispatch.py does EP (then delete that line and ``_ep_standin.py``)."""
+    (mfsdp/experts/parallel.py); ``_ep_standin`` replaces its dispatch only while this tree's
+    mfsdp/experts/dispatch.py lacks EP (``_ep_standin.needed``)."""
     import mfsdp
     from mfsdp.experts.parallel import apply_expert_parallel, expert_mesh
     from mfsdp.manager.core_options import resolve_unit_modules
@@ -202,7 +202,8 @@ def shard_model(model, ep: int):
     if ep > 1:
         modules = apply_expert_parallel(model, mesh, placements, ep, mixed_precision=policy)
         import _ep_standin
-        _ep_standin.install(modules, expert_mesh(mesh, ep)[EP].get_group())  # STAND-IN: delete at merge
+        if _ep_standin.needed():  # STAND-IN while mfsdp/experts/dispatch.py lacks EP: delete with _ep_standin.py
+            _ep_standin.install(modules, expert_mesh(mesh, ep)[EP].get_group())
     for _, unit in resolve_unit_modules(model):
         mfsdp.fully_shard(unit, mesh, placements, mixed_precision_policy=policy)
     mfsdp.fully_shard(model, mesh, placements, mixed_precision_policy=policy)
@@ -229,7 +230,16 @@ def count_one(shape: Shape, ep: int, tokens: int, seq: int, counter, rank: int) 
             model(input_ids=ids, labels=ids).loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-    return {"sent": dict(counter.sent), "calls": dict(counter.calls), "leaving": routing.leaving / routing.copies}
+    return {"sent": dict(counter.sent), "calls": dict(counter.calls), "leaving": routing.leaving / routing.copies,
+            "dispatch": dispatch_name(ep)}
+
+
+def dispatch_name(ep: int) -> str:
+    import _ep_standin
+
+    if ep == 1:
+        return "none (no EP)"
+    return "benchmarks/_ep_standin.py (stand-in)" if _ep_standin.needed() else "mfsdp.experts.dispatch"
 
 
 def _nothing():
@@ -276,7 +286,8 @@ def count_slice(shape: Shape, ranks: int, tokens: int, eps: list) -> dict:
         rows = [r[ep] for r in per_rank]
         kinds = sorted({k for row in rows for k in row["sent"]})
         counted[ep] = {"sent": {k: sum(row["sent"].get(k, 0) for row in rows) / ranks for k in kinds},
-                       "calls": rows[0]["calls"], "leaving": sum(row["leaving"] for row in rows) / ranks}
+                       "calls": rows[0]["calls"], "leaving": sum(row["leaving"] for row in rows) / ranks,
+                       "dispatch": rows[0]["dispatch"]}
     return counted
 
 
@@ -319,7 +330,9 @@ def report(args, shape: Shape, counted: dict) -> bool:
           "(n-1)/n of the full buffer, all-reduce 2(n-1)/n, all-to-all the rows sent to other ranks. Routing: "
           "uniform random top-k (each copy leaves its rank with probability (E - E/ep)/E = (ep-1)/ep).\n")
     print(f"## Counted on a slice: {args.ranks} gloo ranks, {args.tokens:,} tokens a rank, {shape}\n")
-    print("MB counted / MB by the formula (given the copies that left each rank), mean over ranks.\n")
+    dispatch = sorted({c["dispatch"] for ep, c in counted.items() if ep > 1})
+    print("MB counted / MB by the formula (given the copies that left each rank), mean over ranks. "
+          f"Token dispatch counted: {', '.join(dispatch) or 'none'}.\n")
     print(f"| config {head} worst diff | copies leaving (expected) | collectives |")
     print("|---" * 8 + "|")
     rows, worst = check_rows(shape, args.ranks, args.tokens, counted)
