@@ -21,6 +21,7 @@ Until ``mfsdp/experts/dispatch.py`` does expert-parallel dispatch, ``_ep_standin
 collectives in its place (one call in ``shard_model``).
 
     python benchmarks/ep_bytes.py                   # 8 ranks, 4,096 tokens a rank, ep 1 2 4 8 (~2 min)
+    python benchmarks/ep_bytes.py --ac              # the same with activation checkpointing
     python benchmarks/ep_bytes.py --ranks 4 --eps 1 2 4 --layers 1 --tokens 256 --experts 16 --top-k 2
 """
 
@@ -118,8 +119,8 @@ def unit_bytes(shapes: list, ways: int, gathers: int, dtypes: Dtypes) -> tuple[f
 
 
 def formula(shape: Shape, ranks: int, ep: int, tokens: int, dtypes: Dtypes = Dtypes(),
-            leaving: float | None = None) -> dict:
-    """Bytes one rank sends per step (zero3, one microbatch, no activation checkpointing), by collective.
+            leaving: float | None = None, ac: bool = False) -> dict:
+    """Bytes one rank sends per step (zero3, one microbatch), by collective.
 
     Units: each decoder layer (dense parameters, with its experts when ``ep == 1``), sharded over all
     ``ranks``, gathered in forward and again in backward; the root (embedding, head, final norm) gathered
@@ -128,7 +129,8 @@ def formula(shape: Shape, ranks: int, ep: int, tokens: int, dtypes: Dtypes = Dty
     gradients are reduce-scattered once. Per MoE layer with ``ep > 1``: the counts all-to-all
     (``experts`` int64, in forward) and four token all-to-alls (dispatch and combine, forward and
     backward), each sending the ``leaving`` fraction of the ``tokens * top_k`` copies (default: the
-    uniform-routing expectation ``(ep - 1) / ep``) at ``hidden`` elements each.
+    uniform-routing expectation ``(ep - 1) / ep``) at ``hidden`` elements each. With activation
+    checkpointing (``ac``) the recomputed forward sends the counts and both forward all-to-alls again.
     """
     if ranks % ep or shape.experts % ep:
         raise ValueError(f"ep {ep} must divide the {ranks} ranks and the {shape.experts} experts")
@@ -140,8 +142,9 @@ def formula(shape: Shape, ranks: int, ep: int, tokens: int, dtypes: Dtypes = Dty
     leaving = (ep - 1) / ep if leaving is None else leaving
     copies = shape.layers * tokens * shape.top_k * leaving
     counts = shape.layers * 8 * shape.experts * (ep - 1) / ep
+    passes = 6 if ac else 4
     return {"all-gather": sums[0], "reduce-scatter": sums[1], "all-reduce": 0.0,
-            "all-to-all": 4 * copies * shape.hidden * dtypes.tokens + counts}
+            "all-to-all": passes * copies * shape.hidden * dtypes.tokens + counts * (2 if ac else 1)}
 
 
 # ------------------------------------------------------------------------------ the counted slice
@@ -160,21 +163,20 @@ class UniformRouting:
     """Replaces each router's choice of experts by a uniform random one (the scores still weight the
     chosen experts, so the router trains), and counts the copies that leave this rank under ``ep``."""
 
-    def __init__(self, ep: int, ep_rank: int, seed: int) -> None:
+    def __init__(self, ep: int, ep_rank: int) -> None:
         self.ep, self.ep_rank = ep, ep_rank
-        self.generator = torch.Generator().manual_seed(seed)
         self.copies = self.leaving = 0
 
     def forward(self, router, hidden: torch.Tensor):
         hidden = hidden.reshape(-1, router.hidden_dim)
         logits = torch.nn.functional.linear(hidden, router.weight)
         probs = logits.float().softmax(dim=-1)
-        chosen = torch.rand(hidden.shape[0], router.num_experts, generator=self.generator).topk(router.top_k).indices
+        # The default generator: activation checkpointing restores its state, so a recomputation chooses alike.
+        chosen = torch.rand(hidden.shape[0], router.num_experts).topk(router.top_k).indices
         weights = probs.gather(1, chosen)
         weights = weights / weights.sum(dim=-1, keepdim=True)
-        if torch.is_grad_enabled():  # the forward, not a recomputation
-            self.copies += chosen.numel()
-            self.leaving += int((chosen // (router.num_experts // self.ep) != self.ep_rank).sum())
+        self.copies += chosen.numel()  # a recomputation counts the same choice again: the fraction holds
+        self.leaving += int((chosen // (router.num_experts // self.ep) != self.ep_rank).sum())
         return logits, weights.to(logits.dtype), chosen
 
     def install(self, model) -> None:
@@ -185,16 +187,17 @@ class UniformRouting:
                 module.forward = functools.partial(self.forward, module)
 
 
-def shard_model(model, ep: int):
+def shard_model(model, ep: int, ac: bool = False):
     """Shard ``model`` as ``mfsdp train --model.hf`` does on a 1-D data-parallel mesh (zero3, each decoder
-    layer a unit, then the root), with its experts split over ``ep`` ranks first when ``ep > 1``.
+    layer a unit, then the root), with its experts split over ``ep`` ranks first when ``ep > 1``; ``ac``:
+    each layer's forward recomputed in backward, as ``--parallel.activation_checkpointing`` does.
 
     THE ONE PLACE where the expert-parallel path plugs in: ``apply_expert_parallel`` is the real one
     (mfsdp/experts/parallel.py); ``_ep_standin`` replaces its dispatch only while this tree's
     mfsdp/experts/dispatch.py lacks EP (``_ep_standin.needed``)."""
     import mfsdp
     from mfsdp.experts.parallel import apply_expert_parallel, expert_mesh
-    from mfsdp.manager.core_options import resolve_unit_modules
+    from mfsdp.manager.core_options import checkpoint_forward, resolve_unit_modules
     from mfsdp.mesh import EP, build_mesh, resolve_placements
 
     mesh, placements = build_mesh("cpu"), resolve_placements("zero3")
@@ -205,12 +208,14 @@ def shard_model(model, ep: int):
         if _ep_standin.needed():  # STAND-IN while mfsdp/experts/dispatch.py lacks EP: delete with _ep_standin.py
             _ep_standin.install(modules, expert_mesh(mesh, ep)[EP].get_group())
     for _, unit in resolve_unit_modules(model):
+        if ac:
+            checkpoint_forward(unit)
         mfsdp.fully_shard(unit, mesh, placements, mixed_precision_policy=policy)
     mfsdp.fully_shard(model, mesh, placements, mixed_precision_policy=policy)
     return model
 
 
-def count_one(shape: Shape, ep: int, tokens: int, seq: int, counter, rank: int) -> dict:
+def count_one(shape: Shape, ep: int, tokens: int, seq: int, counter, rank: int, ac: bool) -> dict:
     """Build, shard and train the slice at ``ep`` for a warm-up step and a counted one; this rank's
     counts and the fraction of its token copies that left it."""
     import mfsdp
@@ -218,9 +223,10 @@ def count_one(shape: Shape, ep: int, tokens: int, seq: int, counter, rank: int) 
 
     torch.manual_seed(0)
     model = Qwen3MoeForCausalLM(hf_config(shape, seq)).to(torch.bfloat16)
-    routing = UniformRouting(ep, rank % ep, seed=1000 + rank)
+    routing = UniformRouting(ep, rank % ep)
     routing.install(model)
-    shard_model(model, ep)
+    shard_model(model, ep, ac)
+    torch.manual_seed(1000 + rank)  # each rank routes its own way
     optimizer = mfsdp.fully_shard_optimizer(model, torch.optim.AdamW(model.parameters(), lr=1e-4))
     ids = torch.randint(shape.vocab, (tokens // seq, seq), generator=torch.Generator().manual_seed(rank))
     for counted in (False, True):
@@ -248,7 +254,8 @@ def _nothing():
     return contextlib.nullcontext()
 
 
-def worker(rank: int, ranks: int, init_file: str, shape: Shape, tokens: int, seq: int, eps: list, out: str) -> None:
+def worker(rank: int, ranks: int, init_file: str, shape: Shape, tokens: int, seq: int, eps: list, ac: bool,
+           out: str) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     import torch.distributed as dist
@@ -262,13 +269,13 @@ def worker(rank: int, ranks: int, init_file: str, shape: Shape, tokens: int, seq
                             timeout=datetime.timedelta(seconds=600))
     counter = ByteCounter()
     with counter.patch():
-        results = {ep: count_one(shape, ep, tokens, seq, counter, rank) for ep in eps}
+        results = {ep: count_one(shape, ep, tokens, seq, counter, rank, ac) for ep in eps}
     torch.save(results, os.path.join(out, f"rank{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()
 
 
-def count_slice(shape: Shape, ranks: int, tokens: int, eps: list) -> dict:
+def count_slice(shape: Shape, ranks: int, tokens: int, eps: list, ac: bool = False) -> dict:
     """{ep: {"sent": {kind: mean bytes over ranks}, "calls": rank 0's, "leaving": the mean fraction}}."""
     import torch.multiprocessing as mp
 
@@ -278,7 +285,7 @@ def count_slice(shape: Shape, ranks: int, tokens: int, eps: list) -> dict:
     with tempfile.TemporaryDirectory() as out:
         # Forked after the heavy imports, so that the ranks do not import torch, transformers and mfsdp anew.
         import _ep_counter, _ep_standin, mfsdp.experts.parallel, transformers.models.qwen3_moe.modeling_qwen3_moe  # noqa: F401
-        mp.start_processes(worker, args=(ranks, os.path.join(out, "init"), shape, tokens, seq, eps, out),
+        mp.start_processes(worker, args=(ranks, os.path.join(out, "init"), shape, tokens, seq, eps, ac, out),
                            nprocs=ranks, start_method="fork")
         per_rank = [torch.load(os.path.join(out, f"rank{r}.pt")) for r in range(ranks)]
     counted = {}
@@ -296,11 +303,11 @@ def label(ep: int) -> str:
     return "no EP" if ep == 1 else f"ep {ep}"
 
 
-def check_rows(shape: Shape, ranks: int, tokens: int, counted: dict) -> tuple[list, float]:
+def check_rows(shape: Shape, ranks: int, tokens: int, counted: dict, ac: bool) -> tuple[list, float]:
     """Markdown rows of the counted slice beside the formula, and the largest relative difference."""
     rows, worst = [], 0.0
     for ep, c in counted.items():
-        f = formula(shape, ranks, ep, tokens, Dtypes(), leaving=c["leaving"])
+        f = formula(shape, ranks, ep, tokens, Dtypes(), leaving=c["leaving"], ac=ac)
         diffs = [abs(c["sent"].get(k, 0) - f[k]) / f[k] if f[k] else float(c["sent"].get(k, 0) > 0) for k in KINDS]
         worst = max([worst, *diffs])
         extra = {k: v for k, v in c["sent"].items() if k not in KINDS and v}
@@ -310,10 +317,10 @@ def check_rows(shape: Shape, ranks: int, tokens: int, counted: dict) -> tuple[li
     return rows, worst
 
 
-def real_rows(ranks: int, tokens: int, eps: list) -> list:
+def real_rows(ranks: int, tokens: int, eps: list, ac: bool) -> list:
     rows, base = [], None
     for ep in eps:
-        f = formula(QWEN3_30B_A3B, ranks, ep, tokens)
+        f = formula(QWEN3_30B_A3B, ranks, ep, tokens, ac=ac)
         total = sum(f.values())
         base = base or total
         cells = " | ".join(f"{f[k] / 1e9:.2f}" for k in KINDS)
@@ -324,7 +331,8 @@ def real_rows(ranks: int, tokens: int, eps: list) -> list:
 
 def report(args, shape: Shape, counted: dict) -> bool:
     head = "| " + " | ".join(KINDS) + " |"
-    print("# Bytes each rank sends per training step, by collective: Qwen3-30B-A3B shape, zero3\n")
+    print("# Bytes each rank sends per training step, by collective: Qwen3-30B-A3B shape, zero3, "
+          f"activation checkpointing {'on' if args.ac else 'off'}\n")
     print(f"Sources: {SOURCES}\n")
     print("Convention: ring bytes leaving one rank; over a group of n ranks: all-gather and reduce-scatter "
           "(n-1)/n of the full buffer, all-reduce 2(n-1)/n, all-to-all the rows sent to other ranks. Routing: "
@@ -335,7 +343,7 @@ def report(args, shape: Shape, counted: dict) -> bool:
           f"Token dispatch counted: {', '.join(dispatch) or 'none'}.\n")
     print(f"| config {head} worst diff | copies leaving (expected) | collectives |")
     print("|---" * 8 + "|")
-    rows, worst = check_rows(shape, args.ranks, args.tokens, counted)
+    rows, worst = check_rows(shape, args.ranks, args.tokens, counted, args.ac)
     print("\n".join(rows))
     ok = worst <= TOLERANCE
     print(f"\nformula vs counts: largest difference {worst:.3%} ({'within' if ok else 'OVER'} {TOLERANCE:.0%})\n")
@@ -344,8 +352,8 @@ def report(args, shape: Shape, counted: dict) -> bool:
     print(f"| GPUs | config {head} total | / no EP |")
     print("|---" * 8 + "|")
     for ranks in (8, 64):
-        print("\n".join(real_rows(ranks, args.tokens, [e for e in (1, 2, 4, 8, 64) if ranks % e == 0])))
-    ratio = [sum(formula(QWEN3_30B_A3B, 8, ep, args.tokens).values()) for ep in (8, 1)]
+        print("\n".join(real_rows(ranks, args.tokens, [e for e in (1, 2, 4, 8, 64) if ranks % e == 0], args.ac)))
+    ratio = [sum(formula(QWEN3_30B_A3B, 8, ep, args.tokens, ac=args.ac).values()) for ep in (8, 1)]
     print(f"\nep 8 / no ep: {ratio[0] / ratio[1]:.2f}x")
     return ok
 
@@ -363,6 +371,7 @@ def parse(argv=None):
     p.add_argument("--heads", type=int, default=8, help="slice: query heads (default 8; 4 key-value heads)")
     p.add_argument("--head-dim", type=int, default=16, help="slice: head_dim (default 16)")
     p.add_argument("--vocab", type=int, default=1024, help="slice: vocabulary (default 1024)")
+    p.add_argument("--ac", action="store_true", help="activation checkpointing on every decoder layer")
     args = p.parse_args(argv)
     for ep in args.eps:
         if args.ranks % ep or args.experts % ep:
@@ -375,7 +384,7 @@ def main(argv=None) -> int:
     shape = Shape(layers=args.layers, hidden=args.hidden, experts=args.experts, top_k=args.top_k,
                   moe_intermediate=args.moe_intermediate, heads=args.heads, kv_heads=max(1, args.heads // 2),
                   head_dim=args.head_dim, vocab=args.vocab)
-    counted = count_slice(shape, args.ranks, args.tokens, args.eps)
+    counted = count_slice(shape, args.ranks, args.tokens, args.eps, args.ac)
     return 0 if report(args, shape, counted) else 1
 
 
