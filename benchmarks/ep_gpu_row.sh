@@ -3,8 +3,9 @@
 #
 # A Qwen3-30B-A3B-shaped model (config.json only, random init) on 8 GPUs, in one job: `mfsdp train` at
 # --parallel.ep 8, then torchtitan's own trainer with expert_parallel_degree 8, the same sequence length,
-# local batch and steps, no activation checkpointing; tok/s per GPU (median over SPAN) and peak memory of
-# each, and their ratio (ep_gpu_row.py report).
+# local batch and steps, full activation checkpointing in both (without it `mfsdp plan` predicts 205 GiB
+# a GPU at ep 8, 1 x 4096: it does not fit an H200; with it 64 GiB); tok/s per GPU (median over SPAN) and
+# peak memory of each, and their ratio (ep_gpu_row.py report).
 #
 #   bash benchmarks/ep_gpu_row.sh [--dry-run]        # --dry-run: print the commands, run nothing
 #
@@ -26,11 +27,11 @@ HF_DIR=/tmp/qwen3-30b-a3b-shape
 MFSDP_CMD=(python3 -m mfsdp.cli train --nproc-per-node 8 --model.hf "$HF_DIR" --parallel.ep 8
   --data.path /tmp/stdlib.tokens --data.seq_len "$SEQ" --data.local_batch "$BATCH" --train.steps "$STEPS"
   --train.sample_tokens 0 --train.checkpoint_every 0 --train.eval_every 0 --train.progress false
-  --train.out_dir /tmp/ep_row_mfsdp)
+  --parallel.activation_checkpointing true --train.out_dir /tmp/ep_row_mfsdp)
 read -r -a TT_FLAGS <<< "${TT_ARGS:---job.config_file $TT_CONFIG --model.flavor 30B-A3B \
 --model.hf_assets_path tests/assets/tokenizer --training.dataset c4_test --training.local_batch_size $BATCH \
 --training.seq_len $SEQ --training.steps $STEPS --parallelism.expert_parallel_degree 8 \
---parallelism.data_parallel_shard_degree 8 --activation_checkpoint.mode none --checkpoint.enable false \
+--parallelism.data_parallel_shard_degree 8 --activation_checkpoint.mode full --checkpoint.enable false \
 --metrics.enable_wandb false --metrics.log_freq 1 --job.dump_folder /tmp/ep_row_tt}"
 TT_CMD=(python3 -m torch.distributed.run --standalone --nproc-per-node 8 -m torchtitan.train "${TT_FLAGS[@]}")
 REPORT_CMD=(python3 benchmarks/ep_gpu_row.py report --mfsdp /tmp/ep_row_mfsdp/metrics.jsonl
@@ -52,6 +53,7 @@ git rev-parse HEAD | sed 's/^/mfsdp /' | tee -a "$OUT/versions.txt"
 git -C "$TORCHTITAN" rev-parse HEAD 2>/dev/null | sed 's/^/torchtitan /' | tee -a "$OUT/versions.txt"
 python3 benchmarks/ep_gpu_row.py config "$HF_DIR"
 python3 -m mfsdp.cli prepare-data stdlib /tmp/stdlib.tokens > /dev/null 2>&1
+rm -rf /tmp/ep_row_mfsdp /tmp/ep_row_tt
 timeout 280 "${MFSDP_CMD[@]}" > "$OUT/mfsdp.log" 2>&1; echo "mfsdp rc=$?"
 cp /tmp/ep_row_mfsdp/metrics.jsonl "$OUT/mfsdp_metrics.jsonl" 2>/dev/null
 (cd "$TORCHTITAN" && PYTHONPATH=$TORCHTITAN timeout 280 "${TT_CMD[@]}") > "$OUT/torchtitan.log" 2>&1
