@@ -17,9 +17,6 @@ actually left each rank; the real-width tables use the expectation, a fraction `
 rank's ``tokens * top_k`` copies leaving it. Dtypes as ``mfsdp train`` on CUDA by default: bf16 compute,
 fp32 main weights, weights gathered and gradients reduced in bf16, tokens sent in bf16.
 
-Until ``mfsdp/experts/dispatch.py`` does expert-parallel dispatch, ``_ep_standin.py`` issues the same
-collectives in its place (one call in ``shard_model``).
-
     python benchmarks/ep_bytes.py                   # 8 ranks, 4,096 tokens a rank, ep 1 2 4 8 (~2 min)
     python benchmarks/ep_bytes.py --ac              # the same with activation checkpointing
     python benchmarks/ep_bytes.py --ranks 4 --eps 1 2 4 --layers 1 --tokens 256 --experts 16 --top-k 2
@@ -192,21 +189,16 @@ def shard_model(model, ep: int, ac: bool = False):
     layer a unit, then the root), with its experts split over ``ep`` ranks first when ``ep > 1``; ``ac``:
     each layer's forward recomputed in backward, as ``--parallel.activation_checkpointing`` does.
 
-    THE ONE PLACE where the expert-parallel path plugs in: ``apply_expert_parallel`` is the real one
-    (mfsdp/experts/parallel.py); ``_ep_standin`` replaces its dispatch only while this tree's
-    mfsdp/experts/dispatch.py lacks EP (``_ep_standin.needed``)."""
+    The expert-parallel path is the library's own (``mfsdp.experts.parallel.apply_expert_parallel``)."""
     import mfsdp
-    from mfsdp.experts.parallel import apply_expert_parallel, expert_mesh
+    from mfsdp.experts.parallel import apply_expert_parallel
     from mfsdp.manager.core_options import checkpoint_forward, resolve_unit_modules
-    from mfsdp.mesh import EP, build_mesh, resolve_placements
+    from mfsdp.mesh import build_mesh, resolve_placements
 
     mesh, placements = build_mesh("cpu"), resolve_placements("zero3")
     policy = mfsdp.MixedPrecisionPolicy()  # fp32 main weights, bf16 gradients (the compute dtype)
     if ep > 1:
-        modules = apply_expert_parallel(model, mesh, placements, ep, mixed_precision=policy)
-        import _ep_standin
-        if _ep_standin.needed():  # STAND-IN while mfsdp/experts/dispatch.py lacks EP: delete with _ep_standin.py
-            _ep_standin.install(modules, expert_mesh(mesh, ep)[EP].get_group())
+        apply_expert_parallel(model, mesh, placements, ep, mixed_precision=policy)
     for _, unit in resolve_unit_modules(model):
         if ac:
             checkpoint_forward(unit)
@@ -241,11 +233,7 @@ def count_one(shape: Shape, ep: int, tokens: int, seq: int, counter, rank: int, 
 
 
 def dispatch_name(ep: int) -> str:
-    import _ep_standin
-
-    if ep == 1:
-        return "none (no EP)"
-    return "benchmarks/_ep_standin.py (stand-in)" if _ep_standin.needed() else "mfsdp.experts.dispatch"
+    return "none (no EP)" if ep == 1 else "mfsdp.experts.dispatch"
 
 
 def _nothing():
@@ -284,7 +272,7 @@ def count_slice(shape: Shape, ranks: int, tokens: int, eps: list, ac: bool = Fal
         raise SystemExit(f"--tokens {tokens} must be a multiple of {seq}")
     with tempfile.TemporaryDirectory() as out:
         # Forked after the heavy imports, so that the ranks do not import torch, transformers and mfsdp anew.
-        import _ep_counter, _ep_standin, mfsdp.experts.parallel, transformers.models.qwen3_moe.modeling_qwen3_moe  # noqa: F401
+        import _ep_counter, mfsdp.experts.parallel, transformers.models.qwen3_moe.modeling_qwen3_moe  # noqa: F401
         mp.start_processes(worker, args=(ranks, os.path.join(out, "init"), shape, tokens, seq, eps, ac, out),
                            nprocs=ranks, start_method="fork")
         per_rank = [torch.load(os.path.join(out, f"rank{r}.pt")) for r in range(ranks)]
