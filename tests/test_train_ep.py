@@ -94,6 +94,33 @@ def test_a_run_saved_at_ep_2_resumes_at_ep_1(world, corpus, tmp_path, saved_at_e
     assert close(resumed, whole), (resumed, whole)
 
 
+@pytest.fixture(scope="module")
+def aux_on_at_ep_1(world, corpus, tmp_path_factory):
+    rows, _ = train(world, 4, corpus, tmp_path_factory.mktemp("ep") / "aux1", *STEPS,
+                    "--model.moe_aux_loss_coef", "0.05")
+    return rows
+
+
+@pytest.mark.parametrize("ep", [4, pytest.param(2, marks=pytest.mark.slow)])
+def test_the_load_balancing_loss_is_the_same_at_every_ep(world, corpus, tmp_path, aux_on_at_ep_1, ep):
+    """On the same four ranks the bundled presets' load-balancing loss (each rank's own tokens' routing)
+    and so the losses agree at ep 1, 2 and 4."""
+    rows, _ = train(world, 4, corpus, tmp_path, *STEPS, "--model.moe_aux_loss_coef", "0.05", "--parallel.ep", str(ep))
+    for key in ("loss", "aux_loss"):
+        got, want = [r[key] for r in rows], [r[key] for r in aux_on_at_ep_1]
+        assert close(got, want), (key, got, want)
+
+
+def test_lora_with_ep_adapts_the_dense_linears(world, corpus, tmp_path):
+    """LoRA on a mixture of experts with the experts split: the attention linears adapted, the experts
+    frozen; the same losses as the same LoRA run at ep 1."""
+    lora = ["--peft.method", "lora", "--train.steps", "3", "--train.checkpoint_every", "0"]
+    at_1, _ = train(world, 2, corpus, tmp_path / "ep1", *lora)
+    at_2, printed = train(world, 2, corpus, tmp_path / "ep2", *lora, "--parallel.ep", "2")
+    assert "experts: 4 per layer, 2 on each of 2 ep ranks" in printed and "4 linears" in printed, printed
+    assert close(losses(at_2), losses(at_1)), (losses(at_2), losses(at_1))
+
+
 # ------------------------------------------------------------------------------------- the checks
 def test_ep_errors_are_one_line_each():
     def problem(world, *args, tp=1):
