@@ -24,6 +24,8 @@ def _swiglu(counts, x, gate_up, down, probe):
 @pytest.mark.skipif(not _compat.has_grouped_mm(), reason="this torch has no grouped_mm")
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
 def test_grouped_matches_loop_on_cuda(monkeypatch, dtype, tol):
+    """bf16 takes the grouped GEMM; fp32 the loop (torch's CUDA kernel is bf16 only): both agree with
+    the loop forced."""
     counts, d, f = [37, 0, 128, 5, 0, 64, 1, 19], 256, 128
     g = torch.Generator(device="cuda").manual_seed(0)
     flat = torch.empty(8 * 2 * f * d + 8 * d * f + 8, dtype=dtype, device="cuda")  # one flat buffer
@@ -33,7 +35,7 @@ def test_grouped_matches_loop_on_cuda(monkeypatch, dtype, tol):
     down.copy_(torch.randn(down.shape, generator=g, device="cuda") / 11)
     x = torch.randn(sum(counts), d, generator=g, device="cuda").to(dtype)
     probe = torch.randn(sum(counts), d, generator=g, device="cuda")
-    assert grouped_mm_usable(x, gate_up, down)
+    assert grouped_mm_usable(x, gate_up, down) == (dtype == torch.bfloat16)
     grouped = _swiglu(counts, x, gate_up, down, probe)
     monkeypatch.delattr(torch.nn.functional, "grouped_mm", raising=False)
     monkeypatch.delattr(torch, "_grouped_mm", raising=False)

@@ -16,6 +16,9 @@ import torch
 from mfsdp import _compat
 
 _GROUPED_DTYPES = (torch.float32, torch.bfloat16)
+# fp32 runs through the grouped GEMM only in eager CPU code: torch's CUDA kernel and its shape rule
+# (what torch.compile traces with, on any device) accept bf16 alone.
+_FP32_GROUPED = "cpu"
 
 
 def expert_swiglu(x: torch.Tensor, counts: Sequence[int], gate_up: torch.Tensor, down: torch.Tensor,
@@ -46,6 +49,8 @@ def grouped_mm_usable(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
     if any(type(t) not in (torch.Tensor, torch.nn.Parameter) for t in operands):
         return False  # a tensor subclass (DTensor, a float8 tensor) has its own rules
     if x.dtype not in _GROUPED_DTYPES or any(t.dtype != x.dtype or t.device != x.device for t in operands):
+        return False
+    if x.dtype == torch.float32 and (x.device.type != _FP32_GROUPED or torch.compiler.is_compiling()):
         return False
     hidden_row = down.shape[-1] * x.element_size()  # the activation [N, F] between the projections
     return hidden_row % 16 == 0 and all(_aligned(t) for t in (x, gate_up.mT, down.mT))
