@@ -135,7 +135,9 @@ def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh, placements: Placem
     modules = experts_modules(model)
     if not modules:
         raise ValueError(f"ep={ep} splits stacked experts (modules with 3-D gate_up_proj and down_proj, see "
-                         f"mfsdp.experts), but {type(model).__name__} has none; leave ep at 1")
+                         f"mfsdp.experts), but {type(model).__name__} has none (transformers 5 or later stores Qwen3-MoE, "
+                         f"Qwen2-MoE and Mixtral experts stacked; older versions one module per expert); "
+                         f"upgrade transformers or leave ep at 1")
     for experts in modules:
         split_experts(experts, emesh[EP])
         fully_shard(experts, emesh, expert_placements(placements), mixed_precision,
