@@ -42,6 +42,7 @@ from mfsdp.manager.config import MegatronFSDPConfig, field_names
 from mfsdp.manager.context_parallel import CAUSAL_SDPA, DP_SHARD_CP, use_causal_sdpa
 from mfsdp.manager.core_options import (checkpoint_forward, communication_policy, dp_placements,
                                         mesh_placements, precision_policy, resolve_unit_modules)
+from mfsdp.manager.experts import build_expert_mesh, check_ep_against_mesh, split_experts_over_ep
 from mfsdp.manager.mesh import check_config_against_mesh, mesh_sizes
 from mfsdp.manager.tp_plans import apply_tensor_parallel, loss_context, sequence_length_check
 
@@ -253,6 +254,9 @@ class MegatronFSDPManager:
         # The placements this mesh runs: config.placements, else what the Megatron integers stand for.
         self.placements = (mesh_placements(config.placements, self.sizes) if config.placements is not None else
                            dp_placements(config.zero_dp_strategy, self.sizes, config.outer_dp_sharding_strategy))
+        check_ep_against_mesh(config.ep_size, self.sizes)
+        # The experts' mesh, ([dp_replicate,] ep_shard, ep) over the same ranks; None without expert parallelism.
+        self.expert_mesh = build_expert_mesh(self._dp_mesh(), config.ep_size)
 
     def _check_supported(self) -> None:
         c, device = self.config, self.device_mesh.device_type
@@ -336,6 +340,9 @@ class MegatronFSDPManager:
 
         # The core takes the data-parallel axes, plus tp where the parameters are TP DTensors over it.
         dp_mesh, policy, comm = self._dp_mesh(), precision_policy(c), self.communication_policy
+        if self.expert_mesh is not None:  # the experts become their own units, inside the layers' units
+            split_experts_over_ep(model, self.expert_mesh, dp_mesh, self.placements, c.ep_size,
+                                  mixed_precision=policy, communication=comm)
         for module in [unit for _, unit in units] + [model]:
             mfsdp.fully_shard(module, dp_mesh, self.placements, policy, c.nccl_ub, communication_policy=comm)
         if sizes.cp > 1 and hasattr(model, "set_attn_implementation"):
