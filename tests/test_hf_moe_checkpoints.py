@@ -31,34 +31,42 @@ def _logits(model, x):
         return model(input_ids=x).logits.float()
 
 
-def moe_round_trip(rank, ws, tmp, family):
-    """save_pretrained -> meta build -> sharded load -> logits; which expert tensors this rank read;
-    save_hf_checkpoint -> from_pretrained -> logits, and the export's tensor names."""
+def moe_round_trip(rank, ws, tmp, family, ep=1):
+    """save_pretrained -> meta build -> sharded load (experts split over ``ep``) -> logits; which expert
+    tensors this rank read; save_hf_checkpoint -> from_pretrained -> logits and tensors, and the
+    export's tensor names."""
     from mfsdp.hf.sharded import meta_model_from_config, save_hf_checkpoint
     from mfsdp.manager import MegatronFSDPConfig, MegatronFSDPManager, build_device_mesh
 
+    if ep > 1:
+        from _ep_stub import install
+        install()
     src, out, multi = (os.path.join(tmp, d) for d in ("src", "out", "multi"))
     ref = make_moe(family).eval()
     if rank == 0:
         ref.save_pretrained(src)
     dist.barrier()
     with counting_reads() as reads:
-        manager = MegatronFSDPManager(MegatronFSDPConfig(init_fsdp_with_meta_device=True), build_device_mesh("cpu"))
+        manager = MegatronFSDPManager(MegatronFSDPConfig(init_fsdp_with_meta_device=True, ep_size=ep),
+                                      build_device_mesh("cpu"))
         model, _ = manager.parallelize(meta_model_from_config(src), hf_path=src)
     experts_read = {int(name.split(".experts.")[1].split(".")[0]) for name, *_ in reads if ".experts." in name}
-    x = batch(0, vocab=62)
+    x = batch(0, vocab=62).chunk(ws)[rank]
     logits = _logits(model, x)  # a collective: every rank
     load_err = float((logits - _logits(ref, x)).abs().max())
     save_hf_checkpoint(model, out)
     save_hf_checkpoint(model, multi, max_shard_bytes=4096)  # experts cut across files
-    export_err, same_names = -1.0, None
+    export_err, tensors_err, same_names = -1.0, -1.0, None
     if rank == 0:
         for path in (out, multi):
             loaded = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
             export_err = max(export_err, float((_logits(loaded, x) - logits).abs().max()))
+            theirs = loaded.state_dict()
+            tensors_err = max(tensors_err, *(float((theirs[k] - v).abs().max()) for k, v in ref.state_dict().items()))
         same_names = _keys(out) == _keys(multi) == _keys(src) and len(os.listdir(multi)) > 3
     dist.barrier()
-    return dict(load=load_err, export=export_err, same_names=same_names, experts=sorted(experts_read))
+    return dict(load=load_err, export=export_err, tensors=tensors_err, same_names=same_names,
+                experts=sorted(experts_read))
 
 
 @pytest.mark.parametrize("family,ws", [("qwen3_moe", 2), ("mixtral", 2),
@@ -69,7 +77,19 @@ def test_save_pretrained_moe_loads_and_exports(world, tmp_path, family, ws):
     for rank, r in enumerate(results):
         assert r["load"] < 1e-5, r
         assert r["experts"] == ([[0, 1], [2, 3]][rank] if ws == 2 else [0, 1, 2, 3]), r  # its own experts only
-    assert results[0]["export"] < 1e-5 and results[0]["same_names"], results[0]
+    assert results[0]["export"] < 1e-5 and results[0]["tensors"] == 0.0 and results[0]["same_names"], results[0]
+
+
+@pytest.mark.parametrize("ws,ep,experts", [
+    (2, 2, [[0, 1], [2, 3]]),
+    pytest.param(4, 2, [[0], [2], [1], [3]], marks=pytest.mark.slow)])  # rank = (ep_shard, ep): expert 2 ep + ep_shard
+def test_save_pretrained_moe_loads_and_exports_with_ep(world, tmp_path, ws, ep, experts):
+    """Experts split over ep (and sharded over what remains): each rank reads only its own experts'
+    slices, the logits match transformers', the export holds the source's names and tensors."""
+    results = world(ws).run(moe_round_trip, tmp=str(tmp_path), family="qwen3_moe", ep=ep)
+    for rank, r in enumerate(results):
+        assert r["load"] < 1e-5 and r["experts"] == experts[rank], (rank, r)
+    assert results[0]["export"] < 1e-5 and results[0]["tensors"] == 0.0 and results[0]["same_names"], results[0]
 
 
 def test_train_and_export_keep_the_checkpoint_names(world, tmp_path):
