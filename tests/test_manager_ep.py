@@ -168,3 +168,75 @@ def test_ep2_activation_checkpointing(world):
 @pytest.mark.parametrize("family", ["qwen2_moe", "mixtral"])
 def test_ep2_other_families(world, family):
     check(world(2).run(ep_parity, timeout=120, ep=2, family=family, force=True), force=True)
+
+
+def aux_loss_case(rank, ws, ep, through_train_step=True, **config):
+    """The manager route's load-balancing loss: the objective's cross entropy plus ``aux_loss_coef *
+    aux_loss()`` against transformers' own loss with labels and router logits on this rank's rows;
+    then one ``train_step`` (which adds it; or, ``through_train_step=False``, the same sum by hand,
+    without its gradient clipping) against AdamW on the mean of transformers' per-rank losses."""
+    from _ep_stub import install
+    from mfsdp.data import Batch
+    from mfsdp.manager import MegatronFSDPConfig, MegatronFSDPManager, build_device_mesh
+    from mfsdp.train.loop.step import train_step
+    from mfsdp.train.objectives.causal_lm import CausalLM
+
+    install()
+    model = make_moe(output_router_logits=True, router_aux_loss_coef=0.05)
+    ref = copy.deepcopy(model)
+    model, _ = MegatronFSDPManager(MegatronFSDPConfig(ep_size=ep, **config), build_device_mesh("cpu")).parallelize(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    x = rows(0, ws, False)
+    local = x.chunk(ws)[rank]
+    batch = Batch(local, torch.cat([local[:, 1:], torch.full_like(local[:, :1], -100)], dim=1))
+    with torch.no_grad():
+        loss_sum, count, _ = CausalLM()(model, batch, torch.device("cpu"))
+        ours = loss_sum / count + model.aux_loss_coef * model.aux_loss()
+        theirs = ref(input_ids=local, labels=local, output_router_logits=True)
+    out = dict(loss=abs(float(ours) - float(theirs.loss)), aux=float(model.aux_loss()),
+               aux_err=abs(float(model.aux_loss()) - float(theirs.aux_loss)))
+    if through_train_step:
+        step_aux = train_step(model, opt, CausalLM(), lambda micro: batch, 1, int(count) * ws, 1e-2, 0.0,
+                              model.aux_loss_coef, False, torch.device("cpu")).aux_loss
+    else:
+        loss_sum, count, _ = CausalLM()(model, batch, torch.device("cpu"))
+        step_aux = model.aux_loss().detach().clone()
+        (loss_sum / count + model.aux_loss_coef * model.aux_loss()).backward()
+        opt.step()
+        dist.all_reduce(step_aux)
+    for r in range(ws):
+        rows_r = x.chunk(ws)[r]
+        (ref(input_ids=rows_r, labels=rows_r, output_router_logits=True).loss / ws).backward()
+    ref_opt.step()
+    aux_all = torch.tensor(out["aux"])
+    dist.all_reduce(aux_all)
+    out.update(step_aux=abs(float(step_aux) - float(aux_all)), weights=max_rel_error(full(model), full(ref)))
+    return out
+
+
+def check_aux(results):
+    for r in results:
+        assert r["loss"] < 1e-6 and r["aux_err"] < 1e-6 and r["step_aux"] < 1e-6, r
+        assert r["weights"] < 1e-4, r
+
+
+def test_aux_loss_as_transformers_adds_it_at_ep_1_and_2(world):
+    """Routing is local, so each rank's load-balancing loss is the same whether the experts are split."""
+    w = world(2)
+    one = w.run(aux_loss_case, timeout=120, ep=1)
+    two = w.run(aux_loss_case, timeout=120, ep=2, through_train_step=False)
+    check_aux(one)
+    check_aux(two)
+    assert [r["aux"] for r in one] == pytest.approx([r["aux"] for r in two], abs=1e-6, rel=0)
+
+
+@pytest.mark.slow
+def test_aux_loss_with_activation_checkpointing(world):
+    check_aux(world(2).run(aux_loss_case, timeout=120, ep=2, through_train_step=False, activation_checkpointing=True))
+
+
+@pytest.mark.xfail(strict=True, reason="mfsdp.train.loop.step._clip stacks the gradient norms of DTensors on two "
+                   "meshes (the experts' and the dense one); torch refuses. Owned by step.py, not fixed here")
+def test_train_step_at_ep2(world):
+    check_aux(world(2).run(aux_loss_case, timeout=120, ep=2))
