@@ -240,3 +240,40 @@ def test_aux_loss_with_activation_checkpointing(world):
                    "meshes (the experts' and the dense one); torch refuses. Owned by step.py, not fixed here")
 def test_train_step_at_ep2(world):
     check_aux(world(2).run(aux_loss_case, timeout=120, ep=2))
+
+
+def refusals(rank, ws):
+    """What the manager says to an ep it cannot run: each one line naming the fix."""
+    from mfsdp.manager import MegatronFSDPConfig, MegatronFSDPManager, build_device_mesh
+
+    out = {}
+    for key, ep, mesh, model in (("dp_shard", 4, {}, None), ("tp", 2, {"tp_size": 2}, None),
+                                 ("experts", 2, {}, make_moe(experts=3)), ("dense", 2, {}, "dense")):
+        try:
+            manager = MegatronFSDPManager(MegatronFSDPConfig(ep_size=ep), build_device_mesh("cpu", **mesh))
+            if model == "dense":
+                model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
+                    vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                    num_key_value_heads=1, head_dim=8))
+            manager.parallelize(model)
+            out[key] = "no error"
+        except ValueError as err:
+            out[key] = str(err)
+    return out
+
+
+def test_ep_refusals(world):
+    r = world(2).run(refusals, timeout=60)[0]
+    assert "ep_size=4 must divide the mesh's dp_shard size 2" in r["dp_shard"], r
+    assert "tensor or context parallelism is not supported" in r["tp"] and "tp_size=1" in r["tp"], r
+    assert "ep_size 2 must divide the model's 3 experts per layer" in r["experts"], r
+    assert "has no stacked experts" in r["dense"] and "set ep_size=1" in r["dense"], r
+    assert all("\n" not in line for line in r.values()), r
+
+
+def test_ep_size_is_validated():
+    from mfsdp.manager import MegatronFSDPConfig
+
+    for bad in (0, -2, 1.5, True, "2"):
+        with pytest.raises(ValueError, match="ep_size must be a positive integer"):
+            MegatronFSDPConfig(ep_size=bad)
