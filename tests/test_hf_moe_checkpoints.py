@@ -95,7 +95,9 @@ def test_save_pretrained_moe_loads_and_exports_with_ep(world, tmp_path, ws, ep, 
 def test_train_and_export_keep_the_checkpoint_names(world, tmp_path):
     """`mfsdp train --model.hf DIR` (the manager, two ranks, two steps) on a save_pretrained Qwen3-MoE
     directory, exported at the end (--train.export_hf): the export holds the source's tensor names and
-    from_pretrained gives the trained model's logits. Mixtral's cell: test_export_hf.py."""
+    from_pretrained gives the trained model's logits. Its config asks for the load-balancing loss
+    (output_router_logits), which the step adds and metrics.jsonl logs as aux_loss. Mixtral's cell:
+    test_export_hf.py."""
     from test_export_hf import NO_SHAPE, TRAIN, assert_same_logits, trained_state
     from test_eval_loss import run_trainer
     from mfsdp.data import prepare
@@ -105,12 +107,14 @@ def test_train_and_export_keep_the_checkpoint_names(world, tmp_path):
     model = make_moe("qwen3_moe", vocab=260)
     with torch.no_grad():
         model.lm_head.weight.mul_(200)  # confident, wrong logits: a loss far above a fresh init's ln 260
+    model.config.output_router_logits = True
     model.save_pretrained(source)
     prepare(stdlib_source(), corpus, glob="a*.py")
     records = world(2).run(run_trainer, argv=[
         *NO_SHAPE, *TRAIN, "--data.path", str(corpus), "--train.out_dir", str(out), "--model.hf", str(source),
         "--model.hf_impl", "manager", "--data.packing", "false", "--train.export_hf", "true"])[0]
     assert [r["step"] for r in records] == [1, 2] and records[0]["loss"] > math.log(260) + 1, records
+    assert all(r["aux_loss"] > 0.5 for r in records), records  # transformers' value: about top_k when balanced
     assert _keys(out / "hf") == _keys(source)
     config = transformers.AutoConfig.from_pretrained(source)
     reference = trained_state(out / "checkpoints" / "step_2",

@@ -277,3 +277,20 @@ def test_ep_size_is_validated():
     for bad in (0, -2, 1.5, True, "2"):
         with pytest.raises(ValueError, match="ep_size must be a positive integer"):
             MegatronFSDPConfig(ep_size=bad)
+
+
+def full_state_dict_case(rank, ws, ep):
+    """``load_state_dict`` of full tensors into the split experts: each rank keeps its own block."""
+    from _ep_stub import install
+    from mfsdp.manager import MegatronFSDPConfig, MegatronFSDPManager, build_device_mesh
+
+    install()
+    model = make_moe()
+    other = make_moe(seed=1)
+    model, _ = MegatronFSDPManager(MegatronFSDPConfig(ep_size=ep), build_device_mesh("cpu")).parallelize(model)
+    model.load_state_dict(other.state_dict())
+    return max_rel_error(full(model), full(other))
+
+
+def test_full_state_dict_loads_into_split_experts(world):
+    assert max(world(4).run(full_state_dict_case, timeout=60, ep=2)) == 0.0
