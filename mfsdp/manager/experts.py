@@ -15,7 +15,7 @@ from typing import Optional
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from mfsdp.experts.parallel import apply_expert_parallel, describe_split, ep_problem, experts_modules, expert_mesh
+from mfsdp.experts.parallel import apply_expert_parallel, describe_split, ep_problem, experts_modules
 from mfsdp.mesh import MeshSizes
 
 logger = logging.getLogger("mfsdp.manager")
@@ -32,12 +32,6 @@ def check_ep_against_mesh(ep: int, sizes: MeshSizes) -> None:
     if sizes.dp_shard % ep:
         raise ValueError(f"MegatronFSDPConfig.ep_size={ep} must divide the mesh's dp_shard size {sizes.dp_shard}; "
                          f"choose an ep_size that divides {sizes.dp_shard}")
-
-
-def build_expert_mesh(dp_mesh: DeviceMesh, ep: int) -> Optional[DeviceMesh]:
-    """The experts' mesh over the ranks of the dense data-parallel mesh; None without expert
-    parallelism. Collective: every rank calls it."""
-    return expert_mesh(dp_mesh, ep) if ep > 1 else None
 
 
 def num_experts(model: nn.Module) -> int:

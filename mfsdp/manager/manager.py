@@ -42,7 +42,8 @@ from mfsdp.manager.config import MegatronFSDPConfig, field_names
 from mfsdp.manager.context_parallel import CAUSAL_SDPA, DP_SHARD_CP, use_causal_sdpa
 from mfsdp.manager.core_options import (checkpoint_forward, communication_policy, dp_placements,
                                         mesh_placements, precision_policy, resolve_unit_modules)
-from mfsdp.manager.experts import build_expert_mesh, check_ep_against_mesh, split_experts_over_ep
+from mfsdp.experts.parallel import expert_mesh
+from mfsdp.manager.experts import check_ep_against_mesh, split_experts_over_ep
 from mfsdp.manager.mesh import check_config_against_mesh, mesh_sizes
 from mfsdp.manager.tp_plans import apply_tensor_parallel, loss_context, sequence_length_check
 
@@ -274,7 +275,7 @@ class MegatronFSDPManager:
                            dp_placements(config.zero_dp_strategy, self.sizes, config.outer_dp_sharding_strategy))
         check_ep_against_mesh(config.ep_size, self.sizes)
         # The experts' mesh, ([dp_replicate,] ep_shard, ep) over the same ranks; None without expert parallelism.
-        self.expert_mesh = build_expert_mesh(self._dp_mesh(), config.ep_size)
+        self.expert_mesh = expert_mesh(self._dp_mesh(), config.ep_size) if config.ep_size > 1 else None
 
     def _check_supported(self) -> None:
         c, device = self.config, self.device_mesh.device_type
