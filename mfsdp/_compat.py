@@ -161,6 +161,22 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op, group) 
     _reduce_scatter(output, input, op=op, group=group)
 
 
+def _grouped_mm_function():
+    # Public as torch.nn.functional.grouped_mm in 2.13; torch._grouped_mm in 2.9 to 2.12.
+    return getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
+def has_grouped_mm() -> bool:
+    """Whether this torch has the grouped GEMM (``grouped_mm``; a CPU kernel from torch 2.9)."""
+    return _grouped_mm_function() is not None
+
+
+def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``a`` [N, K] by ``b`` [G, K, M] -> [N, M]: rows ``offs[g-1]:offs[g]`` of ``a`` (int32 end
+    offsets) times ``b[g]``, with autograd. Only where ``has_grouped_mm()``."""
+    return _grouped_mm_function()(a, b, offs=offs)
+
+
 def tree_flatten(tree):
     """Flatten nested containers of tensors (tuples, lists, dicts, registered outputs)."""
     from torch.utils import _pytree
