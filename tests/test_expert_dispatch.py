@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from mfsdp import _compat
 from mfsdp.experts.dispatch import combine, dispatch
 from mfsdp.experts.grouped import expert_swiglu, grouped_mm_usable
 
@@ -99,7 +100,7 @@ def test_ep2_random_routing_two_groups(world):
     """Two ep-2 groups in a world of 4, each with its own tokens: forward and every gradient."""
     results = world(4).run(ep_parity, ep=2, forced=False)
     _check(results, 2)
-    assert any(res["grouped"] for res in results)  # the grouped GEMM took part
+    assert any(res["grouped"] for res in results) or not _compat.has_grouped_mm()  # the grouped GEMM took part
 
 
 def test_ep4_forced_routing_empty_ranks_and_experts(world):
