@@ -38,8 +38,7 @@ def moe_round_trip(rank, ws, tmp, family, ep=1):
     from mfsdp.hf.sharded import meta_model_from_config, save_hf_checkpoint
     from mfsdp.manager import MegatronFSDPConfig, MegatronFSDPManager, build_device_mesh
 
-    if ep > 1:
-            src, out, multi = (os.path.join(tmp, d) for d in ("src", "out", "multi"))
+    src, out, multi = (os.path.join(tmp, d) for d in ("src", "out", "multi"))
     ref = make_moe(family).eval()
     if rank == 0:
         ref.save_pretrained(src)
@@ -118,6 +117,37 @@ def test_train_and_export_keep_the_checkpoint_names(world, tmp_path):
     reference = trained_state(out / "checkpoints" / "step_2",
                               transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32))
     assert_same_logits(reference, out / "hf", 260)
+
+
+def _has_ep_flag() -> bool:
+    import dataclasses
+
+    from mfsdp.train.run.config import ParallelSection
+
+    return any(f.name == "ep" for f in dataclasses.fields(ParallelSection))
+
+
+@pytest.mark.skipif(not _has_ep_flag(), reason="needs mfsdp train's --parallel.ep (branch ep-cli)")
+def test_train_at_ep2_gives_the_ep1_losses(world, tmp_path):
+    """`mfsdp train --model.hf DIR --model.hf_impl manager --parallel.ep 2` on two ranks: the losses and
+    the load-balancing loss of ep 1 (1e-5), and an export under the source's per-expert names."""
+    from test_export_hf import NO_SHAPE, TRAIN
+    from test_eval_loss import run_trainer
+    from mfsdp.data import prepare
+    from mfsdp.data.prepare import stdlib_source
+
+    source, corpus = tmp_path / "source", tmp_path / "small.tokens"
+    model = make_moe("qwen3_moe", vocab=260)
+    model.config.output_router_logits = True
+    model.save_pretrained(source)
+    prepare(stdlib_source(), corpus, glob="a*.py")
+    runs = {ep: world(2).run(run_trainer, argv=[
+        *NO_SHAPE, *TRAIN, "--data.path", str(corpus), "--train.out_dir", str(tmp_path / f"ep{ep}"),
+        "--model.hf", str(source), "--model.hf_impl", "manager", "--data.packing", "false",
+        "--train.export_hf", "true", "--parallel.ep", str(ep)])[0] for ep in (1, 2)}
+    for key in ("loss", "aux_loss"):
+        assert [r[key] for r in runs[2]] == pytest.approx([r[key] for r in runs[1]], abs=1e-5, rel=0), runs
+    assert _keys(tmp_path / "ep2" / "hf") == _keys(source)
 
 
 def test_stacked_slice_reads_only_the_experts_and_rows_asked_for(tmp_path):
