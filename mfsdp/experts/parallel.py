@@ -128,8 +128,9 @@ def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh, placements: Placem
                           communication: Optional[CommunicationPolicy] = None) -> list[nn.Module]:
     """Split every experts module of ``model`` over ``ep`` ranks of the data-parallel ``mesh`` and shard each
     as its own FSDP unit over the ranks that remain; returns those modules. Call it before the units
-    around them are sharded (bottom-up), with the placements and policies the dense units get."""
-    emesh = expert_mesh(mesh, ep)
+    around them are sharded (bottom-up), with the placements and policies the dense units get.
+    ``mesh`` may also be the experts' mesh itself (``expert_mesh``'s, with an ``ep`` dim), built once."""
+    emesh = mesh if EP in (mesh.mesh_dim_names or ()) else expert_mesh(mesh, ep)
     policy = communication or CommunicationPolicy()
     policy = dataclasses.replace(policy, gradient_divide_factor=policy.gradient_divide_factor * ep)
     modules = experts_modules(model)

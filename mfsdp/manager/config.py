@@ -166,6 +166,15 @@ class MegatronFSDPConfig:
     HSDP), so gradients are reduced over dp x cp; the loop feeds each cp rank its part of the
     sequence (:mod:`mfsdp.manager.context_parallel`)."""
 
+    ep_size: int = 1
+    """Default 1 (no expert parallelism). Expert-parallel degree for mixtures of experts (transformers 5's
+    stacked ``*Experts``: Qwen3-MoE, Qwen2-MoE, Mixtral): each layer's experts are split over ``ep``
+    ranks of dp_shard, tokens reach them by all-to-all, and each expert is FSDP-sharded over the
+    dp_shard / ep ranks that remain (the experts' mesh, ``MegatronFSDPManager.expert_mesh``:
+    ``([dp_replicate,] ep_shard, ep)`` over the dense mesh's ranks; :mod:`mfsdp.experts.parallel`).
+    Must divide dp_shard and the experts per layer; needs tp = cp = 1. Every other parameter,
+    shared experts included, is sharded as without it."""
+
     dp_replicate_size: Optional[int] = None
     """Default None (take it from the mesh). Replicas of the sharded model (HSDP); must match
     ``mesh["dp_replicate"]``. dp_shard is derived: world / (dp_replicate * cp * tp)."""
@@ -220,6 +229,8 @@ class MegatronFSDPConfig:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"MegatronFSDPConfig.{name} must be a positive integer or None, got {value!r}")
+        if isinstance(self.ep_size, bool) or not isinstance(self.ep_size, int) or self.ep_size < 1:
+            raise ValueError(f"MegatronFSDPConfig.ep_size must be a positive integer, got {self.ep_size!r}")
         units = self.megatron_fsdp_unit_modules
         if units is not None:
             units = (units,) if isinstance(units, (str, type)) else tuple(units)

@@ -42,6 +42,8 @@ from mfsdp.manager.config import MegatronFSDPConfig, field_names
 from mfsdp.manager.context_parallel import CAUSAL_SDPA, DP_SHARD_CP, use_causal_sdpa
 from mfsdp.manager.core_options import (checkpoint_forward, communication_policy, dp_placements,
                                         mesh_placements, precision_policy, resolve_unit_modules)
+from mfsdp.experts.parallel import expert_mesh
+from mfsdp.manager.experts import check_ep_against_mesh, split_experts_over_ep
 from mfsdp.manager.mesh import check_config_against_mesh, mesh_sizes
 from mfsdp.manager.tp_plans import apply_tensor_parallel, loss_context, sequence_length_check
 
@@ -63,6 +65,7 @@ class _ManagerState:
         # The checked attributes as (the module's parameter dict, attr, param, dtype): a dict lookup
         # per parameter on every forward instead of nn.Module.__getattr__.
         self.guarded = [(module, module._parameters, attr, param, dtype) for module, attr, param, dtype in slots]
+        self.aux_loss: Optional[torch.Tensor] = None  # the latest forward's load-balancing loss, where asked for
 
 
 class MegatronFSDPModel:
@@ -105,6 +108,22 @@ class MegatronFSDPModel:
         ``MegatronFSDPConfig.loss_parallel`` (vocabulary-sharded logits), else a null context; so a
         loop can always write ``with model.loss_context(): model(...).loss.backward()``."""
         return loss_context(self._mfsdp_manager_state.config.loss_parallel)
+
+    @property
+    def aux_loss_coef(self) -> Optional[float]:
+        """The weight of the load-balancing loss of a mixture of experts whose config asks for it
+        (``output_router_logits`` and ``router_aux_loss_coef`` > 0), as transformers' own forward
+        with labels adds it; None otherwise. ``mfsdp train`` adds ``aux_loss_coef * aux_loss()``."""
+        return router_aux_loss_coef(self)
+
+    def aux_loss(self) -> torch.Tensor:
+        """The unweighted load-balancing loss of the latest forward (transformers' ``aux_loss`` output,
+        its ``load_balancing_loss_func`` over this rank's tokens); read it before the backward."""
+        aux = self._mfsdp_manager_state.aux_loss
+        if aux is None:
+            raise RuntimeError("aux_loss() is only defined after a forward of a model whose config has "
+                               "output_router_logits=True and router_aux_loss_coef > 0")
+        return aux
 
     def zero_grad_buffer(self) -> None:
         """Drop the gradients (the next backward starts from zero)."""
@@ -175,6 +194,7 @@ def _dress_root(model: nn.Module, state: _ManagerState) -> None:
     model.__class__ = _MANAGED_CLASSES[cls]
     model._mfsdp_manager_state = state
     model.register_forward_pre_hook(_make_guard(state), prepend=True, with_kwargs=True)
+    model.register_forward_hook(lambda module, args, out: setattr(state, "aux_loss", getattr(out, "aux_loss", None)))
     by_module: dict[int, tuple[nn.Module, list]] = {}
     for owner, attr, param, _ in state.slots:
         by_module.setdefault(id(owner), (owner, []))[1].append((attr, param))
@@ -253,6 +273,9 @@ class MegatronFSDPManager:
         # The placements this mesh runs: config.placements, else what the Megatron integers stand for.
         self.placements = (mesh_placements(config.placements, self.sizes) if config.placements is not None else
                            dp_placements(config.zero_dp_strategy, self.sizes, config.outer_dp_sharding_strategy))
+        check_ep_against_mesh(config.ep_size, self.sizes)
+        # The experts' mesh, ([dp_replicate,] ep_shard, ep) over the same ranks; None without expert parallelism.
+        self.expert_mesh = expert_mesh(self._dp_mesh(), config.ep_size) if config.ep_size > 1 else None
 
     def _check_supported(self) -> None:
         c, device = self.config, self.device_mesh.device_type
@@ -336,6 +359,9 @@ class MegatronFSDPManager:
 
         # The core takes the data-parallel axes, plus tp where the parameters are TP DTensors over it.
         dp_mesh, policy, comm = self._dp_mesh(), precision_policy(c), self.communication_policy
+        if self.expert_mesh is not None:  # the experts become their own units, inside the layers' units
+            split_experts_over_ep(model, self.expert_mesh, dp_mesh, self.placements, c.ep_size,
+                                  mixed_precision=policy, communication=comm)
         for module in [unit for _, unit in units] + [model]:
             mfsdp.fully_shard(module, dp_mesh, self.placements, policy, c.nccl_ub, communication_policy=comm)
         if sizes.cp > 1 and hasattr(model, "set_attn_implementation"):
@@ -388,6 +414,14 @@ class MegatronFSDPManager:
     def save_pretrained(self, model: nn.Module, path: str, **kwargs) -> None:
         """Export consolidated HF safetensors + config.json (a collective; rank 0 writes)."""
         hf_sharded.save_hf_checkpoint(model, path, **kwargs)
+
+
+def router_aux_loss_coef(model: nn.Module) -> Optional[float]:
+    """``config.router_aux_loss_coef`` of a model whose config asks for the load-balancing loss
+    (``output_router_logits``, coefficient > 0); None otherwise."""
+    config = getattr(model, "config", None)
+    coef = getattr(config, "router_aux_loss_coef", None)
+    return float(coef) if getattr(config, "output_router_logits", False) and coef and coef > 0 else None
 
 
 def _gradient_groups(model: nn.Module) -> list:

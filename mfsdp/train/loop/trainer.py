@@ -129,11 +129,13 @@ class Trainer:
         compiling = self.cfg.compiles(self.device.type)
         self.progress = progress_bar(t.steps, start_step, enabled=self.rank == 0 and t.progress)
         readout = StepReadout(self.device)
-        report = StepReport(self.model_cfg, d, self.world, self.device, compiling, isinstance(model, MoELlama),
+        # A load-balancing loss: the bundled MoE's, or a Hugging Face MoE's whose config asks for it (the manager's).
+        aux_coef = (self.model_cfg.moe_aux_loss_coef if isinstance(model, MoELlama)
+                    else getattr(model, "aux_loss_coef", None))
+        report = StepReport(self.model_cfg, d, self.world, self.device, compiling, aux_coef is not None,
                             objective, logs, self.progress, self.note, checkpointer)
         if compiling:
             self.progress.set_postfix_str("compiling the blocks (torch.compile, first step)")
-        aux_coef = self.model_cfg.moe_aux_loss_coef if isinstance(model, MoELlama) else None
         stop_signal = StopSignal(self.log)
         profiler = StepProfiler(self.out_dir, t.profile_step, self.rank, self.device, self.note)
         step, stop = start_step, False
