@@ -141,6 +141,5 @@ def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh, placements: Placem
                          f"upgrade transformers or leave ep at 1")
     for experts in modules:
         split_experts(experts, emesh[EP])
-        fully_shard(experts, emesh, expert_placements(placements), mixed_precision,
-                          communication_policy=policy)
+        fully_shard(experts, emesh, expert_placements(placements), mixed_precision, communication_policy=policy)
     return modules
