@@ -104,7 +104,9 @@ def estimate(model_or_config, *, world_size: Optional[int] = None, mesh_shape: O
         raise ValueError(f"sequence parallel: seq_len {seq_len} does not divide by the tensor-parallel size {tp.size}")
     levels = Levels.of(placements, mesh_shape)
     with fake_tp_mesh(tp.size) if tp.enabled else contextlib.nullcontext() as tp_mesh:
-        model, units, blocks, measure, notes = _resolve(model_or_config, compute_dtype, seq_len, expert_units,
+        # Split experts are units of their own whatever expert_units says (as ``parallelize`` shards them).
+        model, units, blocks, measure, notes = _resolve(model_or_config, compute_dtype, seq_len,
+                                                        expert_units or expert_parallel > 1,
                                                         tp, tp_mesh, tuple(transforms), head_loss, compiled_head,
                                                         step_run)
         policy = mixed_precision_policy or MixedPrecisionPolicy()
