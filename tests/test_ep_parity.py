@@ -70,11 +70,11 @@ def full_grads(model) -> dict:
             for n, p in model.named_parameters()}
 
 
-def ep_parity(rank, ws, ep=2, placements="zero3", forced=False, steps=2):
+def ep_parity(rank, ws, ep=2, placements="zero3", forced=False, steps=2, device="cpu"):
     """Errors of the expert-parallel model against the full-batch reference, step by step."""
-    model = build(forced)
+    model = build(forced).to(device)
     ref = copy.deepcopy(model)
-    mesh = build_mesh("cpu", ws, replicate=2) if placements == "hsdp" else build_mesh("cpu", ws)
+    mesh = build_mesh(device, ws, replicate=2) if placements == "hsdp" else build_mesh(device, ws)
     parallelize(model, mesh, ParallelizeConfig(placements=placements, ep=ep))
 
     def adamw(params):
@@ -83,7 +83,7 @@ def ep_parity(rank, ws, ep=2, placements="zero3", forced=False, steps=2):
     opt, ref_opt = mfsdp.fully_shard_optimizer(model, adamw(model.parameters())), adamw(ref.parameters())
     out = dict(logits=[], loss=[], grads=[], weights=[])
     for step in range(steps):
-        chunks = batch(step, ws, forced)
+        chunks = [(x.to(device), y.to(device)) for x, y in batch(step, ws, forced)]
         ref_out = [local_loss(ref, x, y) for x, y in chunks]
         (sum(loss for _, loss in ref_out) / ws).backward()
         logits, loss = local_loss(model, *chunks[rank])
