@@ -121,6 +121,14 @@ def test_lora_with_ep_adapts_the_dense_linears(world, corpus, tmp_path):
     assert close(losses(at_2), losses(at_1)), (losses(at_2), losses(at_1))
 
 
+def test_flat_adamw_with_ep_gives_the_ep_1_losses(world, corpus, tmp_path):
+    """The flat AdamW step (``mfsdp train``'s default on CUDA) over experts split across ranks."""
+    flat = ["--train.adamw_kernel", "flat", "--train.steps", "3", "--train.checkpoint_every", "0"]
+    at_1, _ = train(world, 2, corpus, tmp_path / "ep1", *flat)
+    at_2, _ = train(world, 2, corpus, tmp_path / "ep2", *flat, "--parallel.ep", "2")
+    assert close(losses(at_2), losses(at_1)), (losses(at_2), losses(at_1))
+
+
 # ------------------------------------------------------------------------------------- the checks
 def test_ep_errors_are_one_line_each():
     def problem(world, *args, tp=1):
