@@ -8,8 +8,12 @@ rank's share under ep 8 (16 local experts). Prints a table of medians and the ra
 from __future__ import annotations
 
 import statistics
+import sys
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's mfsdp
 
 from mfsdp import _compat
 from mfsdp.experts.grouped import expert_swiglu
