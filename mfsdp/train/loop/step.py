@@ -99,20 +99,15 @@ def train_step(model, optimizer, objective, batch: Callable[[int], Batch], micro
 def clip_gradients(model, grad_clip: float) -> torch.Tensor:
     """The global gradient norm (logged every step), clipping to ``grad_clip`` when positive: one
     plain tensor (``global_grad_norm``), each mesh's gradients scaled by it."""
-    by_mesh = _by_mesh([q for q in model.parameters() if q.grad is not None])
+    by_mesh: dict = {}  # the parameters with a gradient, by its device mesh (None: plain tensors), in order
+    for q in model.parameters():
+        if (grad := q.grad) is not None:
+            by_mesh.setdefault(getattr(grad, "device_mesh", None), []).append(q)
     grad_norm = global_grad_norm(by_mesh)
     if grad_clip > 0:
         for params in by_mesh.values():
             torch.nn.utils.clip_grads_with_norm_(params, grad_clip, grad_norm)
     return grad_norm
-
-
-def _by_mesh(params: list) -> dict:
-    """``params`` by the device mesh of their gradients (None: plain tensors), in order."""
-    out: dict = {}
-    for q in params:
-        out.setdefault(getattr(q.grad, "device_mesh", None), []).append(q)
-    return out
 
 
 def global_grad_norm(by_mesh: dict) -> torch.Tensor:
