@@ -25,6 +25,7 @@ fp32 main weights, weights gathered and gradients reduced in bf16, tokens sent i
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import math
@@ -224,7 +225,7 @@ def count_one(shape: Shape, ep: int, tokens: int, seq: int, counter, rank: int, 
     for counted in (False, True):
         routing.copies = routing.leaving = 0
         counter.sent.clear(), counter.calls.clear()
-        with counter.counting() if counted else _nothing():
+        with counter.counting() if counted else contextlib.nullcontext():
             model(input_ids=ids, labels=ids).loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -234,12 +235,6 @@ def count_one(shape: Shape, ep: int, tokens: int, seq: int, counter, rank: int, 
 
 def dispatch_name(ep: int) -> str:
     return "none (no EP)" if ep == 1 else "mfsdp.experts.dispatch"
-
-
-def _nothing():
-    import contextlib
-
-    return contextlib.nullcontext()
 
 
 def worker(rank: int, ranks: int, init_file: str, shape: Shape, tokens: int, seq: int, eps: list, ac: bool,

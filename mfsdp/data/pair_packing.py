@@ -25,10 +25,7 @@ import torch
 
 from mfsdp.data.packing import IGNORE, PAD_DOCUMENT, PAD_ID, FixedWindows, pack
 from mfsdp.data.sampler import Batch
-from mfsdp.data.token_file import DataError, TokenFile
-
-PROMPT, CHOSEN, REJECTED = 0, 1, 2
-"""The segment byte of a pair's tokens, and its branch in ``document_mask``."""
+from mfsdp.data.token_file import CHOSEN, PROMPT, REJECTED, DataError, TokenFile
 
 
 def pair_lengths(data: TokenFile, chunk: int = 1 << 24) -> torch.Tensor:

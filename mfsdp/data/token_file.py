@@ -57,7 +57,7 @@ SAMPLES_VERSION = 2
 PAIRS_VERSION = 3
 """Preference pairs: version 2's layout, a segment per token instead of the loss mask."""
 PROMPT, CHOSEN, REJECTED = 0, 1, 2
-"""The segments of a pair's tokens (version 3)."""
+"""The segments of a pair's tokens (version 3), and their branches in ``document_mask``."""
 HEADER_BYTES = 256
 _FIXED = struct.Struct("<8sIIQQI")
 _SAMPLES = struct.Struct("<QQQ")  # version 2: samples, bounds offset, mask offset
