@@ -13,7 +13,7 @@ that is not split.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Hashable, Optional, Sequence
 
 
 @dataclass(frozen=True)
@@ -83,3 +83,19 @@ def exported_names(name: str, shape: Sequence[int], layout: Optional[ExpertLayou
     None for the whole tensor)."""
     pieces = on_disk(name, shape, layout)
     return [(piece.key, piece) for piece in pieces] if pieces else [(disk_name(name, layout), None)]
+
+
+def piece_reader(sources: dict, load: Callable[[Hashable], object]) -> Callable:
+    """``read(entry)`` for ``write_weights``: ``sources[entry.name]`` is ``(key, piece)``; a stacked
+    tensor is loaded once (``load(key)``) for all its experts' pieces, in the order they are written,
+    and dropped with the next one: one whole tensor held at a time."""
+    last: dict = {}
+
+    def read(entry):
+        key, piece = sources[entry.name]
+        if key not in last:
+            last.clear()
+            last[key] = load(key)
+        return piece.of(last[key]) if piece else last.pop(key)
+
+    return read

@@ -33,7 +33,7 @@ from torch.distributed.tensor import DTensor
 
 from mfsdp.transforms.adapter_names import is_adapter
 from mfsdp.hf.files import SHARD_BYTES, Entry, HFWeightsError, WeightFiles, local_indices, read_local, write_weights
-from mfsdp.hf.moe_names import ExpertLayout, by_expert, disk_name, exported_names, layout_of, on_disk
+from mfsdp.hf.moe_names import ExpertLayout, by_expert, disk_name, exported_names, layout_of, on_disk, piece_reader
 from mfsdp.runtime.parameter_group import local_tensor
 
 logger = logging.getLogger("mfsdp.manager")
@@ -131,15 +131,8 @@ def save_hf_checkpoint(model: nn.Module, path: str, *, dtype: Optional[torch.dty
     entries = [Entry(key, piece.shape(t.shape) if piece else tuple(t.shape),
                      dtype if dtype is not None and t.is_floating_point() else t.dtype)
                for key, (t, piece) in sources.items()]
-    last: dict[int, torch.Tensor] = {}  # the stacked tensor whose experts are being written
-
-    @torch.no_grad()
-    def gather(entry: Entry) -> torch.Tensor:
-        tensor, piece = sources[entry.name]
-        if id(tensor) not in last:
-            last.clear()
-            last[id(tensor)] = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-        return piece.of(last[id(tensor)]) if piece else last.pop(id(tensor))
+    # Keyed by the tensor itself (hashed by identity): a stacked one is gathered once for its experts.
+    gather = torch.no_grad()(piece_reader(sources, lambda t: t.full_tensor() if isinstance(t, DTensor) else t))
 
     if rank != 0:
         for entry in entries:  # the same collectives, in the same order, as rank 0's writer

@@ -49,7 +49,7 @@ from mfsdp.transforms.adapter_names import is_adapter
 from mfsdp.hf.config import ARCHITECTURES, bundled_config_from_hf, hf_config_of
 from mfsdp.hf.export import Exported, export_adapter, export_merged, export_model, tokenizer_files
 from mfsdp.hf.files import SHARD_BYTES, Entry, HFWeightsError, has_weights, write_bytes
-from mfsdp.hf.moe_names import exported_names, layout_of
+from mfsdp.hf.moe_names import exported_names, layout_of, piece_reader
 from mfsdp.hf.names import hf_layout, hf_weight_names
 from mfsdp.transforms.lora_export import lora_of, merge_updates, peft_state_dict
 from mfsdp.train.checkpoint import META, CheckpointMeta, find_latest, is_complete
@@ -103,15 +103,9 @@ def export_hf(source: str | Path, out_dir: str | Path, dtype: torch.dtype | None
     entries = [Entry(name, piece.shape(saved[key].size) if piece else tuple(saved[key].size),
                      dtype if saved[key].properties.dtype.is_floating_point else saved[key].properties.dtype)
                for name, key, piece in plan]
-    sources, reader, last = {name: (key, piece) for name, key, piece in plan}, dcp.FileSystemReader(checkpoint), {}
-
-    def read(entry: Entry) -> torch.Tensor:
-        key, piece = sources[entry.name]
-        if key not in last:  # a stacked tensor is read once for all its experts' pieces
-            last.clear()
-            last.update(read_tensors(reader, saved, [key]))
-        return piece.of(last[key]) if piece else last.pop(key)
-
+    reader = dcp.FileSystemReader(checkpoint)
+    read = piece_reader({name: (key, piece) for name, key, piece in plan},
+                        lambda key: read_tensors(reader, saved, [key])[key])
     return export_model(out, entries, read, config, dtype, hf, tokenizer, max_shard_bytes)
 
 
