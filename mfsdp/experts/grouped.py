@@ -67,7 +67,11 @@ def _aligned(t: torch.Tensor) -> bool:
 
 
 def _grouped(x, counts, gate_up, down, act):
-    offs = torch.tensor(list(itertools.accumulate(counts)), dtype=torch.int32, device=x.device)
+    # Built on the host, copied without blocking: torch.tensor(..., device=) would wait for the stream (at
+    # ep > 1, for the token all-to-all) before the GEMMs could be queued. From pageable memory the copy is
+    # staged at once, so the list may go. (Offsets made on the device from dispatch's counts would be
+    # allocations the memory planner's fake run, taking the loop, does not make.)
+    offs = torch.tensor(list(itertools.accumulate(counts)), dtype=torch.int32).to(x.device, non_blocking=True)
     gate, up = _DenseGrad.apply(_compat.grouped_mm(x, gate_up.mT, offs)).chunk(2, dim=-1)
     return _DenseGrad.apply(_compat.grouped_mm(act(gate) * up, down.mT, offs))
 

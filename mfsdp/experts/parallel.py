@@ -76,6 +76,13 @@ def describe_split(num_experts: int, ep: int, ep_shard: int, shared: Optional[st
     return line + (f"; the shared expert ({shared}) is sharded like the dense layers" if shared else "")
 
 
+def shared_expert_name(model: nn.Module) -> Optional[str]:
+    """The name a model gives its shared expert (Qwen2-MoE's ``shared_expert``), if it has one
+    (``describe_split``'s ``shared``)."""
+    return next((name.rpartition(".")[2] for name, _ in model.named_modules() if name.endswith("shared_expert")),
+                None)
+
+
 def expert_mesh(mesh: DeviceMesh, ep: int) -> DeviceMesh:
     """The experts' mesh over the ranks of the data-parallel ``mesh`` (1-D, or ``(dp_replicate,
     shard)``): ``([dp_replicate,] ep_shard, ep)``, ``ep`` innermost. Collective: every rank calls it."""

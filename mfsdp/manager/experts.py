@@ -10,12 +10,12 @@ sharded over the dense mesh as without expert parallelism.
 from __future__ import annotations
 
 import logging
-from typing import Optional
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from mfsdp.experts.parallel import apply_expert_parallel, describe_split, ep_problem, experts_modules
+from mfsdp.experts.parallel import (apply_expert_parallel, describe_split, ep_problem, experts_modules,
+                                    shared_expert_name)
 from mfsdp.mesh import MeshSizes
 
 logger = logging.getLogger("mfsdp.manager")
@@ -40,12 +40,6 @@ def num_experts(model: nn.Module) -> int:
     if len(counts) > 1:
         raise ValueError(f"expert parallelism needs one expert count for every layer, got {sorted(counts)}")
     return counts.pop() if counts else 0
-
-
-def shared_expert_name(model: nn.Module) -> Optional[str]:
-    """The name a model gives its shared expert (Qwen2-MoE's ``shared_expert``), if it has one."""
-    return next((name.rpartition(".")[2] for name, _ in model.named_modules() if name.endswith("shared_expert")),
-                None)
 
 
 def split_experts_over_ep(model: nn.Module, emesh: DeviceMesh, dp_mesh: DeviceMesh, placements, ep: int, *,

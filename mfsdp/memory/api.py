@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from mfsdp.communication import CommunicationPolicy
+from mfsdp.experts.parallel import shared_expert_name
 from mfsdp.memory.activations import ActivationProfile, StepRun, block_kind, measure_hf, measure_llama
 from mfsdp.memory.estimate import MemoryEstimate, StepSettings, simulate
 from mfsdp.memory.experts import expert_levels, experts_notes, split_experts_for_plan
@@ -148,7 +149,7 @@ def _expert_parallel(model, units, blocks, measure, policy, levels, placements, 
     state = lambda us: sum(g.main + g.main_grad for u in us for g in u.groups) + optimizer_state_bytes(us, optimizer)  # noqa: E731
     ours = [u for u in unit_bytes if u.name in expert_names]
     notes += experts_notes(split, dp_shard, state(ours), state([u for u in unit_bytes if u.name not in expert_names]),
-                           "shared_expert" if any(n.endswith(".shared_expert") for n in names.values()) else None)
+                           shared_expert_name(model))
     itemsize = torch.empty((), dtype=compute_dtype).element_size()
     acts = split.profile(measure(local_batch, seq_len, checkpointing), local_batch * seq_len, itemsize, checkpointing)
     return unit_bytes, acts
